@@ -1,0 +1,5 @@
+import sys
+
+from flashgen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""The `flashgen` command line: build, emit, demo, rewrite, run, bench.
+
+Errors print as one line on stderr: exit 2 for usage, 1 for failures;
+--debug shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flashgen.errors import FlashgenError, UsageError
+from flashgen.spec import DTYPES, HEAD_DIMS, TARGETS, KernelSpec
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints usage; we want one line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _csv(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def add_spec_args(p: argparse.ArgumentParser, multi: bool) -> None:
+    p.add_argument("--hdim", type=_csv_ints if multi else int, required=True,
+                   help=f"head dim{'s (comma-separated)' if multi else ''}: {', '.join(map(str, HEAD_DIMS))}")
+    p.add_argument("--dtype", type=_csv if multi else str, default=["bf16"] if multi else "bf16",
+                   help=f"element type{'s (comma-separated)' if multi else ''}: {', '.join(DTYPES)}")
+
+
+def _causal_values(args) -> list[bool]:
+    return [False, True] if args.both else [bool(args.causal)]
+
+
+def cmd_build(args) -> int:
+    from flashgen.build import build, resolve_target
+    target, why = resolve_target(args.target)
+    print(f"target: {target} ({why})", file=sys.stderr)
+    specs = [KernelSpec(d, t, c, target) for d in args.hdim for t in args.dtype for c in _causal_values(args)]
+    progress = (lambda m: print(m, file=sys.stderr)) if len(specs) > 1 or args.verbose else None
+    lib = build(specs, out=args.out, jobs=args.jobs, python_face=not args.no_python, progress=progress)
+    print(lib.path)
+    print(f"manifest: {lib.manifest_path}", file=sys.stderr)
+    for s in specs:
+        print(f"  {s.target_name('fwd')}, {s.target_name('bwd')}", file=sys.stderr)
+    return 0
+
+
+def cmd_emit(args) -> int:
+    from flashgen.emit import attention_module
+    spec = KernelSpec(args.hdim, args.dtype, bool(args.causal))
+    module = attention_module(spec, batch=args.batch, seq_q=args.seq_q, seq_k=args.seq_k or args.seq_q,
+                              heads=args.heads, kv_heads=args.kv_heads, scale=args.scale,
+                              bottom_right=args.bottom_right, legacy_attrs=args.legacy_attrs)
+    if args.module:
+        print(module)
+    else:
+        (op,) = [op for op in module.body.operations[0].regions[0].blocks[0].operations
+                 if op.name == "stablehlo.custom_call"]
+        print(op)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from flashgen import demo
+    return demo.run(head_dim=args.hdim, dtype=args.dtype, causal=bool(args.causal), target=args.target)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="flashgen", description="FlashAttention kernels generated per spec, "
+                                             "called from StableHLO.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    b = sub.add_parser("build", help="render and compile kernels into a cached shared library")
+    add_spec_args(b, multi=True)
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--causal", action="store_true", help="causal kernels")
+    g.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal kernels (default)")
+    g.add_argument("--both", action="store_true", help="causal and non-causal kernels")
+    b.add_argument("--target", default="auto", choices=["auto", *TARGETS],
+                   help="auto: the local GPU's arch, else cpu")
+    b.add_argument("--out", help="also copy the library and manifest.json into this directory")
+    b.add_argument("-j", "--jobs", type=int, help="parallel compiles (default: CPU count)")
+    b.add_argument("--no-python", action="store_true", help="omit the pybind11 Python face")
+    b.add_argument("-v", "--verbose", action="store_true")
+    b.set_defaults(func=cmd_build)
+
+    e = sub.add_parser("emit", help="print the stablehlo.custom_call (or a whole module) for a spec")
+    add_spec_args(e, multi=False)
+    e.add_argument("--causal", action="store_true")
+    e.add_argument("--bottom-right", action="store_true",
+                   help="causal mask aligned to the bottom-right (FlashAttention-2) instead of top-left")
+    e.add_argument("--batch", type=int, default=1)
+    e.add_argument("--seq-q", type=int, required=True)
+    e.add_argument("--seq-k", type=int, help="default: --seq-q")
+    e.add_argument("--heads", type=int, required=True)
+    e.add_argument("--kv-heads", type=int, help="default: --heads")
+    e.add_argument("--scale", type=float, help="default: 1/sqrt(head_dim)")
+    e.add_argument("--module", action="store_true", help="print a complete module with @main")
+    e.add_argument("--legacy-attrs", action="store_true",
+                   help="mhlo.backend_config form (what jax.ffi.ffi_call prints)")
+    e.set_defaults(func=cmd_emit)
+
+    d = sub.add_parser("demo", help="build one spec for the local target and check it against a reference")
+    d.add_argument("--hdim", type=int, default=64)
+    d.add_argument("--dtype", default="bf16")
+    d.add_argument("--causal", action="store_true")
+    d.add_argument("--target", default="auto", choices=["auto", *TARGETS])
+    d.set_defaults(func=cmd_demo)
+
+    for module in _plugin_modules():
+        module.register(sub)
+    return p
+
+
+def _plugin_modules():
+    """Subcommands that live beside their subsystem (rewrite/run, bench)."""
+    import importlib
+    for name in ("flashgen.cli_rewrite", "flashgen.bench"):
+        try:
+            yield importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = make_parser().parse_args(argv)
+        if not getattr(args, "func", None):
+            make_parser().print_help()
+            return 2
+        return args.func(args)
+    except (UsageError, ValueError) as e:  # invalid input: unsupported spec, bad flag, bad file
+        if debug:
+            raise
+        print(f"flashgen: error: {e}", file=sys.stderr)
+        return 2
+    except (FlashgenError, OSError) as e:
+        if debug:
+            raise
+        msg = str(e).strip()
+        first, _, rest = msg.partition("\n")
+        print(f"flashgen: error: {first}", file=sys.stderr)
+        if rest:  # a compiler's own message: keep it, indented, after the one-line summary
+            print("\n".join("  " + l for l in rest.splitlines()), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

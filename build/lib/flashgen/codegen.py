@@ -1,0 +1,68 @@
+"""Render the Jinja2 templates of a set of KernelSpecs into C++/CUDA sources.
+
+One file per spec (both directions), plus a library table of contents and,
+for Python hosts, the pybind11 face. Templates only bind names; the logic
+lives in csrc/ headers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jinja2
+
+from flashgen import resources
+from flashgen.spec import FFI_DTYPES, KernelSpec
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    name: str      # file name inside the build directory
+    text: str
+    language: str  # "c++" or "cuda"
+
+
+def _spec_context(spec: KernelSpec) -> dict:
+    return {
+        "head_dim": spec.head_dim,
+        "dtype": spec.dtype,
+        "ffi_dtype": FFI_DTYPES[spec.dtype],
+        "causal": spec.causal,
+        "fwd_symbol": spec.target_name("fwd"),
+        "bwd_symbol": spec.target_name("bwd"),
+        "arch": spec.target,
+    }
+
+
+def render_spec(spec: KernelSpec) -> Source:
+    if spec.target == "cpu":
+        text = _ENV.get_template("cpu/spec.cc.j2").render(**_spec_context(spec))
+        return Source(f"{spec.stem}.cc", text, "c++")
+    text = _ENV.get_template("cuda/spec.cu.j2").render(**_spec_context(spec))
+    return Source(f"{spec.stem}.cu", text, "cuda")
+
+
+def render_library(specs: list[KernelSpec], info: dict, python_face: bool = True) -> list[Source]:
+    """All sources of one library: the specs, the table of contents, the Python face."""
+    handlers = [
+        {"symbol": s.target_name(d), "platform": s.platform}
+        for s in specs for d in ("fwd", "bwd")
+    ]
+    info_json = json.dumps(info, sort_keys=True)
+    if ")flashgen_json" in info_json:  # would end the raw string literal early
+        raise ValueError("library info must not contain ')flashgen_json'")
+    sources = [render_spec(s) for s in specs]
+    sources.append(Source("library.cc", _ENV.get_template("common/library.cc.j2").render(
+        handlers=handlers, info_json=info_json), "c++"))
+    if python_face:
+        sources.append(Source("python_face.cc",
+                              _ENV.get_template("common/python_face.cc.j2").render(), "c++"))
+    return sources

@@ -1,0 +1,121 @@
+"""flash_attention: the forward and backward custom calls, wired for jit, grad and vmap.
+
+Side by side, each small: argument checks, the two ffi_calls, their batching
+rule (vmap folds the mapped axis into the batch), and the custom VJP that
+hands the forward's log-sum-exp to the backward kernel.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashgen import runtime
+from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_dtype
+
+
+def _local_target() -> str:
+    """The KernelSpec target for JAX's default backend."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "cpu"
+    if backend in ("gpu", "cuda"):
+        cc = getattr(jax.devices()[0], "compute_capability", "8.0")
+        return "sm90a" if str(cc).startswith("9") else "sm80"
+    raise ValueError(f"flashgen has no kernels for the {backend!r} backend (cpu and CUDA only)")
+
+
+def _check(q, k, v, scale) -> tuple[str, float]:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(x) != 4:
+            raise ValueError(f"{name} must be rank 4 [batch, seq, heads, head_dim] (BSHD), "
+                             f"got shape {np.shape(x)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dtype = normalize_dtype(q.dtype)
+    b, _, hq, d = q.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {d}: supported head dims are "
+                         f"{', '.join(map(str, HEAD_DIMS))}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k/v shape {k.shape} does not match q {q.shape} in batch or head_dim")
+    if k.shape[2] == 0 or hq % k.shape[2]:
+        raise ValueError(f"kv heads ({k.shape[2]}) must divide q heads ({hq})")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError("scale must be a Python number (it is a compile-time attribute), not a traced value")
+    scale = float(scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be finite and positive, got {scale}")
+    return dtype, scale
+
+
+def _fold_vmap(call):
+    """Batching rule for a kernel call: fold the vmapped axis into the batch axis."""
+    call = jax.custom_batching.custom_vmap(call)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        outs = call(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+        outs = [y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs]
+        return outs, [True] * len(outs)
+
+    return call
+
+
+@functools.cache
+def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool):
+    attrs = dict(causal=spec.causal, scale=np.float32(scale), bottom_right=bottom_right)
+
+    def fwd(q, k, v):
+        b, sq, hq, _ = q.shape
+        out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+        return tuple(jax.ffi.ffi_call(spec.target_name("fwd"), out)(q, k, v, **attrs))
+
+    def bwd(q, k, v, o, lse, do):
+        out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        return tuple(jax.ffi.ffi_call(spec.target_name("bwd"), out)(q, k, v, o, lse, do, **attrs))
+
+    return _fold_vmap(fwd), _fold_vmap(bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, spec, scale, bottom_right):
+    return _kernel_calls(spec, scale, bottom_right)[0](q, k, v)[0]
+
+
+def _attention_fwd(q, k, v, spec, scale, bottom_right):
+    o, lse = _kernel_calls(spec, scale, bottom_right)[0](q, k, v)
+    return o, (q, k, v, o, lse)
+
+
+def _attention_bwd(spec, scale, bottom_right, res, do):
+    q, k, v, o, lse = res
+    return _kernel_calls(spec, scale, bottom_right)[1](q, k, v, o, lse, do)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
+                    bottom_right: bool = False):
+    """softmax(scale · q kᵀ [+ causal mask]) v with FlashAttention kernels.
+
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
+    (kv_heads divides heads: GQA/MQA). scale defaults to 1/sqrt(head_dim).
+    causal masks key j for query i unless j <= i (top-left, as jnp.tril), or
+    j <= i + seq_k - seq_q with bottom_right=True (FlashAttention-2's alignment).
+    """
+    dtype, scale = _check(q, k, v, scale)
+    if bottom_right and not causal:
+        raise ValueError("bottom_right only applies to causal attention")
+    spec = KernelSpec(q.shape[3], dtype, bool(causal), _local_target())
+    runtime.ensure([spec])
+    return _attention(q, k, v, spec, scale, bool(bottom_right))

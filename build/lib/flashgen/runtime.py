@@ -1,0 +1,82 @@
+"""Load built libraries and register their handlers with JAX.
+
+A library is found by its .so, its manifest.json or the directory holding
+both. Registration goes through the library's pybind11 face: each handler
+arrives as a PyCapsule for jax.ffi.register_ffi_target.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import pathlib
+import threading
+
+from flashgen.build import MANIFEST, build
+from flashgen.errors import LoadError
+from flashgen.spec import KernelSpec
+
+_lock = threading.Lock()
+_registered: dict[tuple[str, str], str] = {}  # (target name, platform) -> library path
+_loaded_modules: dict[str, object] = {}
+
+
+def _resolve(path: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
+    p = pathlib.Path(path)
+    if p.is_dir():
+        p = p / MANIFEST
+    if not p.exists():
+        raise LoadError(f"no such library or manifest: {path}")
+    if p.suffix == ".json":
+        try:
+            manifest = json.loads(p.read_text())
+            lib = p.parent / manifest["flashgen_library"]
+        except (ValueError, KeyError) as e:
+            raise LoadError(f"{p} is not a flashgen manifest: {e}") from e
+        return lib, manifest
+    manifest_path = p.parent / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    return p, manifest
+
+
+def _python_face(lib: pathlib.Path):
+    key = str(lib.resolve())
+    if key not in _loaded_modules:
+        loader = importlib.machinery.ExtensionFileLoader("_flashgen_library", key)
+        spec = importlib.util.spec_from_file_location("_flashgen_library", key, loader=loader)
+        try:
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+        except ImportError as e:
+            raise LoadError(f"cannot load {lib} as a flashgen library (built for another "
+                            f"Python, or without its Python face?): {e}") from e
+        _loaded_modules[key] = module
+    return _loaded_modules[key]
+
+
+def load(path: str | pathlib.Path) -> list[str]:
+    """Register every handler of a built library with JAX; returns the target names."""
+    import jax
+
+    lib, manifest = _resolve(path)
+    if manifest and not manifest.get("python_face", True):
+        raise LoadError(f"{lib} was built without its Python face (e.g. for EXLA); rebuild for Python")
+    module = _python_face(lib)
+    names = []
+    with _lock:
+        for name, platform, capsule in module.handlers():
+            if (name, platform) not in _registered:
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+                _registered[(name, platform)] = str(lib)
+            names.append(name)
+    return names
+
+
+def ensure(specs: list[KernelSpec]) -> None:
+    """Build (through the cache) and register whatever of `specs` is not registered yet."""
+    missing = [s for s in specs
+               if any((s.target_name(d), s.platform) not in _registered for d in ("fwd", "bwd"))]
+    if missing:
+        load(build(missing).path)
+
+

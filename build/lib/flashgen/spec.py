@@ -1,0 +1,102 @@
+"""KernelSpec: the few properties that change a kernel's shape.
+
+Everything else (scale, causal alignment, batch, sequence lengths, head
+counts) is a runtime argument of the custom call, so one compiled
+specialization serves every model with the same head dim, dtype and mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+DTYPES = ("f16", "bf16", "f32")
+TARGETS = ("cpu", "sm80", "sm90a")
+DIRECTIONS = ("fwd", "bwd")
+
+# numpy / jax dtype names that map onto flashgen dtypes.
+_DTYPE_ALIASES = {
+    "f16": "f16", "float16": "f16", "half": "f16",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "f32": "f32", "float32": "f32", "float": "f32",
+}
+
+FFI_DTYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
+
+
+def normalize_dtype(dtype) -> str:
+    """Map a dtype (a string, numpy or jax dtype) to 'f16' | 'bf16' | 'f32'."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    try:
+        return _DTYPE_ALIASES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {name!r}: flashgen supports {', '.join(DTYPES)}") from None
+
+
+def target_name(direction: str, head_dim: int, dtype: str, causal: bool) -> str:
+    """The stable custom-call target (and C symbol) of one direction of one spec.
+
+    The name carries no architecture: a rewritten module calls the same
+    target on CPU and CUDA, and whichever library is loaded serves it.
+    """
+    return f"flashgen_{direction}_d{head_dim}_{dtype}{'_causal' if causal else ''}"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class KernelSpec:
+    head_dim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    target: str = "cpu"
+
+    def __post_init__(self):
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int):
+            raise ValueError(f"head_dim must be an int, got {self.head_dim!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"unsupported head_dim {self.head_dim}: supported head dims are "
+                f"{', '.join(map(str, HEAD_DIMS))}")
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        if self.target not in TARGETS:
+            raise ValueError(
+                f"unsupported target {self.target!r}: supported targets are {', '.join(TARGETS)}")
+
+    @property
+    def platform(self) -> str:
+        """The JAX/XLA platform that runs this spec's handlers."""
+        return "cpu" if self.target == "cpu" else "CUDA"
+
+    def target_name(self, direction: str) -> str:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        return target_name(direction, self.head_dim, self.dtype, self.causal)
+
+    @property
+    def stem(self) -> str:
+        """A file-name-safe id built only from validated fields."""
+        return f"d{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}_{self.target}"
+
+    def to_json(self) -> dict:
+        return {
+            "head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal,
+            "target": self.target,
+            "targets": {d: self.target_name(d) for d in DIRECTIONS},
+        }
+
+
+# The attribute schema every flashgen handler decodes (name -> MLIR type).
+ATTRIBUTE_SCHEMA = {"causal": "i1", "scale": "f32", "bottom_right": "i1"}
+
+# Operands and results, per direction, in call order.
+SIGNATURES = {
+    "fwd": {
+        "operands": ["q[B,Sq,Hq,D]", "k[B,Sk,Hkv,D]", "v[B,Sk,Hkv,D]"],
+        "results": ["o[B,Sq,Hq,D]", "lse[B,Hq,Sq]:f32"],
+    },
+    "bwd": {
+        "operands": ["q", "k", "v", "o", "lse:f32", "do"],
+        "results": ["dq", "dk", "dv"],
+    },
+}

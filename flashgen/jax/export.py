@@ -1,0 +1,26 @@
+"""jax.export with flashgen's custom calls allowed through the safety check."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+
+from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, target_name
+
+
+def flashgen_custom_call_checks() -> list:
+    """DisabledSafetyCheck entries for every flashgen target name."""
+    return [jax.export.DisabledSafetyCheck.custom_call(target_name(d, h, t, c))
+            for d, h, t, c in itertools.product(DIRECTIONS, HEAD_DIMS, DTYPES, (False, True))]
+
+
+def export(fn, *args, platforms=None, **kwargs):
+    """jax.export.export(jax.jit(fn))(*args, **kwargs), accepting flashgen targets.
+
+    The result serializes and deserializes like any Exported; calling it needs
+    the targets registered (flashgen.jax.load or a flash_attention call).
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    exp = jax.export.export(jitted, platforms=platforms,
+                            disabled_checks=flashgen_custom_call_checks())
+    return exp(*args, **kwargs)

@@ -1,0 +1,41 @@
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        import jax
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA jax")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs every run: no fixed seed, so a test cannot pass by luck of one draw."""
+    return np.random.default_rng()
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty build cache for tests of the cache itself."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
+    return root
+
+
+needs_nvcc = pytest.mark.skipif(
+    not (shutil.which("nvcc") or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)),
+    reason="nvcc not installed")
