@@ -167,14 +167,18 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     env_key = {"csrc": resources.tree_digest(resources.csrc_dir()), "ffi": ffi["sha256"],
                "jaxlib": ffi["jaxlib"]}
     info = _library_info(specs, target)
-    sources = codegen.render_library(specs, info, python_face=python_face)
-    compile_jobs = [_job(s, target, env_key) for s in sources]
+    compile_jobs = [_job(s, target, env_key) for s in codegen.render_library(specs, info)]
+    # The library's file and Python module are named after its C sources, so the
+    # Python face (which must know its module name) can join the key.
+    module_name = f"_flashgen_{target}_{_digest([j.key for j in compile_jobs])[:16]}"
+    if python_face:
+        compile_jobs.append(_job(codegen.render_python_face(module_name), target, env_key))
     linker = toolchain.nvcc() if target != "cpu" else toolchain.cxx()
     link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
     lib_key = _digest([j.key for j in compile_jobs], linker, toolchain.compiler_version(linker),
                       link_flags)
     lib_dir = root / "libs" / lib_key
-    lib_name = f"libflashgen_{target}_{lib_key[:12]}.so"
+    lib_name = f"{module_name}.so"
 
     def finish(hit: bool) -> Library:
         manifest = json.loads((lib_dir / MANIFEST).read_text())
@@ -192,8 +196,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
         staging = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=_mkdir(root / "libs")))
         try:
             src_dir = _mkdir(staging / "src")
-            for s in sources:
-                (src_dir / s.name).write_text(s.text)
+            for j in compile_jobs:
+                (src_dir / j.source.name).write_text(j.source.text)
             objects = _compile_all(compile_jobs, root, src_dir, jobs, say)
             toolchain.run([linker, *link_flags, *map(str, objects), "-o", str(staging / lib_name)],
                           f"linking {lib_name}")
@@ -204,6 +208,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "signatures": SIGNATURES,
                 "python_face": python_face,
                 "python": toolchain.python_identity() if python_face else None,
+                "python_module": module_name if python_face else None,
                 "compilers": {os.path.basename(c): toolchain.compiler_version(c)
                               for c in {j.compiler for j in compile_jobs} | {linker}},
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},

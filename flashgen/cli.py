@@ -42,8 +42,8 @@ def _causal_values(args) -> list[bool]:
 def cmd_build(args) -> int:
     from flashgen.build import build, resolve_target
     target, why = resolve_target(args.target)
-    print(f"target: {target} ({why})", file=sys.stderr)
     specs = [KernelSpec(d, t, c, target) for d in args.hdim for t in args.dtype for c in _causal_values(args)]
+    print(f"target: {target} ({why})", file=sys.stderr)
     progress = (lambda m: print(m, file=sys.stderr)) if len(specs) > 1 or args.verbose else None
     lib = build(specs, out=args.out, jobs=args.jobs, python_face=not args.no_python, progress=progress)
     print(lib.path)

@@ -50,8 +50,8 @@ def render_spec(spec: KernelSpec) -> Source:
     return Source(f"{spec.stem}.cu", text, "cuda")
 
 
-def render_library(specs: list[KernelSpec], info: dict, python_face: bool = True) -> list[Source]:
-    """All sources of one library: the specs, the table of contents, the Python face."""
+def render_library(specs: list[KernelSpec], info: dict) -> list[Source]:
+    """The C sources of one library: the specs and its table of contents."""
     handlers = [
         {"symbol": s.target_name(d), "platform": s.platform}
         for s in specs for d in ("fwd", "bwd")
@@ -62,7 +62,12 @@ def render_library(specs: list[KernelSpec], info: dict, python_face: bool = True
     sources = [render_spec(s) for s in specs]
     sources.append(Source("library.cc", _ENV.get_template("common/library.cc.j2").render(
         handlers=handlers, info_json=info_json), "c++"))
-    if python_face:
-        sources.append(Source("python_face.cc",
-                              _ENV.get_template("common/python_face.cc.j2").render(), "c++"))
     return sources
+
+
+def render_python_face(module_name: str) -> Source:
+    """The pybind11 module of one library; `module_name` must be unique per library."""
+    if not module_name.isidentifier():
+        raise ValueError(f"invalid Python module name {module_name!r}")
+    text = _ENV.get_template("common/python_face.cc.j2").render(module_name=module_name)
+    return Source("python_face.cc", text, "c++")

@@ -42,8 +42,9 @@ def _resolve(path: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
 def _python_face(lib: pathlib.Path):
     key = str(lib.resolve())
     if key not in _loaded_modules:
-        loader = importlib.machinery.ExtensionFileLoader("_flashgen_library", key)
-        spec = importlib.util.spec_from_file_location("_flashgen_library", key, loader=loader)
+        name = lib.name.split(".", 1)[0]  # build.py names the file after its module
+        loader = importlib.machinery.ExtensionFileLoader(name, key)
+        spec = importlib.util.spec_from_file_location(name, key, loader=loader)
         try:
             module = importlib.util.module_from_spec(spec)
             loader.exec_module(module)

@@ -1,6 +1,6 @@
 """CPU backend numerics: forward and gradients against the float64 reference.
 
-Tolerances (relative to max |reference| of each output), stated once:
+Tolerances (relative to max(max |reference|, 1) of each output), stated once:
   f32: 2e-5 forward, 1e-4 gradients   (fp32 compute, different summation order)
   f16: 3e-3 forward, 1e-2 gradients   (inputs/outputs rounded to 11-bit mantissas)
   bf16: 2e-2 forward, 5e-2 gradients  (8-bit mantissas)
@@ -33,8 +33,11 @@ def _inputs(rng, dtype, b, sq, sk, hq, hkv, d):
 
 
 def _rel(got, want):
+    # Relative to the output's magnitude, floored at 1 (inputs are standard normal): with one
+    # visible key the exact dq/dk are 0, a sum of terms that cancel, and rounding in those terms
+    # is not a relative error of the result.
     want = np.asarray(want, np.float64)
-    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)), 1e-30))
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)), 1.0))
 
 
 def check(rng, dtype, d, causal, b=1, sq=17, sk=17, hq=2, hkv=2, bottom_right=False, scale=None):

@@ -8,7 +8,11 @@
 
 namespace py = pybind11;
 
-PYBIND11_MODULE(_flashgen_library, m) {
+namespace flashgen {
+
+// Each library gets its own module name (CPython caches extension modules by
+// name), so the generated file only names the module and calls this.
+inline void define_python_face(py::module_& m) {
   m.doc() = "A flashgen-generated FlashAttention library";
   m.def("handlers", [] {
     size_t n = 0;
@@ -25,3 +29,5 @@ PYBIND11_MODULE(_flashgen_library, m) {
   }, "List of (target name, platform, PyCapsule) for every handler.");
   m.def("info", [] { return std::string(flashgen_library_info()); }, "JSON description of the library.");
 }
+
+}  // namespace flashgen

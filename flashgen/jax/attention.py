@@ -64,8 +64,8 @@ def _fold_vmap(call):
     def rule(axis_size, in_batched, *args):
         args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
         outs = call(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
-        outs = [y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs]
-        return outs, [True] * len(outs)
+        outs = tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs)
+        return outs, (True,) * len(outs)
 
     return call
 

@@ -212,10 +212,10 @@ inline void load_f32<bf16>(const bf16* src, float* dst, int64_t n) {
 #if defined(__F16C__)
 template <>
 inline void load_f32<f16>(const f16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
+  const int64_t n8 = n & ~int64_t(7);
+  for (int64_t i = 0; i < n8; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = f16_bits_to_f32(src[i].bits);
+  for (int64_t i = n8; i < n; ++i) dst[i] = f16_bits_to_f32(src[i].bits);
 }
 #endif
 
@@ -236,12 +236,12 @@ inline void store_from_f32<bf16>(const float* src, bf16* dst, int64_t n, float m
 #if defined(__F16C__)
 template <>
 inline void store_from_f32<f16>(const float* src, f16* dst, int64_t n, float mul) {
-  int64_t i = 0;
+  const int64_t n8 = n & ~int64_t(7);
   const __m256 m = _mm256_set1_ps(mul);
-  for (; i + 8 <= n; i += 8)
+  for (int64_t i = 0; i < n8; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                      _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(src + i), m), _MM_FROUND_TO_NEAREST_INT));
-  for (; i < n; ++i) dst[i] = f16{f32_to_f16_bits(src[i] * mul)};
+  for (int64_t i = n8; i < n; ++i) dst[i] = f16{f32_to_f16_bits(src[i] * mul)};
 }
 #endif
 
@@ -262,20 +262,36 @@ constexpr int W = FLASHGEN_CPU_VBYTES / 4;  // floats per vector
 
 // Micro-kernel tile: RMAX rows x (NVMAX * W) columns of accumulators.
 #if FLASHGEN_CPU_VBYTES == 64
-constexpr int RMAX = 4, NVMAX = 4;  // 16 zmm accumulators of 32
+#ifndef FLASHGEN_CPU_RMAX
+#define FLASHGEN_CPU_RMAX 4
+#endif
+constexpr int RMAX = FLASHGEN_CPU_RMAX, NVMAX = 4;  // 4x4: 16 zmm accumulators of 32
 #else
 constexpr int RMAX = 4, NVMAX = 2;  // 8 accumulators of 16
 #endif
 
+// Broadcasts. (A lane-by-lane loop makes GCC emit one masked broadcast per lane.)
 FLASHGEN_CPU_INLINE vf splat(float x) {
-  vf v;
-  for (int i = 0; i < W; ++i) v[i] = x;
-  return v;
+#if FLASHGEN_CPU_VBYTES == 64
+  return (vf)_mm512_set1_ps(x);
+#elif FLASHGEN_CPU_VBYTES == 32
+  return (vf)_mm256_set1_ps(x);
+#elif defined(__SSE__)
+  return (vf)_mm_set1_ps(x);
+#else
+  return x - vf{};
+#endif
 }
 FLASHGEN_CPU_INLINE vi splat_i(int32_t x) {
-  vi v;
-  for (int i = 0; i < W; ++i) v[i] = x;
-  return v;
+#if FLASHGEN_CPU_VBYTES == 64
+  return (vi)_mm512_set1_epi32(x);
+#elif FLASHGEN_CPU_VBYTES == 32
+  return (vi)_mm256_set1_epi32(x);
+#elif defined(__SSE2__)
+  return (vi)_mm_set1_epi32(x);
+#else
+  return x + vi{};
+#endif
 }
 FLASHGEN_CPU_INLINE vi iota_i() {
   vi v;
@@ -300,7 +316,8 @@ FLASHGEN_CPU_INLINE vf vfma(vf a, vf b, vf c) {
 }
 FLASHGEN_CPU_INLINE vf vmax(vf a, vf b) {
 #if defined(__AVX512F__)
-  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+  // Masked forms: the unmasked intrinsics trip -Wmaybe-uninitialized in GCC 12.
+  return (vf)_mm512_mask_max_ps((__m512)a, __mmask16(0xffff), (__m512)a, (__m512)b);
 #else
   return a > b ? a : b;
 #endif
@@ -309,8 +326,9 @@ FLASHGEN_CPU_INLINE vf vmax(vf a, vf b) {
 // 2^x, ~2 ulp for x in [-126, 127]; x <= -127 (including -inf) gives 0.
 FLASHGEN_CPU_INLINE vf exp2v(vf x) {
 #if defined(__AVX512F__)
-  x = (vf)_mm512_max_ps((__m512)x, _mm512_set1_ps(-150.0f));
-  const vf n = (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = vmax(x, splat(-150.0f));
+  const vf n = (vf)_mm512_mask_roundscale_ps((__m512)x, __mmask16(0xffff), (__m512)x,
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
   const vf lo = splat(-127.0f), hi = splat(127.0f);
   x = x < lo ? lo : x;
@@ -331,7 +349,7 @@ FLASHGEN_CPU_INLINE vf exp2v(vf x) {
   p = vfma(p, f, splat(6.931472028550421e-1f));
   p = vfma(p, f, splat(1.0f));
 #if defined(__AVX512F__)
-  return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);
+  return (vf)_mm512_mask_scalef_ps((__m512)p, __mmask16(0xffff), (__m512)p, (__m512)n);
 #else
   return p * (vf)((ni + splat_i(127)) << 23);  // n = -127 gives the bit pattern 0, i.e. 0.0f
 #endif
@@ -348,10 +366,10 @@ inline void micro_kernel(int64_t K, const float* __restrict A, int64_t sar, int6
                          const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
                          const float* __restrict rs) {
   vf acc[R][NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     vf sc = splat(SCALE ? rs[r] : 1.0f);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
       if (ACC) {
         acc[r][v] = loadv(C + r * ldc + v * W);
@@ -362,24 +380,24 @@ inline void micro_kernel(int64_t K, const float* __restrict A, int64_t sar, int6
     }
   }
   const float* ap[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) ap[r] = A + r * sar;
   for (int64_t k = 0; k < K; ++k) {
     vf bv[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) bv[v] = loadv(B + v * W);
     B += ldb;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const vf a = splat(*ap[r]);
       ap[r] += sak;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[r][v] = vfma(a, bv[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, acc[r][v]);
 }
 
@@ -398,10 +416,20 @@ inline void micro_rows(int nv, int64_t K, const float* A, int64_t sar, int64_t s
   }
 }
 
+template <int R, bool ACC, bool SCALE>
+FLASHGEN_CPU_INLINE void micro_tail(int rem, int nv, int64_t K, const float* A, int64_t sar, int64_t sak,
+                                    const float* B, int64_t ldb, float* C, int64_t ldc, const float* rs) {
+  if constexpr (R >= 1) {
+    if (rem == R)
+      micro_rows<R, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs);
+    else
+      micro_tail<R - 1, ACC, SCALE>(rem, nv, K, A, sar, sak, B, ldb, C, ldc, rs);
+  }
+}
+
 template <bool ACC, bool SCALE = false>
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sar, int64_t sak, const float* B,
                  int64_t ldb, float* C, int64_t ldc, const float* rs = nullptr) {
-  static_assert(RMAX == 4, "RMAX");
   const int64_t nvt = N / W;
   for (int64_t v0 = 0; v0 < nvt; v0 += NVMAX) {
     const int nv = static_cast<int>(std::min<int64_t>(NVMAX, nvt - v0));
@@ -413,12 +441,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sar, i
     const float* Ar = A + r * sar;
     float* Cr = Cv + r * ldc;
     const float* rr = rs + (SCALE ? r : 0);
-    switch (M - r) {
-      case 1: micro_rows<1, ACC, SCALE>(nv, K, Ar, sar, sak, Bv, ldb, Cr, ldc, rr); break;
-      case 2: micro_rows<2, ACC, SCALE>(nv, K, Ar, sar, sak, Bv, ldb, Cr, ldc, rr); break;
-      case 3: micro_rows<3, ACC, SCALE>(nv, K, Ar, sar, sak, Bv, ldb, Cr, ldc, rr); break;
-      default: break;
-    }
+    micro_tail<RMAX - 1, ACC, SCALE>(static_cast<int>(M - r), nv, K, Ar, sar, sak, Bv, ldb, Cr, ldc, rr);
   }
 }
 
@@ -445,8 +468,23 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Block sizes (multiples of 4*W for every W).
-constexpr int kFwdBq = 64, kFwdBk = 64;
-constexpr int kBwdBq = 64, kBwdBk = 64;
+#ifndef FLASHGEN_CPU_FWD_BQ
+#define FLASHGEN_CPU_FWD_BQ 128
+#endif
+#ifndef FLASHGEN_CPU_FWD_BK
+#define FLASHGEN_CPU_FWD_BK 64
+#endif
+#ifndef FLASHGEN_CPU_BWD_BQ
+#define FLASHGEN_CPU_BWD_BQ 64
+#endif
+#ifndef FLASHGEN_CPU_BWD_BK
+#define FLASHGEN_CPU_BWD_BK 64
+#endif
+#ifndef FLASHGEN_CPU_FWD_COPY
+#define FLASHGEN_CPU_FWD_COPY 1
+#endif
+constexpr int kFwdBq = FLASHGEN_CPU_FWD_BQ, kFwdBk = FLASHGEN_CPU_FWD_BK;
+constexpr int kBwdBq = FLASHGEN_CPU_BWD_BQ, kBwdBk = FLASHGEN_CPU_BWD_BK;
 
 template <int D>
 constexpr size_t fwd_ws_floats() {
@@ -473,11 +511,12 @@ inline void load_transposed(const T* src, int64_t ld, int64_t n, int64_t npad, f
       for (int64_t i = n; i < npad; ++i) dst[d * ldt + i] = 0.0f;
 }
 
-// Returns a pointer to n rows of fp32 data with row stride *ld: the input
-// itself for float, else a converted copy in buf (row stride D).
-template <typename T, int D>
+// Copies n rows (input row stride ld_in) to a contiguous fp32 [n][D] buffer and
+// returns it with *ld = D. Also done for float: reading the strided input
+// directly (stride Hkv*D, often a multiple of 2 KiB) thrashes L1 sets.
+template <typename T, int D, bool kCopyF32 = true>
 FLASHGEN_CPU_INLINE const float* rows_f32(const T* src, int64_t ld_in, int64_t n, float* buf, int64_t* ld) {
-  if (std::is_same<T, float>::value) {
+  if (!kCopyF32 && std::is_same<T, float>::value) {
     *ld = ld_in;
     return reinterpret_cast<const float*>(src);
   }
@@ -530,8 +569,8 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
   for (int64_t k0 = 0; k0 < kend; k0 += BK) {
     const int64_t nk = std::min<int64_t>(BK, kend - k0);
     int64_t ldk, ldv;
-    const float* Kp = rows_f32<T, D>(k + ((b * Sk + k0) * Hkv + hk) * D, ldkv, nk, Kc, &ldk);
-    const float* Vp = rows_f32<T, D>(v + ((b * Sk + k0) * Hkv + hk) * D, ldkv, nk, Vc, &ldv);
+    const float* Kp = rows_f32<T, D, FLASHGEN_CPU_FWD_COPY>(k + ((b * Sk + k0) * Hkv + hk) * D, ldkv, nk, Kc, &ldk);
+    const float* Vp = rows_f32<T, D, FLASHGEN_CPU_FWD_COPY>(v + ((b * Sk + k0) * Hkv + hk) * D, ldkv, nk, Vc, &ldv);
 
     // St = K * Qt : scores, one key per row, query rows along the lanes.
     gemm<false>(nk, nqp, D, Kp, ldk, 1, Qt, BQ, St, BQ);

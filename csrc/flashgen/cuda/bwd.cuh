@@ -1,0 +1,453 @@
+// FlashAttention-2 style backward (mma.sync tensor cores, sm_80+), 3 kernels:
+//
+//  1. flash_bwd_pre_kernel:  Dsum[b,h,i] = sum_d dO[b,i,h,d] * O[b,i,h,d]   (f32)
+//  2. flash_bwd_kernel:      one CTA per (key block of BC rows, head-dim slice,
+//     q head, batch). Each warp owns 16 key rows; dK and dV for those rows
+//     (and the CTA's head-dim slice) stay in f32 registers while the CTA walks
+//     all query blocks that can see the key block. Per query block, in chunks
+//     of QC query columns:
+//        S^T = K Q^T, P^T = exp2(S^T*scale*log2e - lse*log2e)
+//        dV += P^T dO             (P^T from registers)
+//        dP^T = V dO^T
+//        dS^T = P^T * (dP^T - Dsum)
+//        dK += dS^T Q             (dS^T from registers)
+//        dS^T -> shared memory
+//     then dQ[q block, slice] += scale * dS K, accumulated with f32 atomicAdd
+//     into a workspace (or straight into dq when the dtype is f32).
+//     Head dims > 128 are split into 2 slices of the dK/dV/dQ columns
+//     (NSPLIT = 2, separate CTAs): each CTA recomputes S and dP on the full
+//     head dim, which keeps dK+dV at <= 128 f32 registers per thread.
+//     GQA (group > 1): the CTA handles one q head; dK/dV are atomically added
+//     in f32 to per-kv-head workspaces (or to dk/dv directly when f32).
+//     Without GQA dK/dV are written directly in the output dtype.
+//  3. flash_bwd_convert_kernel: f32 workspace -> output dtype (dQ, and dK/dV
+//     under GQA); not needed for f32.
+#pragma once
+
+#include "flashgen/cuda/common.cuh"
+
+namespace flashgen {
+namespace cuda {
+namespace {
+
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse;   // [B, Hq, Sq]
+  const float* dsum;  // [B, Hq, Sq]
+  float* dq_acc;      // [B, Sq, Hq, D] f32, zeroed; receives scale * dS K
+  float* dk_acc;      // [B, Sk, Hkv, D] f32, zeroed (only when atomic_kv)
+  float* dv_acc;      // [B, Sk, Hkv, D] f32, zeroed (only when atomic_kv)
+  void* dk;           // [B, Sk, Hkv, D] output dtype (only when !atomic_kv)
+  void* dv;
+  int batch, seqlen_q, seqlen_k, heads_q, heads_kv, group;
+  int causal_off;
+  float scale;
+  float scale_log2;
+  int atomic_kv;  // 1: accumulate dK/dV into dk_acc/dv_acc with atomics (GQA)
+};
+
+template <class T, int D>
+struct BwdConfig {
+  static constexpr bool kF32 = std::is_same<T, float>::value;
+  static constexpr int kWarps = kF32 ? (D <= 192 ? 4 : 2) : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int BC = kWarps * 16;    // key rows per CTA
+  static constexpr int BR = kF32 ? 32 : 64;  // query rows per iteration
+  static constexpr int QC = 32;              // query columns per S^T chunk
+  static constexpr int NSPLIT = D > 128 ? 2 : 1;
+  static constexpr int DV = D / NSPLIT;  // dK/dV/dQ columns handled by one CTA
+  static constexpr int kPad = 16 / static_cast<int>(sizeof(T));
+  static constexpr int LD = D + kPad;    // row stride of the K, V, Q, dO tiles
+  static constexpr int LDS = BR + kPad;  // row stride of the dS^T tile [BC][BR]
+  // dQ GEMM warp layout: RG row groups of 16 query rows x CG column groups.
+  static constexpr int RG = BR / 16;
+  static constexpr int CG = kWarps / RG;
+  // 16-column dQ tiles accumulated per pass (fewer for large D: register pressure).
+  static constexpr int kDqPass = NSPLIT > 1 ? 2 : 4;
+  static constexpr size_t kSmem =
+      static_cast<size_t>(2 * BC + 2 * BR) * LD * sizeof(T) + static_cast<size_t>(BC) * LDS * sizeof(T) +
+      2 * BR * sizeof(float);
+  static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
+  static_assert(DV % 16 == 0, "head-dim slice must be a multiple of 16");
+  static_assert(BR % QC == 0 && QC % 16 == 0, "bad query chunk");
+  static_assert(kWarps % RG == 0, "warps must cover the dQ rows");
+  static_assert(kSmem <= 166912, "exceeds the 163 KiB opt-in shared memory of sm_80");
+};
+
+// ---------------------------------------------------------------------------
+// 1. Dsum = rowsum(dO * O)
+// ---------------------------------------------------------------------------
+template <class T, int D>
+__global__ void __launch_bounds__(256) flash_bwd_pre_kernel(const T* __restrict__ o, const T* __restrict__ dout,
+                                                            float* __restrict__ dsum, int64_t rows, int seqlen_q,
+                                                            int heads_q) {
+  constexpr int kEpc = 16 / sizeof(T);
+  constexpr int kCpr = D / kEpc;  // 16-byte chunks per row
+  constexpr int kLanes = kCpr >= 32 ? 32 : (kCpr >= 16 ? 16 : (kCpr >= 8 ? 8 : 4));  // lanes per row
+  constexpr int kRowsPerWarp = 32 / kLanes;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_global = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps_total = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t base = warp_global * kRowsPerWarp; base < rows; base += warps_total * kRowsPerWarp) {
+    const int64_t row = base + lane / kLanes;
+    const int sub = lane % kLanes;
+    float acc = 0.f;
+    if (row < rows) {
+      const T* po = o + row * D;
+      const T* pd = dout + row * D;
+      for (int c = sub; c < kCpr; c += kLanes) {
+        uint4 vo = *reinterpret_cast<const uint4*>(po + c * kEpc);
+        uint4 vd = *reinterpret_cast<const uint4*>(pd + c * kEpc);
+        const T* eo = reinterpret_cast<const T*>(&vo);
+        const T* ed = reinterpret_cast<const T*>(&vd);
+#pragma unroll
+        for (int e = 0; e < kEpc; ++e) acc = fmaf(to_float(eo[e]), to_float(ed[e]), acc);
+      }
+    }
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (row < rows && sub == 0) {
+      // row = (b * Sq + i) * Hq + h  ->  dsum[(b * Hq + h) * Sq + i]
+      const int64_t h = row % heads_q;
+      const int64_t bi = row / heads_q;
+      const int64_t i = bi % seqlen_q;
+      const int64_t b = bi / seqlen_q;
+      dsum[(b * heads_q + h) * seqlen_q + i] = acc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 3. f32 -> T conversion (n is a multiple of 4; both pointers 16-byte aligned)
+// ---------------------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(256) flash_bwd_convert_kernel(const float* __restrict__ src, T* __restrict__ dst,
+                                                                int64_t n) {
+  const int64_t n4 = n / 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 x = reinterpret_cast<const float4*>(src)[i];
+    T* d = dst + 4 * i;
+    d[0] = from_float<T>(x.x);
+    d[1] = from_float<T>(x.y);
+    d[2] = from_float<T>(x.z);
+    d[3] = from_float<T>(x.w);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 2. main backward kernel
+// ---------------------------------------------------------------------------
+template <class T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel(const BwdParams p) {
+  using Cfg = BwdConfig<T, D>;
+  using Ops = typename OpsFor<T>::type;
+  using FragA = typename Ops::FragA;
+  using FragB = typename Ops::FragB;
+  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDS = Cfg::LDS, QC = Cfg::QC;
+  constexpr int DV = Cfg::DV, NSPLIT = Cfg::NSPLIT, NT = Cfg::kThreads, KS = Ops::KS;
+  constexpr int kQT = QC / 8;  // S^T accumulator tiles per chunk
+  constexpr int kVT = DV / 8;  // dK/dV accumulator tiles
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + BC * LD;
+  T* sQ = sV + BC * LD;
+  T* sdO = sQ + BR * LD;
+  T* sdS = sdO + BR * LD;  // dS^T, [BC][LDS]
+  float* sLse = reinterpret_cast<float*>(sdS + BC * LDS);  // lse * log2(e); +inf for "no probability"
+  float* sDsum = sLse + BR;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int nblk = blockIdx.x / NSPLIT, split = blockIdx.x % NSPLIT;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int k0 = nblk * BC;
+  const int dcol0 = split * DV;
+  const int wrow0 = warp * 16;  // warp's first key row inside the tile
+
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  const int64_t q_off = (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+  const int64_t kv_off = (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+  const T* qg = static_cast<const T*>(p.q) + q_off;
+  const T* dog = static_cast<const T*>(p.dout) + q_off;
+  const T* kg = static_cast<const T*>(p.k) + kv_off;
+  const T* vg = static_cast<const T*>(p.v) + kv_off;
+  const float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  const float* dsumg = p.dsum + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  float* dqg = p.dq_acc + q_off;
+
+  // Query blocks that can see at least one key of this block.
+  int m_begin = 0;
+  if (CAUSAL) {
+    const int first_q = k0 - p.causal_off;  // smallest i with i + off >= k0
+    m_begin = first_q > 0 ? first_q / BR : 0;
+  }
+  const int m_end = (Sq + BR - 1) / BR;
+
+  float acc_dk[kVT][4], acc_dv[kVT][4];
+#pragma unroll
+  for (int i = 0; i < kVT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+  // lse / Dsum of a query block go through registers (loaded early, stored
+  // to shared memory late) so that their latency hides behind the dQ GEMM.
+  auto fetch_row_stats = [&](int m, float& l, float& d) {
+    l = INFINITY;
+    d = 0.f;
+    if (tid < BR) {
+      const int row = m * BR + tid;
+      if (row < Sq) {
+        const float x = lseg[row];
+        // lse = -inf marks a row that sees no key: its probabilities are 0.
+        l = x == -INFINITY ? INFINITY : x * kLog2e;
+        d = dsumg[row];
+      }
+    }
+  };
+
+  if (m_begin < m_end) {
+    load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, k0, Sk);
+    load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);
+    load_tile_async<T, BR, D, NT>(sQ, LD, qg, q_stride, m_begin * BR, Sq);
+    load_tile_async<T, BR, D, NT>(sdO, LD, dog, q_stride, m_begin * BR, Sq);
+    cp_async_commit();
+    {
+      float l, d;
+      fetch_row_stats(m_begin, l, d);
+      if (tid < BR) {
+        sLse[tid] = l;
+        sDsum[tid] = d;
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    for (int m = m_begin; m < m_end; ++m) {
+      const int q0 = m * BR;
+      const bool need_mask = (k0 + BC > Sk) || (CAUSAL && k0 + BC - 1 > q0 + p.causal_off);
+
+#pragma unroll 1
+      for (int qc = 0; qc < BR / QC; ++qc) {
+        const int c0 = qc * QC;  // first query column of the chunk (tile-local)
+        // ---- S^T = K Q^T  (16 keys x QC queries per warp)
+        float s[kQT][4];
+#pragma unroll
+        for (int i = 0; i < kQT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / KS; ++ks) {
+          FragA a;
+          Ops::load_a_rm(sK, LD, wrow0, ks * KS, a);
+#pragma unroll
+          for (int np = 0; np < QC / 16; ++np) {
+            FragB b0, b1;
+            Ops::load_b2_nk(sQ, LD, c0 + np * 16, ks * KS, b0, b1);
+            Ops::mma(s[2 * np], a, b0);
+            Ops::mma(s[2 * np + 1], a, b1);
+          }
+        }
+        // ---- P^T
+#pragma unroll
+        for (int j = 0; j < kQT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = c0 + j * 8 + 2 * t + (e & 1);     // tile-local query
+            const int kj = k0 + wrow0 + g + (e >> 1) * 8;  // global key
+            float pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -sLse[qi]));
+            if (need_mask) {
+              bool masked = kj >= Sk;
+              if (CAUSAL) masked = masked || kj > q0 + qi + p.causal_off;
+              if (masked) pv = 0.f;
+            }
+            s[j][e] = pv;
+          }
+        // ---- dV += P^T dO
+#pragma unroll
+        for (int ks = 0; ks < QC / KS; ++ks) {
+          FragA a;
+          Ops::a_from_acc(s, ks, a);
+#pragma unroll
+          for (int dp = 0; dp < DV / 16; ++dp) {
+            FragB b0, b1;
+            Ops::load_b2_kn_regA(sdO, LD, dcol0 + dp * 16, c0 + ks * KS, b0, b1);
+            Ops::mma(acc_dv[2 * dp], a, b0);
+            Ops::mma(acc_dv[2 * dp + 1], a, b1);
+          }
+        }
+        // ---- dP^T = V dO^T
+        float dpt[kQT][4];
+#pragma unroll
+        for (int i = 0; i < kQT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / KS; ++ks) {
+          FragA a;
+          Ops::load_a_rm(sV, LD, wrow0, ks * KS, a);
+#pragma unroll
+          for (int np = 0; np < QC / 16; ++np) {
+            FragB b0, b1;
+            Ops::load_b2_nk(sdO, LD, c0 + np * 16, ks * KS, b0, b1);
+            Ops::mma(dpt[2 * np], a, b0);
+            Ops::mma(dpt[2 * np + 1], a, b1);
+          }
+        }
+        // ---- dS^T = P^T * (dP^T - Dsum)   (in place of P^T)
+#pragma unroll
+        for (int j = 0; j < kQT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = c0 + j * 8 + 2 * t + (e & 1);
+            s[j][e] = s[j][e] * (dpt[j][e] - sDsum[qi]);
+          }
+        // ---- dK += dS^T Q   (scale applied at the end)
+#pragma unroll
+        for (int ks = 0; ks < QC / KS; ++ks) {
+          FragA a;
+          Ops::a_from_acc(s, ks, a);
+#pragma unroll
+          for (int dp = 0; dp < DV / 16; ++dp) {
+            FragB b0, b1;
+            Ops::load_b2_kn_regA(sQ, LD, dcol0 + dp * 16, c0 + ks * KS, b0, b1);
+            Ops::mma(acc_dk[2 * dp], a, b0);
+            Ops::mma(acc_dk[2 * dp + 1], a, b1);
+          }
+        }
+        // ---- dS^T -> shared (element type, as the A operand of the dQ GEMM)
+#pragma unroll
+        for (int j = 0; j < kQT; ++j) {
+          Ops::store2(sdS + (wrow0 + g) * LDS + c0 + j * 8 + 2 * t, s[j][0], s[j][1]);
+          Ops::store2(sdS + (wrow0 + g + 8) * LDS + c0 + j * 8 + 2 * t, s[j][2], s[j][3]);
+        }
+      }
+
+      // dS^T complete; every warp is done with Q, dO, lse and Dsum of block m.
+      __syncthreads();
+      float next_l = INFINITY, next_d = 0.f;
+      if (m + 1 < m_end) {
+        load_tile_async<T, BR, D, NT>(sQ, LD, qg, q_stride, q0 + BR, Sq);
+        load_tile_async<T, BR, D, NT>(sdO, LD, dog, q_stride, q0 + BR, Sq);
+        cp_async_commit();
+        fetch_row_stats(m + 1, next_l, next_d);
+      }
+
+      // ---- dQ[q0 : q0+BR, dcol0 : dcol0+DV] += scale * dS K
+      {
+        constexpr int kTiles = DV / 16;  // 16-column tiles of the slice
+        constexpr int kPass = Cfg::kDqPass;  // 16-column tiles per pass
+        const int rg = warp % Cfg::RG, cg = warp / Cfg::RG;
+#pragma unroll 1
+        for (int base = cg; base < kTiles; base += Cfg::CG * kPass) {
+          float acc[kPass][2][4];
+#pragma unroll
+          for (int i = 0; i < kPass; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
+#pragma unroll
+          for (int ks = 0; ks < BC / KS; ++ks) {
+            FragA a;
+            Ops::load_a_cm(sdS, LDS, rg * 16, ks * KS, a);
+#pragma unroll
+            for (int i = 0; i < kPass; ++i) {
+              const int tile = base + i * Cfg::CG;
+              if (tile < kTiles) {
+                FragB b0, b1;
+                Ops::load_b2_kn(sK, LD, dcol0 + tile * 16, ks * KS, b0, b1);
+                Ops::mma(acc[i][0], a, b0);
+                Ops::mma(acc[i][1], a, b1);
+              }
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kPass; ++i) {
+            const int tile = base + i * Cfg::CG;
+            if (tile < kTiles) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  const int row = q0 + rg * 16 + g + 8 * r;
+                  const int col = dcol0 + tile * 16 + half * 8 + 2 * t;
+                  if (row < Sq) {
+                    float* dst = dqg + row * q_stride + col;
+                    const float x = acc[i][half][2 * r] * p.scale, y = acc[i][half][2 * r + 1] * p.scale;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+                    atomicAdd(dst, x);
+                    atomicAdd(dst + 1, y);
+#endif
+                  }
+                }
+            }
+          }
+        }
+      }
+
+      // Every warp is done with dS^T; the next Q/dO tiles have landed.
+      if (tid < BR) {
+        sLse[tid] = next_l;
+        sDsum[tid] = next_d;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+  }
+
+  // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + wrow0 + [0, 16)
+  if (p.atomic_kv) {
+#pragma unroll
+    for (int i = 0; i < kVT; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = k0 + wrow0 + g + 8 * r;
+        if (row < Sk) {
+          const int64_t off = kv_off + row * kv_stride + dcol0 + i * 8 + 2 * t;
+          atomicAdd(p.dk_acc + off, acc_dk[i][2 * r] * p.scale);
+          atomicAdd(p.dk_acc + off + 1, acc_dk[i][2 * r + 1] * p.scale);
+          atomicAdd(p.dv_acc + off, acc_dv[i][2 * r]);
+          atomicAdd(p.dv_acc + off + 1, acc_dv[i][2 * r + 1]);
+        }
+      }
+  } else {
+    // Stage through the warp's own rows of the K / V tiles (all reads of them
+    // ended at the loop's final barrier), then 16-byte stores.
+    T* stK = sK + wrow0 * LD;
+    T* stV = sV + wrow0 * LD;
+#pragma unroll
+    for (int i = 0; i < kVT; ++i) {
+      Ops::store2(stK + g * LD + i * 8 + 2 * t, acc_dk[i][0] * p.scale, acc_dk[i][1] * p.scale);
+      Ops::store2(stK + (g + 8) * LD + i * 8 + 2 * t, acc_dk[i][2] * p.scale, acc_dk[i][3] * p.scale);
+      Ops::store2(stV + g * LD + i * 8 + 2 * t, acc_dv[i][0], acc_dv[i][1]);
+      Ops::store2(stV + (g + 8) * LD + i * 8 + 2 * t, acc_dv[i][2], acc_dv[i][3]);
+    }
+    __syncwarp();
+    constexpr int kEpc = 16 / sizeof(T);
+    constexpr int kCpr = DV / kEpc;
+    T* dkg = static_cast<T*>(p.dk) + kv_off + dcol0;
+    T* dvg = static_cast<T*>(p.dv) + kv_off + dcol0;
+#pragma unroll
+    for (int idx = lane; idx < 16 * kCpr; idx += 32) {
+      const int r = idx / kCpr, c = idx % kCpr;
+      const int row = k0 + wrow0 + r;
+      if (row < Sk) {
+        *reinterpret_cast<uint4*>(dkg + row * kv_stride + c * kEpc) =
+            *reinterpret_cast<const uint4*>(stK + r * LD + c * kEpc);
+        *reinterpret_cast<uint4*>(dvg + row * kv_stride + c * kEpc) =
+            *reinterpret_cast<const uint4*>(stV + r * LD + c * kEpc);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace flashgen

@@ -1,0 +1,192 @@
+"""The `flashgen rewrite` and `flashgen run` subcommands."""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+
+from flashgen.errors import FlashgenError, UsageError
+
+OUTPUT_FORMATS = ("mlir", "mlirbc", "portable", "jax_exported")
+
+
+def register(subparsers) -> None:
+    r = subparsers.add_parser(
+        "rewrite", help="replace attention in a StableHLO module with flashgen custom calls",
+        description="Find dot_general -> softmax -> dot_general attention in a StableHLO module "
+                    "(text, MLIR bytecode, portable artifact or serialized jax.export) and "
+                    "replace every site that fully matches with one flashgen custom call. "
+                    "Sites that do not match are left untouched; --explain says why.")
+    r.add_argument("input", metavar="IN", help="the module: .mlir text, .mlirbc bytecode or "
+                   "portable artifact, or a serialized jax.export.Exported (format read from "
+                   "the content)")
+    r.add_argument("-o", "--output", metavar="OUT",
+                   help="write the rewritten module here (default: write nothing); an input "
+                        "with nothing to rewrite is copied unchanged")
+    r.add_argument("--output-format", choices=OUTPUT_FORMATS,
+                   help="format of OUT (default: the input's); jax_exported needs a "
+                        "jax_exported input")
+    r.add_argument("--report", metavar="REPORT.json",
+                   help="write a JSON report: every site with location, shapes, layout, dtype, "
+                        "heads, mask, scale, target and status/reason")
+    r.add_argument("--explain", action="store_true",
+                   help="print every site and near miss readably, with the reason a candidate "
+                        "was left alone")
+    r.add_argument("--verify", action="store_true",
+                   help="run the original and the rewritten module on the same random inputs on "
+                        "CPU (building the kernels needed); fail without writing anything if an "
+                        "output differs beyond the dtype's tolerance")
+    r.add_argument("--seed", type=int, default=0, help="random seed for --verify inputs (default 0)")
+    r.add_argument("--build", metavar="DIR", nargs="?", const="",
+                   help="build the CPU kernels the rewritten module needs and copy the library "
+                        "and manifest.json into DIR (default: OUT's directory); the report names "
+                        "the manifest to pass to flashgen.runtime.load")
+    r.add_argument("--legacy-attrs", action="store_true",
+                   help="emit the mhlo.backend_config attribute form (what jax.ffi.ffi_call "
+                        "prints) instead of the native api_version=4 form")
+    r.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
+    r.set_defaults(func=cmd_rewrite)
+
+    u = subparsers.add_parser(
+        "run", help="execute a StableHLO module on CPU or CUDA with inputs from an .npz",
+        description="Run @main of a module (any format flashgen reads) with numpy inputs. "
+                    "flashgen custom calls in the module are built and registered first.")
+    u.add_argument("module", metavar="MODULE", help="the module file (.mlir, .mlirbc, "
+                   ".jax_exported)")
+    u.add_argument("--inputs", metavar="IN.npz",
+                   help="arrays arg0..argN in @main's parameter order; 2-byte arrays stored as "
+                        "uint16 or |V2 are reinterpreted as the parameter's type (bf16). "
+                        "Without it, random inputs are used (see --seed)")
+    u.add_argument("--outputs", metavar="OUT.npz",
+                   help="write results as out0..outM (bf16 stored as uint16 bit patterns)")
+    u.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
+                   help="where to run (default cpu)")
+    u.add_argument("--seed", type=int, default=0, help="seed for random inputs without --inputs")
+    u.set_defaults(func=cmd_run)
+
+
+# ------------------------------------------------------------------------------ rewrite
+def cmd_rewrite(args) -> int:
+    from flashgen import rewrite as rw
+
+    result = rw.rewrite(args.input, legacy_attrs=args.legacy_attrs)
+    report = result.report(input=args.input, output=args.output)
+    fmt = args.output_format or result.format
+    if fmt == "jax_exported" and result.format != "jax_exported":
+        raise UsageError("--output-format jax_exported needs a jax_exported input (a plain "
+                         "module has no calling convention to export)")
+
+    if args.verify and result.changed:
+        report.verified = _verify(result, args.seed)
+        bad = [row for row in report.verified["outputs"] if not row["ok"]]
+        if bad:
+            _write_report(args.report, report)
+            if args.explain:
+                print(report.explain())
+            worst = max(bad, key=lambda row: row["max_error"])
+            raise FlashgenError(
+                f"--verify failed: output {worst['output']} differs by {worst['max_error']:.3g} "
+                f"(tolerance {worst['tolerance']:.3g} for {worst['dtype']}); nothing written")
+    elif args.verify:
+        report.verified = {"outputs": [], "note": "nothing was rewritten"}
+
+    data = _encode(result, fmt)
+    if args.build is not None and result.specs:
+        out_dir = args.build or (str(pathlib.Path(args.output).resolve().parent)
+                                 if args.output else None)
+        if not out_dir:
+            raise UsageError("--build needs a directory when there is no -o OUT")
+        from flashgen.build import build
+        lib = build(result.specs, "cpu", out=out_dir)
+        report.library, report.manifest = str(lib.path), str(lib.manifest_path)
+    if args.output:
+        _atomic_write(args.output, data)
+    _write_report(args.report, report)
+    if args.explain:
+        print(report.explain())
+    if not args.quiet:
+        where = f" -> {args.output}" if args.output else " (no -o: nothing written)"
+        print(f"flashgen rewrite: {len(result.rewritten)} site(s) rewritten, "
+              f"{len(result.rejected)} left untouched in {result.seconds:.2f}s{where}",
+              file=sys.stderr)
+        if report.manifest:
+            print(f"manifest: {report.manifest}", file=sys.stderr)
+    return 0
+
+
+def _encode(result, fmt: str) -> bytes:
+    from flashgen.rewrite import modules
+    if fmt == result.format:
+        return result.to_bytes()
+    loaded = result.loaded
+    with loaded.context:
+        if fmt == "mlir":
+            return modules.module_text(result.module, True).encode()
+        if fmt == "mlirbc":
+            import io
+            out = io.BytesIO()
+            result.module.operation.write_bytecode(out)
+            return out.getvalue()
+        return modules.serialize_artifact(result.module, loaded.version)
+
+
+def _verify(result, seed: int) -> dict:
+    from flashgen import execute
+    from flashgen.rewrite import modules
+    original = modules.load(result.loaded.data)
+    rewritten = modules.load(result.to_bytes())
+    params, _ = execute.signature(original)
+    inputs = execute.random_inputs(params, seed)
+    ref = execute.run(original, inputs, register=False)
+    got = execute.run(rewritten, inputs)
+    order = {"bf16": 0, "f16": 1, "f32": 2}
+    dtype = min((s.dtype for s in result.rewritten), key=order.get, default=None)
+    return {"seed": seed, "outputs": execute.compare(ref, got, dtype)}
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    p = pathlib.Path(path)
+    if p.is_dir():
+        raise UsageError(f"{path} is a directory")
+    parent = p.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"the output directory {parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_report(path, report) -> None:
+    if path:
+        _atomic_write(path, report.dumps().encode())
+
+
+# ------------------------------------------------------------------------------ run
+def cmd_run(args) -> int:
+    import numpy as np
+    from flashgen import execute
+    from flashgen.rewrite import modules
+    loaded = modules.load(args.module)
+    params, _ = execute.signature(loaded)
+    if args.inputs:
+        inputs = execute.load_npz(args.inputs, params)
+    else:
+        inputs = execute.random_inputs(params, args.seed)
+    outputs = execute.run(loaded, inputs, platform=args.platform)
+    if args.outputs:
+        execute.save_npz(args.outputs, outputs)
+    for i, a in enumerate(outputs):
+        a = np.asarray(a)
+        flat = a.astype(np.float64).ravel() if a.dtype.kind in "fV" or a.dtype.itemsize == 2 \
+            else a.ravel()
+        head = ", ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in flat[:4].tolist())
+        print(f"out{i}: {list(a.shape)} {execute._element_name(a.dtype)} [{head}"
+              f"{', ...' if flat.size > 4 else ''}]")
+    return 0

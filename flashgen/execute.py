@@ -1,0 +1,306 @@
+"""Run a StableHLO module on CPU (or CUDA) with numpy inputs.
+
+Any format flashgen reads works: StableHLO text, MLIR bytecode, a portable
+artifact, or a serialized ``jax.export.Exported``. Plain modules are called
+through ``jax.export`` (an Exported built around them), so only public JAX
+APIs run them. flashgen custom calls found in the module are built (through
+the cache) and registered first.
+
+Inputs follow @main's parameters in order; bf16 travels through numpy as
+ml_dtypes.bfloat16, and 2-byte arrays stored as uint16 or raw void (``|V2``,
+what ``np.save`` writes for bfloat16) are reinterpreted by the parameter's
+element type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from flashgen.errors import FlashgenError, LoadError, UsageError
+
+_FLASHGEN_TARGET = re.compile(r"^flashgen_(fwd|bwd)_d(\d+)_(f16|bf16|f32)(_causal)?$")
+PLATFORMS = ("cpu", "cuda")
+
+# Output tolerance per dtype, relative to max(1, max |reference|).
+TOLERANCE = {"f32": 2e-3, "f16": 1e-2, "bf16": 4e-2, "f64": 1e-6}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorType:
+    shape: tuple
+    dtype: np.dtype        # numpy dtype (ml_dtypes.bfloat16 for bf16)
+    element_type: str      # MLIR element type, e.g. 'bf16'
+
+    def __str__(self):
+        return f"tensor<{'x'.join(map(str, self.shape))}{'x' if self.shape else ''}{self.element_type}>"
+
+
+def _np_dtype(element_type: str) -> np.dtype:
+    from flashgen.rewrite.fold import np_dtype
+    dt = np_dtype(element_type)
+    if dt is None:
+        raise UsageError(f"element type {element_type} is not supported by flashgen run")
+    return dt
+
+
+def _element_name(dtype: np.dtype) -> str:
+    names = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "f16",
+             np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.bool_): "i1"}
+    if dtype in names:
+        return names[dtype]
+    if np.issubdtype(dtype, np.signedinteger):
+        return f"i{dtype.itemsize * 8}"
+    if np.issubdtype(dtype, np.unsignedinteger):
+        return f"ui{dtype.itemsize * 8}"
+    return str(dtype)
+
+
+def _as_loaded(source):
+    from flashgen.rewrite import modules
+    if isinstance(source, modules.LoadedModule):
+        return source
+    return modules.load(source)
+
+
+def signature(source) -> tuple[list[TensorType], list[TensorType]]:
+    """@main's parameter and result types."""
+    from jaxlib.mlir import ir
+    loaded = _as_loaded(source)
+    if loaded.format == "jax_exported":
+        exp = loaded.exported
+        ins = [exp.in_avals[i] for i in exp.module_kept_var_idx]
+        conv = lambda a: TensorType(tuple(a.shape), np.dtype(a.dtype), _element_name(np.dtype(a.dtype)))
+        return [conv(a) for a in ins], [conv(a) for a in exp.out_avals]
+    with loaded.context:
+        main = _main(loaded.module)
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        conv = lambda t: _tensor_type(ir.RankedTensorType(t)) if isinstance(
+            t, ir.RankedTensorType) else _unsupported(t)
+        return [conv(t) for t in ftype.inputs], [conv(t) for t in ftype.results]
+
+
+def _unsupported(t):
+    raise UsageError(f"@main has a parameter or result of type {t}: only ranked tensors are supported")
+
+
+def _tensor_type(t) -> TensorType:
+    if not t.has_static_shape:
+        raise UsageError(f"@main has a dynamically shaped tensor {t}: give static shapes")
+    elt = str(t.element_type)
+    return TensorType(tuple(t.shape), _np_dtype(elt), elt)
+
+
+def _main(module):
+    from jaxlib.mlir import ir
+    for op in module.body.operations:
+        if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            return op
+    raise LoadError("the module has no @main function")
+
+
+def flashgen_targets(source) -> list[str]:
+    """Names of the flashgen custom-call targets a module calls."""
+    loaded = _as_loaded(source)
+    from flashgen.rewrite import modules
+    with loaded.context:
+        text = modules.module_text(loaded.module, False)
+    return sorted(set(re.findall(r"custom_call @(flashgen_[A-Za-z0-9_]+)", text)))
+
+
+def specs_for_targets(names: Sequence[str], target: str = "cpu"):
+    from flashgen.spec import KernelSpec
+    specs = set()
+    for n in names:
+        m = _FLASHGEN_TARGET.match(n)
+        if not m:
+            raise LoadError(f"unknown flashgen custom-call target {n!r}")
+        specs.add(KernelSpec(int(m.group(2)), m.group(3), bool(m.group(4)), target))
+    return sorted(specs)
+
+
+def register_targets(source, platform: str = "cpu") -> list:
+    """Build (through the cache) and register the flashgen kernels a module calls."""
+    names = flashgen_targets(source)
+    if not names:
+        return []
+    from flashgen import runtime
+    if platform == "cpu":
+        target = "cpu"
+    else:
+        from flashgen import toolchain
+        target = toolchain.detect_gpu_target()
+        if not target:
+            raise FlashgenError("no supported NVIDIA GPU found to build flashgen kernels for")
+    specs = specs_for_targets(names, target)
+    runtime.ensure(specs)
+    return specs
+
+
+def coerce_inputs(arrays: Sequence[np.ndarray], params: Sequence[TensorType]) -> list[np.ndarray]:
+    """Check count and shapes; reinterpret 2-byte bf16 carriers; cast within a kind."""
+    if len(arrays) != len(params):
+        raise UsageError(f"@main takes {len(params)} inputs, got {len(arrays)}")
+    out = []
+    for i, (a, p) in enumerate(zip(arrays, params)):
+        a = np.asarray(a)
+        if tuple(a.shape) != p.shape:
+            raise UsageError(f"input arg{i} has shape {list(a.shape)}, @main expects {p}")
+        if a.dtype != p.dtype:
+            if a.dtype.itemsize == 2 and p.dtype.itemsize == 2 and (
+                    a.dtype.kind == "V" or a.dtype == np.uint16) and p.dtype.kind != "u":
+                a = a.view(p.dtype)
+            elif np.can_cast(a.dtype, p.dtype, "same_kind") or (
+                    a.dtype.kind == "f" and p.dtype == np.dtype(ml_dtypes.bfloat16)):
+                a = a.astype(p.dtype)
+            else:
+                raise UsageError(f"input arg{i} has dtype {a.dtype}, @main expects {p}")
+        out.append(a)
+    return out
+
+
+def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
+        register: bool = True) -> list[np.ndarray]:
+    """Execute @main on ``inputs``; returns numpy outputs in @main's result order."""
+    import jax
+    if platform not in PLATFORMS:
+        raise UsageError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    loaded = _as_loaded(source)
+    params, results = signature(loaded)
+    arrays = coerce_inputs(inputs, params)
+    try:
+        device = jax.devices(platform)[0]
+    except RuntimeError:
+        raise FlashgenError(f"no {platform} device is available to JAX") from None
+    if register:
+        register_targets(loaded, platform)
+    exp = _exported(loaded, params, results, platform)
+    full = _full_inputs(exp, arrays)
+    args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, full)
+    with jax.default_device(device):
+        try:
+            outs = exp.call(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - XLA reports errors as several types
+            raise FlashgenError(f"running the module failed: {_first_line(e)}") from None
+    flat = jax.tree_util.tree_leaves(outs)
+    return [np.asarray(x) for x in flat]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _full_inputs(exp, kept: list) -> list:
+    """Exported.call takes every flattened input, also those the module dropped."""
+    if len(exp.module_kept_var_idx) == len(exp.in_avals):
+        return list(kept)
+    full = [np.zeros(a.shape, a.dtype) for a in exp.in_avals]
+    for i, a in zip(exp.module_kept_var_idx, kept):
+        full[i] = a
+    return full
+
+
+def _exported(loaded, params, results, platform: str):
+    """An Exported that calls the module: the input's own, or one built around a plain module."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from flashgen.rewrite import modules
+    if loaded.format == "jax_exported":
+        exp = loaded.exported
+        if platform not in exp.platforms:
+            raise UsageError(f"the module was exported for {', '.join(exp.platforms)}, "
+                             f"not {platform}")
+        return exp
+    ins = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in params]
+
+    def template(*_):
+        return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+
+    tmpl = export.export(jax.jit(template), platforms=[platform])(*ins)
+    with loaded.context:
+        art = modules.serialize_artifact(loaded.module, None)
+    names = flashgen_targets(loaded)
+    return dataclasses.replace(
+        tmpl, mlir_module_serialized=art, module_kept_var_idx=tuple(range(len(params))),
+        disabled_safety_checks=tuple(export.DisabledSafetyCheck.custom_call(n) for n in names))
+
+
+def random_inputs(params: Sequence[TensorType], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in params:
+        if p.dtype == np.bool_:
+            out.append(rng.random(p.shape) < 0.5)
+        elif np.issubdtype(p.dtype, np.integer):
+            out.append(rng.integers(0, 4, p.shape).astype(p.dtype))
+        else:
+            out.append(rng.standard_normal(p.shape).astype(np.float32).astype(p.dtype))
+    return out
+
+
+def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
+    try:
+        data = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"no such inputs file: {path}") from None
+    except (ValueError, OSError) as e:
+        raise UsageError(f"cannot read {path} as .npz: {e}") from None
+    names = set(data.files)
+    want = [f"arg{i}" for i in range(len(params))]
+    missing = [n for n in want if n not in names]
+    extra = sorted(names - set(want))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if extra:
+            parts.append(f"unexpected {', '.join(extra)}")
+        sig = ", ".join(f"arg{i}: {p}" for i, p in enumerate(params))
+        raise UsageError(f"{path}: {'; '.join(parts)} (@main takes {sig or 'no inputs'})")
+    return coerce_inputs([data[n] for n in want], params)
+
+
+def save_npz(path: str, outputs: Sequence[np.ndarray]) -> None:
+    """out0..outM; bf16 is stored as uint16 bit patterns (read back with .view(bfloat16))."""
+    arrays = {}
+    for i, a in enumerate(outputs):
+        a = np.asarray(a)
+        if a.dtype == np.dtype(ml_dtypes.bfloat16):
+            a = a.view(np.uint16)
+        arrays[f"out{i}"] = a
+    np.savez(path, **arrays)
+
+
+def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
+            dtype: Optional[str] = None) -> list[dict]:
+    """Per output: max error relative to max(1, max|reference|) and whether it is in tolerance.
+
+    ``dtype`` (a flashgen dtype) loosens the tolerance to that precision when it is
+    coarser than the output's own type.
+    """
+    rows = []
+    for i, (r, c) in enumerate(zip(reference, candidate)):
+        r, c = np.asarray(r), np.asarray(c)
+        name = _element_name(r.dtype)
+        if r.dtype.kind not in "fV" and r.dtype != np.dtype(ml_dtypes.bfloat16):
+            ok = bool(np.array_equal(r, c))
+            rows.append({"output": i, "dtype": name, "max_error": 0.0 if ok else float("inf"),
+                         "tolerance": 0.0, "ok": ok})
+            continue
+        r64, c64 = r.astype(np.float64), c.astype(np.float64)
+        same_nan = np.array_equal(np.isnan(r64), np.isnan(c64))
+        fin = ~np.isnan(r64)
+        err = float(np.max(np.abs(r64[fin] - c64[fin]), initial=0.0))
+        scale = max(1.0, float(np.max(np.abs(r64[fin]), initial=0.0)))
+        tol = TOLERANCE.get(name, 1e-2)
+        if dtype:
+            tol = max(tol, TOLERANCE.get(dtype, tol))
+        rel = err / scale
+        rows.append({"output": i, "dtype": name, "max_error": rel, "tolerance": tol,
+                     "ok": bool(same_nan and rel <= tol)})
+    return rows

@@ -1,0 +1,228 @@
+"""Apply the attention pattern to a whole module.
+
+1. list every dot_general (functions and nested regions: while bodies, ...)
+2. match each one (read-only) -> AttentionSite | Rejection | nothing
+3. rewrite matched sites one at a time, in program order; each site is matched
+   again right before its rewrite so that earlier rewrites never leave it stale
+4. erase what became dead (only pure ops, only ops reached from a rewritten site),
+   then private functions no call reaches any more
+5. verify the module; a failure there is a flashgen bug and nothing is returned
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jaxlib.mlir import ir
+
+from flashgen.errors import FlashgenError
+from flashgen.rewrite.graph import Graph, op_name
+from flashgen.rewrite.patterns import AttentionPattern
+from flashgen.rewrite.report import AttentionSite, Rejection
+
+_PURE = {
+    "stablehlo." + n for n in (
+        "constant iota broadcast_in_dim broadcast reshape transpose convert bitcast_convert "
+        "dot_general dot add subtract multiply divide remainder maximum minimum negate abs "
+        "exponential exponential_minus_one log log_plus_one sqrt rsqrt cbrt power sign floor "
+        "ceil round_nearest_even round_nearest_afz compare select and or not xor is_finite "
+        "clamp tanh logistic sine cosine reduce slice dynamic_slice concatenate pad gather "
+        "reverse real imag complex shift_left shift_right_logical shift_right_arithmetic "
+        "popcnt count_leading_zeros").split()
+} | {"chlo.erf", "chlo.tan", "chlo.top_k"}
+
+
+@dataclasses.dataclass
+class RewriteOptions:
+    legacy_attrs: bool = False
+    target: str = "cpu"
+
+
+def collect_dots(module: ir.Module) -> list:
+    found: list = []
+
+    def visit(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.dot_general":
+                        found.append(inner)
+                    elif len(inner.operation.regions):
+                        visit(inner.operation)
+
+    visit(module.operation)
+    return found
+
+
+def match_all(module: ir.Module, options: RewriteOptions) -> list:
+    graph = Graph(module)
+    pattern = AttentionPattern(graph, legacy_attrs=options.legacy_attrs, target=options.target)
+    results = []
+    for op in collect_dots(module):
+        r = pattern.match(op)
+        if r is not None:
+            results.append((op, r))
+    # a matched site's P·V product is no candidate of its own; overlapping matches lose
+    taken: set = set()
+    out = []
+    for op, r in results:
+        if isinstance(r, AttentionSite):
+            ops = set(r.plan.site_ops)
+            if ops & taken:
+                out.append((op, Rejection(r.location, r.function, r.op,
+                                          "overlaps another attention site")))
+                continue
+            taken |= ops
+        out.append((op, r))
+    return [(op, r) for op, r in out
+            if isinstance(r, AttentionSite) or (op.operation, ()) not in taken]
+
+
+def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) -> list:
+    """Rewrite every attention site of ``module`` in place; returns the report records."""
+    options = options or RewriteOptions()
+    found = [(hash(op.operation), op, r) for op, r in match_all(module, options)]
+    records = []
+    touched_functions: set = set()
+    erased: set = set()
+    for key, op, first in found:
+        if isinstance(first, Rejection):
+            records.append(first)
+            continue
+        if key in erased:
+            records.append(Rejection(first.location, first.function, first.op,
+                                     "removed by an earlier rewrite"))
+            continue
+        pattern = AttentionPattern(Graph(module), legacy_attrs=options.legacy_attrs,
+                                   target=options.target)
+        site = pattern.match(op)
+        if not isinstance(site, AttentionSite):  # an earlier rewrite changed its surroundings
+            records.append(site if site is not None else Rejection(
+                first.location, first.function, first.op, "no longer matches after earlier rewrites"))
+            continue
+        try:
+            pattern.rewrite(site)
+        except (ValueError, RuntimeError) as e:
+            site.status, site.reason = "rejected", f"the rewrite failed: {e}"
+            site.plan = None
+            records.append(site)
+            continue
+        roots = [o for o, ctx in site.plan.site_ops if not ctx]
+        touched_functions |= _erase_dead(pattern.g, roots, erased)
+        site.status = "rewritten"
+        site.plan = None
+        records.append(site)
+    if touched_functions:
+        _erase_unused_functions(module, touched_functions)
+    if not module.operation.verify():
+        raise FlashgenError("the rewritten module does not verify (a flashgen bug)")
+    return records
+
+
+def _erasable(graph: Graph, op, pure_funcs: dict) -> bool:
+    name = op.name
+    if name in _PURE:
+        return True
+    if name == "func.call":
+        fn = graph.callee(op)
+        return fn is not None and _pure_function(graph, fn, pure_funcs)
+    return False
+
+
+def _pure_function(graph: Graph, fn, memo: dict) -> bool:
+    key = Graph.function_name(fn)
+    if key in memo:
+        return memo[key]
+    memo[key] = False  # recursion: assume impure
+
+    def pure(op) -> bool:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    o = inner.operation
+                    if o.name in ("func.return", "stablehlo.return"):
+                        continue
+                    if not _erasable(graph, o, memo) or not pure(o):
+                        return False
+        return True
+
+    memo[key] = pure(fn)
+    return memo[key]
+
+
+def _erase_dead(graph: Graph, roots: list, erased: set) -> set:
+    """Erase ops of ``roots`` (and their producers) that no longer have users.
+
+    Adds the erased ops' keys to ``erased``; returns the callees of erased calls."""
+    # keys are taken while an op is alive: a wrapper of an erased op must not be touched
+    pending = [(hash(op), op) for op in roots]
+    pure_funcs: dict = {}
+    callees: set = set()
+    while pending:
+        key, op = pending.pop()
+        if key in erased:
+            continue
+        if any(len(list(r.uses)) for r in op.results):
+            continue
+        if not _erasable(graph, op, pure_funcs):
+            continue
+        producers = [v.owner.operation for v in op.operands if isinstance(v, ir.OpResult)]
+        producers = [(hash(p), p) for p in producers]
+        if op.name == "func.call":
+            callees.add(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+        erased.add(key)
+        op.erase()
+        pending.extend(p for p in producers if p[0] not in erased)
+    return callees
+
+
+def _erase_unused_functions(module: ir.Module, candidates: set) -> None:
+    while True:
+        used = set()
+
+        def visit(op):
+            for region in op.regions:
+                for block in region.blocks:
+                    for inner in block.operations:
+                        o = inner.operation
+                        if o.name == "func.call":
+                            used.add(ir.FlatSymbolRefAttr(o.attributes["callee"]).value)
+                        elif "called_computations" in o.attributes:
+                            for a in ir.ArrayAttr(o.attributes["called_computations"]):
+                                used.add(ir.FlatSymbolRefAttr(a).value)
+                        if len(o.regions):
+                            visit(o)
+
+        visit(module.operation)
+        removed = False
+        for op in list(module.body.operations):
+            o = op.operation
+            if o.name != "func.func":
+                continue
+            name = ir.StringAttr(o.attributes["sym_name"]).value
+            vis = o.attributes["sym_visibility"] if "sym_visibility" in o.attributes else None
+            if name in candidates and name not in used and vis is not None and \
+                    ir.StringAttr(vis).value == "private":
+                # functions it calls may become unused in turn
+                candidates |= _callees_of(o)
+                o.erase()
+                removed = True
+        if not removed:
+            return
+
+
+def _callees_of(fn) -> set:
+    out = set()
+
+    def visit(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    o = inner.operation
+                    if o.name == "func.call":
+                        out.add(ir.FlatSymbolRefAttr(o.attributes["callee"]).value)
+                    if len(o.regions):
+                        visit(o)
+
+    visit(fn)
+    return out

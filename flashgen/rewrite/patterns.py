@@ -1,0 +1,1155 @@
+"""The attention pattern: ``match(op)`` reads a site without touching it,
+``rewrite(site)`` replaces it with one flashgen custom call.
+
+What is matched, starting at a ``dot_general`` (the Q·K product):
+
+    scores = dot_general(Q, K)                   any operand order and layout
+    scores -> [scale] -> [causal mask] -> ...    multiply/divide by constants, select with a
+                                                 constant mask and a large negative fill, or an
+                                                 additive 0/-inf bias; converts, reshapes,
+                                                 transposes, unit broadcasts, private calls
+    p = exp(x - rowconst) / rowsum               the softmax over the key axes R; rowconst is
+                                                 anything constant along R (the row max)
+    p -> [layout, converts, fully-masked guard]
+    out = dot_general(p, V) contracting R        V on either side
+    out -> [transpose/reshape/convert]           the site's exit value
+
+Roles are read from dimension numbers: the operand of the first product
+whose free axes the softmax reduces is K, the other is Q. Every tensor on the
+way is described by which pieces of those logical axes each dimension holds
+(flashgen.rewrite.layout), so layout, operand order and softmax axis are
+never assumed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from math import prod
+
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+from flashgen.rewrite import layout as L
+from flashgen.rewrite.fold import Const, Folder
+from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
+from flashgen.rewrite.report import AttentionSite, Rejection
+from flashgen.spec import HEAD_DIMS, KernelSpec
+
+LARGE_NEGATIVE = -1e4      # a fill at or below this masks a score out
+MAX_CHAIN = 64             # ops followed along one chain before giving up
+
+_FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
+_KERNEL_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
+_WIDTH = {"f16": 16, "bf16": 16, "f32": 32, "f64": 64}
+_LAYOUT_OPS = ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
+               "stablehlo.broadcast_in_dim")
+_ELEMENTWISE = {
+    "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply", "stablehlo.divide",
+    "stablehlo.maximum", "stablehlo.minimum", "stablehlo.negate", "stablehlo.abs",
+    "stablehlo.exponential", "stablehlo.log", "stablehlo.sqrt", "stablehlo.rsqrt",
+    "stablehlo.compare", "stablehlo.select", "stablehlo.and", "stablehlo.or", "stablehlo.not",
+    "stablehlo.is_finite", "stablehlo.convert", "stablehlo.clamp", "stablehlo.power",
+    "stablehlo.tanh", "stablehlo.logistic", "stablehlo.sign", "stablehlo.floor",
+}
+_RNG_OPS = ("stablehlo.rng_bit_generator", "stablehlo.rng")
+
+
+class Reject(Exception):
+    """Raised inside the matcher; becomes a Rejection."""
+
+    def __init__(self, reason: str, **details):
+        super().__init__(reason)
+        self.reason = reason
+        self.details = details
+
+
+def _ints(attr) -> list[int]:
+    return list(ir.DenseI64ArrayAttr(attr))
+
+
+def _elt(ref_or_value) -> str:
+    v = ref_or_value.value if isinstance(ref_or_value, Ref) else ref_or_value
+    return str(v.type.element_type)
+
+
+def _shape(v) -> tuple:
+    v = v.value if isinstance(v, Ref) else v
+    return tuple(v.type.shape)
+
+
+def reduce_kind(op) -> str | None:
+    """'add', 'maximum', ... for a single-input stablehlo.reduce with a one-op body."""
+    if op_name(op) != "stablehlo.reduce" or len(op.operands) != 2:
+        return None
+    body = op.operation.regions[0].blocks[0]
+    ops = list(body.operations)
+    if len(ops) != 2:
+        return None
+    return ops[0].operation.name.split(".")[-1]
+
+
+@dataclasses.dataclass
+class _Term:
+    """A value computed from the site's chain values by elementwise ops and reductions."""
+    layout: tuple             # per dim: pieces, or None where constant (broadcast)
+    full: bool                # depends on a chain value without a reduction over R in between
+    reduces: list             # [(kind, tag of the reduced chain value, reduced pieces)]
+    ops: list                 # op names after the (single) reduction, for the normalizer check
+    tag: str | None = None    # the chain value's tag when only layout ops/converts lead here
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything rewrite() needs; built by match(), valid until the module changes."""
+    dot1: object
+    exit_op: object
+    exit_value: ir.Value
+    exit_layout: tuple
+    inputs: dict              # 'q'|'k'|'v' -> (ir.Value, layout)
+    kernel: dict              # 'q'|'k'|'v'|'o' -> tuple of dims (each a tuple of pieces)
+    spec: KernelSpec
+    scale: float
+    bottom_right: bool
+    site_ops: set             # {(ir.Operation, ctx)} the site's own ops
+
+
+class _Match:
+    """Mutable state of one match attempt."""
+
+    def __init__(self):
+        self.ops: set = set()          # (operation, ctx)
+        self.chain: dict = {}          # (value, ctx) -> (layout, tag)
+        self.scale = 1.0
+        self.masks: list = []          # (Const visible, layout, how)
+        self.matched: list = []
+        self.notes: list = []
+        self.guards: list = []         # row-wise predicates of fully-masked-row guards
+        self.probs_layout = None       # the probabilities' layout at the P·V product
+
+    def add(self, op, ctx):
+        self.ops.add((op.operation, ctx))
+
+    def record(self, ref: Ref, layout, tag: str):
+        self.chain[(ref.value, ref.ctx)] = (layout, tag)
+
+
+class AttentionPattern:
+    """Finds dot_general → softmax → dot_general attention and replaces it."""
+
+    name = "attention"
+
+    def __init__(self, graph: Graph, *, legacy_attrs: bool = False, target: str = "cpu"):
+        self.g = graph
+        self.folder = Folder(graph)
+        self.legacy_attrs = legacy_attrs
+        self.target = target
+
+    # ------------------------------------------------------------------ candidates
+    def is_candidate(self, op) -> bool:
+        """Does this dot_general's result reach a softmax (or a second batched product)?"""
+        if op_name(op) != "stablehlo.dot_general":
+            return False
+        batched = bool(self._dims(op)[0])
+        frontier, seen = [Ref(op.result)], set()
+        for _ in range(16):
+            nxt = []
+            for ref in frontier:
+                for user, idx, ctx in self.g.users(ref):
+                    name = op_name(user)
+                    key = (user.operation, ctx)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    if name == "stablehlo.exponential":
+                        return True
+                    if name == "stablehlo.reduce" and reduce_kind(user) == "maximum":
+                        return True
+                    if name == "stablehlo.logistic" and batched:
+                        return True
+                    if name == "stablehlo.dot_general":
+                        if batched and self._dims(user)[0]:
+                            return True
+                        continue
+                    if name in _ELEMENTWISE or name in _LAYOUT_OPS:
+                        nxt.extend(Ref(r, ctx) for r in user.results)
+            frontier = nxt
+            if not frontier:
+                break
+        return False
+
+    @staticmethod
+    def _dims(op):
+        dn = stablehlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
+        return (list(dn.lhs_batching_dimensions), list(dn.rhs_batching_dimensions),
+                list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions))
+
+    # ------------------------------------------------------------------ match
+    def match(self, op):
+        """An AttentionSite, a Rejection, or None when ``op`` is no attention candidate."""
+        if not self.is_candidate(op):
+            return None
+        fn = self.g.function_of(op)
+        where = dict(location=str(op.location), function=self.g.function_name(fn),
+                     op=_describe_op(op))
+        m = _Match()
+        try:
+            site = self._match(op, m, where)
+        except Reject as e:
+            details = {k: v for k, v in e.details.items() if v is not None}
+            return Rejection(where["location"], where["function"], where["op"], e.reason,
+                             matched=m.matched, details=details)
+        site.notes = m.notes
+        return site
+
+    def _match(self, dot1, m: _Match, where: dict) -> AttentionSite:
+        for v in list(dot1.operands) + [dot1.result]:
+            t = v.type
+            if not isinstance(t, ir.RankedTensorType) or not t.has_static_shape:
+                raise Reject("dynamic shapes are not supported")
+        lb, rb, lc, rc = self._dims(dot1)
+        lhs, rhs = dot1.operands
+        ls, rs = _shape(lhs), _shape(rhs)
+        lfree = [i for i in range(len(ls)) if i not in lb and i not in lc]
+        rfree = [i for i in range(len(rs)) if i not in rb and i not in rc]
+        sizes = {}
+        lhs_layout, rhs_layout = [None] * len(ls), [None] * len(rs)
+        for i, (a, b) in enumerate(zip(lb, rb)):
+            sizes[f"B{i}"] = ls[a]
+            lhs_layout[a] = rhs_layout[b] = L.whole(f"B{i}", ls[a])
+        for i, (a, b) in enumerate(zip(lc, rc)):
+            sizes[f"C{i}"] = ls[a]
+            lhs_layout[a] = rhs_layout[b] = L.whole(f"C{i}", ls[a])
+        for j, a in enumerate(lfree):
+            sizes[f"L{j}"] = ls[a]
+            lhs_layout[a] = L.whole(f"L{j}", ls[a])
+        for j, b in enumerate(rfree):
+            sizes[f"R{j}"] = rs[b]
+            rhs_layout[b] = L.whole(f"R{j}", rs[b])
+        scores_layout = tuple([L.whole(f"B{i}", ls[a]) for i, a in enumerate(lb)]
+                              + [L.whole(f"L{j}", ls[a]) for j, a in enumerate(lfree)]
+                              + [L.whole(f"R{j}", rs[b]) for j, b in enumerate(rfree)])
+        m.add(dot1, ())
+        m.matched.append("Q·K product")
+
+        # 1. scores -> softmax entry
+        x, x_layout = self._walk_scores(m, Ref(dot1.result), scores_layout)
+        # 2. the softmax
+        p, p_layout, R = self._softmax(m, x, x_layout)
+        m.matched.append("softmax")
+        # 3. probabilities -> P·V product
+        dot2, p_idx, dot2_ctx = self._walk_probs(m, p, p_layout)
+        m.matched.append("P·V product")
+        if dot2_ctx:
+            raise Reject("the P·V product is inside a called function; the site spans functions")
+        # 4. roles
+        r_labels = {pc[0] for pc in R}
+        if any(lbl[0] in "BC" for lbl in r_labels):
+            raise Reject("the softmax reduces over a batch or head axis")
+        l_labels = {f"L{j}" for j in range(len(lfree))} - {k for k in sizes if sizes[k] == 1}
+        r_side = {f"R{j}" for j in range(len(rfree))} - {k for k in sizes if sizes[k] == 1}
+        if r_labels and r_labels <= r_side:
+            k_side, q_labels, k_labels = "rhs", l_labels, r_side
+        elif r_labels and r_labels <= l_labels:
+            k_side, q_labels, k_labels = "lhs", r_side, l_labels
+        else:
+            raise Reject("the softmax axis mixes axes of both operands of the Q·K product")
+        if r_labels != k_labels or _covered(R) != {lbl: sizes[lbl] for lbl in k_labels}:
+            raise Reject("the softmax normalizes over only part of the key axes",
+                         softmax_axes=_pieces_text(R))
+        # 5. P·V product dimension roles
+        v_ref, v_layout, out_layout = self._pv_roles(m, dot2, p_idx, p_layout, R, sizes)
+        # 6. exit chain
+        exit_op, exit_value, exit_layout = self._exit(m, dot2, out_layout)
+        # 7. inputs
+        q_val, k_val = (rhs, lhs) if k_side == "lhs" else (lhs, rhs)
+        q_lay, k_lay = (rhs_layout, lhs_layout) if k_side == "lhs" else (lhs_layout, rhs_layout)
+        q_in = self._walk_input(Ref(q_val), tuple(q_lay), scale=True, bcast=False)
+        k_in = self._walk_input(Ref(k_val), tuple(k_lay), scale=True, bcast=True)
+        v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=True)
+        if L.common_refinement((k_in[3],), (v_in[3],)) is None or \
+                _covered(k_in[3]) != _covered(v_in[3]):
+            k_in = self._walk_input(Ref(k_val), tuple(k_lay), scale=True, bcast=False)
+            v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=False)
+        if q_in[2] != 1.0 and k_in[2] != 1.0:
+            m.notes.append("scale split between Q and K")
+        if _covered(k_in[3]):
+            m.notes.append("K/V broadcast over heads (GQA) read through")
+        scale = m.scale * q_in[2] * k_in[2]
+        # 8. closure: no intermediate may have a user outside the site
+        self._check_closure(m, exit_op)
+        # 9. mask, kernel layout, limits
+        return self._plan(m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
+                          exit_op, exit_value, exit_layout, scale)
+
+    # ------------------------------------------------------------------ scores
+    def _walk_scores(self, m: _Match, ref: Ref, layout):
+        for _ in range(MAX_CHAIN):
+            m.record(ref, layout, "scores")
+            users = list(self.g.users(ref))
+            if not users:
+                raise Reject("the scores are never used")
+            if self._is_softmax_entry(users):
+                return ref, layout
+            steps = [u for u in users if op_name(u[0]) in _SCORE_STEPS]
+            if len(steps) != 1:
+                if not steps:
+                    raise Reject(self._why_not_softmax(users))
+                raise Reject(f"the scores have {len(users)} users "
+                             f"({', '.join(op_name(u[0]) for u in users)})")
+            user, idx, ctx = steps[0]
+            layout = self._score_step(m, user, idx, ctx, layout)
+            m.add(user, ctx)
+            ref = Ref(user.results[0], ctx)
+        raise Reject("the chain from the scores to the softmax is too long")
+
+    @staticmethod
+    def _why_not_softmax(users) -> str:
+        names = [op_name(u[0]) for u in users]
+        for name in names:
+            if name == "stablehlo.negate" and any(
+                    op_name(u2) == "stablehlo.exponential"
+                    for u in users for r in u[0].results for u2, _ in
+                    [(x.owner, None) for x in r.uses]):
+                return "the scores go through exp(-x), a sigmoid, not a softmax (sigmoid attention)"
+            if name == "stablehlo.logistic":
+                return "the scores go through a sigmoid, not a softmax (sigmoid attention)"
+            if name == "stablehlo.dot_general":
+                return "no softmax between the two products (linear attention?)"
+            if name == "func.return":
+                return "the scores are returned; no softmax follows"
+        return f"the scores pass through {names[0]} before any softmax"
+
+    def _is_softmax_entry(self, users) -> bool:
+        for user, idx, ctx in users:
+            name = op_name(user)
+            if name == "stablehlo.exponential":
+                return True
+            if name == "stablehlo.reduce" and reduce_kind(user) == "maximum":
+                return True
+            if name == "stablehlo.subtract" and idx == 0:
+                other = Ref(user.operands[1], ctx)
+                if self.folder.fold(other) is None:
+                    return True
+        return False
+
+    def _score_step(self, m: _Match, user, idx: int, ctx, layout):
+        name = op_name(user)
+        if name == "stablehlo.convert":
+            if _elt(user.result) not in _FLOAT_TYPES:
+                raise Reject("the scores are converted to a non-float type")
+            return layout
+        if name in ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim"):
+            return self._layout_step(user, layout, what="scores")
+        other = Ref(user.operands[1 - idx], ctx) if len(user.operands) == 2 else None
+        if name == "stablehlo.multiply" or (name == "stablehlo.divide" and idx == 0):
+            s = self._uniform(other, "scale")
+            if s == 0 or not np.isfinite(s):
+                raise Reject(f"the scores are scaled by {s}")
+            m.scale = m.scale * s if name == "stablehlo.multiply" else m.scale / s
+            m.matched.append("scale")
+            return layout
+        if name == "stablehlo.select" and idx in (1, 2):
+            pred = self.folder.fold(Ref(user.operands[0], ctx))
+            if pred is None:
+                raise Reject("the mask depends on runtime values (a padding or attention-mask "
+                             "argument): only causal masks known at compile time are supported")
+            fill = self.folder.fold(Ref(user.operands[3 - idx], ctx))
+            if fill is None or not fill.uniform:
+                raise Reject("the masked-out fill value is not a constant")
+            value = float(fill.scalar())
+            if not value <= LARGE_NEGATIVE:
+                raise Reject(f"the mask fill value {value:g} is not a large negative number")
+            visible = pred.array.astype(bool)
+            if idx == 2:
+                visible = ~visible
+            m.masks.append((Const(visible, pred.shape), layout, "select"))
+            m.matched.append("mask")
+            return layout
+        if name == "stablehlo.add" or (name == "stablehlo.subtract" and idx == 0):
+            bias = self.folder.fold(other)
+            if bias is None:
+                raise Reject("the scores get a runtime additive bias (an attention-mask argument "
+                             "or a position bias): only causal masks are supported")
+            b = bias.array.astype(np.float64)
+            if name == "stablehlo.subtract":
+                b = -b
+            if np.all(b == 0):
+                return layout
+            if not np.all((b == 0) | (b <= LARGE_NEGATIVE)):
+                raise Reject("the additive bias is not a 0 / -inf mask (a position bias?)")
+            m.masks.append((Const(b == 0, bias.shape), layout, "bias"))
+            m.matched.append("mask (additive)")
+            return layout
+        raise Reject(f"the scores pass through {name}")
+
+    def _uniform(self, ref: Ref, what: str) -> float:
+        c = self.folder.fold(ref)
+        if c is None:
+            raise Reject(f"the {what} is known only at run time")
+        if not c.uniform:
+            raise Reject(f"the {what} is not a single number (a per-element tensor)")
+        return float(c.scalar())
+
+    def _layout_step(self, user, layout, *, what: str):
+        name = op_name(user)
+        if name == "stablehlo.transpose":
+            return L.transpose(layout, _ints(user.operation.attributes["permutation"]))
+        if name == "stablehlo.reshape":
+            out = L.regroup(layout, _shape(user.result))
+            if out is None:
+                raise Reject(f"a reshape of the {what} mixes axes")
+            return out
+        if name == "stablehlo.broadcast_in_dim":
+            dims = _ints(user.operation.attributes["broadcast_dimensions"])
+            src, dst = _shape(user.operands[0]), _shape(user.result)
+            out = [()] * len(dst)
+            for i, d in enumerate(dims):
+                if src[i] != dst[d]:
+                    raise Reject(f"the {what} are broadcast")
+                out[d] = layout[i]
+            for d in range(len(dst)):
+                if d not in dims and dst[d] != 1:
+                    raise Reject(f"the {what} are broadcast")
+            return tuple(out)
+        if name == "stablehlo.convert":
+            return layout
+        raise AssertionError(name)
+
+    # ------------------------------------------------------------------ softmax
+    def _softmax(self, m: _Match, x: Ref, x_layout):
+        # the row max may be taken on one view of the scores and subtracted from another
+        # (JAX transposes between the two): follow the non-reduce users through layout ops
+        for _ in range(MAX_CHAIN):
+            users = list(self.g.users(x))
+            if any(op_name(u[0]) in ("stablehlo.subtract", "stablehlo.exponential") for u in users):
+                break
+            views = [u for u in users if op_name(u[0]) in (
+                "stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
+                "stablehlo.broadcast_in_dim")]
+            if len(views) != 1:
+                raise Reject("the row maximum is not subtracted from the scores before the "
+                             "exponential")
+            user, _, ctx = views[0]
+            if op_name(user) == "stablehlo.convert" and _elt(user.result) not in _FLOAT_TYPES:
+                raise Reject("the scores are converted to a non-float type")
+            x_layout = self._layout_step(user, x_layout, what="scores")
+            m.add(user, ctx)
+            x = Ref(user.results[0], ctx)
+            m.record(x, x_layout, "scores")
+        subs = [u for u in users if op_name(u[0]) == "stablehlo.subtract" and u[1] == 0]
+        shift = None
+        if subs:
+            sub, _, ctx = subs[0]
+            m.add(sub, ctx)
+            shift_ref = Ref(sub.operands[1], ctx)
+            shift = self._term(m, shift_ref)
+            d = Ref(sub.result, ctx)
+            m.record(d, x_layout, "scores")
+            exps = [u for u in self.g.users(d) if op_name(u[0]) == "stablehlo.exponential"]
+            if not exps:
+                raise Reject("the scores minus the row maximum do not go into an exponential")
+        else:
+            exps = [u for u in users if op_name(u[0]) == "stablehlo.exponential"]
+            if not exps:
+                raise Reject("no exponential follows the row maximum")
+            m.notes.append("softmax without max subtraction")
+        exp, _, ctx = exps[0]
+        m.add(exp, ctx)
+        e = Ref(exp.result, ctx)
+        m.record(e, x_layout, "exp")
+        # e and its converts; one of them is divided (or multiplied by the reciprocal)
+        views, norm = [e], None
+        i = 0
+        while i < len(views) and norm is None:
+            for user, idx, uctx in self.g.users(views[i]):
+                name = op_name(user)
+                if name == "stablehlo.convert" and _elt(user.result) in _FLOAT_TYPES:
+                    m.add(user, uctx)
+                    r = Ref(user.result, uctx)
+                    m.record(r, x_layout, "exp")
+                    views.append(r)
+                elif name in ("stablehlo.divide", "stablehlo.multiply") and (
+                        idx == 0 or name == "stablehlo.multiply"):
+                    den = Ref(user.operands[1 - idx], uctx)
+                    if (den.value, den.ctx) in m.chain:
+                        continue
+                    norm = (user, den, uctx)
+                    break
+            i += 1
+        if norm is None:
+            raise Reject("the exponentials are not divided by their row sum (not a softmax)")
+        user, den, uctx = norm
+        m.add(user, uctx)
+        term = self._term(m, den)
+        sums = [r for r in term.reduces if r[0] == "add" and r[1] == "exp"]
+        if len(term.reduces) != 1 or not sums or term.full:
+            raise Reject("the softmax denominator is not the row sum of the exponentials")
+        recip = term.ops.count("reciprocal") % 2
+        if (op_name(user) == "stablehlo.divide") == bool(recip):
+            raise Reject("the softmax denominator is not the row sum of the exponentials")
+        if any(o not in ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                         "stablehlo.transpose", "reciprocal") for o in term.ops):
+            raise Reject("the softmax denominator is modified after the row sum")
+        R = sums[0][2]
+        if not self._rowwise_ok(term.layout, x_layout, R):
+            raise Reject("the softmax denominator is not broadcast along the summed axis")
+        if shift is not None and (shift.full or not self._rowwise_ok(shift.layout, x_layout, R)):
+            raise Reject("the value subtracted before the exponential is not constant along "
+                         "the softmax axis")
+        p = Ref(user.result, uctx)
+        m.record(p, x_layout, "probs")
+        return p, x_layout, R
+
+    @staticmethod
+    def _rowwise_ok(term_layout, x_layout, R) -> bool:
+        """term broadcast along every dim that holds a piece of R, equal to x elsewhere."""
+        if len(term_layout) != len(x_layout):
+            return False
+        fixed = [d for d in term_layout if d is not None]
+        refined = L.common_refinement(tuple(fixed), tuple(x_layout), (tuple(R),))
+        if refined is None:
+            return False
+        cuts = L.boundaries([tuple(fixed), tuple(x_layout), (tuple(R),)])
+        r_set = set(L.refine_dim(tuple(R), cuts))
+        for t, xd in zip(term_layout, x_layout):
+            xs = L.refine_dim(xd, cuts)
+            holds_r = any(p in r_set for p in xs)
+            if t is None:
+                continue
+            if holds_r:
+                return False
+            if L.refine_dim(t, cuts) != xs:
+                return False
+        return True
+
+    def _term(self, m: _Match, ref: Ref, depth: int = 0) -> _Term:
+        """Analyse a value computed from chain values by elementwise ops and reductions."""
+        if depth > 40:
+            raise Reject("the softmax bookkeeping is too deep to analyse")
+        r = self.g.resolve(ref)
+        hit = m.chain.get((r.value, r.ctx))
+        if hit is not None:
+            return _Term(hit[0], True, [], [], hit[1])
+        c = self.folder.fold(r)
+        if c is not None:
+            if not c.uniform:
+                raise Reject("the softmax uses a non-uniform constant")
+            return _Term(tuple([None] * len(c.shape)), False, [], [])
+        if isinstance(r.value, ir.BlockArgument):
+            raise Reject("the softmax uses a value from outside the attention site")
+        op = r.value.owner
+        name = op_name(op)
+        m.add(op, r.ctx)
+        if name == "stablehlo.reduce":
+            kind = reduce_kind(op)
+            if kind is None:
+                raise Reject("the softmax uses an unsupported reduction")
+            init = self.folder.fold(Ref(op.operands[1], r.ctx))
+            if init is None:
+                raise Reject("a softmax reduction has a runtime initial value")
+            src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
+            if not src.full:
+                raise Reject("the softmax reduces a row-wise value again")
+            dims = _ints(op.operation.attributes["dimensions"])
+            reduced = tuple(p for i in dims for p in (src.layout[i] or ()))
+            if any(src.layout[i] is None for i in dims):
+                raise Reject("the softmax reduces a broadcast axis")
+            if kind == "add" and float(init.scalar()) != 0.0:
+                raise Reject("the softmax sum starts from a nonzero value")
+            tag = src.tag
+            out = tuple(d for i, d in enumerate(src.layout) if i not in dims)
+            return _Term(out, False, [(kind, tag, reduced)], [])
+        if name in ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+                    "stablehlo.convert"):
+            src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
+            lay = self._term_layout_step(op, src.layout)
+            return _Term(lay, src.full, src.reduces, src.ops + [name], src.tag)
+        if name in _ELEMENTWISE:
+            parts = [self._term(m, Ref(x, r.ctx), depth + 1) for x in op.operands]
+            lay = _merge_layouts([t.layout for t in parts])
+            if lay is None:
+                raise Reject("the softmax combines misaligned values")
+            ops = [o for t in parts for o in t.ops]
+            if name == "stablehlo.divide" and not parts[0].reduces and not parts[0].full:
+                ops.append("reciprocal")  # const / x
+            else:
+                ops.append(name)
+            return _Term(lay, any(t.full for t in parts), [x for t in parts for x in t.reduces], ops)
+        raise Reject(f"the softmax uses {name}")
+
+    @staticmethod
+    def _tag_of(m: _Match, ref: Ref) -> str | None:
+        hit = m.chain.get((ref.value, ref.ctx))
+        return hit[1] if hit else None
+
+    @staticmethod
+    def _term_layout_step(op, layout):
+        name = op_name(op)
+        if name == "stablehlo.convert":
+            return layout
+        if name == "stablehlo.transpose":
+            return L.transpose(layout, _ints(op.operation.attributes["permutation"]))
+        if name == "stablehlo.reshape":
+            dst = _shape(op.result)
+            src = _shape(op.operands[0])
+            lay = tuple(() if d is None and n == 1 else d for d, n in zip(layout, src))
+            out = L.regroup(lay, dst)
+            if out is None:
+                raise Reject("a reshape in the softmax mixes axes")
+            return out
+        dims = _ints(op.operation.attributes["broadcast_dimensions"])
+        src, dst = _shape(op.operands[0]), _shape(op.result)
+        out = [None] * len(dst)
+        for d in range(len(dst)):
+            if dst[d] == 1:
+                out[d] = ()
+        for i, d in enumerate(dims):
+            out[d] = layout[i] if src[i] == dst[d] else None
+        return tuple(out)
+
+    # ------------------------------------------------------------------ probabilities
+    def _walk_probs(self, m: _Match, p: Ref, layout):
+        for _ in range(MAX_CHAIN):
+            users = list(self.g.users(p))
+            steps = [u for u in users if op_name(u[0]) in _PROB_STEPS]
+            if len(steps) != 1:
+                if not users:
+                    raise Reject("the probabilities are never used")
+                raise Reject(self._why_not_pv(users, p))
+            user, idx, ctx = steps[0]
+            name = op_name(user)
+            m.add(user, ctx)
+            if name == "stablehlo.dot_general":
+                m.probs_layout = layout
+                return user, idx, ctx
+            if name == "stablehlo.select":
+                if idx == 0:
+                    raise Reject("the probabilities are used as a predicate")
+                other = self.folder.fold(Ref(user.operands[3 - idx], ctx))
+                if other is None or not other.uniform or float(other.scalar()) != 0.0:
+                    raise Reject(self._dropout_or(p, "the probabilities are selected against "
+                                                     "a non-zero value"))
+                pred = self._term(m, Ref(user.operands[0], ctx))
+                if pred.full:
+                    raise Reject(self._dropout_or(p, "the probabilities are masked after the "
+                                                     "softmax"))
+                m.guards.append((pred, layout))
+                m.notes.append("fully-masked-row guard after the softmax")
+            elif name == "stablehlo.convert":
+                if _elt(user.result) not in _FLOAT_TYPES:
+                    raise Reject("the probabilities are converted to a non-float type")
+            else:
+                layout = self._layout_step(user, layout, what="probabilities")
+            p = Ref(user.results[0], ctx)
+            m.record(p, layout, "probs")
+        raise Reject("the chain from the softmax to the P·V product is too long")
+
+    def _why_not_pv(self, users, p: Ref) -> str:
+        for user, idx, ctx in users:
+            if op_name(user) == "func.return":
+                fn = user.operation.parent.operation
+                return (f"the probabilities are returned as output {idx} of "
+                        f"@{self.g.function_name(fn)}"
+                        + (" and no P·V product follows (a softmax classifier?)"
+                           if not any(op_name(u[0]) == "stablehlo.dot_general" for u in users)
+                           else ""))
+        names = sorted({op_name(u[0]) for u in users})
+        if len(users) > 1 and "stablehlo.dot_general" in names:
+            others = [op_name(u[0]) for u in users if op_name(u[0]) != "stablehlo.dot_general"]
+            return self._dropout_or(p, f"the probabilities have another user ({', '.join(others)})")
+        return self._dropout_or(p, f"the probabilities pass through {', '.join(names)}")
+
+    def _dropout_or(self, p: Ref, reason: str) -> str:
+        """Name dropout when what the probabilities meet next combines them with random
+        numbers (an rng op) or with a runtime mask (e.g. inline threefry bits)."""
+        frontier = [p]
+        for _ in range(3):
+            nxt = []
+            for ref in frontier:
+                for user, idx, ctx in self.g.users(ref):
+                    name = op_name(user)
+                    for i, x in enumerate(user.operands):
+                        if i == idx:
+                            continue
+                        if self._mentions_rng(Ref(x, ctx)):
+                            return "dropout on the probabilities (they are combined with a " \
+                                   "random mask)"
+                        if name in ("stablehlo.select", "stablehlo.multiply") and \
+                                self.folder.fold(Ref(x, ctx)) is None and \
+                                _elt(x) in ("i1", "f32", "bf16", "f16") and \
+                                self._depends_on_argument(Ref(x, ctx)):
+                            return "the probabilities are masked by a runtime value " \
+                                   "(dropout?)"
+                    nxt.extend(Ref(r, ctx) for r in user.results)
+            frontier = nxt
+        return reason
+
+    def _depends_on_argument(self, ref: Ref) -> bool:
+        """Does the value depend on a function argument without going through the site?"""
+        stack, seen = [ref], set()
+        while stack and len(seen) < 200:
+            r = self.g.resolve(stack.pop())
+            key = (r.value, r.ctx)
+            if key in seen:
+                continue
+            seen.add(key)
+            if isinstance(r.value, ir.BlockArgument):
+                return True
+            op = r.value.owner
+            if op_name(op) == "stablehlo.dot_general":
+                continue
+            stack.extend(Ref(x, r.ctx) for x in op.operands)
+        return False
+
+    def _mentions_rng(self, ref: Ref) -> bool:
+        stack, seen = [ref], set()
+        while stack and len(seen) < 200:
+            r = self.g.resolve(stack.pop())
+            if (r.value, r.ctx) in seen or isinstance(r.value, ir.BlockArgument):
+                continue
+            seen.add((r.value, r.ctx))
+            op = r.value.owner
+            if op_name(op) in _RNG_OPS:
+                return True
+            stack.extend(Ref(x, r.ctx) for x in op.operands)
+        return False
+
+    def _pv_roles(self, m: _Match, dot2, p_idx: int, p_layout, R, sizes):
+        """Check the P·V product; return V (Ref, layout) and the product's result layout."""
+        p_layout = m.probs_layout
+        for t, at in m.guards:
+            if not self._rowwise_ok(t.layout, at, R):
+                raise Reject("the fully-masked-row guard is not constant along the softmax axis")
+        lb, rb, lc, rc = self._dims(dot2)
+        pb, vb, pc, vc = (lb, rb, lc, rc) if p_idx == 0 else (rb, lb, rc, lc)
+        v_val = dot2.operands[1 - p_idx]
+        ps, vs = _shape(dot2.operands[p_idx]), _shape(v_val)
+        contracted = tuple(pc_ for i in pc for pc_ in p_layout[i])
+        refined = L.common_refinement((contracted,), (tuple(R),))
+        if refined is None or sorted(refined[0][0]) != sorted(refined[1][0]):
+            ax = _pieces_text(contracted)
+            raise Reject("the softmax is over the query axis: it normalizes over "
+                         f"{_pieces_text(R)} but the P·V product contracts {ax}"
+                         if any(pc_[0][0] in "LR" for pc_ in contracted) else
+                         f"the P·V product contracts {ax}, not the softmax axis {_pieces_text(R)}")
+        for i in range(len(ps)):
+            if i in pb or i in pc:
+                continue
+            if any(pc_[0][0] == "B" for pc_ in p_layout[i]):
+                raise Reject("a batch/head axis of the probabilities is not batched in the "
+                             "P·V product")
+        v_layout = [None] * len(vs)
+        for a, b in zip(pb, vb):
+            v_layout[b] = p_layout[a]
+        for a, b in zip(pc, vc):
+            v_layout[b] = p_layout[a]
+        vfree = [i for i in range(len(vs)) if i not in vb and i not in vc]
+        for j, b in enumerate(vfree):
+            sizes[f"V{j}"] = vs[b]
+            v_layout[b] = L.whole(f"V{j}", vs[b])
+        pfree = [i for i in range(len(ps)) if i not in pb and i not in pc]
+        batch = [p_layout[a] for a in pb]
+        p_free = [p_layout[a] for a in pfree]
+        v_free = [L.whole(f"V{j}", vs[b]) for j, b in enumerate(vfree)]
+        out = batch + (p_free + v_free if p_idx == 0 else v_free + p_free)
+        return Ref(v_val), tuple(v_layout), tuple(out)
+
+    def _exit(self, m: _Match, dot2, layout):
+        op, value = dot2, dot2.result
+        while True:
+            uses = self.g.raw_users(value)
+            if len(uses) != 1:
+                break
+            user = uses[0][0]
+            name = op_name(user)
+            if name not in ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert"):
+                break
+            if name == "stablehlo.convert" and _elt(user.result) not in _FLOAT_TYPES:
+                break
+            if name == "stablehlo.reshape" and L.regroup(layout, _shape(user.result)) is None:
+                break
+            layout = self._layout_step(user, layout, what="output")
+            m.add(user, ())
+            op, value = user, user.result
+        return op, value, layout
+
+    # ------------------------------------------------------------------ inputs
+    def _walk_input(self, ref: Ref, layout, *, scale: bool, bcast: bool):
+        """Look back from a product's operand through layout ops, upcasts, constant
+        scales and (for K/V) head broadcasts. Returns (value, layout, scale, absent pieces)."""
+        value, factor, absent = ref.value, 1.0, ()
+        for _ in range(MAX_CHAIN):
+            if isinstance(value, ir.BlockArgument):
+                break
+            op = value.owner
+            name = op_name(op)
+            if name == "stablehlo.convert":
+                src, dst = _elt(op.operands[0]), _elt(value)
+                if src not in _WIDTH or dst not in _WIDTH or _WIDTH[src] >= _WIDTH[dst]:
+                    break
+                value = op.operands[0]
+                continue
+            if name == "stablehlo.transpose":
+                perm = _ints(op.operation.attributes["permutation"])
+                inv = [0] * len(perm)
+                for i, pp in enumerate(perm):
+                    inv[pp] = i
+                layout = L.transpose(layout, inv)
+                value = op.operands[0]
+                continue
+            if name == "stablehlo.reshape":
+                new = L.regroup(layout, _shape(op.operands[0]))
+                if new is None:
+                    break
+                layout, value = new, op.operands[0]
+                continue
+            if name == "stablehlo.broadcast_in_dim" and bcast:
+                dims = _ints(op.operation.attributes["broadcast_dimensions"])
+                src, dst = _shape(op.operands[0]), _shape(value)
+                lost = [p for d in range(len(dst)) if d not in dims for p in layout[d]]
+                new = []
+                for i, d in enumerate(dims):
+                    if src[i] == dst[d]:
+                        new.append(layout[d])
+                    else:
+                        new.append(())
+                        lost.extend(layout[d])
+                if any(p[0][0] != "B" for p in lost):
+                    break
+                layout, value = tuple(new), op.operands[0]
+                absent = absent + tuple(lost)
+                continue
+            if name in ("stablehlo.multiply", "stablehlo.divide") and scale:
+                found = None
+                for i in ((0, 1) if name == "stablehlo.multiply" else (1,)):
+                    c = self.folder.fold(Ref(op.operands[i], ()))
+                    if c is not None and c.uniform and float(c.scalar()) > 0 and \
+                            np.isfinite(float(c.scalar())):
+                        found = (i, float(c.scalar()))
+                        break
+                if found is None:
+                    break
+                i, s = found
+                factor = factor * s if name == "stablehlo.multiply" else factor / s
+                value = op.operands[1 - i]
+                continue
+            break
+        return value, tuple(layout), factor, tuple(absent)
+
+    # ------------------------------------------------------------------ closure
+    def _check_closure(self, m: _Match, exit_op) -> None:
+        exit_key = exit_op.operation
+        tags = {k: v[1] for k, v in m.chain.items()}
+        for op, ctx in list(m.ops):
+            if op == exit_key and not ctx:
+                continue
+            for res in op.results:
+                for user, idx, uctx in self.g.users(Ref(res, ctx)):
+                    if (user.operation, uctx) in m.ops:
+                        continue
+                    what = {"scores": "the scores", "exp": "the exponentials",
+                            "probs": "the probabilities"}.get(
+                        tags.get((res, ctx)), "an intermediate of the softmax")
+                    if op_name(user) == "func.return":
+                        fn = user.operation.parent.operation
+                        raise Reject(f"{what} are returned as output {idx} of "
+                                     f"@{self.g.function_name(fn)}")
+                    raise Reject(f"{what} have another user ({op_name(user)} at "
+                                 f"{short_location(user)})")
+
+    # ------------------------------------------------------------------ plan
+    def _plan(self, m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
+              exit_op, exit_value, exit_layout, scale) -> AttentionSite:
+        q_val, q_lay, _, q_abs = q_in
+        k_val, k_lay, _, k_abs = k_in
+        v_val, v_lay, _, v_abs = v_in
+        if q_abs:
+            raise Reject("the query is broadcast")
+        mask_layouts = [lay for _, lay, _ in m.masks]
+        everything = [q_lay, k_lay, v_lay, exit_layout, (k_abs,), (v_abs,), (tuple(R),)] + mask_layouts
+        cuts = L.boundaries(everything)
+        if cuts is None:
+            raise Reject("the axes are split inconsistently between the pieces of the site")
+        q_lay, k_lay, v_lay, exit_layout = (L.refine(x, cuts) for x in (q_lay, k_lay, v_lay, exit_layout))
+        absent = set(L.refine_dim(k_abs, cuts))
+        qp, kp, vp = L.pieces(q_lay), L.pieces(k_lay), L.pieces(v_lay)
+        q_free = [p for p in qp if p[0] in q_labels]
+        k_free = [p for p in kp if p[0] in k_labels]
+        c_pieces = [p for p in qp if p[0][0] == "C"]
+        v_pieces = [p for p in vp if p[0][0] == "V"]
+        batching = [p for p in qp if p[0][0] == "B"]
+
+        # mask -> causal?
+        causal, bottom_right, q_seq = self._classify_mask(m, cuts, q_free, k_free)
+        if not causal and q_free:
+            # any split is correct without a mask; name the largest query axis the sequence
+            q_seq = [max(q_free, key=lambda p: (p[2], -qp.index(p)))]
+        group_q = [p for p in q_free if p not in q_seq]
+        first_seq = min((qp.index(p) for p in q_seq), default=len(qp))
+        kv_batch = [p for p in batching if p not in absent]
+        b_pieces = [p for p in kv_batch if qp.index(p) < first_seq]
+        hkv = [p for p in kv_batch if qp.index(p) >= first_seq]
+        group = sorted([p for p in batching if p in absent] + group_q, key=qp.index)
+        hq = hkv + group
+        kernel = {
+            "q": (tuple(b_pieces), tuple(q_seq), tuple(hq), tuple(c_pieces)),
+            "k": (tuple(b_pieces), tuple(k_free), tuple(hkv), tuple(c_pieces)),
+            "v": (tuple(b_pieces), tuple(k_free), tuple(hkv), tuple(v_pieces)),
+            "o": (tuple(b_pieces), tuple(q_seq), tuple(hq), tuple(v_pieces)),
+        }
+        for name, lay in (("q", q_lay), ("k", k_lay), ("v", v_lay), ("o", exit_layout)):
+            if sorted(L.pieces(lay)) != sorted(L.pieces(kernel[name])):
+                raise Reject(f"the {'output' if name == 'o' else name} layout does not map onto "
+                             f"the kernel's [batch, seq, heads, head_dim]",
+                             layout=L.describe(lay))
+        dims = {k: [prod(pc[2] for pc in d) for d in v] for k, v in kernel.items()}
+        _, seq_q, _, head_dim = dims["q"]
+        seq_k = dims["k"][1]
+        head_dim_v = dims["v"][3]
+        # logical sizes for the report: the outermost batching axis is the batch, every
+        # other batching axis and the query's extra axes are heads (GQA groups included)
+        first = batching[:1]
+        batch = prod(p[2] for p in first)
+        heads = prod(p[2] for p in batching[1:]) * prod(p[2] for p in group_q)
+        kv_heads = heads // prod(p[2] for p in group)
+        # dtype
+        dts = [_elt(x) for x in (q_val, k_val, v_val)]
+        for dt in dts:
+            if dt not in _KERNEL_DTYPES:
+                raise Reject(f"element type {dt} is not supported (f16, bf16, f32)")
+        dtype = dts[0] if len(set(dts)) == 1 else "f32"
+        details = dict(q_shape=_shape(q_val), head_dim=head_dim, dtype=dtype)
+        if head_dim != head_dim_v:
+            raise Reject(f"the value head dim ({head_dim_v}) differs from the query/key head dim "
+                         f"({head_dim})", **details)
+        if head_dim not in HEAD_DIMS:
+            raise Reject(f"head dim {head_dim} is not supported (supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))})", **details)
+        if not (scale > 0 and np.isfinite(scale)):
+            raise Reject(f"the scale {scale:g} is not a finite positive number", **details)
+        spec = KernelSpec(head_dim, dtype, causal, self.target)
+        layout_text = _layout_letters(q_lay, first, q_seq, batching[1:] + group_q, c_pieces)
+        plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
+                    inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
+                    kernel=kernel, spec=spec, scale=float(np.float32(scale)),
+                    bottom_right=bottom_right, site_ops=set(m.ops))
+        return AttentionSite(
+            location=where["location"], function=where["function"], op=where["op"],
+            q_shape=_shape(q_val), k_shape=_shape(k_val), v_shape=_shape(v_val),
+            out_shape=_shape(exit_value), layout=layout_text, dtype=dtype, batch=batch,
+            seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
+            target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan)
+
+    def _classify_mask(self, m, cuts, q_free, k_free):
+        """(causal, bottom_right, [query sequence piece]) from the recorded masks."""
+        if not m.masks:
+            return False, False, []
+        q_set, k_set = set(q_free), set(k_free)
+        combined, q_axis, k_axis = None, None, None
+        for const, lay, _ in m.masks:
+            lay = L.refine(lay, cuts)
+            arr = const.array
+            fine_shape, fine_pieces = [], []
+            for i, d in enumerate(lay):
+                if arr.shape[i] == 1:
+                    fine_shape += [1] * len(d)
+                else:
+                    fine_shape += [pc[2] for pc in d]
+                fine_pieces += list(d)
+            if not fine_pieces:
+                arr = arr.reshape(())
+            else:
+                arr = arr.reshape(fine_shape)
+            qa = ka = None
+            for ax, pc in enumerate(fine_pieces):
+                if arr.shape[ax] == 1:
+                    continue
+                first = np.take(arr, [0], axis=ax)
+                if np.all(arr == first):
+                    arr = first
+                    continue
+                if pc in q_set and qa is None:
+                    qa = pc
+                elif pc in k_set and ka is None:
+                    ka = pc
+                else:
+                    raise Reject("the mask is not causal: it varies along "
+                                 f"{'a batch or head axis' if pc[0][0] == 'B' else 'several axes'}")
+            keep = [ax for ax, pc in enumerate(fine_pieces) if pc in (qa, ka) and arr.shape[ax] > 1]
+            arr2 = arr.reshape([arr.shape[ax] for ax in keep]) if keep else arr.reshape(())
+            order = [fine_pieces[ax] for ax in keep]
+            if order == [ka, qa] and ka is not None and qa is not None:
+                arr2 = arr2.T
+            if qa is None and ka is not None:
+                arr2 = arr2.reshape(1, -1)
+            elif ka is None and qa is not None:
+                arr2 = arr2.reshape(-1, 1)
+            else:
+                arr2 = arr2.reshape((1, 1) if not keep else arr2.shape)
+            if (q_axis and qa and q_axis != qa) or (k_axis and ka and k_axis != ka):
+                raise Reject("the masks vary along different axes")
+            q_axis, k_axis = q_axis or qa, k_axis or ka
+            combined = arr2 if combined is None else (combined & arr2)
+        if combined.all():
+            return False, False, []
+        if q_axis is None or k_axis is None:
+            raise Reject("the mask is not causal (it depends on only one of the query and key "
+                         "positions: a padding mask?)")
+        if len(k_free) != 1:
+            raise Reject("a causal mask over several key axes is not supported")
+        sq, sk = q_axis[2], k_axis[2]
+        full = np.broadcast_to(combined, (sq, sk))
+        i = np.arange(sq)[:, None]
+        j = np.arange(sk)[None, :]
+        if np.array_equal(full, j <= i):
+            bottom_right = False
+        elif np.array_equal(full, j <= i + (sk - sq)):
+            bottom_right = True
+        else:
+            raise Reject("the mask is not causal (sliding window, block or other pattern): "
+                         "unsupported")
+        if not full.any(axis=1).all():
+            raise Reject("the causal mask leaves rows with no visible key")
+        return True, bottom_right, [q_axis]
+
+    # ------------------------------------------------------------------ rewrite
+    def rewrite(self, site: AttentionSite) -> None:
+        """Insert the custom call and its adapters before the site's exit; redirect uses.
+
+        Dead ops are removed by the driver afterwards.
+        """
+        from flashgen.emit import emit_custom_call
+        plan: Plan = site.plan
+        exit_op = plan.exit_op
+        loc = ir.Location.name("flashgen.attention", childLoc=plan.dot1.location)
+        kdt = ir.Type.parse(plan.spec.dtype)
+        created = []
+        with loc, ir.InsertionPoint(exit_op.operation):
+            try:
+                operands = []
+                for name in ("q", "k", "v"):
+                    value, lay = plan.inputs[name]
+                    x = _adapt(value, lay, plan.kernel[name], created)
+                    if str(x.type.element_type) != plan.spec.dtype:
+                        x = _convert(x, kdt, created)
+                    operands.append(x)
+                o, lse = emit_custom_call(plan.spec, "fwd", operands, scale=plan.scale,
+                                          bottom_right=plan.bottom_right,
+                                          legacy_attrs=self.legacy_attrs)
+                created.append(o.owner)
+                out = _adapt(o, plan.kernel["o"], plan.exit_layout, created,
+                             final_shape=_shape(plan.exit_value))
+                want = plan.exit_value.type.element_type
+                if out.type.element_type != want:
+                    out = _convert(out, want, created)
+            except Exception:
+                for op in reversed(created):
+                    op.operation.erase()
+                raise
+        plan.exit_value.replace_all_uses_with(out)
+
+
+# which users continue a chain in each phase
+_SCORE_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
+                "stablehlo.broadcast_in_dim", "stablehlo.multiply", "stablehlo.divide",
+                "stablehlo.select", "stablehlo.add", "stablehlo.subtract"}
+_PROB_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
+               "stablehlo.broadcast_in_dim", "stablehlo.select", "stablehlo.dot_general"}
+
+
+def _merge_layouts(layouts):
+    n = {len(x) for x in layouts}
+    if len(n) != 1:
+        return None
+    out = []
+    for dims in zip(*layouts):
+        fixed = [d for d in dims if d is not None]
+        if not fixed:
+            out.append(None)
+            continue
+        if any(d != fixed[0] for d in fixed[1:]):
+            ref = L.common_refinement(*[(d,) for d in fixed])
+            if ref is None or any(r != ref[0] for r in ref[1:]):
+                return None
+        out.append(fixed[0])
+    return tuple(out)
+
+
+def _covered(pieces) -> dict:
+    """label -> product of the sizes of its pieces."""
+    out: dict = {}
+    for label, _, size in pieces:
+        out[label] = out.get(label, 1) * size
+    return out
+
+
+def _pieces_text(pieces) -> str:
+    names = sorted({_AXIS_NAMES.get(p[0][0], p[0][0]) + p[0][1:] for p in pieces})
+    return "axes " + ", ".join(names) if names else "no axis"
+
+
+_AXIS_NAMES = {"B": "batch", "L": "lhs-free", "R": "rhs-free", "C": "contracting", "V": "value"}
+
+
+def _layout_letters(q_lay, b, s, h, d) -> str:
+    role = {}
+    for pieces_, letter in ((b, "B"), (s, "S"), (h, "H"), (d, "D")):
+        for p in pieces_:
+            role[p] = letter
+    out = []
+    for dim in q_lay:
+        letters = []
+        for p in dim:
+            if role.get(p) and role[p] not in letters:
+                letters.append(role[p])
+        if not letters:
+            out.append("1")
+        elif len(letters) == 1:
+            out.append(letters[0])
+        else:
+            out.append("(" + "".join(letters) + ")")
+    return "".join(out)
+
+
+def _describe_op(op) -> str:
+    try:
+        return f"{op.result.get_name()} = {op_name(op)}"
+    except Exception:  # noqa: BLE001 - naming needs an AsmState; fall back to the op name
+        return op_name(op)
+
+
+def _reshape(x: ir.Value, shape, created) -> ir.Value:
+    t = ir.RankedTensorType.get(list(shape), x.type.element_type)
+    op = stablehlo.ReshapeOp(t, x)
+    created.append(op)
+    return op.result
+
+
+def _convert(x: ir.Value, elt, created) -> ir.Value:
+    t = ir.RankedTensorType.get(list(x.type.shape), elt)
+    op = stablehlo.ConvertOp(t, x)
+    created.append(op)
+    return op.result
+
+
+def _adapt(value: ir.Value, src, dst, created, final_shape=None) -> ir.Value:
+    """Reshape/transpose ``value`` (dims ``src``) into dims ``dst`` (same pieces)."""
+    cuts = L.boundaries([src, dst])
+    src, dst = L.refine(src, cuts), L.refine(dst, cuts)
+    fine_src = L.pieces(src)
+    fine_dst = L.pieces(dst)
+    x = value
+    perm = [fine_src.index(p) for p in fine_dst]
+    target = list(final_shape) if final_shape is not None else \
+        [prod(p[2] for p in d) for d in dst]
+    if perm != list(range(len(perm))):
+        fine_shape = [p[2] for p in fine_src]
+        if fine_shape != list(x.type.shape):
+            x = _reshape(x, fine_shape, created)
+        op = stablehlo.TransposeOp(x, perm)
+        created.append(op)
+        x = op.result
+    if list(x.type.shape) != target:
+        x = _reshape(x, target, created)
+    return x

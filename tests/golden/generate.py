@@ -1,0 +1,797 @@
+"""Produce the golden rewrite inputs from the real frontends.
+
+    python tests/golden/generate.py            # needs jax, flax, torch 2.13.0 (CPU), torchax
+
+Writes tests/golden/inputs/<case>.<fmt> and tests/golden/cases.json (what each case
+must rewrite or reject, and why). The outputs are committed so that CI needs
+neither torch nor flax. FileCheck directives live in tests/golden/checks/<case>.check
+(written here for new cases; edit by hand if a case needs more specific checks).
+
+torchax 0.0.13 names ATen overloads that torch 2.13 removed (named-tensor
+variants such as ``aten.prod.dim_Dimname``) in module-level tables, so it
+does not import. For generation only, ``_import_torchax`` makes missing
+overloads resolve to inert placeholders while torchax is imported, then
+restores torch; the placeholders are only dictionary keys in torchax's
+autocast/decomposition tables and are never called.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+INPUTS = HERE / "inputs"
+CHECKS = HERE / "checks"
+
+CASES: dict = {}
+
+B, T, H, D = 2, 8, 4, 32
+
+
+def case(name, *, fmt="mlir", rewritten=0, rejected=(), targets=(), causal=None,
+         bottom_right=None, scale=None, kv_heads=None, layout=None, numerics=True):
+    """Register a builder; ``rejected`` lists substrings of the expected reasons."""
+    def deco(fn):
+        CASES[name] = dict(fn=fn, fmt=fmt, expect=dict(
+            rewritten=rewritten, rejected=list(rejected), targets=list(targets),
+            causal=causal, bottom_right=bottom_right, scale=scale, kv_heads=kv_heads,
+            layout=layout, numerics=numerics and rewritten > 0))
+        return fn
+    return deco
+
+
+# ----------------------------------------------------------------------------- helpers
+def _jax():
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    return jax, jnp, export
+
+
+def spec(shape, dtype="float32"):
+    jax, jnp, _ = _jax()
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def export_fn(fn, *args):
+    jax, _, export = _jax()
+    return export.export(jax.jit(fn), platforms=["cpu"])(*args)
+
+
+def qkv(dtype="float32", b=B, t=T, s=None, h=H, hkv=None, d=D, layout="BSHD"):
+    s = t if s is None else s
+    hkv = h if hkv is None else hkv
+    if layout == "BSHD":
+        return spec((b, t, h, d), dtype), spec((b, s, hkv, d), dtype), spec((b, s, hkv, d), dtype)
+    return spec((b, h, t, d), dtype), spec((b, hkv, s, d), dtype), spec((b, hkv, s, d), dtype)
+
+
+def softmax_manual(jnp, s, axis=-1):
+    m = jnp.max(s, axis=axis, keepdims=True)
+    e = jnp.exp(s - m)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def tname(d, dt, causal):
+    return f"flashgen_fwd_d{d}_{dt}{'_causal' if causal else ''}"
+
+
+# ----------------------------------------------------------------------------- jax.nn
+@case("jnn_f32", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      scale=1 / math.sqrt(32), layout="BSHD")
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *qkv())
+
+
+@case("jnn_causal_bf16", rewritten=1, targets=[tname(32, "bf16", True)], causal=True)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *qkv("bfloat16"))
+
+
+@case("jnn_gqa_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True, kv_heads=2)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *qkv(hkv=2))
+
+
+@case("jnn_gqa_bf16", rewritten=1, targets=[tname(32, "bf16", False)], kv_heads=1)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+                     *qkv("bfloat16", hkv=1))
+
+
+@case("jnn_scale_cross", rewritten=1, targets=[tname(32, "f32", False)], scale=0.5)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.5),
+                     *qkv(s=16))
+
+
+@case("einsum_f16_d64", rewritten=1, targets=[tname(64, "f16", False)])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):  # jax.nn.dot_product_attention has no f16 lowering on CPU
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(jnp.float16), v)
+    return export_fn(f, *qkv("float16", d=64))
+
+
+@case("jnn_f32_portable", fmt="mlirbc", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), *qkv())
+
+
+@case("jnn_causal_exported", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), *qkv())
+
+
+# ----------------------------------------------------------------------------- hand-written
+@case("einsum_bshd", rewritten=1, targets=[tname(32, "f32", False)], scale=0.125, layout="BSHD")
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return export_fn(f, *qkv())
+
+
+@case("einsum_bhsd_sqrt", rewritten=1, targets=[tname(64, "f32", False)], scale=1 / 8,
+      layout="BHSD")
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+        return jnp.einsum("bhqk,bhkd->bhqd", softmax_manual(jnp, s), v)
+    return export_fn(f, *qkv(d=64, layout="BHSD"))
+
+
+@case("matmul_causal_where", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = q @ jnp.swapaxes(k, -1, -2) * (1 / math.sqrt(32))
+        n = s.shape[-1]
+        mask = jnp.tril(jnp.ones((n, n), bool))
+        s = jnp.where(mask, s, -1e9)
+        return softmax_manual(jnp, s) @ v
+    return export_fn(f, *qkv(layout="BHSD"))
+
+
+@case("matmul_scale_in_q", rewritten=1, targets=[tname(32, "f32", False)], scale=0.2)
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = (q * 0.2) @ jnp.swapaxes(k, -1, -2)
+        return jax.nn.softmax(s) @ v
+    return export_fn(f, *qkv(layout="BHSD"))
+
+
+@case("einsum_bf16_softmax", rewritten=1, targets=[tname(32, "bf16", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.bfloat16(1 / math.sqrt(32))
+        t = s.shape[-1]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(jnp.bfloat16).min)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        e = jnp.exp(s - m)
+        den = jnp.sum(e.astype(jnp.float32), axis=-1, keepdims=True).astype(jnp.bfloat16)
+        return jnp.einsum("bhqk,bkhd->bqhd", e / den, v)
+    return export_fn(f, *qkv("bfloat16"))
+
+
+@case("einsum_dense_mask", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+    mask = np.tril(np.ones((T, T), bool))
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(32)
+        s = jnp.where(mask, s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("einsum_additive_bias", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+    bias = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25 + bias
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+    return export_fn(f, *qkv())
+
+
+@case("einsum_keys_first", rewritten=1, targets=[tname(32, "f32", False)])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):  # scores laid out [b, h, keys, queries]; softmax over axis -2
+        s = jnp.einsum("bkhd,bqhd->bhkq", k, q) * 0.125
+        p = jax.nn.softmax(s, axis=-2)
+        return jnp.einsum("bhkq,bkhd->bqhd", p, v)
+    return export_fn(f, *qkv())
+
+
+@case("einsum_v_left", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        t = s.shape[-1]
+        s = jnp.where(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], s, -1e30)
+        return jnp.einsum("bkhd,bhqk->bhdq", v, jax.nn.softmax(s)).transpose(0, 3, 1, 2)
+    return export_fn(f, *qkv())
+
+
+@case("bottom_right_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      bottom_right=True)
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        sq, sk = s.shape[-2:]
+        visible = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+        s = jnp.where(visible, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(t=4, s=8))
+
+
+@case("heads_folded", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):  # [B*H, S, D]
+        s = jnp.matmul(q, jnp.swapaxes(k, 1, 2)) * 0.125
+        t = s.shape[-1]
+        s = s + jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -jnp.inf)
+        return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+    x = spec((B * H, T, D))
+    return export_fn(f, x, x, x)
+
+
+@case("two_sites_shared_q", rewritten=2, targets=[tname(32, "f32", False), tname(32, "f32", True)])
+def _():
+    jax, _, _ = _jax()
+
+    def f(q, k, v, k2, v2):
+        a = jax.nn.dot_product_attention(q, k, v)
+        b = jax.nn.dot_product_attention(q, k2, v2, is_causal=True)
+        return a + b, a
+    q, k, v = qkv()
+    return export_fn(f, q, k, v, k, v)
+
+
+@case("transformer_2layer", rewritten=2, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+    C = H * D
+
+    def layer(x, w):
+        h = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        q = (h @ w["q"]).reshape(B, T, H, D)
+        k = (h @ w["k"]).reshape(B, T, H, D)
+        v = (h @ w["v"]).reshape(B, T, H, D)
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, C)
+        x = x + a @ w["o"]
+        return x + jax.nn.gelu(x @ w["up"]) @ w["down"]
+
+    def f(x, ws):
+        for w in ws:
+            x = layer(x, w)
+        return x
+    w = {n: spec((C, C)) for n in ("q", "k", "v", "o")} | {"up": spec((C, 2 * C)),
+                                                          "down": spec((2 * C, C))}
+    return export_fn(f, spec((B, T, C)), [w, w])
+
+
+@case("scan_layers", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+    C = H * D
+
+    def f(x, wq, wk, wv):
+        def body(x, w):
+            q = (x @ w[0]).reshape(B, T, H, D)
+            k = (x @ w[1]).reshape(B, T, H, D)
+            v = (x @ w[2]).reshape(B, T, H, D)
+            return x + jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, C), None
+        return jax.lax.scan(body, x, jnp.stack([wq, wk, wv], 1))[0]
+    return export_fn(f, spec((B, T, C)), spec((3, C, C)), spec((3, C, C)), spec((3, C, C)))
+
+
+# ----------------------------------------------------------------------------- flax
+@case("flax_linen_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
+    m = M()
+    x = jnp.ones((B, T, H * D))
+    params = m.init(jax.random.key(0), x)
+    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, H * D)))
+
+
+@case("flax_linen_bf16", rewritten=1, targets=[tname(32, "bf16", False)])
+def _():
+    jax, jnp, _ = _jax()
+    import flax.linen as nn
+    m = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D, dtype=jnp.bfloat16)
+    x = jnp.ones((B, T, H * D), jnp.bfloat16)
+    params = m.init(jax.random.key(0), x)
+    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, H * D), "bfloat16"))
+
+
+@case("flax_nnx_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, jnp, _ = _jax()
+    from flax import nnx
+    m = nnx.MultiHeadAttention(num_heads=H, in_features=H * D, qkv_features=H * D, decode=False,
+                               rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+    mask = nnx.make_causal_mask(jnp.ones((B, T)))  # a closed-over constant: a dense mask
+
+    def f(state, x):
+        return nnx.merge(graphdef, state)(x, mask=mask)
+    return export_fn(f, jax.tree.map(lambda a: spec(a.shape, a.dtype), state),
+                     spec((B, T, H * D)))
+
+
+# ----------------------------------------------------------------------------- torch
+def _import_torchax():
+    import torch
+    import torch._ops as ops
+    original = ops.OpOverloadPacket.__getattr__
+
+    def lenient(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if key.startswith("_"):
+                raise
+            return ("flashgen-missing-overload", str(self), key)
+    ops.OpOverloadPacket.__getattr__ = lenient
+    try:
+        import torchax  # noqa: F401
+        import torchax.export  # noqa: F401
+    finally:
+        ops.OpOverloadPacket.__getattr__ = original
+    import torchax
+    return torch, torchax
+
+
+def torch_export(module, *args):
+    torch, torchax = _import_torchax()
+    ep = torch.export.export(module, tuple(args))
+    _, exported = torchax.export.exported_program_to_stablehlo(ep)
+    return exported
+
+
+def _torch_qkv(dtype=None, hkv=H, d=D, t=T):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    dtype = dtype or torch.float32
+    return (torch.randn(B, H, t, d, generator=g, dtype=dtype),
+            torch.randn(B, hkv, t, d, generator=g, dtype=dtype),
+            torch.randn(B, hkv, t, d, generator=g, dtype=dtype))
+
+
+@case("torch_sdpa_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    import torch
+    import torch.nn.functional as F
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return torch_export(M(), *_torch_qkv())
+
+
+@case("torch_sdpa_scale", rewritten=1, targets=[tname(32, "f32", False)], scale=0.3)
+def _():
+    import torch
+    import torch.nn.functional as F
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    return torch_export(M(), *_torch_qkv())
+
+
+@case("torch_sdpa_gqa", rewritten=1, targets=[tname(32, "f32", True)], causal=True, kv_heads=2)
+def _():
+    import torch
+    import torch.nn.functional as F
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return torch_export(M(), *_torch_qkv(hkv=2))
+
+
+@case("torch_sdpa_bf16", rewritten=1, targets=[tname(32, "bf16", False)])
+def _():
+    import torch
+    import torch.nn.functional as F
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+    return torch_export(M(), *_torch_qkv(torch.bfloat16))
+
+
+@case("torch_mha", rewritten=1, targets=[tname(32, "f32", False)])
+def _():
+    import torch
+    torch.manual_seed(0)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(H * D, H, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+    return torch_export(M().eval(), torch.randn(B, T, H * D))
+
+
+@case("torch_mha_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    import torch
+    torch.manual_seed(0)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(H * D, H, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False, is_causal=True,
+                            attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(T))[0]
+    return torch_export(M().eval(), torch.randn(B, T, H * D))
+
+
+# ----------------------------------------------------------------------------- EXLA-style
+# Hand-written the way EXLA (Elixir Nx) emits modules: a public @main, sub-computations
+# outlined into private functions reached by func.call, reducers as regions, and the
+# native api_version = 4 custom-call form. The second module also carries an unrelated
+# native custom call that the rewrite must leave exactly as it is.
+EXLA_ATTENTION = """\
+module @EXLA.attention {
+  func.func public @main(%arg0: tensor<2x4x8x32xf32>, %arg1: tensor<2x4x8x32xf32>, %arg2: tensor<2x4x8x32xf32>, %arg3: tensor<2x4x8x32xf32>) -> (tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>) {
+    %0 = func.call @attention_11(%arg0, %arg1, %arg2) : (tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>) -> tensor<2x4x8x32xf32>
+    %1 = func.call @attention_11(%arg3, %arg1, %arg2) : (tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>) -> tensor<2x4x8x32xf32>
+    return %0, %1 : tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>
+  }
+  func.func private @causal_mask_7() -> tensor<8x8xi1> {
+    %0 = stablehlo.iota dim = 0 : tensor<8x8xi64>
+    %1 = stablehlo.iota dim = 1 : tensor<8x8xi64>
+    %2 = stablehlo.compare  GE, %0, %1,  SIGNED : (tensor<8x8xi64>, tensor<8x8xi64>) -> tensor<8x8xi1>
+    return %2 : tensor<8x8xi1>
+  }
+  func.func private @softmax_9(%arg0: tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xf32> {
+    %cst = stablehlo.constant dense<0xFF800000> : tensor<f32>
+    %0 = stablehlo.reduce(%arg0 init: %cst) across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+     reducer(%a: tensor<f32>, %b: tensor<f32>)  {
+      %m = stablehlo.maximum %a, %b : tensor<f32>
+      stablehlo.return %m : tensor<f32>
+    }
+    %1 = stablehlo.reshape %0 : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+    %2 = stablehlo.broadcast_in_dim %1, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+    %3 = stablehlo.subtract %arg0, %2 : tensor<2x4x8x8xf32>
+    %4 = stablehlo.exponential %3 : tensor<2x4x8x8xf32>
+    %cst_0 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %5 = stablehlo.reduce(%4 init: %cst_0) across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+     reducer(%a: tensor<f32>, %b: tensor<f32>)  {
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }
+    %6 = stablehlo.reshape %5 : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+    %7 = stablehlo.broadcast_in_dim %6, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+    %8 = stablehlo.divide %4, %7 : tensor<2x4x8x8xf32>
+    return %8 : tensor<2x4x8x8xf32>
+  }
+  func.func private @attention_11(%arg0: tensor<2x4x8x32xf32>, %arg1: tensor<2x4x8x32xf32>, %arg2: tensor<2x4x8x32xf32>) -> tensor<2x4x8x32xf32> {
+    %0 = stablehlo.dot_general %arg0, %arg1, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>) -> tensor<2x4x8x8xf32>
+    %cst = stablehlo.constant dense<3.200000e+01> : tensor<f32>
+    %1 = stablehlo.sqrt %cst : tensor<f32>
+    %2 = stablehlo.broadcast_in_dim %1, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+    %3 = stablehlo.divide %0, %2 : tensor<2x4x8x8xf32>
+    %4 = func.call @causal_mask_7() : () -> tensor<8x8xi1>
+    %5 = stablehlo.broadcast_in_dim %4, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
+    %cst_0 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+    %6 = stablehlo.broadcast_in_dim %cst_0, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+    %7 = stablehlo.select %5, %3, %6 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+    %8 = func.call @softmax_9(%7) : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xf32>
+    %9 = stablehlo.dot_general %8, %arg2, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [2], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xf32>, tensor<2x4x8x32xf32>) -> tensor<2x4x8x32xf32>
+    return %9 : tensor<2x4x8x32xf32>
+  }
+}
+"""
+
+EXLA_NATIVE_CALL = """\
+module @EXLA.native {
+  func.func public @main(%arg0: tensor<1x8x2x64xbf16>, %arg1: tensor<1x8x2x64xbf16>, %arg2: tensor<1x8x2x64xbf16>, %arg3: tensor<4x4xf32>) -> (tensor<1x8x2x64xbf16>, tensor<4x4xf32>) {
+    %0 = stablehlo.custom_call @exla_native_qr(%arg3) {api_version = 4 : i32, backend_config = {full_matrices = false, rank = 2 : i64}} : (tensor<4x4xf32>) -> tensor<4x4xf32>
+    %1 = stablehlo.convert %arg0 : (tensor<1x8x2x64xbf16>) -> tensor<1x8x2x64xf32>
+    %2 = stablehlo.convert %arg1 : (tensor<1x8x2x64xbf16>) -> tensor<1x8x2x64xf32>
+    %3 = stablehlo.convert %arg2 : (tensor<1x8x2x64xbf16>) -> tensor<1x8x2x64xf32>
+    %4 = stablehlo.dot_general %1, %2, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3] : (tensor<1x8x2x64xf32>, tensor<1x8x2x64xf32>) -> tensor<1x2x8x8xf32>
+    %cst = stablehlo.constant dense<1.250000e-01> : tensor<f32>
+    %5 = stablehlo.broadcast_in_dim %cst, dims = [] : (tensor<f32>) -> tensor<1x2x8x8xf32>
+    %6 = stablehlo.multiply %4, %5 : tensor<1x2x8x8xf32>
+    %7 = func.call @softmax_3(%6) : (tensor<1x2x8x8xf32>) -> tensor<1x2x8x8xf32>
+    %8 = stablehlo.dot_general %3, %7, batching_dims = [0, 2] x [0, 1], contracting_dims = [1] x [3] : (tensor<1x8x2x64xf32>, tensor<1x2x8x8xf32>) -> tensor<1x2x64x8xf32>
+    %9 = stablehlo.transpose %8, dims = [0, 3, 1, 2] : (tensor<1x2x64x8xf32>) -> tensor<1x8x2x64xf32>
+    %10 = stablehlo.convert %9 : (tensor<1x8x2x64xf32>) -> tensor<1x8x2x64xbf16>
+    return %10, %0 : tensor<1x8x2x64xbf16>, tensor<4x4xf32>
+  }
+  func.func private @softmax_3(%arg0: tensor<1x2x8x8xf32>) -> tensor<1x2x8x8xf32> {
+    %cst = stablehlo.constant dense<0xFF800000> : tensor<f32>
+    %0 = stablehlo.reduce(%arg0 init: %cst) applies stablehlo.maximum across dimensions = [3] : (tensor<1x2x8x8xf32>, tensor<f32>) -> tensor<1x2x8xf32>
+    %1 = stablehlo.broadcast_in_dim %0, dims = [0, 1, 2] : (tensor<1x2x8xf32>) -> tensor<1x2x8x8xf32>
+    %2 = stablehlo.subtract %arg0, %1 : tensor<1x2x8x8xf32>
+    %3 = stablehlo.exponential %2 : tensor<1x2x8x8xf32>
+    %cst_0 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %4 = stablehlo.reduce(%3 init: %cst_0) applies stablehlo.add across dimensions = [3] : (tensor<1x2x8x8xf32>, tensor<f32>) -> tensor<1x2x8xf32>
+    %cst_1 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+    %5 = stablehlo.broadcast_in_dim %cst_1, dims = [] : (tensor<f32>) -> tensor<1x2x8xf32>
+    %6 = stablehlo.divide %5, %4 : tensor<1x2x8xf32>
+    %7 = stablehlo.broadcast_in_dim %6, dims = [0, 1, 2] : (tensor<1x2x8xf32>) -> tensor<1x2x8x8xf32>
+    %8 = stablehlo.multiply %3, %7 : tensor<1x2x8x8xf32>
+    return %8 : tensor<1x2x8x8xf32>
+  }
+}
+"""
+
+
+class _Text:
+    """A hand-written module, written out as it is."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def mlir_module(self):
+        return self.text
+
+
+@case("exla_attention", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      scale=1 / math.sqrt(32))
+def _():
+    return _Text(EXLA_ATTENTION)
+
+
+@case("exla_native_call", rewritten=1, targets=[tname(64, "bf16", False)], scale=0.125,
+      numerics=False)
+def _():
+    return _Text(EXLA_NATIVE_CALL)
+
+
+# ----------------------------------------------------------------------------- negatives
+@case("neg_softmax_query_axis", rejected=["query axis"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-2), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_probs_returned", rejected=["returned as output 1"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
+    return export_fn(f, *qkv())
+
+
+@case("neg_entropy_term", rejected=["another user"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125)
+        ent = -jnp.sum(p * jnp.log(p + 1e-9))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v) + ent
+    return export_fn(f, *qkv())
+
+
+@case("neg_dropout", rejected=["dropout"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, key):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125)
+        keep = jax.random.bernoulli(jax.random.wrap_key_data(key), 0.9, p.shape)
+        p = jnp.where(keep, p / 0.9, 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return export_fn(f, *qkv(), spec((2,), "uint32"))
+
+
+@case("neg_sigmoid_attention", rejected=["sigmoid"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        p = jax.nn.sigmoid(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_linear_attention", rejected=["linear attention"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", s, v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_softmax_classifier", rejected=["softmax classifier"])
+def _():
+    jax, jnp, _ = _jax()
+    return export_fn(lambda x, w: jax.nn.softmax(x @ w), spec((B, 64)), spec((64, 10)))
+
+
+@case("neg_padding_mask", rejected=["runtime values"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, mask):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
+
+
+@case("neg_sliding_window", rejected=["not causal"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where((j <= i) & (j > i - 3), s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_runtime_scale", rejected=["run time"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, scale):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec(()))
+
+
+@case("neg_head_dim_48", rejected=["head dim 48"])
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *qkv(d=48))
+
+
+@case("neg_position_bias", rejected=["not a 0 / -inf mask"])
+def _():
+    jax, jnp, _ = _jax()
+    rel = (np.arange(T)[None, :] - np.arange(T)[:, None]).astype(np.float32) * 0.1
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + rel
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_value_head_dim", rejected=["value head dim"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), v)
+    q, k, _ = qkv()
+    return export_fn(f, q, k, spec((B, T, H, 64)))
+
+
+@case("neg_torch_mha_weights", rejected=["probabilities"])
+def _():
+    import torch
+    torch.manual_seed(0)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(H * D, H, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=True)
+    return torch_export(M().eval(), torch.randn(B, T, H * D))
+
+
+# ----------------------------------------------------------------------------- writing
+def write(name: str, meta: dict) -> pathlib.Path:
+    exported = meta["fn"]()
+    fmt = meta["fmt"]
+    if fmt == "mlir":
+        path = INPUTS / f"{name}.mlir"
+        path.write_text(exported.mlir_module())
+    elif fmt == "mlirbc":
+        path = INPUTS / f"{name}.mlirbc"
+        path.write_bytes(exported.mlir_module_serialized)  # a StableHLO portable artifact
+    else:
+        path = INPUTS / f"{name}.jax_exported"
+        path.write_bytes(bytes(exported.serialize()))
+    return path
+
+
+def default_checks(expect: dict) -> str:
+    lines = ["// CHECK-LABEL: func.func public @main"]
+    if expect["rewritten"] and len(expect["targets"]) == 1:
+        (t,) = expect["targets"]
+        causal = "true" if t.endswith("_causal") else "false"
+        br = "true" if expect["bottom_right"] else "false"
+        lines += [f"// CHECK: stablehlo.custom_call @{t}(",
+                  f"// CHECK-SAME: api_version = 4 : i32",
+                  f"// CHECK-SAME: backend_config = {{bottom_right = {br}, causal = {causal}, scale = "]
+    elif expect["rewritten"]:
+        lines += [f"// CHECK-DAG: stablehlo.custom_call @{t}(" for t in expect["targets"]]
+    else:
+        lines.append("// CHECK-NOT: @flashgen_")
+    if expect["rewritten"] and not expect["rejected"]:
+        lines.append("// CHECK-NOT: stablehlo.exponential")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    INPUTS.mkdir(parents=True, exist_ok=True)
+    CHECKS.mkdir(parents=True, exist_ok=True)
+    only = set(argv)
+    manifest_path = HERE / "cases.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    for name, meta in CASES.items():
+        if only and name not in only:
+            continue
+        path = write(name, meta)
+        manifest[name] = dict(file=f"inputs/{path.name}", format=meta["fmt"], **meta["expect"])
+        check = CHECKS / f"{name}.check"
+        if not check.exists():
+            check.write_text(default_checks(meta["expect"]))
+        print(f"{name}: {path.relative_to(HERE)}")
+    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
