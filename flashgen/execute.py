@@ -26,7 +26,7 @@ _FLASHGEN_TARGET = re.compile(r"^flashgen_(fwd|bwd)_d(\d+)_(f16|bf16|f32)(_causa
 PLATFORMS = ("cpu", "cuda")
 
 # Output tolerance per dtype, relative to max(1, max |reference|).
-TOLERANCE = {"f32": 2e-3, "f16": 1e-2, "bf16": 4e-2, "f64": 1e-6}
+TOLERANCE = {"f32": 2e-3, "f16": 1e-2, "bf16": 6e-2, "f64": 1e-6}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 // the shapes it is handed: a hand-written module can call any target with any
 // buffers, and the answer to a mismatch is an ffi::Error, never a crash.
 #pragma once
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 
@@ -77,6 +78,16 @@ inline ffi::Error check_bwd_operands(const char* target, const AttentionShape& s
   if (auto e = expect_dims(target, "o", o, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse, {s.batch, s.heads_q, s.seqlen_q}); e.failure()) return e;
   return expect_dims(target, "do", dout, {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
+}
+
+// FLASHGEN_POISON=1 makes handlers fill every output with NaN bytes (0xFF) before
+// the kernels run, so a test catches any element a kernel forgets to write.
+inline bool poison_outputs() {
+  static const bool on = [] {
+    const char* v = std::getenv("FLASHGEN_POISON");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return on;
 }
 
 }  // namespace flashgen

@@ -110,6 +110,7 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
         roots = [o for o, ctx in site.plan.site_ops if not ctx]
         touched_functions |= _erase_dead(pattern.g, roots, erased)
         site.status = "rewritten"
+        site.op, site.location = first.op, first.location  # named as in the input
         site.plan = None
         records.append(site)
     if touched_functions:

@@ -48,6 +48,14 @@ class Graph:
             if op_name(op) == "func.func":
                 self.funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op.operation
         self._users: dict = {}
+        self._asm: dict = {}
+
+    def asm_state(self, fn):
+        """One naming state per function, so that SSA names print as in the module."""
+        key = hash(fn) if fn is not None else None
+        if key not in self._asm:
+            self._asm[key] = ir.AsmState(fn if fn is not None else self.module.operation, True)
+        return self._asm[key]
 
     # -- functions -------------------------------------------------------------
     def callee(self, call_op):

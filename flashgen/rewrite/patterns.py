@@ -190,7 +190,7 @@ class AttentionPattern:
             return None
         fn = self.g.function_of(op)
         where = dict(location=str(op.location), function=self.g.function_name(fn),
-                     op=_describe_op(op))
+                     op=_describe_op(op, self.g.asm_state(fn)))
         m = _Match()
         try:
             site = self._match(op, m, where)
@@ -1112,10 +1112,10 @@ def _layout_letters(q_lay, b, s, h, d) -> str:
     return "".join(out)
 
 
-def _describe_op(op) -> str:
+def _describe_op(op, state) -> str:
     try:
-        return f"{op.result.get_name()} = {op_name(op)}"
-    except Exception:  # noqa: BLE001 - naming needs an AsmState; fall back to the op name
+        return f"{op.result.get_name(state)} = {op_name(op)}"
+    except Exception:  # noqa: BLE001 - naming is best effort; fall back to the op name
         return op_name(op)
 
 

@@ -2,6 +2,8 @@
 // only binds these templates to symbols; everything that can go wrong with a
 // call is checked here before a kernel touches memory.
 #pragma once
+#include <cstring>
+
 #include "flashgen/cpu/flash_cpu.h"
 #include "flashgen/ffi_common.h"
 
@@ -25,6 +27,11 @@ typename Storage<T>::type* out(ffi::ResultBuffer<T>& b) {
   return reinterpret_cast<typename Storage<T>::type*>(b->typed_data());
 }
 
+template <typename... Results>
+void poison(Results&... results) {
+  if (poison_outputs()) (std::memset(results->untyped_data(), 0xFF, results->size_bytes()), ...);
+}
+
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd(const char* target, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
@@ -38,6 +45,7 @@ ffi::Error fwd(const char* target, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buff
     return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
     return e;
+  poison(o, lse);
   attention_fwd<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, attrs,
                                               default_num_threads());
   return ffi::Error::Success();
@@ -62,6 +70,7 @@ ffi::Error bwd(const char* target, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buff
     return e;
   if (auto e = expect_dims(target, "dv", dv->dimensions(), {s.batch, s.seqlen_k, s.heads_kv, D}); e.failure())
     return e;
+  poison(dq, dk, dv);
   attention_bwd<typename Storage<T>::type, D>(in(q), in(k), in(v), in(o), lse.typed_data(), in(dout),
                                               out(dq), out(dk), out(dv), s, attrs, default_num_threads());
   return ffi::Error::Success();

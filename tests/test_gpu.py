@@ -1,0 +1,144 @@
+"""CUDA kernels on a real GPU (`pytest -m gpu`); skipped without one.
+
+Every spec forward (o, lse) and backward (dq, dk, dv) against the float64 reference, outputs
+poisoned with NaN by the handlers (FLASHGEN_POISON, set in conftest), fresh random inputs.
+Error bands (relative to max(max|ref|, 1)): f32 runs on TF32 tensor cores (10-bit mantissa
+products, f32 accumulation) so 5e-3; f16 5e-3 forward / 2e-2 backward; bf16 2e-2 / 5e-2.
+"""
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"f32": (5e-3, 1e-2), "f16": (5e-3, 2e-2), "bf16": (2e-2, 5e-2)}
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+DTYPES = ("f16", "bf16", "f32")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_library():
+    import jax
+    from flashgen import KernelSpec, build, runtime
+    from flashgen.jax.attention import _local_target
+    target = _local_target()
+    specs = [KernelSpec(h, t, c, target) for h in HEAD_DIMS for t in DTYPES for c in (False, True)]
+    t = time.perf_counter()
+    lib = build(specs, progress=lambda m: print(m, file=sys.stderr))
+    print(f"CUDA library for {jax.devices()[0].device_kind} ({target}) in {time.perf_counter() - t:.0f}s",
+          file=sys.stderr)
+    runtime.load(lib.path)
+    return lib
+
+
+def _rel(got, want):
+    want = np.asarray(want, np.float64)
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)), 1.0))
+
+
+def _check(rng, dtype, d, causal, b, sq, sk, hq, hkv, bottom_right=False):
+    import jax
+    import jax.numpy as jnp
+    from flashgen import reference
+    from flashgen.jax.attention import _kernel_calls, _local_target
+    from flashgen.spec import KernelSpec
+    jdt = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}[dtype]
+    q, k, v, do = (jnp.asarray(rng.standard_normal(s), jdt) for s in
+                   ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)))
+    spec = KernelSpec(d, dtype, causal, _local_target())
+    scale = 1.0 / np.sqrt(d)
+    fwd, bwd = _kernel_calls(spec, scale, bottom_right)
+    o, lse = jax.jit(fwd)(q, k, v)
+    dq, dk, dv = jax.jit(bwd)(q, k, v, o, lse, do)
+    ref_o, ref_lse, ref_g = reference.attention(q, k, v, causal=causal, bottom_right=bottom_right, do=do)
+    finite = np.isfinite(ref_lse)
+    assert np.all(np.isneginf(np.asarray(lse)[~finite])), "rows that see no key must have lse = -inf"
+    errs = {"o": _rel(o, ref_o), "lse": _rel(np.asarray(lse)[finite], ref_lse[finite]),
+            "dq": _rel(dq, ref_g[0]), "dk": _rel(dk, ref_g[1]), "dv": _rel(dv, ref_g[2])}
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert errs["o"] <= fwd_tol and errs["lse"] <= fwd_tol, errs
+    assert max(errs["dq"], errs["dk"], errs["dv"]) <= bwd_tol, errs
+    return errs
+
+
+@pytest.mark.parametrize("d, dtype, causal", list(itertools.product(HEAD_DIMS, DTYPES, (False, True))))
+def test_every_spec(rng, d, dtype, causal):
+    errs = _check(rng, dtype, d, causal, b=2, sq=1000, sk=1000, hq=8, hkv=2)
+    print(f"d{d} {dtype} causal={causal}: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (129, 129), (1000, 1000), (4097, 4097), (17, 1000),
+                                    (1000, 17), (1, 4097), (129, 4097)])
+@pytest.mark.parametrize("causal, bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_tails_and_alignment(rng, sq, sk, causal, bottom_right, dtype):
+    _check(rng, dtype, 128, causal, b=1, sq=sq, sk=sk, hq=4, hkv=4, bottom_right=bottom_right)
+
+
+@pytest.mark.parametrize("hq, hkv", [(16, 16), (16, 2), (16, 1)])
+def test_gqa_mqa_filling_the_gpu(rng, hq, hkv):
+    _check(rng, "bf16", 64, True, b=8, sq=2048, sk=2048, hq=hq, hkv=hkv)
+
+
+def test_mixed_program_on_xla_stream(rng):
+    """flashgen calls between XLA ops in one jit: right answer, and no host sync per call."""
+    import jax
+    import jax.numpy as jnp
+    from flashgen.jax import flash_attention
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 512, 8, 64)), jnp.bfloat16) for _ in range(3))
+
+    def layers(q, k, v, n=8):
+        x = q
+        for _ in range(n):
+            x = flash_attention(jnp.tanh(x) * 2, k, v, causal=True)
+        return x
+
+    def ref_layers(q, k, v, n=8):
+        x = q
+        for _ in range(n):
+            x = jax.nn.dot_product_attention(jnp.tanh(x) * 2, k, v, is_causal=True, implementation="xla")
+        return x
+
+    got = jax.jit(layers)(q, k, v)
+    want = jax.jit(ref_layers)(q, k, v)
+    assert _rel(got, want) < 5e-2
+    f = jax.jit(layers)
+    jax.block_until_ready(f(q, k, v))
+    t = time.perf_counter()
+    out = f(q, k, v)  # dispatch is asynchronous: it must return before the GPU is done
+    dispatch = time.perf_counter() - t
+    jax.block_until_ready(out)
+    total = time.perf_counter() - t
+    assert dispatch < total, (dispatch, total)
+
+
+@pytest.mark.skipif(not shutil.which("compute-sanitizer"), reason="compute-sanitizer not installed")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool, tmp_path):
+    """One spec per kernel family (fwd, bwd; f16/bf16 and f32; causal and not; GQA, tails)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import numpy as np, jax, jax.numpy as jnp\n"
+        "from flashgen.jax import flash_attention\n"
+        "rng = np.random.default_rng()\n"
+        "for dt, d, c in [(jnp.bfloat16, 64, True), (jnp.float16, 128, False), (jnp.float32, 32, True)]:\n"
+        "    q = jnp.asarray(rng.standard_normal((1, 77, 4, d)), dt)\n"
+        "    k = jnp.asarray(rng.standard_normal((1, 131, 2, d)), dt)\n"
+        "    v = jnp.asarray(rng.standard_normal((1, 131, 2, d)), dt)\n"
+        "    g = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=c).astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)\n"
+        "    jax.block_until_ready(g)\n"
+        "print('done')\n")
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run(["compute-sanitizer", f"--tool={tool}", "--target-processes=all",
+                          "--kernel-name", "regex:flashgen", sys.executable, str(script)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    tail = (out.stdout + out.stderr)[-3000:]
+    print(tail)
+    assert "done" in out.stdout, tail
+    assert "ERROR SUMMARY: 0 errors" in out.stdout + out.stderr, tail

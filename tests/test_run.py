@@ -1,0 +1,108 @@
+"""`flashgen run` and flashgen.execute."""
+from __future__ import annotations
+
+import pathlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashgen import cli, execute
+from flashgen.errors import UsageError
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "inputs"
+
+ADD = """\
+func.func public @main(%a: tensor<2x3xf32>, %b: tensor<3xbf16>) -> (tensor<2x3xf32>, tensor<3xbf16>) {
+  %0 = stablehlo.add %a, %a : tensor<2x3xf32>
+  %1 = stablehlo.multiply %b, %b : tensor<3xbf16>
+  return %0, %1 : tensor<2x3xf32>, tensor<3xbf16>
+}
+"""
+
+
+@pytest.fixture
+def add_module(tmp_path):
+    p = tmp_path / "add.mlir"
+    p.write_text(ADD)
+    return p
+
+
+def test_run_api_bf16(add_module):
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.array([1.5, 2, 3], ml_dtypes.bfloat16)
+    out = execute.run(add_module, [a, b])
+    np.testing.assert_array_equal(out[0], a * 2)
+    assert out[1].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(out[1].astype(np.float32), [2.25, 4, 9])
+
+
+@pytest.mark.parametrize("carrier", ["uint16", "void"])
+def test_cli_run_npz_bf16_carriers(add_module, tmp_path, capsys, carrier):
+    b = np.array([1.5, 2, 3], ml_dtypes.bfloat16)
+    b = b.view(np.uint16) if carrier == "uint16" else b  # np.savez writes bfloat16 as |V2
+    inp, outp = tmp_path / "in.npz", tmp_path / "out.npz"
+    np.savez(inp, arg0=np.ones((2, 3), np.float32), arg1=b)
+    assert cli.main(["run", str(add_module), "--inputs", str(inp), "--outputs", str(outp)]) == 0
+    res = np.load(outp)
+    assert sorted(res.files) == ["out0", "out1"]
+    np.testing.assert_array_equal(res["out0"], np.full((2, 3), 2, np.float32))
+    assert res["out1"].dtype == np.uint16
+    np.testing.assert_array_equal(res["out1"].view(ml_dtypes.bfloat16).astype(np.float32),
+                                  [2.25, 4, 9])
+    assert "out0: [2, 3] f32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arrays,needle", [
+    (dict(arg0=np.ones((2, 3), np.float32)), "missing arg1"),
+    (dict(arg0=np.ones((2, 3), np.float32), arg1=np.ones(3, np.uint16), arg2=np.ones(1)),
+     "unexpected arg2"),
+    (dict(arg0=np.ones((3, 2), np.float32), arg1=np.ones(3, np.uint16)), "arg0 has shape [3, 2]"),
+    (dict(arg0=np.ones((2, 3), np.complex64), arg1=np.ones(3, np.uint16)), "dtype"),
+])
+def test_cli_run_bad_inputs(add_module, tmp_path, capsys, arrays, needle):
+    inp = tmp_path / "in.npz"
+    np.savez(inp, **arrays)
+    rc = cli.main(["run", str(add_module), "--inputs", str(inp)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err and err.count("\n") == 1
+
+
+def test_cli_run_missing_npz(add_module, tmp_path, capsys):
+    assert cli.main(["run", str(add_module), "--inputs", str(tmp_path / "no.npz")]) == 2
+    assert "no such inputs file" in capsys.readouterr().err
+
+
+def test_run_jax_exported_and_random_inputs(capsys):
+    rc = cli.main(["run", str(GOLDEN / "jnn_causal_exported.jax_exported")])
+    assert rc == 0 and "out0: [2, 8, 4, 32] f32" in capsys.readouterr().out
+
+
+def test_run_rewritten_module_registers_kernels(tmp_path):
+    import flashgen.rewrite as fr
+    src = GOLDEN / "jnn_gqa_causal.mlir"
+    out = tmp_path / "o.mlir"
+    out.write_bytes(fr.rewrite(src).to_bytes())
+    params, _ = execute.signature(src)
+    x = execute.random_inputs(params, 3)
+    ref = execute.run(src, x, register=False)
+    got = execute.run(out, x)
+    assert execute.flashgen_targets(out) == ["flashgen_fwd_d32_f32_causal"]
+    np.testing.assert_allclose(got[0], ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_coerce_inputs_errors():
+    params = [execute.TensorType((2,), np.dtype(np.float32), "f32")]
+    with pytest.raises(UsageError, match="takes 1 inputs, got 0"):
+        execute.coerce_inputs([], params)
+    out = execute.coerce_inputs([np.ones(2, np.float64)], params)
+    assert out[0].dtype == np.float32
+
+
+def test_compare_tolerances():
+    ref = [np.ones(4, np.float32)]
+    assert execute.compare(ref, [ref[0] + 1e-4])[0]["ok"]
+    assert not execute.compare(ref, [ref[0] + 1e-2])[0]["ok"]
+    assert execute.compare(ref, [ref[0] + 1e-2], "bf16")[0]["ok"]
+    assert not execute.compare([np.arange(3)], [np.arange(3) + 1])[0]["ok"]
