@@ -14,5 +14,13 @@ def emit_custom_call(*args, **kwargs):
     return _emit(*args, **kwargs)
 
 
+def __getattr__(name):
+    """``flashgen.rewrite(...)``: the rewrite package, callable, imported on first use."""
+    if name == "rewrite":
+        import importlib
+        return importlib.import_module("flashgen.rewrite")
+    raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
+
+
 __all__ = ["KernelSpec", "build", "Library", "BuildError", "emit_custom_call", "target_name",
            "HEAD_DIMS", "DTYPES", "TARGETS", "__version__"]

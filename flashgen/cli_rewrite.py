@@ -1,7 +1,6 @@
 """The `flashgen rewrite` and `flashgen run` subcommands."""
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys

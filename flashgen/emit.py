@@ -85,12 +85,16 @@ def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:
 
 def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value], *,
                      scale: float, bottom_right: bool = False, legacy_attrs: bool = False,
+                     sharding_rule: bool = True,
                      loc: ir.Location | None = None, ip: ir.InsertionPoint | None = None
                      ) -> list[ir.Value]:
     """Insert one flashgen custom call; returns its results (o, lse) or (dq, dk, dv).
 
     Must be called inside an active MLIR context with the stablehlo dialect
     loaded; `ip`/`loc` default to the current insertion point and location.
+    With `sharding_rule` (and the sdy dialect in the context) the op carries
+    an `sdy.sharding_rule` so SPMD partitioning splits it over batch and heads
+    (flashgen/jax/sharding.py); it changes nothing on one device.
     """
     types = result_types(spec, direction, operands)
     attrs = attention_attributes(spec.causal, scale, bottom_right)
@@ -105,6 +109,11 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
         op = stablehlo.CustomCallOp(
             types, operands, name, backend_config=attrs,
             api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4), loc=loc, ip=ip)
+    if sharding_rule:
+        from flashgen.jax.sharding import context_has_sdy, sharding_rule_attr
+        if context_has_sdy(op.context):
+            op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
+                direction, operands[0].type.shape, operands[1].type.shape)
     return list(op.results)
 
 

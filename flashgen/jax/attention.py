@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashgen import runtime
+from flashgen.jax import sharding
 from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_dtype
 
 
@@ -72,16 +73,14 @@ def _fold_vmap(call):
 
 @functools.cache
 def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool):
-    attrs = dict(causal=spec.causal, scale=np.float32(scale), bottom_right=bottom_right)
+    # The FFI calls, carrying the batch/head sharding rule (flashgen/jax/sharding.py).
+    attrs = dict(scale=scale, bottom_right=bottom_right)
 
     def fwd(q, k, v):
-        b, sq, hq, _ = q.shape
-        out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
-        return tuple(jax.ffi.ffi_call(spec.target_name("fwd"), out)(q, k, v, **attrs))
+        return sharding.kernel_call(spec, "fwd", (q, k, v), **attrs)
 
     def bwd(q, k, v, o, lse, do):
-        out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        return tuple(jax.ffi.ffi_call(spec.target_name("bwd"), out)(q, k, v, o, lse, do, **attrs))
+        return sharding.kernel_call(spec, "bwd", (q, k, v, o, lse, do), **attrs)
 
     return _fold_vmap(fwd), _fold_vmap(bwd)
 
@@ -113,9 +112,32 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     causal masks key j for query i unless j <= i (top-left, as jnp.tril), or
     j <= i + seq_k - seq_q with bottom_right=True (FlashAttention-2's alignment).
     """
+    spec, scale = _prepare(q, k, v, causal, scale, bottom_right)
+    return _attention(q, k, v, spec, scale, bool(bottom_right))
+
+
+def _prepare(q, k, v, causal, scale, bottom_right):
     dtype, scale = _check(q, k, v, scale)
     if bottom_right and not causal:
         raise ValueError("bottom_right only applies to causal attention")
+    sharding.check_operand_shardings(q, k, v)
     spec = KernelSpec(q.shape[3], dtype, bool(causal), _local_target())
     runtime.ensure([spec])
-    return _attention(q, k, v, spec, scale, bool(bottom_right))
+    return spec, scale
+
+
+def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None,
+                       bottom_right: bool = False):
+    """The forward kernel alone: (o, lse [B, Hq, Sq] f32). Not differentiable (internal:
+    ring attention combines these and brings its own VJP)."""
+    spec, scale = _prepare(q, k, v, causal, scale, bottom_right)
+    return _kernel_calls(spec, scale, bool(bottom_right))[0](q, k, v)
+
+
+def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
+                  bottom_right: bool = False):
+    """The backward kernel alone: (dq, dk, dv) from the saved o and lse. Given the global o
+    and lse of a longer key sequence and one block of it as k, v, it returns that block's
+    exact share of dq and its exact dk, dv."""
+    spec, scale = _prepare(q, k, v, causal, scale, bottom_right)
+    return _kernel_calls(spec, scale, bool(bottom_right))[1](q, k, v, o, lse, do)

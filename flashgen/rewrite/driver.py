@@ -16,7 +16,7 @@ from typing import Optional
 from jaxlib.mlir import ir
 
 from flashgen.errors import FlashgenError
-from flashgen.rewrite.graph import Graph, op_name
+from flashgen.rewrite.graph import Graph
 from flashgen.rewrite.patterns import AttentionPattern
 from flashgen.rewrite.report import AttentionSite, Rejection
 
@@ -115,9 +115,22 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
         records.append(site)
     if touched_functions:
         _erase_unused_functions(module, touched_functions)
-    if not module.operation.verify():
-        raise FlashgenError("the rewritten module does not verify (a flashgen bug)")
+    try:
+        ok = module.operation.verify()
+    except ir.MLIRError as e:
+        ok, why = False, _first_error(e)
+    else:
+        why = "verification failed"
+    if not ok:
+        raise FlashgenError(f"the rewritten module does not verify (a flashgen bug): {why}")
     return records
+
+
+def _first_error(e: Exception) -> str:
+    for line in str(e).splitlines():
+        if "error:" in line:
+            return line.split("error:", 1)[1].split(": ", 1)[-1].strip()
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _erasable(graph: Graph, op, pure_funcs: dict) -> bool:

@@ -29,7 +29,9 @@ import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
+from flashgen.rewrite import adapters, masks
 from flashgen.rewrite import layout as L
+from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Const, Folder
 from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
 from flashgen.rewrite.report import AttentionSite, Rejection
@@ -52,15 +54,6 @@ _ELEMENTWISE = {
     "stablehlo.tanh", "stablehlo.logistic", "stablehlo.sign", "stablehlo.floor",
 }
 _RNG_OPS = ("stablehlo.rng_bit_generator", "stablehlo.rng")
-
-
-class Reject(Exception):
-    """Raised inside the matcher; becomes a Rejection."""
-
-    def __init__(self, reason: str, **details):
-        super().__init__(reason)
-        self.reason = reason
-        self.details = details
 
 
 def _ints(attr) -> list[int]:
@@ -439,10 +432,22 @@ class AttentionPattern:
         subs = [u for u in users if op_name(u[0]) == "stablehlo.subtract" and u[1] == 0]
         shift = None
         if subs:
-            sub, _, ctx = subs[0]
+            # with several (a backward pass also subtracts), take the one by a row-wise value
+            first_error = None
+            for sub, _, ctx in subs:
+                saved = set(m.ops)
+                try:
+                    shift = self._term(m, Ref(sub.operands[1], ctx))
+                except Reject as e:
+                    m.ops, first_error = saved, first_error or e
+                    continue
+                if not shift.full:
+                    break
+                m.ops, shift = saved, None
+            if shift is None:
+                raise first_error or Reject("the value subtracted before the exponential is not "
+                                            "constant along the softmax axis")
             m.add(sub, ctx)
-            shift_ref = Ref(sub.operands[1], ctx)
-            shift = self._term(m, shift_ref)
             d = Ref(sub.result, ctx)
             m.record(d, x_layout, "scores")
             exps = [u for u in self.g.users(d) if op_name(u[0]) == "stablehlo.exponential"]
@@ -458,9 +463,9 @@ class AttentionPattern:
         e = Ref(exp.result, ctx)
         m.record(e, x_layout, "exp")
         # e and its converts; one of them is divided (or multiplied by the reciprocal)
-        views, norm = [e], None
+        views, candidates = [e], []
         i = 0
-        while i < len(views) and norm is None:
+        while i < len(views):
             for user, idx, uctx in self.g.users(views[i]):
                 name = op_name(user)
                 if name == "stablehlo.convert" and _elt(user.result) in _FLOAT_TYPES:
@@ -471,15 +476,33 @@ class AttentionPattern:
                 elif name in ("stablehlo.divide", "stablehlo.multiply") and (
                         idx == 0 or name == "stablehlo.multiply"):
                     den = Ref(user.operands[1 - idx], uctx)
-                    if (den.value, den.ctx) in m.chain:
-                        continue
-                    norm = (user, den, uctx)
-                    break
+                    if (den.value, den.ctx) not in m.chain:
+                        candidates.append((user, den, uctx))
             i += 1
-        if norm is None:
+        if not candidates:
             raise Reject("the exponentials are not divided by their row sum (not a softmax)")
-        user, den, uctx = norm
-        m.add(user, uctx)
+        # with several (a backward pass also multiplies them), take the one by the row sum
+        first_error = None
+        for user, den, uctx in candidates:
+            saved = set(m.ops)
+            try:
+                R = self._normalizer(m, user, den, x_layout)
+            except Reject as e_:
+                m.ops, first_error = saved, first_error or e_
+                continue
+            m.add(user, uctx)
+            break
+        else:
+            raise first_error
+        if shift is not None and (shift.full or not self._rowwise_ok(shift.layout, x_layout, R)):
+            raise Reject("the value subtracted before the exponential is not constant along "
+                         "the softmax axis")
+        p = Ref(user.result, uctx)
+        m.record(p, x_layout, "probs")
+        return p, x_layout, R
+
+    def _normalizer(self, m: _Match, user, den: Ref, x_layout):
+        """Check ``user`` (divide or multiply) normalizes by the row sum; return R."""
         term = self._term(m, den)
         sums = [r for r in term.reduces if r[0] == "add" and r[1] == "exp"]
         if len(term.reduces) != 1 or not sums or term.full:
@@ -493,12 +516,7 @@ class AttentionPattern:
         R = sums[0][2]
         if not self._rowwise_ok(term.layout, x_layout, R):
             raise Reject("the softmax denominator is not broadcast along the summed axis")
-        if shift is not None and (shift.full or not self._rowwise_ok(shift.layout, x_layout, R)):
-            raise Reject("the value subtracted before the exponential is not constant along "
-                         "the softmax axis")
-        p = Ref(user.result, uctx)
-        m.record(p, x_layout, "probs")
-        return p, x_layout, R
+        return R
 
     @staticmethod
     def _rowwise_ok(term_layout, x_layout, R) -> bool:
@@ -533,7 +551,7 @@ class AttentionPattern:
         c = self.folder.fold(r)
         if c is not None:
             if not c.uniform:
-                raise Reject("the softmax uses a non-uniform constant")
+                raise Reject("the softmax's row statistics use a non-uniform constant")
             return _Term(tuple([None] * len(c.shape)), False, [], [])
         if isinstance(r.value, ir.BlockArgument):
             raise Reject("the softmax uses a value from outside the attention site")
@@ -575,7 +593,8 @@ class AttentionPattern:
             else:
                 ops.append(name)
             return _Term(lay, any(t.full for t in parts), [x for t in parts for x in t.reduces], ops)
-        raise Reject(f"the softmax uses {name}")
+        raise Reject(f"the softmax's row max/sum is computed through {name}, not from the "
+                     "scores alone")
 
     @staticmethod
     def _tag_of(m: _Match, ref: Ref) -> str | None:
@@ -655,8 +674,12 @@ class AttentionPattern:
                            else ""))
         names = sorted({op_name(u[0]) for u in users})
         if len(users) > 1 and "stablehlo.dot_general" in names:
-            others = [op_name(u[0]) for u in users if op_name(u[0]) != "stablehlo.dot_general"]
-            return self._dropout_or(p, f"the probabilities have another user ({', '.join(others)})")
+            others = [op_name(u[0]) for u in users]
+            others.remove("stablehlo.dot_general")
+            what = ", ".join(sorted(set(others)))
+            if set(others) == {"stablehlo.dot_general"}:
+                what += ": a second product, e.g. a backward pass"
+            return self._dropout_or(p, f"the probabilities have another user ({what})")
         return self._dropout_or(p, f"the probabilities pass through {', '.join(names)}")
 
     def _dropout_or(self, p: Ref, reason: str) -> str:
@@ -880,7 +903,7 @@ class AttentionPattern:
         batching = [p for p in qp if p[0][0] == "B"]
 
         # mask -> causal?
-        causal, bottom_right, q_seq = self._classify_mask(m, cuts, q_free, k_free)
+        causal, bottom_right, q_seq = masks.classify(m.masks, cuts, q_free, k_free)
         if not causal and q_free:
             # any split is correct without a mask; name the largest query axis the sequence
             q_seq = [max(q_free, key=lambda p: (p[2], -qp.index(p)))]
@@ -941,78 +964,6 @@ class AttentionPattern:
             causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
             target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan)
 
-    def _classify_mask(self, m, cuts, q_free, k_free):
-        """(causal, bottom_right, [query sequence piece]) from the recorded masks."""
-        if not m.masks:
-            return False, False, []
-        q_set, k_set = set(q_free), set(k_free)
-        combined, q_axis, k_axis = None, None, None
-        for const, lay, _ in m.masks:
-            lay = L.refine(lay, cuts)
-            arr = const.array
-            fine_shape, fine_pieces = [], []
-            for i, d in enumerate(lay):
-                if arr.shape[i] == 1:
-                    fine_shape += [1] * len(d)
-                else:
-                    fine_shape += [pc[2] for pc in d]
-                fine_pieces += list(d)
-            if not fine_pieces:
-                arr = arr.reshape(())
-            else:
-                arr = arr.reshape(fine_shape)
-            qa = ka = None
-            for ax, pc in enumerate(fine_pieces):
-                if arr.shape[ax] == 1:
-                    continue
-                first = np.take(arr, [0], axis=ax)
-                if np.all(arr == first):
-                    arr = first
-                    continue
-                if pc in q_set and qa is None:
-                    qa = pc
-                elif pc in k_set and ka is None:
-                    ka = pc
-                else:
-                    raise Reject("the mask is not causal: it varies along "
-                                 f"{'a batch or head axis' if pc[0][0] == 'B' else 'several axes'}")
-            keep = [ax for ax, pc in enumerate(fine_pieces) if pc in (qa, ka) and arr.shape[ax] > 1]
-            arr2 = arr.reshape([arr.shape[ax] for ax in keep]) if keep else arr.reshape(())
-            order = [fine_pieces[ax] for ax in keep]
-            if order == [ka, qa] and ka is not None and qa is not None:
-                arr2 = arr2.T
-            if qa is None and ka is not None:
-                arr2 = arr2.reshape(1, -1)
-            elif ka is None and qa is not None:
-                arr2 = arr2.reshape(-1, 1)
-            else:
-                arr2 = arr2.reshape((1, 1) if not keep else arr2.shape)
-            if (q_axis and qa and q_axis != qa) or (k_axis and ka and k_axis != ka):
-                raise Reject("the masks vary along different axes")
-            q_axis, k_axis = q_axis or qa, k_axis or ka
-            combined = arr2 if combined is None else (combined & arr2)
-        if combined.all():
-            return False, False, []
-        if q_axis is None or k_axis is None:
-            raise Reject("the mask is not causal (it depends on only one of the query and key "
-                         "positions: a padding mask?)")
-        if len(k_free) != 1:
-            raise Reject("a causal mask over several key axes is not supported")
-        sq, sk = q_axis[2], k_axis[2]
-        full = np.broadcast_to(combined, (sq, sk))
-        i = np.arange(sq)[:, None]
-        j = np.arange(sk)[None, :]
-        if np.array_equal(full, j <= i):
-            bottom_right = False
-        elif np.array_equal(full, j <= i + (sk - sq)):
-            bottom_right = True
-        else:
-            raise Reject("the mask is not causal (sliding window, block or other pattern): "
-                         "unsupported")
-        if not full.any(axis=1).all():
-            raise Reject("the causal mask leaves rows with no visible key")
-        return True, bottom_right, [q_axis]
-
     # ------------------------------------------------------------------ rewrite
     def rewrite(self, site: AttentionSite) -> None:
         """Insert the custom call and its adapters before the site's exit; redirect uses.
@@ -1030,19 +981,19 @@ class AttentionPattern:
                 operands = []
                 for name in ("q", "k", "v"):
                     value, lay = plan.inputs[name]
-                    x = _adapt(value, lay, plan.kernel[name], created)
+                    x = adapters.adapt(value, lay, plan.kernel[name], created)
                     if str(x.type.element_type) != plan.spec.dtype:
-                        x = _convert(x, kdt, created)
+                        x = adapters.convert(x, kdt, created)
                     operands.append(x)
                 o, lse = emit_custom_call(plan.spec, "fwd", operands, scale=plan.scale,
                                           bottom_right=plan.bottom_right,
                                           legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
-                out = _adapt(o, plan.kernel["o"], plan.exit_layout, created,
+                out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created,
                              final_shape=_shape(plan.exit_value))
                 want = plan.exit_value.type.element_type
                 if out.type.element_type != want:
-                    out = _convert(out, want, created)
+                    out = adapters.convert(out, want, created)
             except Exception:
                 for op in reversed(created):
                     op.operation.erase()
@@ -1117,39 +1068,3 @@ def _describe_op(op, state) -> str:
         return f"{op.result.get_name(state)} = {op_name(op)}"
     except Exception:  # noqa: BLE001 - naming is best effort; fall back to the op name
         return op_name(op)
-
-
-def _reshape(x: ir.Value, shape, created) -> ir.Value:
-    t = ir.RankedTensorType.get(list(shape), x.type.element_type)
-    op = stablehlo.ReshapeOp(t, x)
-    created.append(op)
-    return op.result
-
-
-def _convert(x: ir.Value, elt, created) -> ir.Value:
-    t = ir.RankedTensorType.get(list(x.type.shape), elt)
-    op = stablehlo.ConvertOp(t, x)
-    created.append(op)
-    return op.result
-
-
-def _adapt(value: ir.Value, src, dst, created, final_shape=None) -> ir.Value:
-    """Reshape/transpose ``value`` (dims ``src``) into dims ``dst`` (same pieces)."""
-    cuts = L.boundaries([src, dst])
-    src, dst = L.refine(src, cuts), L.refine(dst, cuts)
-    fine_src = L.pieces(src)
-    fine_dst = L.pieces(dst)
-    x = value
-    perm = [fine_src.index(p) for p in fine_dst]
-    target = list(final_shape) if final_shape is not None else \
-        [prod(p[2] for p in d) for d in dst]
-    if perm != list(range(len(perm))):
-        fine_shape = [p[2] for p in fine_src]
-        if fine_shape != list(x.type.shape):
-            x = _reshape(x, fine_shape, created)
-        op = stablehlo.TransposeOp(x, perm)
-        created.append(op)
-        x = op.result
-    if list(x.type.shape) != target:
-        x = _reshape(x, target, created)
-    return x

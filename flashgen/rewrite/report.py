@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from typing import Any, Optional
 
 
@@ -50,7 +52,8 @@ class AttentionSite:
             if self.causal else "no mask"
         gqa = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
         lines = [
-            f"{self.status.upper()}: attention at {self.location} (@{self.function}, {self.op})",
+            f"{self.status.upper()}: attention at {short_loc(self.location)} "
+            f"(@{self.function}, {self.op})",
             f"  q {_shape(self.q_shape)}  k {_shape(self.k_shape)}  v {_shape(self.v_shape)}"
             f" -> out {_shape(self.out_shape)}  [{self.dtype}]",
             f"  layout {self.layout}: batch {self.batch}, {self.heads} heads{gqa}, "
@@ -76,13 +79,32 @@ class Rejection:
         return dataclasses.asdict(self)
 
     def explain(self) -> str:
-        lines = [f"REJECTED: candidate at {self.location} (@{self.function}, {self.op})",
+        lines = [f"REJECTED: candidate at {short_loc(self.location)} (@{self.function}, {self.op})",
                  f"  reason: {self.reason}"]
         if self.matched:
             lines.append(f"  matched so far: {', '.join(self.matched)}")
         for k, v in self.details.items():
             lines.append(f"  {k}: {v}")
         return "\n".join(lines)
+
+
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"(:\d+)?')
+
+
+def short_loc(location: str) -> str:
+    """'jit(f)/dot_general (model.py:12)' from a full MLIR location; the JSON keeps it all."""
+    name, where = None, None
+    for m in _QUOTED.finditer(location):
+        if m.group(2):  # "file":line
+            where = f"{os.path.basename(m.group(1))}{m.group(2)}"
+            if name is None:
+                continue
+            break
+        if name is None:
+            name = m.group(1)
+    if name and where:
+        return f"{name} ({where})"
+    return name or where or location
 
 
 def _shape(s) -> str:

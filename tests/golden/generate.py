@@ -126,6 +126,14 @@ def _():
     return export_fn(f, *qkv("float16", d=64))
 
 
+@case("jnn_decode_step", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    jax, _, _ = _jax()
+    q, k, v = qkv(t=1, s=8)  # one query row against 8 keys: the causal mask is j <= 0
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     q, k, v)
+
+
 @case("jnn_f32_portable", fmt="mlirbc", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
 def _():
     jax, _, _ = _jax()
@@ -725,6 +733,15 @@ def _():
     return export_fn(f, q, k, spec((B, T, H, 64)))
 
 
+@case("neg_backward_pass", rejected=["backward pass"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def loss(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+    return export_fn(jax.value_and_grad(loss, argnums=(0, 1, 2)), *qkv())
+
+
 @case("neg_torch_mha_weights", rejected=["probabilities"])
 def _():
     import torch
@@ -763,7 +780,7 @@ def default_checks(expect: dict) -> str:
         causal = "true" if t.endswith("_causal") else "false"
         br = "true" if expect["bottom_right"] else "false"
         lines += [f"// CHECK: stablehlo.custom_call @{t}(",
-                  f"// CHECK-SAME: api_version = 4 : i32",
+                  "// CHECK-SAME: api_version = 4 : i32",
                   f"// CHECK-SAME: backend_config = {{bottom_right = {br}, causal = {causal}, scale = "]
     elif expect["rewritten"]:
         lines += [f"// CHECK-DAG: stablehlo.custom_call @{t}(" for t in expect["targets"]]

@@ -1,0 +1,430 @@
+"""Partitioning flashgen custom calls over a device mesh (batch and heads).
+
+Three pieces, one contract — batch and heads are parallel, sequence and
+head_dim stay whole on every device:
+
+* ``sharding_rule_attr``: the Shardy ``#sdy.op_sharding_rule`` put on every
+  flashgen custom call (by ``flash_attention`` and by
+  ``flashgen.emit.emit_custom_call``). Factors: b (batch), s (Sq), t (Sk),
+  g (kv heads), h (q heads per kv head, Hq = Hkv·G, q heads = the compound
+  ``(g h)``), d (head_dim). s, t, d and h are *need-replication* factors, so
+  propagation only ever shards b and g: q/k/v/o/lse (and dO/dQ/dK/dV) share
+  them, and kv heads travel with their q-head groups.
+* XLA custom-call partitioners registered for every flashgen target name
+  (``register_partitioners``, done on import): the SPMD partitioner asks them
+  how to split a call; they keep batch and head tiling, replicate whatever
+  else is tiled (or does not divide), and return the same custom call on the
+  local shard shapes. They serve Shardy (after it propagated with the rule)
+  and the GSPMD partitioner (``jax_use_shardy_partitioner=False``, through
+  their sharding-inference callback) alike, and any module that holds
+  flashgen calls: ``flash_attention``, ``jax.export`` round trips, emitted or
+  rewritten StableHLO.
+* ``kernel_call``: the JAX primitive behind ``flash_attention``: an FFI call
+  whose lowering carries the rule, whose abstract evaluation keeps explicit
+  (sharding-in-types) shardings and shard_map varying axes.
+
+Imported by ``flashgen.jax``, so importing that package registers the
+partitioners; a process that compiles sharded flashgen modules without it
+should call ``register_partitioners()``.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import threading
+
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import sdy
+
+from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, target_name
+
+BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
+
+
+# --------------------------------------------------------------------------------------
+# The Shardy rule (pure MLIR: also used by flashgen.emit, needs no JAX).
+
+def _rule_mappings(direction: str, heads: int, kv_heads: int):
+    """Factor names per operand and result; a tuple is a compound dimension (major first)."""
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"kv heads ({kv_heads}) must divide q heads ({heads})")
+    # Shardy refuses size-1 factors inside a compound dimension: MQA's q heads are all h.
+    qh = ("g",) if heads == kv_heads else ("h",) if kv_heads == 1 else ("g", "h")
+    q = ("b", "s", qh, "d")
+    kv = ("b", "t", "g", "d")
+    lse = ("b", qh, "s")
+    if direction == "fwd":
+        return [q, kv, kv], [q, lse]
+    if direction == "bwd":
+        return [q, kv, kv, q, lse, q], [q, kv, kv]
+    raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+
+def sharding_rule_attr(direction: str, q_shape, kv_shape) -> ir.Attribute:
+    """The ``#sdy.op_sharding_rule`` of one flashgen call (inside an MLIR context with sdy)."""
+    b, sq, hq, d = (int(x) for x in q_shape)
+    sk, hkv = int(kv_shape[1]), int(kv_shape[2])
+    sizes = {"b": b, "s": sq, "g": hkv, "h": hq // max(hkv, 1), "d": d, "t": sk}
+    operands, results = _rule_mappings(direction, hq, hkv)
+    used = [f for f in ("b", "s", "g", "h", "d", "t")
+            if any(f in (dim if isinstance(dim, tuple) else (dim,))
+                   for m in operands + results for dim in m)]
+    index = {f: i for i, f in enumerate(used)}
+
+    def tensor(mapping):
+        dims = [sdy.DimMappingAttr.get(factor_indices=[index[f] for f in
+                                                      (dim if isinstance(dim, tuple) else (dim,))])
+                for dim in mapping]
+        return sdy.TensorMappingAttr.get(dim_mappings=dims)
+
+    return sdy.OpShardingRuleAttr.get(
+        factor_sizes=[sizes[f] for f in used],
+        operand_mappings=[tensor(m) for m in operands],
+        result_mappings=[tensor(m) for m in results],
+        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h") if f in index),
+        is_custom=True)
+
+
+def context_has_sdy(context: ir.Context | None = None) -> bool:
+    """Whether the (current) MLIR context has the sdy dialect (building its attributes
+    in a context without it crashes the process, so callers check first)."""
+    ctx = context or ir.Context.current
+    return bool(ctx.is_registered_operation("sdy.manual_computation"))
+
+
+# --------------------------------------------------------------------------------------
+# XLA custom-call partitioners (HloSharding arithmetic; called by the SPMD partitioner).
+
+_TARGET = re.compile(r"^flashgen_(fwd|bwd)_d(\d+)_(f16|bf16|f32)(_causal)?$")
+_registered = False
+_register_lock = threading.Lock()
+
+
+def _xc():
+    from jax._src.lib import xla_client  # the partitioner registry lives here (no public API)
+    return xla_client
+
+
+def _replicate_dims(sharding, dims):
+    if sharding is None or not sharding.is_tiled():
+        return sharding
+    return _xc().hlo_sharding_util.PartiallyReplicateTiledShardingOnDims(sharding, list(dims))
+
+
+def _plan(base, q_shape, kv_shape):
+    """Shardings (q-like, kv-like, lse) derived from a q-like operand's sharding.
+
+    Keeps the batch and head tiling, replicates sequence and head_dim, and
+    replicates batch or heads too where the tile count does not divide B, Hq
+    and Hkv: the kernel never sees padding, and q head chunk c pairs with kv
+    head chunk c (Hkv/n kv heads for Hq/n q heads keeps h -> h // G)."""
+    xc = _xc()
+    if base is None or base.is_replicated() or not base.is_tiled():
+        rep = xc.HloSharding.replicate()
+        return rep, rep, rep
+    s = _replicate_dims(base, [SEQ_Q, HEAD_DIM])
+    tiles = s.tile_assignment_dimensions()
+    bad = []
+    if q_shape[BATCH] % tiles[BATCH]:
+        bad.append(BATCH)
+    if q_shape[HEADS] % tiles[HEADS] or kv_shape[HEADS] % tiles[HEADS]:
+        bad.append(HEADS)
+    if bad:
+        s = _replicate_dims(s, bad)
+    if s.is_replicated():
+        rep = xc.HloSharding.replicate()
+        return rep, rep, rep
+    return s, s, _lse_sharding(s)
+
+
+def _lse_sharding(s):
+    """[B, S, H, D] tiling (S, D untiled) -> the same devices tiling lse [B, H, S]."""
+    xc = _xc()
+    dims = list(s.tile_assignment_dimensions())
+    devices = np.asarray(s.tile_assignment_devices()).reshape(dims)
+    devices = devices.transpose([0, 2, 1, 3] + list(range(4, len(dims))))
+    op = xc.OpSharding()
+    op.type = xc.OpSharding.Type.OTHER
+    op.tile_assignment_dimensions = [dims[0], dims[2], dims[1] * dims[3]] + dims[4:]
+    op.tile_assignment_devices = [int(x) for x in devices.reshape(-1)]
+    if s.replicate_on_last_tile_dim():
+        op.replicate_on_last_tile_dim = True
+    else:
+        op.last_tile_dims = list(s.subgroup_types())
+    return xc.HloSharding.from_proto(op)
+
+
+def _parse_call(name: str, backend_string: bytes):
+    m = _TARGET.match(name)
+    direction, hd, dtype, causal = m.group(1), int(m.group(2)), m.group(3), bool(m.group(4))
+    from flashgen.mlir_context import new_context
+    with new_context():
+        attrs = ir.DictAttr(ir.Attribute.parse(bytes(backend_string).decode() or "{}"))
+        scale = ir.FloatAttr(attrs["scale"]).value
+        bottom_right = "bottom_right" in attrs and ir.BoolAttr(attrs["bottom_right"]).value
+    return KernelSpec(hd, dtype, causal, "cpu"), direction, scale, bool(bottom_right)
+
+
+def _local_module(spec: KernelSpec, direction: str, local_shapes, scale, bottom_right) -> bytes:
+    """A module whose @main is the same flashgen call on per-device shapes."""
+    from jaxlib.mlir.dialects import func
+    from flashgen.emit import _MLIR_DTYPES, emit_custom_call
+    from flashgen.mlir_context import new_context
+    with new_context(), ir.Location.unknown():
+        module = ir.Module.create()
+        types = [ir.RankedTensorType.get(list(shape),
+                                         ir.F32Type.get() if direction == "bwd" and i == 4
+                                         else ir.Type.parse(_MLIR_DTYPES[spec.dtype]))
+                 for i, shape in enumerate(local_shapes)]
+        with ir.InsertionPoint(module.body):
+            fn = func.FuncOp("main", ir.FunctionType.get(types, []))
+            fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
+            block = fn.add_entry_block()
+            with ir.InsertionPoint(block):
+                results = emit_custom_call(spec, direction, list(block.arguments), scale=scale,
+                                           bottom_right=bottom_right, legacy_attrs=True,
+                                           sharding_rule=False)
+                func.ReturnOp(results)
+            fn.attributes["function_type"] = ir.TypeAttr.get(
+                ir.FunctionType.get(types, [r.type for r in results]))
+        return str(module).encode()
+
+
+def _shardings_for(direction, plan):
+    qs, kvs, lses = plan
+    if direction == "fwd":
+        return [qs, kvs, kvs], [qs, lses]
+    return [qs, kvs, kvs, qs, lses, qs], [qs, kvs, kvs]
+
+
+def _base_sharding(arg_shardings, result_sharding=None):
+    """The sharding to follow: q's, else o's/dO's, else the first result's."""
+    candidates = [arg_shardings[0]] + ([arg_shardings[3], arg_shardings[5]]
+                                       if len(arg_shardings) == 6 else [])
+    if result_sharding is not None and result_sharding.tuple_elements():
+        candidates.append(result_sharding.tuple_elements()[0])
+    for s in candidates:
+        if s is not None and s.is_tiled():
+            return s
+    return None
+
+
+def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, backend_string):
+    xc = _xc()
+    spec, direction, scale, bottom_right = _parse_call(name, backend_string)
+    shapes = [tuple(s.dimensions()) for s in arg_shapes]
+    if any(s is not None and s.is_manual() for s in arg_shardings):
+        # Inside a fully manual region the call already sees local shapes.
+        operand_sh = [xc.HloSharding.manual()] * len(shapes)
+        result_sh = [xc.HloSharding.manual()] * len(result_shape.tuple_shapes())
+        local = shapes
+    else:
+        plan = _plan(_base_sharding(arg_shardings, result_sharding), shapes[0], shapes[1])
+        operand_sh, result_sh = _shardings_for(direction, plan)
+        local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
+    module = _local_module(spec, direction, local, scale, bottom_right)
+    return module, operand_sh, xc.HloSharding.tuple_sharding(result_shape, result_sh)
+
+
+def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_string):
+    # GSPMD propagation. Must not raise (XLA aborts on a Python error here).
+    try:
+        base = _base_sharding(arg_shardings)
+        if base is None:
+            return None
+        shapes = [tuple(s.dimensions()) for s in arg_shapes]
+        direction = _TARGET.match(name).group(1)
+        _, result_sh = _shardings_for(direction, _plan(base, shapes[0], shapes[1]))
+        return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
+    except Exception:  # noqa: BLE001 - fall back to XLA's default (replicated) choice
+        return None
+
+
+def _propagate_user_sharding(user_sharding, shape, backend_string):
+    return user_sharding
+
+
+def all_target_names() -> list[str]:
+    return [target_name(d, h, t, c)
+            for d, h, t, c in itertools.product(DIRECTIONS, HEAD_DIMS, DTYPES, (False, True))]
+
+
+def register_partitioners() -> None:
+    """Register the partitioner of every flashgen target with XLA (idempotent)."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        xc = _xc()
+        for name in all_target_names():
+            callbacks = dict(prop_user_sharding=_propagate_user_sharding,
+                             partition=functools.partial(_partition, name),
+                             infer_sharding_from_operands=functools.partial(_infer_from_operands, name),
+                             can_side_effecting_have_replicated_sharding=True)
+            xc.register_custom_call_partitioner(name, **callbacks)
+            try:  # PJRT plugins (CUDA) keep their own registry
+                from jax._src import xla_bridge
+                xla_bridge.register_plugin_callbacks(
+                    functools.partial(xc.register_custom_call_partitioner, name=name, **callbacks))
+            except Exception:  # noqa: BLE001 - no plugin support: CPU and built-in backends only
+                pass
+        _registered = True
+
+
+# --------------------------------------------------------------------------------------
+# The JAX primitive behind flash_attention's kernels.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.extend.core import Primitive  # noqa: E402
+from jax.interpreters import mlir as jax_mlir  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+_kernel_p = Primitive("flashgen_kernel")
+_kernel_p.multiple_results = True
+
+
+def _abstract_eval(*avals, target, direction, attrs):
+    q, k = avals[0], avals[1]
+    if direction == "bwd":
+        return [a.update(weak_type=False) for a in avals[:3]]
+    b, sq, hq, _ = q.shape
+    sharding = q.sharding
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    lse = q.update(shape=(b, hq, sq), dtype=jnp.float32, weak_type=False,
+                   sharding=sharding.update(spec=P(spec[BATCH], spec[HEADS], None)))
+    return [q.update(weak_type=False), lse]
+
+
+def _fully_manual(ctx) -> bool:
+    axis_context = ctx.module_context.axis_context
+    manual = getattr(axis_context, "manual_axes", None)
+    mesh = getattr(axis_context, "mesh", None)
+    return bool(manual) and mesh is not None and set(manual) == set(mesh.axis_names)
+
+
+def _lowering(ctx, *args, target, direction, attrs):
+    extra = {}
+    if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx):
+        q, k = ctx.avals_in[0], ctx.avals_in[1]
+        extra["sdy.sharding_rule"] = sharding_rule_attr(direction, q.shape, k.shape)
+    rule = jax.ffi.ffi_lowering(target, extra_attributes=extra or None)
+    return rule(ctx, *args, **dict(attrs))
+
+
+@functools.partial(jax.jit, static_argnames=("target", "direction", "attrs"))
+def _apply(*args, target, direction, attrs):
+    return _kernel_p.bind(*args, target=target, direction=direction, attrs=attrs)
+
+
+_kernel_p.def_abstract_eval(_abstract_eval)
+_kernel_p.def_impl(lambda *args, **params: _apply(*args, **params))
+jax_mlir.register_lowering(_kernel_p, _lowering)
+
+
+def _varying(x) -> frozenset:
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool):
+    """Bind one flashgen kernel: (q, k, v) -> (o, lse) or (q, k, v, o, lse, do) -> (dq, dk, dv)."""
+    register_partitioners()
+    varying = frozenset().union(*map(_varying, operands))
+    if varying:  # inside shard_map: every operand must vary over the same manual axes
+        operands = [x if _varying(x) == varying else
+                    jax.lax.pcast(x, tuple(varying - _varying(x)), to="varying") for x in operands]
+    attrs = (("bottom_right", bool(bottom_right)), ("causal", spec.causal),
+             ("scale", np.float32(scale)))
+    return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),
+                                direction=direction, attrs=attrs))
+
+
+# --------------------------------------------------------------------------------------
+# Checks on shardings JAX can see before compiling.
+
+def _spec_of(x):
+    """Explicit (sharding-in-types) PartitionSpec of a traced or concrete value, or None."""
+    aval_sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(aval_sharding, "spec", None)
+    if spec is not None and any(e is not None for e in spec):
+        return tuple(spec) + (None,) * (x.ndim - len(spec))
+    return None
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def check_operand_shardings(q, k, v) -> None:
+    """Refuse shardings flash_attention cannot honour, with a message saying why.
+
+    Sees explicit (sharding-in-types) shardings and the shardings of
+    committed concrete arrays. head_dim split over devices is always an
+    error; under explicit sharding the sequence dims must be whole too, and
+    q/k/v must split batch and heads over the same mesh axes. (Shardings
+    chosen by jit's automatic propagation are handled by the partitioner:
+    anything but batch and heads is gathered there.)"""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            shard = x.sharding.shard_shape(x.shape)
+            if shard[HEAD_DIM] != x.shape[HEAD_DIM]:
+                raise ValueError(
+                    f"{name} is sharded along head_dim ({x.shape[HEAD_DIM]} split into pieces of "
+                    f"{shard[HEAD_DIM]}, sharding {x.sharding}): flashgen kernels need whole head "
+                    f"vectors on every device; shard batch and heads instead")
+    specs = [_spec_of(x) for x in (q, k, v)]
+    if not any(specs):
+        return
+    specs = [s or (None,) * 4 for s in specs]
+    for name, s in zip("qkv", specs):
+        if s[HEAD_DIM] is not None:
+            raise ValueError(
+                f"{name} is sharded along head_dim over mesh axes {_axes(s[HEAD_DIM])}: flashgen "
+                f"kernels need whole head vectors on every device; shard batch and heads instead")
+        if s[SEQ_Q] is not None:
+            raise ValueError(
+                f"{name} is sharded along the sequence over mesh axes {_axes(s[SEQ_Q])}: "
+                f"flash_attention needs whole sequences per device (reshard it, or use "
+                f"flashgen.jax.ring_attention inside shard_map for sequence parallelism)")
+    if not (specs[0][BATCH] == specs[1][BATCH] == specs[2][BATCH]):
+        raise ValueError(f"q, k, v must shard batch over the same mesh axes, got "
+                         f"{[_axes(s[BATCH]) for s in specs]}")
+    if not (specs[0][HEADS] == specs[1][HEADS] == specs[2][HEADS]):
+        raise ValueError(
+            f"q heads are sharded over {_axes(specs[0][HEADS])} but k/v heads over "
+            f"{[_axes(s[HEADS]) for s in specs[1:]]}: kv heads must be split over the same mesh "
+            f"axes as the q heads (each device holds whole GQA groups), so those axes must "
+            f"divide the kv head count too")
+
+
+def attention_shardings(mesh, q_shape, kv_shape, *, batch=None, heads=None):
+    """NamedShardings (q/o, k/v, lse) splitting batch over `batch` and heads over `heads`
+    (mesh axis names, a tuple of them, or None), after checking the split is exact:
+    batch and both head counts divisible by the product of the axis sizes."""
+    from jax.sharding import NamedSharding
+    q_shape, kv_shape = tuple(q_shape), tuple(kv_shape)
+    for what, axes, sizes in (("batch", batch, [(q_shape[BATCH], "batch")]),
+                              ("heads", heads, [(q_shape[HEADS], "q heads"),
+                                                (kv_shape[HEADS], "kv heads")])):
+        n = 1
+        for a in _axes(axes):
+            if a not in mesh.shape:
+                raise ValueError(f"no mesh axis {a!r} (mesh axes: {tuple(mesh.shape)})")
+            n *= mesh.shape[a]
+        for size, label in sizes:
+            if size % n:
+                raise ValueError(
+                    f"cannot split {label} ({size}) over mesh axes {_axes(axes)} of total size "
+                    f"{n}: {n} does not divide {size}"
+                    + ("; with GQA the kv heads are split together with their q-head groups, so "
+                       "the head axes must divide the kv head count" if label == "kv heads" else ""))
+    qs = NamedSharding(mesh, P(batch, None, heads, None))
+    return qs, NamedSharding(mesh, P(batch, None, heads, None)), NamedSharding(mesh, P(batch, heads, None))
+
+
+register_partitioners()
