@@ -140,15 +140,23 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
     }
 
 
+HOSTS = ("python", "exla", "c")
+
+
 def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *,
           out: str | os.PathLike | None = None, jobs: int | None = None,
-          python_face: bool = True, progress: Progress | None = None) -> Library:
+          host: str = "python", progress: Progress | None = None) -> Library:
     """Render, compile and link `specs` into one library for one target.
 
     `target` overrides every spec's target ('auto' or None: the specs' own,
-    which must agree). Returns the cached Library; with `out`, the library and
-    its manifest are also copied there.
+    which must agree). `host` picks the library's extra face: "python" (a
+    pybind11 module for jax.ffi.register_ffi_target), "exla" (static
+    XLA_FFI_REGISTER_HANDLER registration on load, no Python), "c" (plain C
+    symbols only). Returns the cached Library; with `out`, the library and its
+    manifest are also copied there.
     """
+    if host not in HOSTS:
+        raise ValueError(f"unsupported host {host!r}: choose one of {', '.join(HOSTS)}")
     specs = [specs] if isinstance(specs, KernelSpec) else list(specs)
     if not specs:
         raise ValueError("build needs at least one KernelSpec")
@@ -168,10 +176,12 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                "jaxlib": ffi["jaxlib"]}
     info = _library_info(specs, target)
     compile_jobs = [_job(s, target, env_key) for s in codegen.render_library(specs, info)]
+    if host == "exla":
+        compile_jobs.append(_job(codegen.render_static_registration(specs), target, env_key))
     # The library's file and Python module are named after its C sources, so the
     # Python face (which must know its module name) can join the key.
     module_name = f"_flashgen_{target}_{_digest([j.key for j in compile_jobs])[:16]}"
-    if python_face:
+    if host == "python":
         compile_jobs.append(_job(codegen.render_python_face(module_name), target, env_key))
     linker = toolchain.nvcc() if target != "cpu" else toolchain.cxx()
     link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
@@ -206,9 +216,11 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 **info,
                 "platform": specs[0].platform,
                 "signatures": SIGNATURES,
-                "python_face": python_face,
-                "python": toolchain.python_identity() if python_face else None,
-                "python_module": module_name if python_face else None,
+                "host": host,
+                "python_face": host == "python",
+                "python": toolchain.python_identity() if host == "python" else None,
+                "python_module": module_name if host == "python" else None,
+                "undefined_symbols": ["XLA_FFI_GetApi"] if host == "exla" else [],
                 "compilers": {os.path.basename(c): toolchain.compiler_version(c)
                               for c in {j.compiler for j in compile_jobs} | {linker}},
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},

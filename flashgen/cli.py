@@ -45,7 +45,7 @@ def cmd_build(args) -> int:
     specs = [KernelSpec(d, t, c, target) for d in args.hdim for t in args.dtype for c in _causal_values(args)]
     print(f"target: {target} ({why})", file=sys.stderr)
     progress = (lambda m: print(m, file=sys.stderr)) if len(specs) > 1 or args.verbose else None
-    lib = build(specs, out=args.out, jobs=args.jobs, python_face=not args.no_python, progress=progress)
+    lib = build(specs, out=args.out, jobs=args.jobs, host=args.host, progress=progress)
     print(lib.path)
     print(f"manifest: {lib.manifest_path}", file=sys.stderr)
     for s in specs:
@@ -89,7 +89,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="auto: the local GPU's arch, else cpu")
     b.add_argument("--out", help="also copy the library and manifest.json into this directory")
     b.add_argument("-j", "--jobs", type=int, help="parallel compiles (default: CPU count)")
-    b.add_argument("--no-python", action="store_true", help="omit the pybind11 Python face")
+    b.add_argument("--for", dest="host", choices=["python", "exla", "c"], default="python",
+                   help="python: pybind11 face for JAX (default); exla: static handler registration "
+                        "on load (EXLA.NIF.load_dylib), no Python; c: plain C symbols only")
     b.add_argument("-v", "--verbose", action="store_true")
     b.set_defaults(func=cmd_build)
 

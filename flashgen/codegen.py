@@ -50,12 +50,16 @@ def render_spec(spec: KernelSpec) -> Source:
     return Source(f"{spec.stem}.cu", text, "cuda")
 
 
+def _handlers(specs: list[KernelSpec]) -> list[dict]:
+    return [{"symbol": s.target_name(d), "platform": s.platform,
+             # XLA's own registry names: what static registration must say.
+             "xla_platform": "Host" if s.platform == "cpu" else "CUDA"}
+            for s in specs for d in ("fwd", "bwd")]
+
+
 def render_library(specs: list[KernelSpec], info: dict) -> list[Source]:
     """The C sources of one library: the specs and its table of contents."""
-    handlers = [
-        {"symbol": s.target_name(d), "platform": s.platform}
-        for s in specs for d in ("fwd", "bwd")
-    ]
+    handlers = _handlers(specs)
     info_json = json.dumps(info, sort_keys=True)
     if ")flashgen_json" in info_json:  # would end the raw string literal early
         raise ValueError("library info must not contain ')flashgen_json'")
@@ -63,6 +67,12 @@ def render_library(specs: list[KernelSpec], info: dict) -> list[Source]:
     sources.append(Source("library.cc", _ENV.get_template("common/library.cc.j2").render(
         handlers=handlers, info_json=info_json), "c++"))
     return sources
+
+
+def render_static_registration(specs: list[KernelSpec]) -> Source:
+    """Static XLA_FFI_REGISTER_HANDLER calls, for hosts such as EXLA."""
+    text = _ENV.get_template("common/static_registration.cc.j2").render(handlers=_handlers(specs))
+    return Source("static_registration.cc", text, "c++")
 
 
 def render_python_face(module_name: str) -> Source:
