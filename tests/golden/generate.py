@@ -9,10 +9,8 @@ neither torch nor flax. FileCheck directives live in tests/golden/checks/<case>.
 
 torchax 0.0.13 names ATen overloads that torch 2.13 removed (named-tensor
 variants such as ``aten.prod.dim_Dimname``) in module-level tables, so it
-does not import. For generation only, ``_import_torchax`` makes missing
-overloads resolve to inert placeholders while torchax is imported, then
-restores torch; the placeholders are only dictionary keys in torchax's
-autocast/decomposition tables and are never called.
+does not import as shipped; torchax is imported through
+``flashgen.frontends.torchax_compat`` (its module doc says what it does and why).
 """
 from __future__ import annotations
 
@@ -377,24 +375,11 @@ def _():
 # ----------------------------------------------------------------------------- torch
 def _import_torchax():
     import torch
-    import torch._ops as ops
-    original = ops.OpOverloadPacket.__getattr__
 
-    def lenient(self, key):
-        try:
-            return original(self, key)
-        except AttributeError:
-            if key.startswith("_"):
-                raise
-            return ("flashgen-missing-overload", str(self), key)
-    ops.OpOverloadPacket.__getattr__ = lenient
-    try:
-        import torchax  # noqa: F401
-        import torchax.export  # noqa: F401
-    finally:
-        ops.OpOverloadPacket.__getattr__ = original
-    import torchax
-    return torch, torchax
+    if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout
+        sys.path.insert(0, str(HERE.parents[1]))
+    from flashgen.frontends.torchax_compat import import_torchax
+    return torch, import_torchax()
 
 
 def torch_export(module, *args):

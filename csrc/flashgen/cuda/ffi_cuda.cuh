@@ -73,11 +73,24 @@ inline int causal_offset_int(const AttentionShape& s, const AttentionAttrs& a) {
 }
 
 inline ffi::Error memset_async(const char* target, const char* name, void* ptr, size_t bytes,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int value = 0) {
   if (bytes == 0) return ffi::Error::Success();
-  cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
+  cudaError_t err = cudaMemsetAsync(ptr, value, bytes, stream);
   if (err != cudaSuccess) return cuda_failure(target, std::string("cudaMemsetAsync(") + name + ")", err);
   return ffi::Error::Success();
+}
+
+// FLASHGEN_POISON=1 (tests): fill the outputs with 0xFF bytes (NaN) before the
+// kernels run, so that an element a kernel forgets to write shows up.
+template <class... Results>
+ffi::Error poison_async(const char* target, cudaStream_t stream, Results&... results) {
+  if (!poison_outputs()) return ffi::Error::Success();
+  ffi::Error err = ffi::Error::Success();
+  ((err.success() ? (void)(err = memset_async(target, "poison", results->untyped_data(), results->size_bytes(),
+                                               stream, 0xFF))
+                  : (void)0),
+   ...);
+  return err;
 }
 
 template <class Kernel>
@@ -133,6 +146,7 @@ ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, 
     if (auto e = check_aligned(target, "k", k.untyped_data()); e.failure()) return e;
     if (auto e = check_aligned(target, "v", v.untyped_data()); e.failure()) return e;
   }
+  if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
 
   FwdParams p;
   p.q = q.untyped_data();
@@ -189,6 +203,8 @@ ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocat
 
   const size_t q_elems = static_cast<size_t>(s.batch * s.seqlen_q * s.heads_q * s.head_dim);
   const size_t kv_elems = static_cast<size_t>(s.batch * s.seqlen_k * s.heads_kv * s.head_dim);
+
+  if (auto e = poison_async(target, stream, dq, dk, dv); e.failure()) return e;
 
   // Degenerate shapes: no (query, key) pair exists, every gradient is 0.
   if (q_elems == 0 || kv_elems == 0) {

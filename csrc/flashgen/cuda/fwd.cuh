@@ -40,10 +40,10 @@ struct FwdConfig {
   static constexpr int kWarps = kF32 ? 4 : 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int BR = kWarps * 16;
-  static constexpr int BC = kF32 ? (D <= 192 ? 64 : 32) : 64;
+  static constexpr int BC = kF32 ? (D <= 128 ? 64 : 32) : 64;
   static constexpr int LD = D + 16 / static_cast<int>(sizeof(T));
   static constexpr size_t kSmem = static_cast<size_t>(BR + 2 * BC) * LD * sizeof(T);
-  static constexpr int kMinBlocks = (!kF32 && D <= 96) ? 2 : 1;
+  static constexpr int kMinBlocks = (!kF32 && D <= 64) ? 2 : 1;  // 2 CTAs/SM needs <= 128 regs
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
   static_assert(BC % 16 == 0 && D % 16 == 0, "tiles must be multiples of 16");
   static_assert(kSmem <= 166912, "exceeds the 163 KiB opt-in shared memory of sm_80");
