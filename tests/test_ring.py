@@ -141,6 +141,18 @@ if CHILD:
         for g, r in zip(grads, ref_g):
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
+    def test_ring_on_an_explicit_mesh(rng):
+        mesh = jax.make_mesh((4,), ("seq",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+        q, k, v, w = _inputs(rng)
+        sh = NamedSharding(mesh, P(None, "seq"))
+        args = [jax.device_put(x, sh) for x in (q, k, v)]
+        with jax.set_mesh(mesh):
+            ring = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", causal=True),
+                                 in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
+            o = jax.jit(ring)(*args)
+        assert o.sharding.spec == P(None, "seq")
+        np.testing.assert_allclose(o, reference.attention(q, k, v, causal=True)[0], rtol=2e-5, atol=2e-5)
+
     # Long sequences: the [S, S] scores of one head would need 16 GiB; ring attention
     # runs in a few MiB per device.
     LONG_SEQ = 65536

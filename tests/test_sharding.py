@@ -324,6 +324,20 @@ if CHILD:
         np.testing.assert_allclose(compiled(qs, ks, vs), reference.attention(q, k, v, causal=True)[0],
                                    rtol=2e-5, atol=2e-5)
 
+    def test_inside_shard_map_with_replicated_kv(rng):
+        """A manual region: queries split over the axis, k/v replicated. The kernel runs on
+        local blocks; the gradients of the replicated k/v are summed over the axis."""
+        mesh = jax.make_mesh((4,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+        q, k, v = _qkv(rng, b=2, s=64, hq=4, hkv=2)
+        f = jax.shard_map(lambda q, k, v: flash_attention(q, k, v), mesh=mesh,
+                          in_specs=(P(None, "seq"), P(), P()), out_specs=P(None, "seq"))
+        val, grads = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2)))(q, k, v)
+        o = reference.attention(q, k, v)[0]
+        ref = reference.attention(q, k, v, do=2 * o)
+        np.testing.assert_allclose(val, np.sum(o ** 2), rtol=1e-5)
+        for g, r in zip(grads, ref[2]):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
     # -- bad input: clear errors, never a wrong answer ----------------------------------
 
     def test_head_dim_sharding_is_an_error(rng):

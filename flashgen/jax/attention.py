@@ -113,6 +113,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     j <= i + seq_k - seq_q with bottom_right=True (FlashAttention-2's alignment).
     """
     spec, scale = _prepare(q, k, v, causal, scale, bottom_right)
+    q, k, v = sharding.match_varying(q, k, v)  # in shard_map: before the VJP, so grads psum
     return _attention(q, k, v, spec, scale, bool(bottom_right))
 
 

@@ -329,13 +329,21 @@ def _varying(x) -> frozenset:
     return frozenset(getattr(mat, "varying", ()) or ())
 
 
+def match_varying(*operands):
+    """Inside shard_map, make every operand vary over the union of their manual axes
+    (a replicated k next to a sequence-split q). Outside, the operands unchanged."""
+    varying = frozenset().union(*map(_varying, operands))
+    if not varying:
+        return operands
+    return tuple(x if _varying(x) == varying else
+                 jax.lax.pcast(x, tuple(sorted(varying - _varying(x), key=str)), to="varying")
+                 for x in operands)
+
+
 def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool):
     """Bind one flashgen kernel: (q, k, v) -> (o, lse) or (q, k, v, o, lse, do) -> (dq, dk, dv)."""
     register_partitioners()
-    varying = frozenset().union(*map(_varying, operands))
-    if varying:  # inside shard_map: every operand must vary over the same manual axes
-        operands = [x if _varying(x) == varying else
-                    jax.lax.pcast(x, tuple(varying - _varying(x)), to="varying") for x in operands]
+    operands = match_varying(*operands)
     attrs = (("bottom_right", bool(bottom_right)), ("causal", spec.causal),
              ("scale", np.float32(scale)))
     return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),
