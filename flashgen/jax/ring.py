@@ -24,7 +24,6 @@ kernel), j > i is fully masked and skipped (``lax.cond``, no kernel call).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -132,15 +131,3 @@ def _ring_bwd(axis_name, n, causal, scale, res, do):
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
-
-def ring_memory_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
-                      devices: int, itemsize: int = 4) -> dict:
-    """Rough per-device working set of ring attention vs the [S, S] scores of plain attention
-    (for sizing: what fits where)."""
-    sl = math.ceil(seq / devices)
-    q_like = batch * sl * heads * head_dim * itemsize
-    kv = batch * sl * kv_heads * head_dim * itemsize
-    return {
-        "ring_per_device": 3 * q_like + 4 * kv + batch * heads * sl * 4 * 2,  # q,o,acc; 2 kv blocks ×2
-        "scores_single_device": batch * heads * seq * seq * 4,
-    }

@@ -9,7 +9,8 @@ head_dim stay whole on every device:
   g (kv heads), h (q heads per kv head, Hq = Hkv·G, q heads = the compound
   ``(g h)``), d (head_dim). s, t, d and h are *need-replication* factors, so
   propagation only ever shards b and g: q/k/v/o/lse (and dO/dQ/dK/dV) share
-  them, and kv heads travel with their q-head groups.
+  them, and kv heads travel with their q-head groups. (MQA, Hkv = 1: the q
+  heads are all h, so only the batch is split.)
 * XLA custom-call partitioners registered for every flashgen target name
   (``register_partitioners``, done on import): the SPMD partitioner asks them
   how to split a call; they keep batch and head tiling, replicate whatever
@@ -34,7 +35,12 @@ import itertools
 import re
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir as jax_mlir
+from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
@@ -44,7 +50,7 @@ BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 
 
 # --------------------------------------------------------------------------------------
-# The Shardy rule (pure MLIR: also used by flashgen.emit, needs no JAX).
+# The Shardy rule (MLIR attributes only; flashgen.emit uses it too).
 
 def _rule_mappings(direction: str, heads: int, kv_heads: int):
     """Factor names per operand and result; a tuple is a compound dimension (major first)."""
@@ -276,18 +282,12 @@ def register_partitioners() -> None:
 # --------------------------------------------------------------------------------------
 # The JAX primitive behind flash_attention's kernels.
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.extend.core import Primitive  # noqa: E402
-from jax.interpreters import mlir as jax_mlir  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
 _kernel_p = Primitive("flashgen_kernel")
 _kernel_p.multiple_results = True
 
 
 def _abstract_eval(*avals, target, direction, attrs):
-    q, k = avals[0], avals[1]
+    q = avals[0]
     if direction == "bwd":
         return [a.update(weak_type=False) for a in avals[:3]]
     b, sq, hq, _ = q.shape

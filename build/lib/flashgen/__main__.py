@@ -1,5 +1,0 @@
-import sys
-
-from flashgen.cli import main
-
-sys.exit(main())

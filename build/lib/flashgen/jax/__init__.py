@@ -1,6 +1,0 @@
-"""JAX integration: flashgen kernels as a differentiable, vmappable JAX function."""
-from flashgen.jax.attention import flash_attention
-from flashgen.jax.export import export, flashgen_custom_call_checks
-from flashgen.runtime import load
-
-__all__ = ["flash_attention", "export", "load", "flashgen_custom_call_checks"]
