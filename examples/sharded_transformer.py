@@ -94,10 +94,10 @@ def part1_tensor_and_data_parallel():
     step = jax.jit(jax.value_and_grad(lambda p, x: loss_fn(p, x, attention)))
     compiled = step.lower(p_sh, x_sh).compile()
     hlo = compiled.as_text()
-    calls = [re.search(r"custom_call_target=\"(\w+)\"", l).group(1) + " on " +
+    calls = [re.search(r"custom_call_target=\"(\w+)\"", l).group(1) + " -> " +
              " ".join(re.findall(r"f32\[[\d,]+\]", l.split("custom-call(")[0]))
              for l in hlo.splitlines() if 'custom_call_target="flashgen_' in l]
-    print("per-device flashgen calls:", *calls, sep="\n  ")
+    print("per-device flashgen calls (result shapes):", *calls, sep="\n  ")
     print("collectives in the compiled train step:")
     for op, shapes in collectives(hlo).items():
         print(f"  {op:>18} × {len(shapes)}: {'; '.join(sorted(set(shapes)))}")
