@@ -116,3 +116,15 @@ def test_python_float_attribute_is_the_documented_ffi_error(rng):
     with pytest.raises(Exception, match="F32"):
         jax.block_until_ready(_call_target("flashgen_fwd_d32_f32", outs, q, k, v, causal=False, scale=0.2,
                                            bottom_right=False))
+
+
+def test_drop_in_for_jax_nn_dot_product_attention(rng):
+    q, k, v = _qkv(rng)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    got = flash_attention(query=q, key=k, value=v, is_causal=True, scale=0.3)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(flash_attention(q, k, v, causal=True, scale=0.3), want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(NotImplementedError, match="no bias or mask"):
+        flash_attention(q, k, v, mask=jnp.ones((2, 4, 16, 16), bool))
+    with pytest.raises(ValueError, match="contradicts"):
+        flash_attention(q, k, v, causal=False, is_causal=True)

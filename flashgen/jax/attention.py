@@ -103,15 +103,27 @@ def _attention_bwd(spec, scale, bottom_right, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    bottom_right: bool = False):
+def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+                    is_causal: bool = False, causal: bool | None = None, bottom_right: bool = False):
     """softmax(scale · q kᵀ [+ causal mask]) v with FlashAttention kernels.
 
-    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
+    A drop-in for jax.nn.dot_product_attention where the two overlap (query, key,
+    value, scale, is_causal; `causal` is flashgen's own spelling of is_causal).
+    query: [batch, seq_q, heads, head_dim]; key, value: [batch, seq_k, kv_heads, head_dim]
     (kv_heads divides heads: GQA/MQA). scale defaults to 1/sqrt(head_dim).
-    causal masks key j for query i unless j <= i (top-left, as jnp.tril), or
-    j <= i + seq_k - seq_q with bottom_right=True (FlashAttention-2's alignment).
+    Causal masks key j for query i unless j <= i (top-left, as jnp.tril and
+    jax.nn.dot_product_attention), or j <= i + seq_k - seq_q with bottom_right=True
+    (FlashAttention-2's alignment). The kernels take no bias or mask tensor: passing
+    one raises instead of silently ignoring it.
     """
+    if bias is not None or mask is not None:
+        raise NotImplementedError(
+            "flashgen.jax.flash_attention supports no bias or mask tensor yet; for causal masking "
+            "pass is_causal=True (or causal=True), or use jax.nn.dot_product_attention")
+    if causal is not None and bool(causal) != bool(is_causal) and is_causal:
+        raise ValueError(f"causal={causal} contradicts is_causal={is_causal}")
+    causal = bool(is_causal if causal is None else causal)
+    q, k, v = query, key, value
     spec, scale = _prepare(q, k, v, causal, scale, bottom_right)
     q, k, v = sharding.match_varying(q, k, v)  # in shard_map: before the VJP, so grads psum
     return _attention(q, k, v, spec, scale, bool(bottom_right))
