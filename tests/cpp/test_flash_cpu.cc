@@ -8,6 +8,10 @@
 // kernel returned, since o is an input of the backward). Tolerance per element:
 //   f32      : |out - ref| <= 1e-5*|ref|       + 1e-5*mag
 //   bf16/f16 : |out - ref| <= 2 ulp_T(|ref|)   + 1e-5*mag
+//   bf16 o, dq, dk, dv on the vdpbf16ps path (fc::detail::kBf16Dot, AVX512_BF16
+//              hosts): P and dS are rounded to bf16 before the products that
+//              take them, so + 2^-8*mag (the rounding bound is 2^-9*mag; build
+//              with -DFLASHGEN_CPU_NO_BF16_DOT to test the fp32 path there)
 // where mag is the same sum as ref taken over absolute values of every term
 // (e.g. sum_j p_ij |v_jd| for o; sum_j scale p_ij (|dp_ij| + |D_i|) |k_jd| for
 // dq, with |dp| and |D| themselves sums of absolute products): fp32
@@ -15,11 +19,15 @@
 // exactly-zero gradient (e.g. a row that sees a single key) must come out tiny.
 //   lse (f32 always): |out - ref| <= 1e-5*(1 + |ref|); -inf must match exactly.
 // Outputs are poisoned with NaN before every call, so an unwritten element fails.
-// Also checks the scalar bf16/f16 conversions against an exact reference.
+// Also checks the scalar bf16/f16 conversions against an exact reference, the
+// 32-bit transpose, and parallel_for on the own pool and on Workers whose
+// helpers start late, run inline, or never start.
 #include "flashgen/cpu/flash_cpu.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <thread>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -208,12 +216,12 @@ struct Err {
 
 template <typename T>
 static void compare(const std::vector<T>& out, const std::vector<double>& ref, const std::vector<double>& mag,
-                    Err& e) {
+                    Err& e, double mag_tol = 1e-5) {
   for (size_t i = 0; i < ref.size(); ++i) {
     const double o = Traits<T>::to(out[i]);
     const double err = std::fabs(o - ref[i]);
     double tol = std::is_same<T, float>::value ? 1e-5 * std::fabs(ref[i]) : 2.0 * ulp_of<T>(ref[i]);
-    tol += 1e-5 * mag[i] + 1e-30;
+    tol += mag_tol * mag[i] + 1e-30;
     if (!(err <= tol)) e.ok = false;
     if (!(err == err)) e.max_abs = std::numeric_limits<double>::infinity();
     else e.max_abs = std::max(e.max_abs, err);
@@ -246,7 +254,7 @@ static int type_index() {
 }
 
 template <typename T, int D>
-static void run_case(const Cfg& c, int nt, std::mt19937_64& rng) {
+static void run_case(const Cfg& c, int nt, std::mt19937_64& rng, fc::Workers* workers = nullptr) {
   const int64_t B = c.B, Sq = c.Sq, Sk = c.Sk, Hq = c.Hq, Hkv = c.Hkv;
   AttentionShape s{B, Sq, Sk, Hq, Hkv, D};
   AttentionAttrs a{float(1.0 / std::sqrt(double(D))), c.causal, c.br};
@@ -261,9 +269,9 @@ static void run_case(const Cfg& c, int nt, std::mt19937_64& rng) {
       dv(nk, Traits<T>::nan());
   std::vector<float> lse(nl, std::numeric_limits<float>::quiet_NaN());
 
-  fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, nt);
+  fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, nt, workers);
   fc::attention_bwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(), dk.data(),
-                          dv.data(), s, a, nt);
+                          dv.data(), s, a, nt, workers);
 
   // Reference.
   std::vector<double> ro(nq, 0.0), rlse(nl), rdq(nq, 0.0), rdk(nk, 0.0), rdv(nk, 0.0);
@@ -331,11 +339,13 @@ static void run_case(const Cfg& c, int nt, std::mt19937_64& rng) {
     }
 
   Err eo, el, edq, edk, edv;
-  compare(o, ro, mo, eo);
+  const bool bf16_p = fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value;
+  const double mtol = bf16_p ? std::ldexp(1.0, -8) : 1e-5;
+  compare(o, ro, mo, eo, mtol);
   compare_lse(lse, rlse, el);
-  compare(dq, rdq, mdq, edq);
-  compare(dk, rdk, mdk, edk);
-  compare(dv, rdv, mdv, edv);
+  compare(dq, rdq, mdq, edq, mtol);
+  compare(dk, rdk, mdk, edk, mtol);
+  compare(dv, rdv, mdv, edv, mtol);
   const bool ok = eo.ok && el.ok && edq.ok && edk.ok && edv.ok;
   char buf[512];
   std::snprintf(buf, sizeof buf,
@@ -351,6 +361,99 @@ static void run_case(const Cfg& c, int nt, std::mt19937_64& rng) {
   sm.dq = std::max(sm.dq, edq.max_abs);
   sm.dk = std::max(sm.dk, edk.max_abs);
   sm.dv = std::max(sm.dv, edv.max_abs);
+}
+
+// ---------------------------------------------------------------------------
+// Threads and loads.
+// ---------------------------------------------------------------------------
+
+// Helpers queued and run by a thread of its own, each after a delay: some
+// start after parallel_for returned.
+class LateWorkers final : public fc::Workers {
+ public:
+  int spawn(int count, void (*task)(void*), void* arg) noexcept override {
+    for (int i = 0; i < count; ++i)
+      threads_.emplace_back([task, arg, i] {
+        std::this_thread::sleep_for(std::chrono::microseconds(200 * (i + 1)));
+        task(arg);
+      });
+    return count;
+  }
+  void join() {
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  std::vector<std::thread> threads_;
+};
+
+// Helpers run inline, inside spawn(), before the caller's own loop.
+class InlineWorkers final : public fc::Workers {
+ public:
+  int spawn(int count, void (*task)(void*), void* arg) noexcept override {
+    for (int i = 0; i < count; ++i) task(arg);
+    return count;
+  }
+};
+
+// No helper is ever scheduled.
+class NoWorkers final : public fc::Workers {
+ public:
+  int spawn(int, void (*)(void*), void*) noexcept override { return 0; }
+};
+
+static void test_parallel_for() {
+  LateWorkers late;
+  InlineWorkers inl;
+  NoWorkers none;
+  fc::Workers* pools[4] = {nullptr, &late, &inl, &none};
+  const char* names[4] = {"own pool", "late helpers", "inline helpers", "no helpers"};
+  for (int p = 0; p < 4; ++p)
+    for (int nt : {1, 2, 3, 8})
+      for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(1000)}) {
+        std::vector<std::atomic<int>> hits(size_t(n) + 1);
+        std::atomic<int> bad_worker{0};
+        fc::parallel_for(
+            n, nt,
+            [&](int64_t i, int w) {
+              if (w < 0 || w >= std::max(1, int(std::min<int64_t>(nt, std::max<int64_t>(n, 1))))) bad_worker++;
+              hits[size_t(i)]++;
+              if (i % 97 == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+            },
+            pools[p]);
+        bool ok = bad_worker.load() == 0;
+        for (int64_t i = 0; i < n; ++i) ok = ok && hits[size_t(i)].load() == 1;
+        check(ok, std::string("parallel_for ") + names[p] + " nt=" + std::to_string(nt) + " n=" + std::to_string(n));
+      }
+  late.join();
+  // Concurrent callers sharing the own pool.
+  std::atomic<int64_t> total{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c)
+    callers.emplace_back([&] {
+      for (int r = 0; r < 50; ++r) fc::parallel_for(100, 3, [&](int64_t i, int) { total += i; });
+    });
+  for (auto& t : callers) t.join();
+  check(total.load() == 4 * 50 * 4950, "parallel_for: concurrent callers on the own pool");
+}
+
+static void test_transpose() {
+  std::mt19937 rng(7);
+  bool ok = true;
+  for (int64_t n : {1, 5, 16, 17, 40}) {
+    for (int64_t ncols : {16, 32, 48}) {
+      const int64_t npad = (n + 15) / 16 * 16, ld = ncols + 3, ldd = npad + 16;
+      std::vector<uint32_t> src(size_t(n * ld)), dst(size_t(ncols * ldd), 0xdeadbeefu);
+      for (auto& x : src) x = rng();
+      fc::detail::transpose32(src.data(), ld, n, ncols, npad, dst.data(), ldd);
+      for (int64_t c = 0; c < ncols; ++c) {
+        for (int64_t i = 0; i < npad; ++i) ok = ok && dst[c * ldd + i] == (i < n ? src[i * ld + c] : 0u);
+        for (int64_t i = npad; i < ldd; ++i) ok = ok && dst[c * ldd + i] == 0xdeadbeefu;
+      }
+    }
+  }
+  check(ok, "transpose32 (rows 1..40, 16..48 columns, zero padding, nothing past the padding)");
 }
 
 static const Cfg kCfgs[] = {
@@ -391,11 +494,20 @@ static void run_type(std::mt19937_64& rng) {
   run_all_for<T, 256>(rng);
   run_case<T, 64>({1, 129, 129, 3, 1, true, true}, 3, rng);  // 3 threads, MQA (chunked dq)
   run_case<T, 64>({3, 65, 70, 2, 1, false, false}, 3, rng);
+  // Helpers that start late / never: the caller finishes the work alone.
+  LateWorkers late;
+  NoWorkers none;
+  run_case<T, 64>({2, 200, 200, 4, 2, true, false}, 4, rng, &late);
+  run_case<T, 64>({1, 129, 300, 2, 2, true, true}, 2, rng, &none);
+  late.join();
 }
 
 int main() {
   const auto t0 = std::chrono::steady_clock::now();
   test_conversions();
+  test_parallel_for();
+  test_transpose();
+  std::printf("bf16 products on vdpbf16ps: %s\n", fc::detail::kBf16Dot ? "yes" : "no");
   std::mt19937_64 rng(42);
   run_type<float>(rng);
   run_type<fc::bf16>(rng);

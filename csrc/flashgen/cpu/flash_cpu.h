@@ -1,18 +1,21 @@
-// FlashAttention for the CPU: header-only, fp32 compute, O(S*D) extra memory.
+// FlashAttention for the CPU: header-only, fp32 accumulation, O(S*D) extra memory.
 //
 // Layout and masking follow flashgen/attention.h (BSHD, GQA/MQA, causal with a
 // top-left or bottom-right offset; a row that sees no key gives o = 0,
 // lse = -inf and no gradient).
 //
 // Forward, per work item (batch, q head, block of BQ query rows):
-//   Qt = the q block transposed, fp32 [D][BQ] (loaded once per item);
+//   Qt = the q block transposed (loaded once per item; 16x16 register
+//   transposes where AVX-512 is available);
 //   for each visible key block of BK keys:
 //     St = K_blk * Qt            [BK][BQ] fp32, lanes run over query rows,
 //     online softmax over the key axis (row max / row sum are lane-wise, no
 //     horizontal reductions), exponentials in base 2 with the scale folded in,
 //     O = diag(alpha) O + P V    (P read transposed from St).
-//   Key blocks that are fully masked (causal) are skipped; blocks that cross the
-//   diagonal get a per-element mask.
+//   Key blocks that are fully masked (causal) are skipped; in blocks that cross
+//   the diagonal the products skip the masked micro-tiles (a key-row group
+//   starts at its first visible query vector, a query-row group stops at its
+//   last visible key) and the remaining elements get a per-element mask.
 // Backward (FlashAttention-2), per work item (batch, kv head, key chunk):
 //   for each key block of the chunk (Kt, Vt transposed once per block):
 //     for each q head of the group and each q block that sees the key block:
@@ -22,24 +25,47 @@
 //   or in a [chunks][B][Sq][Hq][D] buffer reduced at the end; every accumulator
 //   region belongs to exactly one work item, so there are no races.
 //
-// All matrix products go through one register-blocked micro-kernel written with
+// Matrix products go through one register-blocked micro-kernel written with
 // GCC/Clang vector extensions (AVX-512, AVX2/FMA, or SSE2 depending on the
 // target flags), so the header compiles with and without -march=native.
+// bf16 with AVX512_BF16 (compiled for a host that has it, e.g. -march=native on
+// Zen 4/5 or Sapphire Rapids): every product runs on vdpbf16ps (pairs of bf16,
+// fp32 accumulation). Q K^T and dO V^T take bf16 inputs only and are exact up
+// to fp32 accumulation; P (forward and backward) and dS are rounded to bf16
+// before the products that take them (P V, P^T dO, dS^T Q, dS K), as GPU
+// FlashAttention does: each such product is off by at most 2^-9 of the sum of
+// the absolute values of its terms. Softmax statistics, lse and every
+// accumulator stay fp32. f32 and f16, and bf16 on other hosts, compute in fp32
+// (FLASHGEN_CPU_NO_BF16_DOT forces that for bf16 too).
+//
+// Threads: parallel_for hands items to helper workers that run on a Workers
+// pool (XLA's intra-op pool through the FFI, or a persistent pool of this
+// header's own) while the calling thread works too; per-thread workspaces are
+// cached, so a small call allocates nothing big and starts no thread.
 // Not supported: -ffast-math / -ffinite-math-only (masking relies on infinities).
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
+#include <mutex>
 #include <new>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -60,49 +86,213 @@ struct f16 {
 static_assert(sizeof(bf16) == 2 && std::is_standard_layout<bf16>::value, "bf16 layout");
 static_assert(sizeof(f16) == 2 && std::is_standard_layout<f16>::value, "f16 layout");
 
-// Threads to use by default: FLASHGEN_CPU_THREADS if set and > 0, else the
-// hardware concurrency (at least 1).
-inline int default_num_threads() {
+// ---------------------------------------------------------------------------
+// Threads.
+// ---------------------------------------------------------------------------
+
+// FLASHGEN_CPU_THREADS if set to a number > 0 (capped at 4096), else 0.
+inline int env_num_threads() {
   if (const char* e = std::getenv("FLASHGEN_CPU_THREADS")) {
     char* end = nullptr;
     long n = std::strtol(e, &end, 10);
     if (end != e && n > 0) return n > 4096 ? 4096 : static_cast<int>(n);
   }
-  unsigned hc = std::thread::hardware_concurrency();
+  return 0;
+}
+
+// CPUs this process may run on (its affinity mask, e.g. under taskset), else
+// the hardware concurrency; at least 1.
+inline int available_cpus() {
+#if defined(__linux__) && defined(CPU_COUNT)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+#endif
+  const unsigned hc = std::thread::hardware_concurrency();
   return hc > 0 ? static_cast<int>(hc) : 1;
 }
 
-// Runs fn(i, worker) for i in [0, n) on min(num_threads, n) workers (the calling
-// thread is worker 0; worker < that count). Items are handed out dynamically in
-// increasing order. num_threads <= 1 runs everything inline without creating
-// threads. fn must not throw.
+// Threads to use when the caller gives no pool: FLASHGEN_CPU_THREADS if set,
+// else the CPUs this process may run on.
+inline int default_num_threads() {
+  const int e = env_num_threads();
+  return e > 0 ? e : available_cpus();
+}
+
+// Where parallel_for's helper workers run. spawn() asks for `count` calls of
+// task(arg) on other threads and returns how many it scheduled; a scheduled
+// call may start late, after parallel_for returned, or run inline: the caller
+// of parallel_for works through the items too and does every item no helper
+// took, so progress never waits for a helper to start.
+class Workers {
+ public:
+  virtual int spawn(int count, void (*task)(void*), void* arg) noexcept = 0;
+
+ protected:
+  ~Workers() = default;
+};
+
+namespace detail {
+
+// A persistent pool: threads start on first use (as many as the largest
+// request so far, up to 4096), wait on a condition variable between calls, and
+// live until the process exits. After fork() the child gets a fresh pool.
+class OwnPool final : public Workers {
+ public:
+  int spawn(int count, void (*task)(void*), void* arg) noexcept override {
+    int scheduled = 0;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      try {
+        for (; scheduled < count; ++scheduled) queue_.emplace_back(task, arg);
+      } catch (...) {  // out of memory: the caller does the rest
+      }
+      while (started_ < std::min(scheduled, 4096)) {
+        try {
+          std::thread(&OwnPool::loop, this).detach();
+          ++started_;
+        } catch (...) {  // could not start a thread: the started ones (or the caller) do the work
+          break;
+        }
+      }
+    }
+    if (scheduled == 1)
+      cv_.notify_one();
+    else if (scheduled > 1)
+      cv_.notify_all();
+    return scheduled;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(m_);
+    for (;;) {
+      cv_.wait(lock, [this] { return !queue_.empty(); });
+      const auto t = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      t.first(t.second);
+      lock.lock();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::pair<void (*)(void*), void*>> queue_;
+  int started_ = 0;
+};
+
+inline std::atomic<OwnPool*>& own_pool_slot() {
+  static std::atomic<OwnPool*> slot{nullptr};
+  return slot;
+}
+
+}  // namespace detail
+
+// The process-wide pool used when no Workers are given (never destroyed).
+inline Workers& own_pool() {
+  auto& slot = detail::own_pool_slot();
+#if defined(__unix__) || defined(__APPLE__)
+  // In a forked child the pool's threads are gone (and its mutex may be held):
+  // forget it, leaking it, and start a new one on next use.
+  static const bool registered = [] {
+    return pthread_atfork(nullptr, nullptr, [] { detail::own_pool_slot().store(nullptr); }) == 0;
+  }();
+  (void)registered;
+#endif
+  detail::OwnPool* p = slot.load(std::memory_order_acquire);
+  if (p == nullptr) {
+    auto* fresh = new detail::OwnPool();
+    if (slot.compare_exchange_strong(p, fresh, std::memory_order_acq_rel))
+      p = fresh;
+    else
+      delete fresh;  // another thread installed one first (fresh started no thread)
+  }
+  return *p;
+}
+
+namespace detail {
+
+// Shared state of one parallel_for, reference-counted so that a helper that
+// starts after parallel_for returned finds no work and frees it safely.
+struct Job {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<int> refs{1};
+  std::atomic<int> workers{1};  // worker indices handed out (the caller is 0)
+  int64_t n = 0;
+  int max_workers = 1;
+  void (*call)(void* fn, int64_t i, int w) = nullptr;
+  void* fn = nullptr;
+  std::mutex m;
+  std::condition_variable cv;
+};
+
+inline void job_release(Job* j) {
+  if (j->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete j;
+}
+
+// Takes items until none is left. fn is touched only for a claimed item, and
+// parallel_for returns only after every claimed item is done.
+inline void job_work(Job* j, int w) {
+  for (;;) {
+    const int64_t i = j->next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= j->n) break;
+    j->call(j->fn, i, w);
+    if (j->done.fetch_add(1, std::memory_order_acq_rel) + 1 == j->n) {
+      std::lock_guard<std::mutex> lock(j->m);
+      j->cv.notify_all();
+    }
+  }
+}
+
+inline void job_helper(void* p) {
+  Job* j = static_cast<Job*>(p);
+  if (j->next.load(std::memory_order_relaxed) < j->n) {
+    const int w = j->workers.fetch_add(1, std::memory_order_relaxed);
+    if (w < j->max_workers) job_work(j, w);
+  }
+  job_release(j);
+}
+
+}  // namespace detail
+
+// Runs fn(i, worker) for i in [0, n) on at most min(num_threads, n) workers:
+// the calling thread (worker 0) and helpers on `workers` (the own pool when
+// null); worker < that count. Items are handed out dynamically in increasing
+// order. num_threads <= 1 runs everything inline. fn must not throw.
 template <typename F>
-void parallel_for(int64_t n, int num_threads, F&& fn) {
+void parallel_for(int64_t n, int num_threads, F&& fn, Workers* workers = nullptr) {
   if (n <= 0) return;
   const int nt = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), n));
   if (nt <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i, 0);
     return;
   }
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int w) {
-    for (;;) {
-      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) break;
-      fn(i, w);
+  using Fn = typename std::remove_reference<F>::type;
+  detail::Job* j = new detail::Job();
+  j->n = n;
+  j->max_workers = nt;
+  j->call = [](void* f, int64_t i, int w) { (*static_cast<Fn*>(f))(i, w); };
+  j->fn = const_cast<void*>(static_cast<const void*>(&fn));
+  j->refs.store(nt, std::memory_order_relaxed);
+  Workers& pool = workers ? *workers : own_pool();
+  const int scheduled = pool.spawn(nt - 1, detail::job_helper, j);
+  for (int s = scheduled; s < nt - 1; ++s) detail::job_release(j);  // refs of helpers never scheduled
+  detail::job_work(j, 0);
+  if (j->done.load(std::memory_order_acquire) < n) {
+    // The items left are running on helpers: wait (briefly spinning first).
+    for (int spin = 0; spin < 2000 && j->done.load(std::memory_order_acquire) < n; ++spin) {
+#if defined(__x86_64__) || defined(__i386__)
+      _mm_pause();
+#endif
     }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(nt - 1);
-  for (int w = 1; w < nt; ++w) {
-    try {
-      threads.emplace_back(worker, w);
-    } catch (...) {  // could not start a thread: the started workers take the remaining items
-      break;
-    }
+    std::unique_lock<std::mutex> lock(j->m);
+    j->cv.wait(lock, [&] { return j->done.load(std::memory_order_acquire) >= n; });
   }
-  worker(0);
-  for (auto& t : threads) t.join();
+  detail::job_release(j);
 }
 
 namespace detail {
@@ -359,16 +549,48 @@ FLASHGEN_CPU_INLINE vf exp2v(vf x) {
 #endif
 }
 
+
 // ---------------------------------------------------------------------------
 // GEMM: C[M][N] (=|+=) A[M][K] * B[K][N], N a multiple of W.
 // A is read by scalar broadcasts at A[r*sar + k*sak] (any layout); B rows are
 // contiguous with row stride ldb; C rows with stride ldc. With SCALE, C is
 // first multiplied by rs[r] (row scale).
+// Element type E: float (FMA), or uint32_t = a pair of bf16 (low half the
+// even element) with K counting pairs: C += a.lo*b.lo + a.hi*b.hi (vdpbf16ps).
 // ---------------------------------------------------------------------------
-template <int R, int NV, bool ACC, bool SCALE>
-inline void micro_kernel(int64_t K, const float* __restrict A, int64_t sar, int64_t sak,
-                         const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
-                         const float* __restrict rs) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(FLASHGEN_CPU_NO_BF16_DOT)
+#define FLASHGEN_CPU_BF16_DOT 1
+#else
+#define FLASHGEN_CPU_BF16_DOT 0
+#endif
+constexpr bool kBf16Dot = FLASHGEN_CPU_BF16_DOT != 0;  // bf16 products on vdpbf16ps
+
+template <typename E>
+struct Mac;
+template <>
+struct Mac<float> {
+  static FLASHGEN_CPU_INLINE vf bcast(const float* p) { return splat(*p); }
+  static FLASHGEN_CPU_INLINE vf load(const float* p) { return loadv(p); }
+  static FLASHGEN_CPU_INLINE vf mac(vf a, vf b, vf c) { return vfma(a, b, c); }
+};
+#if FLASHGEN_CPU_BF16_DOT
+template <>
+struct Mac<uint32_t> {
+  static FLASHGEN_CPU_INLINE vf bcast(const uint32_t* p) { return (vf)_mm512_set1_epi32(static_cast<int>(*p)); }
+  static FLASHGEN_CPU_INLINE vf load(const uint32_t* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof(vf));
+    return v;
+  }
+  static FLASHGEN_CPU_INLINE vf mac(vf a, vf b, vf c) {
+    return (vf)_mm512_dpbf16_ps((__m512)c, (__m512bh)a, (__m512bh)b);
+  }
+};
+#endif
+
+template <typename E, int R, int NV, bool ACC, bool SCALE>
+inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t sak, const E* __restrict B,
+                         int64_t ldb, float* __restrict C, int64_t ldc, const float* __restrict rs) {
   vf acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -383,20 +605,20 @@ inline void micro_kernel(int64_t K, const float* __restrict A, int64_t sar, int6
       }
     }
   }
-  const float* ap[R];
+  const E* ap[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) ap[r] = A + r * sar;
   for (int64_t k = 0; k < K; ++k) {
     vf bv[NV];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) bv[v] = loadv(B + v * W);
+    for (int v = 0; v < NV; ++v) bv[v] = Mac<E>::load(B + v * W);
     B += ldb;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const vf a = splat(*ap[r]);
+      const vf a = Mac<E>::bcast(ap[r]);
       ap[r] += sak;
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[r][v] = vfma(a, bv[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = Mac<E>::mac(a, bv[v], acc[r][v]);
     }
   }
 #pragma GCC unroll 8
@@ -405,52 +627,63 @@ inline void micro_kernel(int64_t K, const float* __restrict A, int64_t sar, int6
     for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, acc[r][v]);
 }
 
-template <int R, bool ACC, bool SCALE>
-inline void micro_rows(int nv, int64_t K, const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, const float* rs) {
+template <typename E, int R, bool ACC, bool SCALE>
+inline void micro_rows(int nv, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B, int64_t ldb, float* C,
+                       int64_t ldc, const float* rs) {
   static_assert(NVMAX == 2 || NVMAX == 4, "NVMAX");
   switch (nv) {
-    case 1: micro_kernel<R, 1, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 2: micro_kernel<R, 2, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 1: micro_kernel<E, R, 1, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 2: micro_kernel<E, R, 2, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
 #if FLASHGEN_CPU_VBYTES == 64
-    case 3: micro_kernel<R, 3, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 4: micro_kernel<R, 4, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 3: micro_kernel<E, R, 3, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 4: micro_kernel<E, R, 4, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
 #endif
     default: break;
   }
 }
 
-template <int R, bool ACC, bool SCALE>
-FLASHGEN_CPU_INLINE void micro_tail(int rem, int nv, int64_t K, const float* A, int64_t sar, int64_t sak,
-                                    const float* B, int64_t ldb, float* C, int64_t ldc, const float* rs) {
-  if constexpr (R >= 1) {
-    if (rem == R)
-      micro_rows<R, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs);
-    else
-      micro_tail<R - 1, ACC, SCALE>(rem, nv, K, A, sar, sak, B, ldb, C, ldc, rs);
+template <typename E, bool ACC, bool SCALE>
+FLASHGEN_CPU_INLINE void micro_any(int rows, int nv, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B,
+                                   int64_t ldb, float* C, int64_t ldc, const float* rs) {
+  static_assert(RMAX == 4, "RMAX");
+  switch (rows) {
+    case 4: micro_rows<E, 4, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 3: micro_rows<E, 3, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 2: micro_rows<E, 2, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 1: micro_rows<E, 1, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    default: break;
   }
 }
 
-template <bool ACC, bool SCALE = false>
-inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sar, int64_t sak, const float* B,
-                 int64_t ldb, float* C, int64_t ldc, const float* rs = nullptr) {
+// Which micro-tiles a product needs: for the row group [r, r + rows), column
+// vectors [vbegin, vend) and the first klen steps of K. Tiles outside are not
+// written (callers skip only tiles they never read, or rows whose scale is 1).
+struct FullTile {
+  FLASHGEN_CPU_INLINE int64_t vbegin(int64_t) const { return 0; }
+  FLASHGEN_CPU_INLINE int64_t vend(int64_t, int, int64_t nvt) const { return nvt; }
+  FLASHGEN_CPU_INLINE int64_t klen(int64_t, int, int64_t K) const { return K; }
+};
+
+template <typename E, bool ACC, bool SCALE = false, typename Tiles = FullTile>
+inline void gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B, int64_t ldb,
+                 float* C, int64_t ldc, const float* rs = nullptr, const Tiles& tiles = Tiles()) {
   const int64_t nvt = N / W;
   for (int64_t v0 = 0; v0 < nvt; v0 += NVMAX) {
-    const int nv = static_cast<int>(std::min<int64_t>(NVMAX, nvt - v0));
-    const float* Bv = B + v0 * W;
-    float* Cv = C + v0 * W;
-    int64_t r = 0;
-    for (; r + RMAX <= M; r += RMAX)
-      micro_rows<RMAX, ACC, SCALE>(nv, K, A + r * sar, sar, sak, Bv, ldb, Cv + r * ldc, ldc, rs + (SCALE ? r : 0));
-    const float* Ar = A + r * sar;
-    float* Cr = Cv + r * ldc;
-    const float* rr = rs + (SCALE ? r : 0);
-    micro_tail<RMAX - 1, ACC, SCALE>(static_cast<int>(M - r), nv, K, Ar, sar, sak, Bv, ldb, Cr, ldc, rr);
+    const int64_t v1 = std::min<int64_t>(nvt, v0 + NVMAX);
+    for (int64_t r = 0; r < M; r += RMAX) {
+      const int rows = static_cast<int>(std::min<int64_t>(RMAX, M - r));
+      const int64_t vb = std::max(v0, tiles.vbegin(r));
+      const int64_t ve = std::min(v1, tiles.vend(r, rows, nvt));
+      const int64_t kl = std::min(K, tiles.klen(r, rows, K));
+      if (vb >= ve || kl <= 0) continue;
+      micro_any<E, ACC, SCALE>(rows, static_cast<int>(ve - vb), kl, A + r * sar, sar, sak, B + vb * W, ldb,
+                               C + r * ldc + vb * W, ldc, rs + (SCALE ? r : 0));
+    }
   }
 }
 
 // ---------------------------------------------------------------------------
-// Workspace.
+// Workspace, block sizes.
 // ---------------------------------------------------------------------------
 struct AlignedFloats {
   float* p = nullptr;
@@ -461,10 +694,27 @@ struct AlignedFloats {
   AlignedFloats(const AlignedFloats&) = delete;
   AlignedFloats& operator=(const AlignedFloats&) = delete;
   AlignedFloats(AlignedFloats&& o) noexcept : p(o.p) { o.p = nullptr; }
+  AlignedFloats& operator=(AlignedFloats&& o) noexcept {
+    std::swap(p, o.p);
+    return *this;
+  }
   ~AlignedFloats() {
     if (p) ::operator delete(p, std::align_val_t(64));
   }
 };
+
+// This thread's scratch space of at least n floats, 64-byte aligned, kept for
+// the next call (it only grows).
+inline float* thread_workspace(size_t n) {
+  thread_local AlignedFloats buf;
+  thread_local size_t cap = 0;
+  if (cap < n) {
+    buf = AlignedFloats();
+    buf = AlignedFloats(n);
+    cap = n;
+  }
+  return buf.p;
+}
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -490,29 +740,85 @@ constexpr int kBwdBq = FLASHGEN_CPU_BWD_BQ, kBwdBk = FLASHGEN_CPU_BWD_BK;
 static_assert(kFwdBq % 16 == 0 && kFwdBk % 16 == 0 && kBwdBq % 16 == 0 && kBwdBk % 16 == 0,
               "block sizes must be multiples of 16");
 
-template <int D>
-constexpr size_t fwd_ws_floats() {
-  return size_t(D) * kFwdBq + size_t(kFwdBk) * kFwdBq + size_t(kFwdBq) * D + 2 * size_t(kFwdBk) * D + 3 * kFwdBq + D;
+// ---------------------------------------------------------------------------
+// Loads.
+// ---------------------------------------------------------------------------
+
+// dst[c][i] = src[i][c] for 32-bit elements: n rows (stride ld) of ncols
+// columns into a [ncols][ldd] matrix, columns [n, npad) zero-filled.
+// ncols and npad are multiples of 16 where AVX-512 is used.
+#if defined(__AVX512F__)
+// Masked forms: the unmasked intrinsics trip -Wmaybe-uninitialized in GCC 12.
+FLASHGEN_CPU_INLINE __m512 unpacklo32(__m512 a, __m512 b) { return _mm512_mask_unpacklo_ps(a, 0xffff, a, b); }
+FLASHGEN_CPU_INLINE __m512 unpackhi32(__m512 a, __m512 b) { return _mm512_mask_unpackhi_ps(a, 0xffff, a, b); }
+FLASHGEN_CPU_INLINE __m512 unpacklo64(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a);
+  return _mm512_castpd_ps(_mm512_mask_unpacklo_pd(x, 0xff, x, _mm512_castps_pd(b)));
+}
+FLASHGEN_CPU_INLINE __m512 unpackhi64(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a);
+  return _mm512_castpd_ps(_mm512_mask_unpackhi_pd(x, 0xff, x, _mm512_castps_pd(b)));
+}
+template <int IMM>
+FLASHGEN_CPU_INLINE __m512 shuffle128(__m512 a, __m512 b) {
+  return _mm512_mask_shuffle_f32x4(a, 0xffff, a, b, IMM);
+}
+#endif
+
+template <typename U>
+inline void transpose32(const U* src, int64_t ld, int64_t n, int64_t ncols, int64_t npad, U* dst, int64_t ldd) {
+  static_assert(sizeof(U) == 4, "32-bit elements");
+#if defined(__AVX512F__)
+  if (ncols % 16 == 0 && npad % 16 == 0) {
+    for (int64_t i0 = 0; i0 < npad; i0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, std::max<int64_t>(n - i0, 0));
+      for (int64_t c0 = 0; c0 < ncols; c0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(src + (i0 + i) * ld + c0))
+                          : _mm512_setzero_ps();
+        for (int i = 0; i < 16; i += 2) {
+          t[i] = unpacklo32(r[i], r[i + 1]);
+          t[i + 1] = unpackhi32(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 16; i += 4) {  // r[i + k]: column 4L + k of rows i..i+3 in 128-bit lane L
+          r[i] = unpacklo64(t[i], t[i + 2]);
+          r[i + 1] = unpackhi64(t[i], t[i + 2]);
+          r[i + 2] = unpacklo64(t[i + 1], t[i + 3]);
+          r[i + 3] = unpackhi64(t[i + 1], t[i + 3]);
+        }
+        for (int k = 0; k < 4; ++k) {
+          const __m512 x = shuffle128<0x88>(r[k], r[4 + k]), y = shuffle128<0xDD>(r[k], r[4 + k]);
+          const __m512 x2 = shuffle128<0x88>(r[8 + k], r[12 + k]), y2 = shuffle128<0xDD>(r[8 + k], r[12 + k]);
+          float* d = reinterpret_cast<float*>(dst + (c0 + k) * ldd + i0);
+          _mm512_storeu_ps(d, shuffle128<0x88>(x, x2));
+          _mm512_storeu_ps(d + 4 * ldd, shuffle128<0x88>(y, y2));
+          _mm512_storeu_ps(d + 8 * ldd, shuffle128<0xDD>(x, x2));
+          _mm512_storeu_ps(d + 12 * ldd, shuffle128<0xDD>(y, y2));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < ncols; ++c) dst[c * ldd + i] = src[i * ld + c];
+  for (int64_t c = 0; c < ncols; ++c)
+    for (int64_t i = n; i < npad; ++i) dst[c * ldd + i] = U{};
 }
 
 // Copies n rows of D elements (row stride ld, in elements) to fp32 columns of
-// a [D][ldt] matrix and zero-fills columns [n, npad).
+// a [D][ldt] matrix and zero-fills columns [n, npad). Non-float rows are
+// converted through tmp ([n][D] floats).
 template <typename T, int D>
 inline void load_transposed(const T* src, int64_t ld, int64_t n, int64_t npad, float* dst, int64_t ldt,
                             float* tmp) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row;
-    if (std::is_same<T, float>::value) {
-      row = reinterpret_cast<const float*>(src + i * ld);
-    } else {
-      load_f32<T>(src + i * ld, tmp, D);
-      row = tmp;
-    }
-    for (int d = 0; d < D; ++d) dst[d * ldt + i] = row[d];
+  if (std::is_same<T, float>::value) {
+    transpose32(reinterpret_cast<const float*>(src), ld, n, D, npad, dst, ldt);
+  } else {
+    for (int64_t i = 0; i < n; ++i) load_f32<T>(src + i * ld, tmp + i * D, D);
+    transpose32(tmp, D, n, D, npad, dst, ldt);
   }
-  if (npad > n)
-    for (int d = 0; d < D; ++d)
-      for (int64_t i = n; i < npad; ++i) dst[d * ldt + i] = 0.0f;
 }
 
 // Copies n rows (input row stride ld_in) to a contiguous fp32 [n][D] buffer and
@@ -525,13 +831,117 @@ FLASHGEN_CPU_INLINE const float* rows_f32(const T* src, int64_t ld_in, int64_t n
   return buf;
 }
 
+// Copies n rows of D 16-bit elements to a contiguous [n][D] buffer, as bf16
+// pairs (uint32, D / 2 per row).
+template <typename T, int D>
+FLASHGEN_CPU_INLINE const uint32_t* rows_pairs(const T* src, int64_t ld_in, int64_t n, float* buf) {
+  static_assert(sizeof(T) == 2 && D % 2 == 0, "pairs of 16-bit elements");
+  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * (D / 2), src + i * ld_in, D * sizeof(T));
+  return out;
+}
+
+#if FLASHGEN_CPU_BF16_DOT
+// Vp[jp][d] = (v[2jp][d], v[2jp+1][d]) for n rows of bf16 (stride ld), an odd
+// last row paired with 0: the B operand of P V on vdpbf16ps.
+template <int D>
+inline void interleave_row_pairs(const bf16* src, int64_t ld, int64_t n, uint32_t* dst) {
+  static_assert(D % 32 == 0, "D multiple of 32");
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t jp = 0; 2 * jp < n; ++jp) {
+    const bf16* r0 = src + 2 * jp * ld;
+    const bf16* r1 = r0 + ld;
+    const bool has1 = 2 * jp + 1 < n;
+    uint32_t* out = dst + jp * D;
+    for (int d = 0; d < D; d += 32) {
+      const __m512i a = _mm512_loadu_si512(r0 + d);
+      const __m512i b = has1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, il, b));
+      _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, ih, b));
+    }
+  }
+}
+
+// Pb[jp][i] = bf16 pair (P[2jp][i], P[2jp+1][i]) (round to nearest even) for
+// the rows [0, nk) of P [.][ld] over lanes [0, nlanes); an odd last row is
+// paired with 0: the A operand of P V on vdpbf16ps.
+inline void pack_p_pairs(const float* P, int64_t ld, int64_t nk, int64_t nlanes, uint32_t* dst, int64_t ldd) {
+  alignas(64) static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i ix = _mm512_load_si512(idx);
+  for (int64_t jp = 0; 2 * jp < nk; ++jp) {
+    const float* r0 = P + 2 * jp * ld;
+    const bool has1 = 2 * jp + 1 < nk;
+    for (int64_t i = 0; i < nlanes; i += 16) {
+      const __m512 a = _mm512_loadu_ps(r0 + i);
+      const __m512 b = has1 ? _mm512_loadu_ps(r0 + ld + i) : _mm512_setzero_ps();
+      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low 16 words, b in the high 16
+      _mm512_storeu_si512(dst + jp * ldd + i, _mm512_permutexvar_epi16(ix, ab));
+    }
+  }
+}
+
+// dst row i = the bf16 (round to nearest even) of src row i, columns [0, ncols)
+// (a multiple of 16), as pairs of adjacent columns: the A operand of dS K.
+inline void rows_to_bf16_pairs(const float* src, int64_t ld, int64_t n, int64_t ncols, uint32_t* dst,
+                               int64_t ldd) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* r = src + i * ld;
+    uint32_t* o = dst + i * ldd;
+    int64_t c = 0;
+    for (; c + 32 <= ncols; c += 32)
+      _mm512_storeu_si512(o + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + c + 16), _mm512_loadu_ps(r + c)));
+    if (c < ncols) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r + c)));
+  }
+}
+#endif
+
 // ---------------------------------------------------------------------------
 // Forward work item: one (batch, q head, q block).
 // ---------------------------------------------------------------------------
+template <int D>
+constexpr size_t fwd_ws_floats() {
+  // Qt [D][BQ], St [BK][BQ], Oacc [BQ][D], Kc, Vc [BK][D], Pb [BK/2][BQ], m, l, alpha [BQ]
+  return size_t(D) * kFwdBq + size_t(kFwdBk) * kFwdBq + size_t(kFwdBq) * D + 2 * size_t(kFwdBk) * D +
+         size_t(kFwdBk / 2) * kFwdBq + 3 * size_t(kFwdBq);
+}
+
+// Causal tiles of St = K Qt in a block crossing the diagonal: key row r sees
+// the local query columns >= r + c.
+struct ScoreTiles {
+  int64_t c;
+  FLASHGEN_CPU_INLINE int64_t vbegin(int64_t r) const { return r + c <= 0 ? 0 : (r + c) / W; }
+  FLASHGEN_CPU_INLINE int64_t vend(int64_t, int, int64_t nvt) const { return nvt; }
+  FLASHGEN_CPU_INLINE int64_t klen(int64_t, int, int64_t K) const { return K; }
+};
+// Causal tiles of O += P V: query row r sees the local keys <= r + e (K steps
+// of `per` keys).
+template <int per>
+struct ValueTiles {
+  int64_t e;
+  FLASHGEN_CPU_INLINE int64_t vbegin(int64_t) const { return 0; }
+  FLASHGEN_CPU_INLINE int64_t vend(int64_t, int, int64_t nvt) const { return nvt; }
+  FLASHGEN_CPU_INLINE int64_t klen(int64_t r, int rows, int64_t) const {
+    const int64_t keys = r + rows + e;  // keys [0, r + rows - 1 + e] are visible to some row of the group
+    return keys <= 0 ? 0 : (keys + per - 1) / per;
+  }
+};
+
 template <typename T, int D>
 void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
               const AttentionAttrs& a, int64_t b, int64_t h, int64_t qb, float* ws) {
   constexpr int BQ = kFwdBq, BK = kFwdBk;
+#if FLASHGEN_CPU_BF16_DOT
+  constexpr bool BF = std::is_same<T, bf16>::value;
+#else
+  constexpr bool BF = false;
+#endif
+  using E = typename std::conditional<BF, uint32_t, float>::type;  // product element: bf16 pair or float
+  constexpr int KD = BF ? D / 2 : D;                                 // K steps of Q K^T
   const int64_t Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   const int64_t hk = h / (Hq / Hkv);
   const int64_t q0 = qb * BQ;
@@ -540,18 +950,25 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
   const int nv = static_cast<int>(nqp / W);
   const int64_t off = a.causal ? causal_offset(s, a) : 0;
 
-  float* Qt = ws;                 // [D][BQ]
-  float* St = Qt + D * BQ;        // [BK][BQ]
-  float* Oacc = St + BK * BQ;     // [BQ][D]
-  float* Kc = Oacc + BQ * D;      // [BK][D]
-  float* Vc = Kc + BK * D;        // [BK][D]
-  float* mrow = Vc + BK * D;      // [BQ]
-  float* lrow = mrow + BQ;        // [BQ]
-  float* alpha = lrow + BQ;       // [BQ]
-  float* tmp = alpha + BQ;        // [D]
+  float* Qt = ws;                      // [D][BQ] floats or [D/2][BQ] bf16 pairs
+  float* St = Qt + D * BQ;             // [BK][BQ]
+  float* Oacc = St + BK * BQ;          // [BQ][D]
+  float* Kc = Oacc + BQ * D;           // [BK][D]
+  float* Vc = Kc + BK * D;             // [BK][D]
+  float* Pbuf = Vc + BK * D;           // [BK/2][BQ] bf16 pairs
+  float* mrow = Pbuf + (BK / 2) * BQ;  // [BQ]
+  float* lrow = mrow + BQ;             // [BQ]
+  float* alpha = lrow + BQ;            // [BQ]
+  E* Qe = reinterpret_cast<E*>(Qt);
 
   const int64_t ldq = Hq * D, ldkv = Hkv * D;
-  load_transposed<T, D>(q + ((b * Sq + q0) * Hq + h) * D, ldq, nq, nqp, Qt, BQ, tmp);
+  const T* qblk = q + ((b * Sq + q0) * Hq + h) * D;
+  if constexpr (BF) {
+    transpose32(reinterpret_cast<const uint32_t*>(qblk), ldq / 2, nq, D / 2, nqp, reinterpret_cast<uint32_t*>(Qt),
+                BQ);
+  } else {
+    load_transposed<T, D>(qblk, ldq, nq, nqp, Qt, BQ, Oacc);  // Oacc: scratch for converted rows
+  }
   std::memset(Oacc, 0, sizeof(float) * size_t(nq) * D);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nqp; ++i) {
@@ -568,15 +985,24 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
 
   for (int64_t k0 = 0; k0 < kend; k0 += BK) {
     const int64_t nk = std::min<int64_t>(BK, kend - k0);
-    int64_t ldk, ldv;
-    const float* Kp = rows_f32<T, D>(k + ((b * Sk + k0) * Hkv + hk) * D, ldkv, nk, Kc, &ldk);
-    const float* Vp = rows_f32<T, D>(v + ((b * Sk + k0) * Hkv + hk) * D, ldkv, nk, Vc, &ldv);
+    const T* kblk = k + ((b * Sk + k0) * Hkv + hk) * D;
+    const T* vblk = v + ((b * Sk + k0) * Hkv + hk) * D;
+    const bool diag = a.causal && (k0 + nk - 1 > q0 + off);
 
     // St = K * Qt : scores, one key per row, query rows along the lanes.
-    gemm<false>(nk, nqp, D, Kp, ldk, 1, Qt, BQ, St, BQ);
+    const E* Kp;
+    if constexpr (BF) {
+      Kp = rows_pairs<T, D>(kblk, ldkv, nk, Kc);
+    } else {
+      int64_t ldk;
+      Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+    }
+    if (diag)
+      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
+    else
+      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ);
 
     // Online softmax (base 2), lane-wise over query rows.
-    const bool diag = a.causal && (k0 + nk - 1 > q0 + off);
     for (int t = 0; t < nv; ++t) mx[t] = ninfv;
     for (int64_t j = 0; j < nk; ++j) {
       float* sr = St + j * BQ;
@@ -617,11 +1043,29 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
     }
     for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) * loadv(alpha + t * W) + lacc[t]);
 
-    // O = diag(alpha) O + P V; rows that see nothing of this block are unchanged.
-    int64_t r0 = 0;
-    if (a.causal) r0 = std::min<int64_t>(std::max<int64_t>(k0 - off - q0, 0), nq);
-    if (r0 < nq)
-      gemm<true, true>(nq - r0, D, nk, St + r0, 1, BQ, Vp, ldv, Oacc + r0 * D, D, alpha + r0);
+    // O = diag(alpha) O + P V; in a diagonal block a row group stops at its
+    // last visible key, and rows that see nothing of the block (alpha = 1) are
+    // skipped.
+    if constexpr (BF) {
+#if FLASHGEN_CPU_BF16_DOT
+      uint32_t* Vp = reinterpret_cast<uint32_t*>(Vc);
+      uint32_t* Pb = reinterpret_cast<uint32_t*>(Pbuf);
+      interleave_row_pairs<D>(reinterpret_cast<const bf16*>(vblk), ldkv, nk, Vp);
+      pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
+      const int64_t kp = (nk + 1) / 2;
+      if (diag)
+        gemm<uint32_t, true, true>(nq, D, kp, Pb, 1, BQ, Vp, D, Oacc, D, alpha, ValueTiles<2>{off + q0 - k0});
+      else
+        gemm<uint32_t, true, true>(nq, D, kp, Pb, 1, BQ, Vp, D, Oacc, D, alpha);
+#endif
+    } else {
+      int64_t ldv;
+      const float* Vp = rows_f32<T, D>(vblk, ldkv, nk, Vc, &ldv);
+      if (diag)
+        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, ldv, Oacc, D, alpha, ValueTiles<1>{off + q0 - k0});
+      else
+        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, ldv, Oacc, D, alpha);
+    }
   }
 
   // Normalize and write o, lse.
@@ -644,9 +1088,10 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
 // ---------------------------------------------------------------------------
 template <int D>
 constexpr size_t bwd_ws_floats() {
-  // Kt, Vt [D][BK]; Kc, dKa, dVa [BK][D]; Qc, dOc [BQ][D]; P, dS [BQ][BK]; tmp [2D]
+  // Kt, Vt [D][BK]; Kc, dKa, dVa [BK][D]; Qc, dOc [BQ][D]; P, dS [BQ][BK];
+  // Qb, dOb [BQ][D/2] bf16 pairs; tmp [BK][D]; Pp, dSp [BQ/2][BK] and dSb [BQ][BK/2] bf16 pairs
   return 2 * size_t(D) * kBwdBk + 3 * size_t(kBwdBk) * D + 2 * size_t(kBwdBq) * D + 2 * size_t(kBwdBq) * kBwdBk +
-         2 * size_t(D);
+         size_t(kBwdBq) * D + size_t(kBwdBk) * D + 2 * size_t(kBwdBq) * kBwdBk;
 }
 
 template <typename T, int D>
@@ -654,13 +1099,18 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
               float* dqacc, const AttentionShape& s, const AttentionAttrs& a, int64_t b, int64_t hk, int64_t chunk,
               int64_t nchunks, float* ws) {
   constexpr int BQ = kBwdBq, BK = kBwdBk;
+#if FLASHGEN_CPU_BF16_DOT
+  constexpr bool BF = std::is_same<T, bf16>::value;
+#else
+  constexpr bool BF = false;
+#endif
   const int64_t Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   const int64_t G = Hq / Hkv;
   const int64_t off = a.causal ? causal_offset(s, a) : 0;
   const int64_t ldq = Hq * D, ldkv = Hkv * D;
 
-  float* Kt = ws;                // [D][BK]
-  float* Vt = Kt + D * BK;       // [D][BK]
+  float* Kt = ws;                // [D][BK] (or [D/2][BK] bf16 pairs)
+  float* Vt = Kt + D * BK;       // [D][BK] (or pairs)
   float* Kc = Vt + D * BK;       // [BK][D]
   float* dKa = Kc + BK * D;      // [BK][D]
   float* dVa = dKa + BK * D;     // [BK][D]
@@ -668,7 +1118,10 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
   float* dOc = Qc + BQ * D;      // [BQ][D]
   float* P = dOc + BQ * D;       // [BQ][BK]
   float* dS = P + BQ * BK;       // [BQ][BK]
-  float* tmp = dS + BQ * BK;     // [2D]
+  float* QdOb = dS + BQ * BK;    // [BQ][D/2] + [BQ][D/2] bf16 pairs
+  float* tmp = QdOb + BQ * D;    // [BK][D]
+  float* PdSp = tmp + BK * D;    // [BQ/2][BK] + [BQ/2][BK] bf16 pairs along the query axis
+  [[maybe_unused]] float* dSbuf = PdSp + BQ * BK;  // [BQ][BK/2] bf16 pairs along the key axis
 
   // Zero this item's dq accumulator region: rows (b, all i, heads of group hk).
   for (int64_t i = 0; i < Sq; ++i) std::memset(dqacc + ((b * Sq + i) * Hq + hk * G) * D, 0, sizeof(float) * G * D);
@@ -685,10 +1138,24 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
     const int64_t nkp = round_up(nk, W);
     const T* kblk = k + ((b * Sk + k0) * Hkv + hk) * D;
     const T* vblk = v + ((b * Sk + k0) * Hkv + hk) * D;
-    load_transposed<T, D>(kblk, ldkv, nk, nkp, Kt, BK, tmp);
-    load_transposed<T, D>(vblk, ldkv, nk, nkp, Vt, BK, tmp);
-    int64_t ldk;
-    const float* Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+    if constexpr (BF) {
+      transpose32(reinterpret_cast<const uint32_t*>(kblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Kt),
+                  BK);
+      transpose32(reinterpret_cast<const uint32_t*>(vblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Vt),
+                  BK);
+    } else {
+      load_transposed<T, D>(kblk, ldkv, nk, nkp, Kt, BK, tmp);
+      load_transposed<T, D>(vblk, ldkv, nk, nkp, Vt, BK, tmp);
+    }
+    int64_t ldk = D;
+    const float* Kp = Kc;
+    if constexpr (BF) {
+#if FLASHGEN_CPU_BF16_DOT
+      interleave_row_pairs<D>(reinterpret_cast<const bf16*>(kblk), ldkv, nk, reinterpret_cast<uint32_t*>(Kc));
+#endif
+    } else {
+      Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+    }
     std::memset(dKa, 0, sizeof(float) * size_t(nk) * D);
     std::memset(dVa, 0, sizeof(float) * size_t(nk) * D);
 
@@ -698,12 +1165,27 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
       for (int64_t qb = qstart / BQ; qb < nqb; ++qb) {
         const int64_t q0 = qb * BQ;
         const int64_t nq = std::min<int64_t>(BQ, Sq - q0);
-        int64_t ldqf, lddo;
-        const float* Qp = rows_f32<T, D>(q + ((b * Sq + q0) * Hq + h) * D, ldq, nq, Qc, &ldqf);
-        const float* dOp = rows_f32<T, D>(dout + ((b * Sq + q0) * Hq + h) * D, ldq, nq, dOc, &lddo);
+        const T* qrows = q + ((b * Sq + q0) * Hq + h) * D;
+        const T* dorows = dout + ((b * Sq + q0) * Hq + h) * D;
+        int64_t ldqf = D, lddo = D;
+        const float* Qp = Qc;
+        const float* dOp = dOc;
+        if constexpr (!BF) {
+          Qp = rows_f32<T, D>(qrows, ldq, nq, Qc, &ldqf);
+          dOp = rows_f32<T, D>(dorows, ldq, nq, dOc, &lddo);
+        }
 
-        gemm<false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK);    // S
-        gemm<false>(nq, nkp, D, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
+        if constexpr (BF) {
+#if FLASHGEN_CPU_BF16_DOT
+          const uint32_t* Qb = rows_pairs<T, D>(qrows, ldq, nq, QdOb);
+          const uint32_t* dOb = rows_pairs<T, D>(dorows, ldq, nq, QdOb + BQ * D / 2);
+          gemm<uint32_t, false>(nq, nkp, D / 2, Qb, D / 2, 1, reinterpret_cast<const uint32_t*>(Kt), BK, P, BK);
+          gemm<uint32_t, false>(nq, nkp, D / 2, dOb, D / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
+#endif
+        } else {
+          gemm<float, false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK);    // S
+          gemm<float, false>(nq, nkp, D, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
+        }
 
         const bool diag = a.causal && (k0 + nk - 1 > q0 + off);
         const float* L = lse2 + (b * Hq + h) * Sq + q0;
@@ -722,9 +1204,31 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
             storev(dr + t, p * (loadv(dr + t) - Dv) * scv);
           }
         }
-        gemm<true>(nk, D, nq, P, 1, BK, dOp, lddo, dVa, D);   // dV += P^T dO
-        gemm<true>(nk, D, nq, dS, 1, BK, Qp, ldqf, dKa, D);   // dK += dS^T Q
-        gemm<true>(nq, D, nk, dS, BK, 1, Kp, ldk, dqacc + ((b * Sq + q0) * Hq + h) * D, ldq);  // dQ += dS K
+        float* dq_rows = dqacc + ((b * Sq + q0) * Hq + h) * D;
+        if constexpr (BF) {
+#if FLASHGEN_CPU_BF16_DOT
+          // P, dS rounded to bf16 (as GPU FlashAttention-2 does); Q, dO, K are bf16 inputs.
+          uint32_t* Qi = reinterpret_cast<uint32_t*>(Qc);    // Q pairs along the query axis [BQ/2][D]
+          uint32_t* dOi = reinterpret_cast<uint32_t*>(dOc);  // dO pairs along the query axis
+          uint32_t* Pp = reinterpret_cast<uint32_t*>(PdSp);
+          uint32_t* dSp = Pp + (BQ / 2) * BK;
+          uint32_t* dSb = reinterpret_cast<uint32_t*>(dSbuf);
+          interleave_row_pairs<D>(reinterpret_cast<const bf16*>(qrows), ldq, nq, Qi);
+          interleave_row_pairs<D>(reinterpret_cast<const bf16*>(dorows), ldq, nq, dOi);
+          pack_p_pairs(P, BK, nq, nkp, Pp, BK);
+          pack_p_pairs(dS, BK, nq, nkp, dSp, BK);
+          rows_to_bf16_pairs(dS, BK, nq, nkp, dSb, BK / 2);
+          const int64_t qp = (nq + 1) / 2, kp = (nk + 1) / 2;
+          gemm<uint32_t, true>(nk, D, qp, Pp, 1, BK, dOi, D, dVa, D);    // dV += P^T dO
+          gemm<uint32_t, true>(nk, D, qp, dSp, 1, BK, Qi, D, dKa, D);    // dK += dS^T Q
+          gemm<uint32_t, true>(nq, D, kp, dSb, BK / 2, 1, reinterpret_cast<const uint32_t*>(Kc), D, dq_rows,
+                               ldq);                                     // dQ += dS K
+#endif
+        } else {
+          gemm<float, true>(nk, D, nq, P, 1, BK, dOp, lddo, dVa, D);   // dV += P^T dO
+          gemm<float, true>(nk, D, nq, dS, 1, BK, Qp, ldqf, dKa, D);   // dK += dS^T Q
+          gemm<float, true>(nq, D, nk, dS, BK, 1, Kp, ldk, dq_rows, ldq);  // dQ += dS K
+        }
       }
     }
     for (int64_t j = 0; j < nk; ++j) {
@@ -734,11 +1238,28 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
   }
 }
 
-// Threads worth starting for `flops` of work: starting a thread costs tens of
-// microseconds, i.e. a few MFLOP of kernel time.
+#ifndef FLASHGEN_CPU_FLOPS_PER_THREAD
+#define FLASHGEN_CPU_FLOPS_PER_THREAD 2e6
+#endif
+
+// Threads worth using for `flops` of work: waking a pooled helper costs a few
+// microseconds, so each helper needs about FLASHGEN_CPU_FLOPS_PER_THREAD flops
+// (tens of microseconds of kernel time) to pay off.
 inline int threads_for(int num_threads, double flops) {
-  const double cap = 1.0 + flops / 4e6;
+  const double cap = 1.0 + flops / double(FLASHGEN_CPU_FLOPS_PER_THREAD);
   return cap < double(num_threads) ? std::max(1, static_cast<int>(cap)) : std::max(1, num_threads);
+}
+
+// (query, key) pairs that attend (causal: the visible triangle / band).
+inline double visible_pairs(const AttentionShape& s, const AttentionAttrs& a) {
+  const int64_t Sq = s.seqlen_q, Sk = s.seqlen_k;
+  if (!a.causal) return double(Sq) * double(Sk);
+  const int64_t off = causal_offset(s, a);
+  // Rows [0, i0) see no key, rows [i0, i1) see i + off + 1 keys, rows [i1, Sq) see all Sk.
+  const int64_t i0 = std::min<int64_t>(std::max<int64_t>(-off, 0), Sq);
+  const int64_t i1 = std::min<int64_t>(std::max<int64_t>(Sk - off - 1, i0), Sq);
+  const double n = double(i1 - i0);
+  return n * (double(i0 + i1 - 1) / 2.0 + double(off + 1)) + double(Sq - i1) * double(Sk);
 }
 
 // Number of interleaved key-block chunks per (batch, kv head) in the backward:
@@ -767,10 +1288,12 @@ FLASHGEN_CPU_INLINE constexpr bool valid_head_dim(int D) {
 // ---------------------------------------------------------------------------
 // Public entry points. Preconditions: s.head_dim == D, heads_kv > 0 divides
 // heads_q, all sizes >= 0, buffers contiguous BSHD (lse [B][Hq][Sq]).
+// num_threads: the most threads to use (the calling thread included); helpers
+// run on `workers` (the own pool when null). Small problems use fewer threads.
 // ---------------------------------------------------------------------------
 template <typename T, int D>
 void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
-                   const AttentionAttrs& a, int num_threads) {
+                   const AttentionAttrs& a, int num_threads, Workers* workers = nullptr) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
   static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
@@ -780,22 +1303,24 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const A
   const int64_t nqb = (s.seqlen_q + kFwdBq - 1) / kFwdBq;
   const int64_t nbh = s.batch * s.heads_q;
   const int64_t n = nbh * nqb;
-  const double flops = 4.0 * double(nbh) * double(s.seqlen_q) * double(std::max<int64_t>(s.seqlen_k, 1)) * D;
+  const double flops = 4.0 * double(nbh) * std::max(visible_pairs(s, a), double(s.seqlen_q)) * D;
   const int nt = static_cast<int>(std::min<int64_t>(threads_for(num_threads, flops), n));
-  std::vector<AlignedFloats> ws;
-  ws.reserve(nt);
-  for (int t = 0; t < nt; ++t) ws.emplace_back(fwd_ws_floats<D>());
   // Last (for causal: most expensive) q blocks first.
-  parallel_for(n, nt, [&](int64_t item, int w) {
-    const int64_t qb = nqb - 1 - item / nbh;
-    const int64_t bh = item % nbh;
-    fwd_item<T, D>(q, k, v, o, lse, s, a, bh / s.heads_q, bh % s.heads_q, qb, ws[w].p);
-  });
+  parallel_for(
+      n, nt,
+      [&](int64_t item, int) {
+        const int64_t qb = nqb - 1 - item / nbh;
+        const int64_t bh = item % nbh;
+        fwd_item<T, D>(q, k, v, o, lse, s, a, bh / s.heads_q, bh % s.heads_q, qb,
+                       thread_workspace(fwd_ws_floats<D>()));
+      },
+      workers);
 }
 
 template <typename T, int D>
 void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk,
-                   T* dv, const AttentionShape& s, const AttentionAttrs& a, int num_threads) {
+                   T* dv, const AttentionShape& s, const AttentionAttrs& a, int num_threads,
+                   Workers* workers = nullptr) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
   static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
@@ -804,31 +1329,35 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* 
   if (B <= 0 || Hq <= 0 || Hkv <= 0 || Sq < 0 || Sk < 0) return;
   if (s.head_dim != D || Hq % Hkv != 0) return;  // precondition violated
   if (Sq == 0 && Sk == 0) return;
-  const int nthreads = threads_for(num_threads, 10.0 * double(B * Hq) * double(std::max<int64_t>(Sq, 1)) *
-                                                    double(std::max<int64_t>(Sk, 1)) * D);
+  const int nthreads =
+      threads_for(num_threads, 10.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(std::max(Sq, Sk))) * D);
   const int light_threads = threads_for(nthreads, 8.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * D);
 
   // Per-row terms: lse2 = lse*log2(e) (+inf for empty rows), Drow = rowsum(dO o O).
   AlignedFloats lse2(size_t(B * Hq * Sq)), Drow(size_t(B * Hq * Sq));
   if (Sq > 0) {
     const int64_t nbh = B * Hq;
-    parallel_for(nbh, light_threads, [&](int64_t bh, int) {
-      const int64_t b = bh / Hq, h = bh % Hq;
-      alignas(64) float to[D], td[D];
-      for (int64_t i = 0; i < Sq; ++i) {
-        const int64_t r = bh * Sq + i;
-        const float l = lse[r];
-        lse2.p[r] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
-        const int64_t off = ((b * Sq + i) * Hq + h) * D;
-        load_f32<T>(o + off, to, D);
-        load_f32<T>(dout + off, td, D);
-        vf acc = splat(0.0f);
-        for (int d = 0; d < D; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
-        float sum = 0.0f;
-        for (int t = 0; t < W; ++t) sum += acc[t];
-        Drow.p[r] = sum;
-      }
-    });
+    parallel_for(
+        nbh, light_threads,
+        [&](int64_t bh, int) {
+          const int64_t b = bh / Hq, h = bh % Hq;
+          alignas(64) float to[D], td[D];
+          for (int64_t i = 0; i < Sq; ++i) {
+            const int64_t r = bh * Sq + i;
+            const float l = lse[r];
+            lse2.p[r] =
+                l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
+            const int64_t off = ((b * Sq + i) * Hq + h) * D;
+            load_f32<T>(o + off, to, D);
+            load_f32<T>(dout + off, td, D);
+            vf acc = splat(0.0f);
+            for (int d = 0; d < D; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
+            float sum = 0.0f;
+            for (int t = 0; t < W; ++t) sum += acc[t];
+            Drow.p[r] = sum;
+          }
+        },
+        workers);
   }
 
   // Split each (b, kv head)'s key blocks into interleaved chunks when there are
@@ -843,14 +1372,14 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* 
 
   const int64_t n = nbh * nchunks;
   const int nt = static_cast<int>(std::min<int64_t>(nthreads, n));
-  std::vector<AlignedFloats> ws;
-  ws.reserve(nt);
-  for (int t = 0; t < nt; ++t) ws.emplace_back(bwd_ws_floats<D>());
-  parallel_for(n, nt, [&](int64_t item, int w) {
-    const int64_t c = item % nchunks, bh = item / nchunks;
-    bwd_item<T, D>(q, k, v, dout, lse2.p, Drow.p, dk, dv, dqacc + c * dq_elems, s, a, bh / Hkv, bh % Hkv, c,
-                   nchunks, ws[w].p);
-  });
+  parallel_for(
+      n, nt,
+      [&](int64_t item, int) {
+        const int64_t c = item % nchunks, bh = item / nchunks;
+        bwd_item<T, D>(q, k, v, dout, lse2.p, Drow.p, dk, dv, dqacc + c * dq_elems, s, a, bh / Hkv, bh % Hkv, c,
+                       nchunks, thread_workspace(bwd_ws_floats<D>()));
+      },
+      workers);
 
   if (!direct && Sq > 0) {
     // dq = sum over chunks, converted; items are blocks of rows.
@@ -858,16 +1387,19 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* 
     const int64_t per = std::max<int64_t>(1, 16384 / (Hq * D));
     const int64_t nitems = (rows + per - 1) / per;
     const int64_t rowlen = Hq * D;
-    parallel_for(nitems, light_threads, [&](int64_t it, int) {
-      const int64_t r0 = it * per, r1 = std::min(rows, r0 + per);
-      float* base = dqacc + r0 * rowlen;
-      const int64_t len = (r1 - r0) * rowlen;
-      for (int64_t c = 1; c < nchunks; ++c) {
-        const float* src = base + c * dq_elems;
-        for (int64_t e = 0; e < len; ++e) base[e] += src[e];
-      }
-      store_from_f32<T>(base, dq + r0 * rowlen, len, 1.0f);
-    });
+    parallel_for(
+        nitems, light_threads,
+        [&](int64_t it, int) {
+          const int64_t r0 = it * per, r1 = std::min(rows, r0 + per);
+          float* base = dqacc + r0 * rowlen;
+          const int64_t len = (r1 - r0) * rowlen;
+          for (int64_t c = 1; c < nchunks; ++c) {
+            const float* src = base + c * dq_elems;
+            for (int64_t e = 0; e < len; ++e) base[e] += src[e];
+          }
+          store_from_f32<T>(base, dq + r0 * rowlen, len, 1.0f);
+        },
+        workers);
   }
 }
 
