@@ -9,6 +9,6 @@ setup(
     package_dir={"flashgen._data.templates": "templates", "flashgen._data.csrc": "csrc"},
     package_data={
         "flashgen._data.templates": ["**/*.j2"],
-        "flashgen._data.csrc": ["**/*.h", "**/*.cuh"],
+        "flashgen._data.csrc": ["**/*.h", "**/*.cuh", "**/*.cc"],
     },
 )
