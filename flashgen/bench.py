@@ -22,7 +22,6 @@ peak of this machine (1 thread and all threads) so GFLOP/s can be read as a frac
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math

@@ -43,3 +43,19 @@ def fresh_cache(tmp_path, monkeypatch):
 needs_nvcc = pytest.mark.skipif(
     not (shutil.which("nvcc") or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)),
     reason="nvcc not installed")
+
+
+# Multi-device CPU tests need XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX
+# starts, which would change every other test module's devices; such a module re-runs itself
+# in a child interpreter and only the child (MULTIDEVICE_CHILD) runs its real tests.
+MULTIDEVICE_CHILD = os.environ.get("FLASHGEN_MULTIDEVICE_CHILD") == "1"
+
+
+def run_multidevice_child(path: str) -> None:
+    import subprocess
+    import sys
+    env = dict(os.environ, FLASHGEN_MULTIDEVICE_CHILD="1",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"multi-device tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"

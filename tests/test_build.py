@@ -6,10 +6,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from flashgen import KernelSpec, build
-from flashgen.errors import BuildError
 
 SPEC = KernelSpec(32, "f32", False, "cpu")
 
@@ -25,7 +23,8 @@ def test_build_writes_library_and_manifest(fresh_cache, tmp_path):
     m = json.loads(lib.manifest_path.read_text())
     assert m["target"] == "cpu" and m["platform"] == "cpu"
     assert m["specs"][0]["targets"] == {"fwd": "flashgen_fwd_d32_f32", "bwd": "flashgen_bwd_d32_f32"}
-    assert m["attributes"] == {"causal": "i1", "scale": "f32", "bottom_right": "i1"}
+    assert m["attributes"] == {"causal": "i1", "scale": "f32", "bottom_right": "i1",
+                               "window_left": "i32", "window_right": "i32", "softcap": "f32"}
     assert m["ffi_headers"]["api_version"] and m["ffi_headers"]["jaxlib"]
     assert any("c++" in k or "g++" in k or "clang" in k for k in m["compilers"])
     out = subprocess.run(["nm", "-D", "--defined-only", str(lib.path)], capture_output=True, text=True).stdout

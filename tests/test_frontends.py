@@ -155,7 +155,6 @@ def _exla_style_module(lines: list[str]) -> str:
 
 
 def _custom_calls(module) -> list:
-    from jaxlib.mlir import ir
     ops = []
 
     def walk(op):
@@ -235,7 +234,9 @@ def test_exla_style_golden_module_rewrites(tmp_path):
     text = out.read_text()
     # the native form EXLA itself emits, in a module that keeps EXLA's shape
     assert re.search(r"stablehlo\.custom_call @flashgen_fwd_d32_f32_causal\(.*\{api_version = 4 : i32, "
-                     r"backend_config = \{bottom_right = false, causal = true, scale = [^}]*: f32\}", text)
+                     r"backend_config = \{bottom_right = false, causal = true, scale = [^}]*: f32, "
+                     r"softcap = 0\.000000e\+00 : f32, window_left = -1 : i32, window_right = -1 : i32\}",
+                     text)
     assert "func.func public @main" in text and "mhlo.backend_config" not in text
     # both call sites of the outlined @attention_11 now reach the kernel
     assert len(re.findall(r"call @attention_11\(", text)) == 2

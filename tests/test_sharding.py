@@ -10,24 +10,14 @@ child's failures. To run the multi-device tests directly:
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-CHILD = os.environ.get("FLASHGEN_MULTIDEVICE_CHILD") == "1"
+from conftest import MULTIDEVICE_CHILD as CHILD, run_multidevice_child as _run_child
+
 D = 32
-
-
-def _run_child(path: str) -> None:
-    env = dict(os.environ, FLASHGEN_MULTIDEVICE_CHILD="1",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"multi-device tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 
 
 def _collectives(hlo: str) -> list[tuple[str, str]]:
