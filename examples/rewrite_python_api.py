@@ -1,6 +1,6 @@
 """Rewrite a jax.export'ed transformer block and run it with flashgen's CPU kernels.
 
-    python examples/rewrite_jax_export.py
+    python examples/rewrite_python_api.py
 
 1. export a small causal attention layer with jax.export (what a user ships),
 2. flashgen.rewrite replaces its attention with a flashgen custom call,

@@ -1,4 +1,4 @@
-"""examples/train_transformer.py: flashgen and XLA attention train the same model identically."""
+"""The examples not covered by test_frontends.py run and check their own results."""
 import json
 import os
 import subprocess
@@ -20,3 +20,11 @@ def test_training_curves_match(tmp_path):
     # Identical data and init: any gradient error in flashgen's backward would make the curves drift.
     assert max(abs(a - b) for a, b in zip(f, x)) < 1e-3
     assert len(set(round(v, 4) for v in f)) > 1  # the parameters really moved
+
+
+def test_rewrite_python_api_example():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "rewrite_python_api.py")], check=True, env=env,
+                         capture_output=True, text=True).stdout
+    err = float(out.strip().splitlines()[-1].split("=")[-1])
+    assert "flashgen_fwd_d64_f32_causal" in out and err < 1e-5
