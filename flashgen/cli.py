@@ -58,7 +58,8 @@ def cmd_emit(args) -> int:
     spec = KernelSpec(args.hdim, args.dtype, bool(args.causal))
     module = attention_module(spec, batch=args.batch, seq_q=args.seq_q, seq_k=args.seq_k or args.seq_q,
                               heads=args.heads, kv_heads=args.kv_heads, scale=args.scale,
-                              bottom_right=args.bottom_right, legacy_attrs=args.legacy_attrs)
+                              bottom_right=args.bottom_right, window=(args.window_left, args.window_right),
+                              softcap=args.softcap, legacy_attrs=args.legacy_attrs)
     if args.module:
         print(module)
     else:
@@ -100,6 +101,11 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--causal", action="store_true")
     e.add_argument("--bottom-right", action="store_true",
                    help="causal mask aligned to the bottom-right (FlashAttention-2) instead of top-left")
+    e.add_argument("--window-left", type=int, default=-1,
+                   help="sliding window: keys visible to the left of the diagonal (-1 = unbounded)")
+    e.add_argument("--window-right", type=int, default=-1,
+                   help="sliding window: keys visible to the right of the diagonal (-1 = unbounded)")
+    e.add_argument("--softcap", type=float, default=0.0, help="logit softcap c·tanh(x/c) (0 = off)")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seq-q", type=int, required=True)
     e.add_argument("--seq-k", type=int, help="default: --seq-q")

@@ -2,7 +2,8 @@
 
 Two attribute forms:
   native (default): {api_version = 4 : i32, backend_config = {causal = ..., scale = ... : f32,
-                     bottom_right = ...}} — StableHLO >= 1.3, what EXLA emits.
+                     bottom_right = ..., window_left = -1 : i32, window_right = -1 : i32,
+                     softcap = 0.0 : f32}} — StableHLO >= 1.3, what EXLA emits.
   legacy:           {backend_config = "", mhlo.backend_config = {...}, operand_layouts,
                      result_layouts} — what jax.ffi.ffi_call prints; XLA upgrades it.
 """
@@ -13,7 +14,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func, stablehlo
 
 from flashgen.mlir_context import new_context
-from flashgen.spec import KernelSpec, normalize_dtype
+from flashgen.spec import KernelSpec, normalize_dtype, normalize_softcap, normalize_window
 
 _MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -23,15 +24,22 @@ def element_dtype(t: ir.Type) -> str:
     return normalize_dtype(str(t))
 
 
-def attention_attributes(causal: bool, scale: float, bottom_right: bool = False) -> ir.DictAttr:
-    """The typed attribute dictionary every flashgen handler decodes."""
+def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
+                         window=(-1, -1), softcap: float = 0.0) -> ir.DictAttr:
+    """The typed attribute dictionary every flashgen handler decodes (spec.ATTRIBUTE_SCHEMA)."""
     scale = float(np.float32(scale))
     if not (scale > 0 and np.isfinite(scale)):
         raise ValueError(f"scale must be a finite positive number, got {scale}")
+    left, right = normalize_window(window)
+    softcap = normalize_softcap(softcap)
+    i32 = ir.IntegerType.get_signless(32)
     return ir.DictAttr.get({
         "causal": ir.BoolAttr.get(bool(causal)),
         "scale": ir.FloatAttr.get(ir.F32Type.get(), scale),
         "bottom_right": ir.BoolAttr.get(bool(bottom_right)),
+        "window_left": ir.IntegerAttr.get(i32, left),
+        "window_right": ir.IntegerAttr.get(i32, right),
+        "softcap": ir.FloatAttr.get(ir.F32Type.get(), softcap),
     })
 
 
@@ -84,7 +92,8 @@ def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:
 
 
 def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value], *,
-                     scale: float, bottom_right: bool = False, legacy_attrs: bool = False,
+                     scale: float, bottom_right: bool = False, window=(-1, -1),
+                     softcap: float = 0.0, legacy_attrs: bool = False,
                      sharding_rule: bool = True,
                      loc: ir.Location | None = None, ip: ir.InsertionPoint | None = None
                      ) -> list[ir.Value]:
@@ -97,7 +106,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     (flashgen/jax/sharding.py); it changes nothing on one device.
     """
     types = result_types(spec, direction, operands)
-    attrs = attention_attributes(spec.causal, scale, bottom_right)
+    attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap)
     name = spec.target_name(direction)
     if legacy_attrs:
         op = stablehlo.CustomCallOp(
@@ -119,7 +128,8 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
 
 def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, heads: int,
                      kv_heads: int | None = None, scale: float | None = None,
-                     bottom_right: bool = False, legacy_attrs: bool = False) -> ir.Module:
+                     bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0,
+                     legacy_attrs: bool = False) -> ir.Module:
     """A complete module whose public @main(q, k, v) returns the forward (o, lse)."""
     kv_heads = heads if kv_heads is None else kv_heads
     scale = 1.0 / np.sqrt(spec.head_dim) if scale is None else scale
@@ -135,7 +145,8 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
             block = main.add_entry_block()
             with ir.InsertionPoint(block):
                 results = emit_custom_call(spec, "fwd", list(block.arguments), scale=scale,
-                                           bottom_right=bottom_right, legacy_attrs=legacy_attrs)
+                                           bottom_right=bottom_right, window=window,
+                                           softcap=softcap, legacy_attrs=legacy_attrs)
                 func.ReturnOp(results)
         if not module.operation.verify():
             raise RuntimeError("flashgen emitted an invalid module")  # a flashgen bug, not user error

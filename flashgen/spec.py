@@ -1,12 +1,16 @@
 """KernelSpec: the few properties that change a kernel's shape.
 
-Everything else (scale, causal alignment, batch, sequence lengths, head
-counts) is a runtime argument of the custom call, so one compiled
-specialization serves every model with the same head dim, dtype and mask.
+Everything else (scale, causal alignment, sliding window, softcap, batch,
+sequence lengths, head counts) is a runtime argument of the custom call, so one
+compiled specialization serves every model with the same head dim, dtype and
+causal flag. A field is added here only for what changes a kernel's shape.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import numpy as np
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("f16", "bf16", "f32")
@@ -86,8 +90,52 @@ class KernelSpec:
         }
 
 
-# The attribute schema every flashgen handler decodes (name -> MLIR type).
-ATTRIBUTE_SCHEMA = {"causal": "i1", "scale": "f32", "bottom_right": "i1"}
+# The attribute schema every flashgen handler decodes (name -> MLIR type). Every
+# attribute is passed on every call (an XLA FFI handler rejects missing or extra ones).
+# Sliding window and softcap are runtime attributes, not KernelSpec fields: they change
+# which blocks are visited and one elementwise step, not the kernel's shape, so one
+# compiled specialization serves every window and cap.
+#   window_left / window_right: -1 = unbounded; key j visible to query i iff
+#     j >= i + off - left and j <= i + off + right (off as for causal; causal => right = 0)
+#   softcap: 0 = off; scaled scores x -> softcap * tanh(x / softcap)
+ATTRIBUTE_SCHEMA = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
+                    "window_left": "i32", "window_right": "i32", "softcap": "f32"}
+
+# Defaults of the runtime attributes that KernelSpec does not fix.
+DEFAULT_WINDOW = (-1, -1)
+DEFAULT_SOFTCAP = 0.0
+
+
+def normalize_window(window) -> tuple[int, int]:
+    """(left, right) as Python ints >= -1 (-1 = unbounded); None means (-1, -1)."""
+    if window is None:
+        return DEFAULT_WINDOW
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    out = []
+    for name, x in (("left", left), ("right", right)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise ValueError(f"window {name} must be a Python int (-1 = unbounded), got {x!r}")
+        x = int(x)
+        if not -1 <= x < 2**31:
+            raise ValueError(f"window {name} must be in [-1, 2^31), got {x}")
+        out.append(x)
+    return out[0], out[1]
+
+
+def normalize_softcap(softcap) -> float:
+    """softcap as a Python float that is exact in f32, finite and >= 0 (0 = off)."""
+    if softcap is None:
+        return DEFAULT_SOFTCAP
+    if hasattr(softcap, "aval"):
+        raise TypeError("softcap must be a Python number (a compile-time attribute), not a traced value")
+    c = float(np.float32(softcap))
+    if not (c >= 0 and math.isfinite(c)):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    return c
+
 
 # Operands and results, per direction, in call order.
 SIGNATURES = {

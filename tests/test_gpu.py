@@ -142,3 +142,67 @@ def test_compute_sanitizer(tool, tmp_path):
     print(tail)
     assert "done" in out.stdout, tail
     assert "ERROR SUMMARY: 0 errors" in out.stdout + out.stderr, tail
+
+
+# ----------------------------------------------------------------------------- issue 8: window, softcap
+def _check_variant(rng, dtype, d, causal, b, sq, sk, hq, hkv, bottom_right=False, window=(-1, -1),
+                   softcap=0.0, sd=1.0):
+    """_check with a sliding window / softcap (runtime attributes of the same specs)."""
+    import jax
+    import jax.numpy as jnp
+    from flashgen import reference
+    from flashgen.jax.attention import _kernel_calls, _local_target
+    from flashgen.spec import KernelSpec
+    jdt = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}[dtype]
+    q, k, v, do = (jnp.asarray(rng.standard_normal(s) * (sd if i < 2 else 1.0), jdt) for i, s in
+                   enumerate(((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))))
+    spec = KernelSpec(d, dtype, causal, _local_target())
+    scale = 1.0 / np.sqrt(d)
+    fwd, bwd = _kernel_calls(spec, scale, bottom_right, tuple(window), float(softcap))
+    o, lse = jax.jit(fwd)(q, k, v)
+    dq, dk, dv = jax.jit(bwd)(q, k, v, o, lse, do)
+    ref_o, ref_lse, ref_g = reference.attention(q, k, v, causal=causal, bottom_right=bottom_right,
+                                                window=window, softcap=softcap, do=do)
+    finite = np.isfinite(ref_lse)
+    assert np.all(np.isneginf(np.asarray(lse)[~finite])), "rows that see no key must have lse = -inf"
+    assert np.all(np.asarray(o, np.float32)[np.transpose(~finite, (0, 2, 1))] == 0)
+    errs = {"o": _rel(o, ref_o), "lse": _rel(np.asarray(lse)[finite], ref_lse[finite]) if finite.any() else 0.0,
+            "dq": _rel(dq, ref_g[0]), "dk": _rel(dk, ref_g[1]), "dv": _rel(dv, ref_g[2])}
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert errs["o"] <= fwd_tol and errs["lse"] <= fwd_tol, errs
+    assert max(errs["dq"], errs["dk"], errs["dv"]) <= bwd_tol, errs
+    return errs
+
+
+@pytest.mark.parametrize("causal, window", [(False, (0, 0)), (False, (64, 64)), (False, (100, 3)),
+                                            (True, (0, -1)), (True, (127, -1)), (True, (300, 5)),
+                                            (False, (-1, 17)), (False, (5000, 5000))])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (129, 777), (777, 129)])
+@pytest.mark.parametrize("dtype, d", [("bf16", 64), ("f16", 128), ("f32", 64)])
+def test_sliding_window(rng, causal, window, sq, sk, dtype, d):
+    for bottom_right in (False, True):
+        _check_variant(rng, dtype, d, causal, b=1, sq=sq, sk=sk, hq=4, hkv=2, bottom_right=bottom_right,
+                       window=window)
+
+
+@pytest.mark.parametrize("softcap", [1.0, 20.0])
+@pytest.mark.parametrize("d, dtype", [(64, "bf16"), (128, "f16"), (256, "bf16"), (64, "f32"), (256, "f32")])
+def test_softcap(rng, softcap, d, dtype):
+    _check_variant(rng, dtype, d, False, b=2, sq=513, sk=513, hq=4, hkv=1, softcap=softcap, sd=2.0)
+    _check_variant(rng, dtype, d, True, b=1, sq=700, sk=700, hq=2, hkv=2, softcap=softcap, sd=2.0,
+                   window=(200, -1))
+
+
+def test_window_and_return_lse_through_flash_attention(rng):
+    import jax
+    import jax.numpy as jnp
+    from flashgen import reference
+    from flashgen.jax import flash_attention
+    q, k, v, do = (jnp.asarray(rng.standard_normal((2, 300, 4, 64)), jnp.float32) for _ in range(4))
+    dlse = jnp.asarray(rng.standard_normal((2, 4, 300)), jnp.float32)
+    kw = dict(causal=True, window=(50, -1), softcap=5.0)
+    (o, lse), vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, return_lse=True, **kw), q, k, v)
+    ro, rlse, rg = reference.attention(q, k, v, do=do, dlse=dlse, **kw)
+    assert _rel(o, ro) < 5e-3 and _rel(lse, rlse) < 5e-3
+    for g, r in zip(vjp((do, dlse)), rg):
+        assert _rel(g, r) < 1e-2

@@ -93,7 +93,8 @@ def test_handler_rejects_mismatched_calls_without_crashing(rng):
     q, k, v = _qkv(rng)
     name = "flashgen_fwd_d32_f32"
     good = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 16), jnp.float32))
-    ok = _call_target(name, good, q, k, v, causal=False, scale=np.float32(0.2), bottom_right=False)
+    rest = dict(window_left=np.int32(-1), window_right=np.int32(-1), softcap=np.float32(0))
+    ok = _call_target(name, good, q, k, v, causal=False, scale=np.float32(0.2), bottom_right=False, **rest)
     np.testing.assert_allclose(ok[0], reference.attention(q, k, v, scale=0.2)[0], rtol=1e-5, atol=1e-5)
     cases = [
         ((q, k[:, :, :1], v), good, {}, "k and v shapes differ"),
@@ -101,10 +102,15 @@ def test_handler_rejects_mismatched_calls_without_crashing(rng):
         ((q, k, v), good, {"causal": True}, "does not match this kernel"),
         ((q[:, :, :3], k, v), (jax.ShapeDtypeStruct((2, 16, 3, D), q.dtype), good[1]), {}, "must divide q heads"),
         ((q, k, v), good, {"scale": np.float32(-1.0)}, "scale must be a finite positive"),
+        ((q, k, v), good, {"window_left": np.int32(-2)}, "window_left / window_right must be >= -1"),
+        ((q, k, v), good, {"softcap": np.float32(np.nan)}, "softcap must be a finite f32 >= 0"),
+        ((q, k, v), good, {"bottom_right": True}, "bottom_right=true needs causal=true or a sliding window"),
+        ((q, k, v), good, {"window_left": None}, "Wrong number of attributes"),
     ]
     for args, outs, over, words in cases:
-        attrs = dict(causal=False, scale=np.float32(0.2), bottom_right=False)
+        attrs = dict(causal=False, scale=np.float32(0.2), bottom_right=False, **rest)
         attrs.update(over)
+        attrs = {a: x for a, x in attrs.items() if x is not None}
         with pytest.raises(Exception, match=words):
             jax.block_until_ready(_call_target(name, outs, *args, **attrs))
 
@@ -115,7 +121,8 @@ def test_python_float_attribute_is_the_documented_ffi_error(rng):
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 16), jnp.float32))
     with pytest.raises(Exception, match="F32"):
         jax.block_until_ready(_call_target("flashgen_fwd_d32_f32", outs, q, k, v, causal=False, scale=0.2,
-                                           bottom_right=False))
+                                           bottom_right=False, window_left=np.int32(-1),
+                                           window_right=np.int32(-1), softcap=np.float32(0)))
 
 
 def test_drop_in_for_jax_nn_dot_product_attention(rng):

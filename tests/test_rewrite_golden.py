@@ -64,6 +64,10 @@ def test_golden_sites(name):
             assert s.kv_heads == case["kv_heads"]
         if case["layout"] is not None:
             assert s.layout == case["layout"]
+        if case.get("window") is not None:
+            assert list(s.window) == case["window"]
+        if case.get("softcap") is not None:
+            assert math.isclose(s.softcap, case["softcap"], rel_tol=1e-6)
         json.dumps(s.to_json())  # the report is JSON-serializable
     filecheck.check(result.text(), (GOLDEN / "checks" / f"{name}.check").read_text())
 

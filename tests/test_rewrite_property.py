@@ -130,7 +130,7 @@ def build(p):
 def is_attention(p) -> bool:
     extra = p["extra"] if not (p["extra"] == "exp" and p["softmax"] == "jax") else None
     return (p["axis"] == "keys" and extra is None
-            and p["mask"] in ("none", "where", "bias", "const", "bottom_right"))
+            and p["mask"] in ("none", "where", "bias", "const", "bottom_right", "window"))
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,7 @@ def test_rewritten_programs_compute_the_same(p, kernels):
         assert site.causal == (p["mask"] != "none")
         if p["mask"] == "bottom_right":
             assert site.bottom_right == (seq_k(p) != 8)
+        assert list(site.window) == ([2, -1] if p["mask"] == "window" else [-1, -1])
     else:
         assert not result.rewritten, (p, result.rewritten)
         assert result.to_bytes() == text.encode()

@@ -67,8 +67,13 @@ inline ffi::Error check_attrs(const char* target, bool spec_causal, const Attent
                                " does not match this kernel (causal=" + (spec_causal ? "true" : "false") + ")");
   if (!(a.scale > 0.0f) || a.scale != a.scale || a.scale == 1.0f / 0.0f)
     return invalid(target, "scale must be a finite positive f32, got " + std::to_string(a.scale));
-  if (a.bottom_right && !a.causal)
-    return invalid(target, "bottom_right=true needs causal=true");
+  if (a.window_left < -1 || a.window_right < -1)
+    return invalid(target, "window_left / window_right must be >= -1 (-1 = unbounded), got (" +
+                               std::to_string(a.window_left) + ", " + std::to_string(a.window_right) + ")");
+  if (!(a.softcap >= 0.0f) || a.softcap == 1.0f / 0.0f)
+    return invalid(target, "softcap must be a finite f32 >= 0 (0 = off), got " + std::to_string(a.softcap));
+  if (a.bottom_right && !a.causal && a.window_left < 0 && a.window_right < 0)
+    return invalid(target, "bottom_right=true needs causal=true or a sliding window");
   return ffi::Error::Success();
 }
 

@@ -170,10 +170,16 @@ def _parse_call(name: str, backend_string: bytes):
         attrs = ir.DictAttr(ir.Attribute.parse(bytes(backend_string).decode() or "{}"))
         scale = ir.FloatAttr(attrs["scale"]).value
         bottom_right = "bottom_right" in attrs and ir.BoolAttr(attrs["bottom_right"]).value
-    return KernelSpec(hd, dtype, causal, "cpu"), direction, scale, bool(bottom_right)
+        extra = {
+            "window": tuple(ir.IntegerAttr(attrs[n]).value if n in attrs else -1
+                            for n in ("window_left", "window_right")),
+            "softcap": ir.FloatAttr(attrs["softcap"]).value if "softcap" in attrs else 0.0,
+        }
+    return KernelSpec(hd, dtype, causal, "cpu"), direction, scale, bool(bottom_right), extra
 
 
-def _local_module(spec: KernelSpec, direction: str, local_shapes, scale, bottom_right) -> bytes:
+def _local_module(spec: KernelSpec, direction: str, local_shapes, scale, bottom_right,
+                  extra=None) -> bytes:
     """A module whose @main is the same flashgen call on per-device shapes."""
     from jaxlib.mlir.dialects import func
     from flashgen.emit import _MLIR_DTYPES, emit_custom_call
@@ -191,7 +197,7 @@ def _local_module(spec: KernelSpec, direction: str, local_shapes, scale, bottom_
             with ir.InsertionPoint(block):
                 results = emit_custom_call(spec, direction, list(block.arguments), scale=scale,
                                            bottom_right=bottom_right, legacy_attrs=True,
-                                           sharding_rule=False)
+                                           sharding_rule=False, **(extra or {}))
                 func.ReturnOp(results)
             fn.attributes["function_type"] = ir.TypeAttr.get(
                 ir.FunctionType.get(types, [r.type for r in results]))
@@ -219,7 +225,7 @@ def _base_sharding(arg_shardings, result_sharding=None):
 
 def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, backend_string):
     xc = _xc()
-    spec, direction, scale, bottom_right = _parse_call(name, backend_string)
+    spec, direction, scale, bottom_right, extra = _parse_call(name, backend_string)
     shapes = [tuple(s.dimensions()) for s in arg_shapes]
     if any(s is not None and s.is_manual() for s in arg_shardings):
         # Inside a fully manual region the call already sees local shapes.
@@ -230,7 +236,7 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
         plan = _plan(_base_sharding(arg_shardings, result_sharding), shapes[0], shapes[1])
         operand_sh, result_sh = _shardings_for(direction, plan)
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
-    module = _local_module(spec, direction, local, scale, bottom_right)
+    module = _local_module(spec, direction, local, scale, bottom_right, extra)
     return module, operand_sh, xc.HloSharding.tuple_sharding(result_shape, result_sh)
 
 
@@ -340,12 +346,16 @@ def match_varying(*operands):
                  for x in operands)
 
 
-def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool):
-    """Bind one flashgen kernel: (q, k, v) -> (o, lse) or (q, k, v, o, lse, do) -> (dq, dk, dv)."""
+def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool,
+                window=(-1, -1), softcap: float = 0.0):
+    """Bind one flashgen kernel: (q, k, v) -> (o, lse) or (q, k, v, o, lse, do) -> (dq, dk, dv).
+    Passes every attribute of spec.ATTRIBUTE_SCHEMA with its exact type."""
     register_partitioners()
     operands = match_varying(*operands)
+    left, right = window
     attrs = (("bottom_right", bool(bottom_right)), ("causal", spec.causal),
-             ("scale", np.float32(scale)))
+             ("scale", np.float32(scale)), ("softcap", np.float32(softcap)),
+             ("window_left", np.int32(left)), ("window_right", np.int32(right)))
     return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),
                                 direction=direction, attrs=attrs))
 

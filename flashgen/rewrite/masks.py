@@ -1,10 +1,12 @@
-"""Is a mask a causal mask, and aligned how?
+"""Is a mask a causal or sliding-window mask, and aligned how?
 
 A mask is evaluated to a boolean "visible" tensor (flashgen.rewrite.fold) in the
 layout of the scores where it applied. Every axis it is constant along is dropped;
-what remains must vary along one query axis and one key axis only, and equal
-``j <= i`` (top-left) or ``j <= i + Sk - Sq`` (bottom-right) with no fully masked row.
-Anything else (sliding windows, padding, block masks) is rejected with the reason.
+what remains must vary along one query axis and one key axis only, and be a band
+on the diagonal distance: visible iff ``lo <= j - i - off <= hi`` with off = 0
+(top-left) or Sk - Sq (bottom-right), with no fully masked row. hi = 0 is causal,
+hi > 0 a window's right side, lo a window's left side (left = -lo); an unbounded
+side is -1. Anything else (padding, block masks, hi < 0) is rejected with the reason.
 """
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from flashgen.rewrite.errors import Reject
 
 
 def classify(masks, cuts, q_free, k_free):
-    """(causal, bottom_right, [query sequence piece]) from the recorded masks.
+    """(causal, bottom_right, [query sequence piece], window) from the recorded masks;
+    window = (left, right), -1 = unbounded.
 
     ``masks``: (Const of visible positions, layout where it applied, how) per mask;
     ``q_free``/``k_free``: the refined pieces of the query and key axes.
     """
     if not masks:
-        return False, False, []
+        return False, False, [], (-1, -1)
     q_set, k_set = set(q_free), set(k_free)
     combined, q_axis, k_axis = None, None, None
     for const, lay, _ in masks:
@@ -69,7 +72,7 @@ def classify(masks, cuts, q_free, k_free):
         q_axis, k_axis = q_axis or qa, k_axis or ka
         combined = arr2 if combined is None else (combined & arr2)
     if combined.all():
-        return False, False, []
+        return False, False, [], (-1, -1)
     single_query = not q_free  # one query row (a decode step): the mask varies along keys only
     if k_axis is None or (q_axis is None and not single_query):
         raise Reject("the mask is not causal (it depends on only one of the query and key "
@@ -78,15 +81,50 @@ def classify(masks, cuts, q_free, k_free):
         raise Reject("a causal mask over several key axes is not supported")
     sq, sk = (1 if q_axis is None else q_axis[2]), k_axis[2]
     full = np.broadcast_to(combined, (sq, sk))
+    found = band(full)
+    if found is None:
+        raise Reject("the mask is not causal or a sliding window (block, strided or other "
+                     "pattern): unsupported")
+    causal, bottom_right, window = found
+    if not full.any(axis=1).all():
+        raise Reject("the mask leaves rows with no visible key")
+    return causal, bottom_right, [q_axis] if q_axis is not None else [], window
+
+
+def band(full: np.ndarray):
+    """(causal, bottom_right, (left, right)) whose mask (flashgen.reference.mask) equals
+    ``full`` [Sq, Sk], or None. hi = 0 becomes causal (the spec's own flag) rather than a
+    window with right = 0; where several forms fit, causal wins, then no left bound, then
+    top-left alignment."""
+    sq, sk = full.shape
+    if not full.any():
+        return None
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    if np.array_equal(full, j <= i):
-        bottom_right = False
-    elif np.array_equal(full, j <= i + (sk - sq)):
-        bottom_right = True
-    else:
-        raise Reject("the mask is not causal (sliding window, block or other pattern): "
-                     "unsupported")
-    if not full.any(axis=1).all():
-        raise Reject("the causal mask leaves rows with no visible key")
-    return True, bottom_right, [q_axis] if q_axis is not None else []
+    found = []
+    for bottom_right in (False, True):
+        off = sk - sq if bottom_right else 0
+        d = j - i - off
+        lo, hi = int(d[full].min()), int(d[full].max())
+        if not np.array_equal(full, (d >= lo) & (d <= hi)):
+            continue
+        dmin, dmax = int(d.min()), int(d.max())
+        if hi >= dmax:
+            right = -1
+        elif hi >= 0:
+            right = hi
+        else:
+            continue  # the band lies left of the diagonal: no window expresses it
+        if lo <= dmin:
+            left = -1
+        elif lo <= 0:
+            left = -lo
+        else:
+            continue  # the band lies right of the diagonal
+        if right == 0:
+            found.append((True, bottom_right, (left, -1)))
+        else:
+            found.append((False, bottom_right, (left, right)))
+    if not found:
+        return None
+    return min(found, key=lambda f: (not f[0], f[2][0] != -1, f[1]))

@@ -4,10 +4,13 @@
 What is matched, starting at a ``dot_general`` (the Q·K product):
 
     scores = dot_general(Q, K)                   any operand order and layout
-    scores -> [scale] -> [causal mask] -> ...    multiply/divide by constants, select with a
-                                                 constant mask and a large negative fill, or an
-                                                 additive 0/-inf bias; converts, reshapes,
-                                                 transposes, unit broadcasts, private calls
+    scores -> [scale] -> [softcap] -> [mask]     multiply/divide by constants; softcap
+                                                 c·tanh(x/c): tanh then a multiply by c (the
+                                                 divide by c is part of the scale); select with
+                                                 a constant causal / sliding-window mask and a
+                                                 large negative fill, or an additive 0/-inf bias;
+                                                 converts, reshapes, transposes, unit
+                                                 broadcasts, private calls
     p = exp(x - rowconst) / rowsum               the softmax over the key axes R; rowconst is
                                                  anything constant along R (the row max)
     p -> [layout, converts, fully-masked guard]
@@ -104,6 +107,8 @@ class Plan:
     scale: float
     bottom_right: bool
     site_ops: set             # {(ir.Operation, ctx)} the site's own ops
+    window: tuple = (-1, -1)  # (left, right), -1 = unbounded
+    softcap: float = 0.0      # 0 = none
 
 
 class _Match:
@@ -118,6 +123,8 @@ class _Match:
         self.notes: list = []
         self.guards: list = []         # row-wise predicates of fully-masked-row guards
         self.probs_layout = None       # the probabilities' layout at the P·V product
+        self.tanh = False              # the scores went through tanh (a softcap's first half)
+        self.softcap = 0.0             # the cap c multiplied onto tanh (0: no softcap)
 
     def add(self, op, ctx):
         self.ops.add((op.operation, ctx))
@@ -268,6 +275,9 @@ class AttentionPattern:
         if _covered(k_in[3]):
             m.notes.append("K/V broadcast over heads (GQA) read through")
         scale = m.scale * q_in[2] * k_in[2]
+        if m.softcap:
+            # c·tanh(pre·qk): the kernel's scale is pre·c, its softcap c
+            scale *= m.softcap
         # 8. closure: no intermediate may have a user outside the site
         self._check_closure(m, exit_op)
         # 9. mask, kernel layout, limits
@@ -282,6 +292,9 @@ class AttentionPattern:
             if not users:
                 raise Reject("the scores are never used")
             if self._is_softmax_entry(users):
+                if m.tanh and not m.softcap:
+                    raise Reject("the scores pass through tanh without a multiply by a constant "
+                                 "cap after it (not a softcap c·tanh(x/c))")
                 return ref, layout
             steps = [u for u in users if op_name(u[0]) in _SCORE_STEPS]
             if len(steps) != 1:
@@ -334,6 +347,25 @@ class AttentionPattern:
         if name in ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim"):
             return self._layout_step(user, layout, what="scores")
         other = Ref(user.operands[1 - idx], ctx) if len(user.operands) == 2 else None
+        if name == "stablehlo.tanh":
+            if m.tanh:
+                raise Reject("the scores pass through tanh twice")
+            if m.masks:
+                raise Reject("the scores are masked before the softcap's tanh (the kernel caps "
+                             "before masking)")
+            m.tanh = True
+            m.matched.append("softcap tanh")
+            return layout
+        if m.tanh and name in ("stablehlo.multiply", "stablehlo.divide"):
+            if m.softcap or name == "stablehlo.divide":
+                raise Reject("the scores are scaled after the softcap's tanh (only c·tanh(x/c) "
+                             "is supported)")
+            c = self._uniform(other, "softcap")
+            if not (c > 0 and np.isfinite(c)):
+                raise Reject(f"the softcap {c:g} is not a finite positive number")
+            m.softcap = c
+            m.matched.append("softcap")
+            return layout
         if name == "stablehlo.multiply" or (name == "stablehlo.divide" and idx == 0):
             s = self._uniform(other, "scale")
             if s == 0 or not np.isfinite(s):
@@ -903,7 +935,7 @@ class AttentionPattern:
         batching = [p for p in qp if p[0][0] == "B"]
 
         # mask -> causal?
-        causal, bottom_right, q_seq = masks.classify(m.masks, cuts, q_free, k_free)
+        causal, bottom_right, q_seq, window = masks.classify(m.masks, cuts, q_free, k_free)
         if not causal and q_free:
             # any split is correct without a mask; name the largest query axis the sequence
             q_seq = [max(q_free, key=lambda p: (p[2], -qp.index(p)))]
@@ -955,14 +987,16 @@ class AttentionPattern:
         plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
                     inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
                     kernel=kernel, spec=spec, scale=float(np.float32(scale)),
-                    bottom_right=bottom_right, site_ops=set(m.ops))
+                    bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
+                    softcap=float(np.float32(m.softcap)))
         return AttentionSite(
             location=where["location"], function=where["function"], op=where["op"],
             q_shape=_shape(q_val), k_shape=_shape(k_val), v_shape=_shape(v_val),
             out_shape=_shape(exit_value), layout=layout_text, dtype=dtype, batch=batch,
             seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
-            target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan)
+            target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan,
+            window=list(window), softcap=float(np.float32(m.softcap)))
 
     # ------------------------------------------------------------------ rewrite
     def rewrite(self, site: AttentionSite) -> None:
@@ -986,7 +1020,8 @@ class AttentionPattern:
                         x = adapters.convert(x, kdt, created)
                     operands.append(x)
                 o, lse = emit_custom_call(plan.spec, "fwd", operands, scale=plan.scale,
-                                          bottom_right=plan.bottom_right,
+                                          bottom_right=plan.bottom_right, window=plan.window,
+                                          softcap=plan.softcap,
                                           legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
                 out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created,
@@ -1004,7 +1039,7 @@ class AttentionPattern:
 # which users continue a chain in each phase
 _SCORE_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
                 "stablehlo.broadcast_in_dim", "stablehlo.multiply", "stablehlo.divide",
-                "stablehlo.select", "stablehlo.add", "stablehlo.subtract"}
+                "stablehlo.select", "stablehlo.add", "stablehlo.subtract", "stablehlo.tanh"}
 _PROB_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
                "stablehlo.broadcast_in_dim", "stablehlo.select", "stablehlo.dot_general"}
 

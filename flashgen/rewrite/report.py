@@ -40,6 +40,8 @@ class AttentionSite:
     reason: Optional[str] = None
     notes: list = dataclasses.field(default_factory=list)
     plan: Any = dataclasses.field(default=None, repr=False, compare=False)
+    window: list = dataclasses.field(default_factory=lambda: [-1, -1])  # (left, right), -1 = unbounded
+    softcap: float = 0.0         # 0 = none
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
@@ -50,6 +52,13 @@ class AttentionSite:
     def explain(self) -> str:
         mask = ("causal (bottom-right aligned)" if self.bottom_right else "causal") \
             if self.causal else "no mask"
+        if tuple(self.window) != (-1, -1):
+            w = f"sliding window (left {self.window[0]}, right {self.window[1]})"
+            mask = w if mask == "no mask" else f"{mask}, {w}"
+            if self.bottom_right and not self.causal:
+                mask += " bottom-right aligned"
+        if self.softcap:
+            mask += f", softcap {self.softcap:g}"
         gqa = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
         lines = [
             f"{self.status.upper()}: attention at {short_loc(self.location)} "

@@ -31,13 +31,16 @@ B, T, H, D = 2, 8, 4, 32
 
 
 def case(name, *, fmt="mlir", rewritten=0, rejected=(), targets=(), causal=None,
-         bottom_right=None, scale=None, kv_heads=None, layout=None, numerics=True):
-    """Register a builder; ``rejected`` lists substrings of the expected reasons."""
+         bottom_right=None, scale=None, kv_heads=None, layout=None, numerics=True, window=None,
+         softcap=None):
+    """Register a builder; ``rejected`` lists substrings of the expected reasons. ``window``
+    and ``softcap`` (when given) are checked on every rewritten site."""
     def deco(fn):
+        extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
         CASES[name] = dict(fn=fn, fmt=fmt, expect=dict(
             rewritten=rewritten, rejected=list(rejected), targets=list(targets),
             causal=causal, bottom_right=bottom_right, scale=scale, kv_heads=kv_heads,
-            layout=layout, numerics=numerics and rewritten > 0))
+            layout=layout, numerics=numerics and rewritten > 0, **extra))
         return fn
     return deco
 
@@ -668,14 +671,96 @@ def _():
     return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
 
 
-@case("neg_sliding_window", rejected=["not causal"])
+@case("sliding_window_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      bottom_right=False, window=[2, -1], softcap=0.0)
 def _():
+    # causal sliding window of 3 keys (left = 2): two iota compares combined with `and`
     jax, jnp, _ = _jax()
 
     def f(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
         s = jnp.where((j <= i) & (j > i - 3), s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("sliding_window_symmetric", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      bottom_right=False, window=[2, 2])
+def _():
+    # non-causal local attention |i - j| <= 2 (window (2, 2)) on the query-key distance
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(32.0)
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where(jnp.abs(i - j) <= 2, s, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("jnn_local_window", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      window=[3, -1])
+def _():
+    # jax.nn.dot_product_attention's own sliding window spelling
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(3, 0)), *qkv())
+
+
+@case("softcap_gemma", rewritten=1, targets=[tname(32, "f32", True)], causal=True, scale=0.125,
+      window=[-1, -1], softcap=5.0)
+def _():
+    # Gemma-2 logit softcapping: cap * tanh(scores / cap) between the scale and the causal mask
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        s = jnp.tanh(s / 5.0) * 5.0
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where(j <= i, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("softcap_window_bf16", rewritten=1, targets=[tname(32, "bf16", False)], causal=False,
+      bottom_right=True, scale=0.2, window=[2, 1], softcap=30.0)
+def _():
+    # softcap and a bottom-right aligned window (2 left, 1 right) in bf16, Sq < Sk
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.2
+        s = 30.0 * jnp.tanh(s * (1 / 30.0))
+        i, j = jnp.arange(4)[:, None] + (T - 4), jnp.arange(T)[None, :]
+        s = jnp.where((j >= i - 2) & (j <= i + 1), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(jnp.bfloat16), v)
+    return export_fn(f, *qkv("bfloat16", t=4, s=T))
+
+
+@case("neg_strided_mask", rejected=["not causal or a sliding window"])
+def _():
+    # a mask that is no band on the diagonal (every other key): left untouched
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where((j <= i) & ((i - j) % 2 == 0), s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_softcap_masked_first", rejected=["masked before the softcap"])
+def _():
+    # tanh after the mask turns the -1e9 fill into -cap: not a mask the kernel can apply
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where(j <= i, s, -1e9)
+        s = jnp.tanh(s / 5.0) * 5.0
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
     return export_fn(f, *qkv())
 

@@ -71,11 +71,11 @@ void poison(Results&... results) {
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
-               bool bottom_right) {
+               bool bottom_right, int32_t window_left, int32_t window_right, float softcap) {
   auto shape = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
-  AttentionAttrs attrs{scale, causal, bottom_right};
+  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
   if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, D}); e.failure())
     return e;
@@ -93,11 +93,11 @@ template <ffi::DataType T, int D, bool Causal>
 ffi::Error bwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout, ffi::ResultBuffer<T> dq,
                ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal, float scale,
-               bool bottom_right) {
+               bool bottom_right, int32_t window_left, int32_t window_right, float softcap) {
   auto shape = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
-  AttentionAttrs attrs{scale, causal, bottom_right};
+  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
   if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
   if (auto e = check_bwd_operands(target, s, o.dimensions(), lse.dimensions(), dout.dimensions());
       e.failure())

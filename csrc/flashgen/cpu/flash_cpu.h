@@ -16,6 +16,10 @@
 //   the diagonal the products skip the masked micro-tiles (a key-row group
 //   starts at its first visible query vector, a query-row group stops at its
 //   last visible key) and the remaining elements get a per-element mask.
+//   Sliding window: only key blocks inside the window band are visited; blocks
+//   crossing a window edge get full products and a per-element band mask.
+//   Softcap: St = c * tanh(St * scale / c) (vectorized tanh) before masking;
+//   the backward multiplies dS by 1 - tanh^2.
 // Backward (FlashAttention-2), per work item (batch, kv head, key chunk):
 //   for each key block of the chunk (Kt, Vt transposed once per block):
 //     for each q head of the group and each q block that sees the key block:
@@ -912,6 +916,24 @@ constexpr size_t fwd_ws_floats() {
 
 // Causal tiles of St = K Qt in a block crossing the diagonal: key row r sees
 // the local query columns >= r + c.
+// tanh, lane-wise (softcap): Cephes' odd polynomial below |x| = 0.625, else
+// 1 - 2 / (exp(2|x|) + 1) with the sign restored; ~1e-7 relative error.
+FLASHGEN_CPU_INLINE vf tanhv(vf x) {
+  const vf zero = splat(0.0f), one = splat(1.0f);
+  const vf ax = x < zero ? -x : x;
+  const vf e = exp2v(ax * splat(2.0f * kLog2e));
+  const vf big = one - splat(2.0f) / (e + one);
+  const vf z = x * x;
+  vf p = splat(-5.70498872745e-3f);
+  p = vfma(p, z, splat(2.06390887954e-2f));
+  p = vfma(p, z, splat(-5.37397155531e-2f));
+  p = vfma(p, z, splat(1.33314422036e-1f));
+  p = vfma(p, z, splat(-3.33332819422e-1f));
+  const vf small = vfma(p * z, x, x);
+  const vf large = x < zero ? -big : big;
+  return ax < splat(0.625f) ? small : large;
+}
+
 struct ScoreTiles {
   int64_t c;
   FLASHGEN_CPU_INLINE int64_t vbegin(int64_t r) const { return r + c <= 0 ? 0 : (r + c) / W; }
@@ -978,16 +1000,30 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
 
   int64_t kend = Sk;
   if (a.causal) kend = std::max<int64_t>(0, std::min<int64_t>(Sk, q0 + nq + off));
-  const vf cv = splat(a.scale * kLog2e);
+  // Sliding window: keys [kbeg, kend) are visible to some row of the block; blocks
+  // crossing a window edge get a per-element mask (the causal-only path keeps its
+  // diagonal tiles). band.hi already includes causal.
+  const VisibleBand band = visible_band(s, a);
+  const bool windowed = a.window_left >= 0 || (!a.causal && a.window_right >= 0);
+  int64_t kbeg = 0;
+  if (windowed) {
+    kbeg = std::min<int64_t>(Sk, std::max<int64_t>(0, q0 + band.lo));
+    kend = std::min<int64_t>(Sk, std::max<int64_t>(0, q0 + nq + band.hi));
+  }
+  // Softcap: S = c * tanh(S * scale / c), after which the softmax scale is 1.
+  const bool capped = a.softcap > 0.0f;
+  const float cap_in = capped ? a.scale / a.softcap : 0.0f;
+  const vf cv = splat(capped ? kLog2e : a.scale * kLog2e);
   const vf ninfv = splat(ninf), zero = splat(0.0f);
   const vi iota = iota_i();
   vf mx[BQ / W], msub[BQ / W], lacc[BQ / W];
 
-  for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+  for (int64_t k0 = kbeg; k0 < kend; k0 += BK) {
     const int64_t nk = std::min<int64_t>(BK, kend - k0);
     const T* kblk = k + ((b * Sk + k0) * Hkv + hk) * D;
     const T* vblk = v + ((b * Sk + k0) * Hkv + hk) * D;
-    const bool diag = a.causal && (k0 + nk - 1 > q0 + off);
+    const bool diag = !windowed && a.causal && (k0 + nk - 1 > q0 + off);
+    const bool edge = windowed && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
 
     // St = K * Qt : scores, one key per row, query rows along the lanes.
     const E* Kp;
@@ -1002,11 +1038,32 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
     else
       gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ);
 
+    if (capped) {
+      const vf capv = splat(a.softcap), cinv = splat(cap_in);
+      for (int64_t j = 0; j < nk; ++j)
+        for (int t = 0; t < nv; ++t) {
+          float* p = St + j * BQ + t * W;
+          storev(p, capv * tanhv(loadv(p) * cinv));
+        }
+    }
+
     // Online softmax (base 2), lane-wise over query rows.
     for (int t = 0; t < nv; ++t) mx[t] = ninfv;
     for (int64_t j = 0; j < nk; ++j) {
       float* sr = St + j * BQ;
-      if (diag) {
+      if (edge) {
+        // Query row i (local) sees key k0+j iff k0+j-q0-hi <= i <= k0+j-q0-lo.
+        const int64_t ilo = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.hi, -1), BQ);
+        const int64_t ihi = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.lo, -1), BQ);
+        const vi ilov = splat_i(static_cast<int32_t>(ilo)), ihiv = splat_i(static_cast<int32_t>(ihi));
+        for (int t = 0; t < nv; ++t) {
+          vf x = loadv(sr + t * W) * cv;
+          const vi idx = iota + splat_i(t * W);
+          x = ((idx >= ilov) & (idx <= ihiv)) ? x : ninfv;
+          storev(sr + t * W, x);
+          mx[t] = vmax(mx[t], x);
+        }
+      } else if (diag) {
         // Query row i (local) sees key k0+j iff i >= k0 + j - off - q0.
         const int64_t lo = std::min<int64_t>(std::max<int64_t>(k0 + j - off - q0, -1), BQ);
         const vi lov = splat_i(static_cast<int32_t>(lo));
@@ -1128,6 +1185,11 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
 
   const float c = a.scale * kLog2e;
   const vf cv = splat(c), scv = splat(a.scale), zero = splat(0.0f);
+  // Causal and sliding window as one band lo <= j - i <= hi (attention.h).
+  const VisibleBand band = visible_band(s, a);
+  const bool banded = band_masks_anything(s, band);
+  const bool capped = a.softcap > 0.0f;
+  const float cap_in = capped ? a.scale / a.softcap : 0.0f;
   const vi iota = iota_i();
   const int64_t nkb = (Sk + BK - 1) / BK;
   const int64_t nqb = (Sq + BQ - 1) / BQ;
@@ -1159,10 +1221,13 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
     std::memset(dKa, 0, sizeof(float) * size_t(nk) * D);
     std::memset(dVa, 0, sizeof(float) * size_t(nk) * D);
 
-    const int64_t qstart = a.causal ? std::max<int64_t>(0, k0 - off) : 0;  // first row that sees key k0
-    for (int64_t g = 0; g < G && qstart < Sq; ++g) {
+    // Rows that see some key of the block: [qstart, qend).
+    const int64_t qstart = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 - band.hi)) : 0;
+    const int64_t qend = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 + nk - band.lo)) : Sq;
+    const int64_t qbend = qend > qstart ? (qend + BQ - 1) / BQ : 0;
+    for (int64_t g = 0; g < G && qstart < qend; ++g) {
       const int64_t h = hk * G + g;
-      for (int64_t qb = qstart / BQ; qb < nqb; ++qb) {
+      for (int64_t qb = qstart / BQ; qb < qbend; ++qb) {
         const int64_t q0 = qb * BQ;
         const int64_t nq = std::min<int64_t>(BQ, Sq - q0);
         const T* qrows = q + ((b * Sq + q0) * Hq + h) * D;
@@ -1187,19 +1252,43 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
           gemm<float, false>(nq, nkp, D, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
         }
 
-        const bool diag = a.causal && (k0 + nk - 1 > q0 + off);
+        const bool diag = banded && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
+        (void)off;
         const float* L = lse2 + (b * Hq + h) * Sq + q0;
         const float* Dr = Drow + (b * Hq + h) * Sq + q0;
         for (int64_t i = 0; i < nq; ++i) {
-          int64_t hi = nk - 1;  // last visible local key
-          if (diag) hi = std::min<int64_t>(std::max<int64_t>(q0 + i + off - k0, -1), nk - 1);
-          const vi hiv = splat_i(static_cast<int32_t>(hi));
+          int64_t lo = 0, hi = nk - 1;  // visible local keys [lo, hi]
+          if (diag) {
+            lo = std::min<int64_t>(std::max<int64_t>(q0 + i + band.lo - k0, 0), nk);
+            hi = std::min<int64_t>(std::max<int64_t>(q0 + i + band.hi - k0, -1), nk - 1);
+          }
+          const vi lov = splat_i(static_cast<int32_t>(lo)), hiv = splat_i(static_cast<int32_t>(hi));
           const vf Lv = splat(-L[i]), Dv = splat(Dr[i]);
           float* pr = P + i * BK;
           float* dr = dS + i * BK;
+          if (capped) {
+            // u = tanh(S * scale / c); P = exp2(c * u * log2e - lse2); dS *= 1 - u^2.
+            alignas(64) float du[BK];
+            const vf capv = splat(a.softcap), cinv = splat(cap_in), one = splat(1.0f);
+            for (int64_t t = 0; t < nkp; t += W) {
+              const vf u = tanhv(loadv(pr + t) * cinv);
+              storev(pr + t, capv * u);
+              storev(du + t, one - u * u);
+            }
+            const vf lv2 = splat(kLog2e);
+            for (int64_t t = 0; t < nkp; t += W) {
+              const vi idx = iota + splat_i(static_cast<int32_t>(t));
+              vf p = exp2v(vfma(loadv(pr + t), lv2, Lv));
+              p = ((idx >= lov) & (idx <= hiv)) ? p : zero;
+              storev(pr + t, p);
+              storev(dr + t, p * (loadv(dr + t) - Dv) * scv * loadv(du + t));
+            }
+            continue;
+          }
           for (int64_t t = 0; t < nkp; t += W) {
+            const vi idx = iota + splat_i(static_cast<int32_t>(t));
             vf p = exp2v(vfma(loadv(pr + t), cv, Lv));
-            p = (iota + splat_i(static_cast<int32_t>(t))) <= hiv ? p : zero;
+            p = ((idx >= lov) & (idx <= hiv)) ? p : zero;
             storev(pr + t, p);
             storev(dr + t, p * (loadv(dr + t) - Dv) * scv);
           }

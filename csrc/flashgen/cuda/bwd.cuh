@@ -7,9 +7,10 @@
 //     all query blocks that can see the key block. Per query block, in chunks
 //     of QC query columns:
 //        S^T = K Q^T, P^T = exp2(S^T*scale*log2e - lse*log2e)
+//          [softcap c: u = tanh(S^T*scale/c), P^T = exp2(c*u*log2e - lse*log2e)]
 //        dV += P^T dO             (P^T from registers)
 //        dP^T = V dO^T
-//        dS^T = P^T * (dP^T - Dsum)
+//        dS^T = P^T * (dP^T - Dsum)   [softcap: * (1 - u^2)]
 //        dK += dS^T Q             (dS^T from registers)
 //        dS^T -> shared memory
 //     then dQ[q block, slice] += scale * dS K, accumulated with f32 atomicAdd
@@ -43,9 +44,13 @@ struct BwdParams {
   void* dk;           // [B, Sk, Hkv, D] output dtype (only when !atomic_kv)
   void* dv;
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv, group;
-  int causal_off;
+  int band_lo, band_hi;  // key j visible to query i iff band_lo <= j - i <= band_hi (clamped)
+  int masked;            // 1 if the band excludes any (i, j) pair (causal or window)
   float scale;
   float scale_log2;
+  float softcap;  // 0: off
+  float cap_in;   // scale / softcap (when softcap > 0)
+  float cap_out;  // 1 / (softcap * log2(e)) (when softcap > 0)
   int atomic_kv;  // 1: accumulate dK/dV into dk_acc/dv_acc with atomics (GQA)
 };
 
@@ -182,13 +187,13 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   const float* dsumg = p.dsum + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
   float* dqg = p.dq_acc + q_off;
 
-  // Query blocks that can see at least one key of this block.
-  int m_begin = 0;
-  if (CAUSAL) {
-    const int first_q = k0 - p.causal_off;  // smallest i with i + off >= k0
-    m_begin = first_q > 0 ? first_q / BR : 0;
-  }
-  const int m_end = (Sq + BR - 1) / BR;
+  // Query blocks that can see at least one key of this block: rows i with
+  // k0 - hi <= i <= k0 + BC - 1 - lo.
+  const long long first_q = max(0LL, static_cast<long long>(k0) - p.band_hi);
+  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - p.band_lo);
+  const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
+  const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
+  const bool capped = p.softcap > 0.f;
 
   float acc_dk[kVT][4], acc_dv[kVT][4];
 #pragma unroll
@@ -231,7 +236,9 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
 
     for (int m = m_begin; m < m_end; ++m) {
       const int q0 = m * BR;
-      const bool need_mask = (k0 + BC > Sk) || (CAUSAL && k0 + BC - 1 > q0 + p.causal_off);
+      const bool need_mask =
+          (k0 + BC > Sk) ||
+          (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
 
 #pragma unroll 1
       for (int qc = 0; qc < BR / QC; ++qc) {
@@ -261,10 +268,14 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
           for (int e = 0; e < 4; ++e) {
             const int qi = c0 + j * 8 + 2 * t + (e & 1);     // tile-local query
             const int kj = k0 + wrow0 + g + (e >> 1) * 8;  // global key
-            float pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -sLse[qi]));
+            float pv;
+            if (capped)
+              pv = fast_exp2(fmaf(p.softcap * tanhf(s[j][e] * p.cap_in), kLog2e, -sLse[qi]));
+            else
+              pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -sLse[qi]));
             if (need_mask) {
-              bool masked = kj >= Sk;
-              if (CAUSAL) masked = masked || kj > q0 + qi + p.causal_off;
+              const int dist = kj - (q0 + qi);
+              const bool masked = kj >= Sk || dist < p.band_lo || dist > p.band_hi;
               if (masked) pv = 0.f;
             }
             s[j][e] = pv;
@@ -301,12 +312,19 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
           }
         }
         // ---- dS^T = P^T * (dP^T - Dsum)   (in place of P^T)
+        // Softcap: times 1 - u^2 with u = tanh(x / c), recovered from P instead of
+        // kept in registers: log2(P) = c*u*log2(e) - lse*log2(e). P = 0 gives dS = 0.
 #pragma unroll
         for (int j = 0; j < kQT; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int qi = c0 + j * 8 + 2 * t + (e & 1);
-            s[j][e] = s[j][e] * (dpt[j][e] - sDsum[qi]);
+            float ds = s[j][e] * (dpt[j][e] - sDsum[qi]);
+            if (capped && s[j][e] > 0.f) {
+              const float u = (__log2f(s[j][e]) + sLse[qi]) * p.cap_out;
+              ds *= 1.f - u * u;
+            }
+            s[j][e] = ds;
           }
         // ---- dK += dS^T Q   (scale applied at the end)
 #pragma unroll

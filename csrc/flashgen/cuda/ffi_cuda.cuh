@@ -68,9 +68,20 @@ inline ffi::Error check_aligned(const char* target, const char* name, const void
   return ffi::Error::Success();
 }
 
-inline int causal_offset_int(const AttentionShape& s, const AttentionAttrs& a) {
-  return static_cast<int>(causal_offset(s, a));  // |offset| < 2^30 after check_limits
+// The visible band (attention.h) clamped to +-(2^30 + 1): after check_limits
+// every j - i lies strictly inside, so the clamp changes no mask and fits int.
+template <class Params>
+inline void set_band(Params& p, const AttentionShape& s, const AttentionAttrs& a) {
+  constexpr int64_t kLim = (int64_t{1} << 30) + 1;
+  const VisibleBand band = visible_band(s, a);
+  p.band_lo = static_cast<int>(band.lo < -kLim ? -kLim : (band.lo > kLim ? kLim : band.lo));
+  p.band_hi = static_cast<int>(band.hi < -kLim ? -kLim : (band.hi > kLim ? kLim : band.hi));
+  p.masked = band_masks_anything(s, band) ? 1 : 0;
+  p.softcap = a.softcap;
+  p.cap_in = a.softcap > 0.f ? a.scale / a.softcap : 0.f;
 }
+
+inline void set_cap_out(BwdParams& p) { p.cap_out = p.softcap > 0.f ? 1.f / (p.softcap * kLog2e) : 0.f; }
 
 inline ffi::Error memset_async(const char* target, const char* name, void* ptr, size_t bytes,
                                cudaStream_t stream, int value = 0) {
@@ -122,14 +133,15 @@ inline unsigned grid_for(int64_t work_items, int per_block) {
 template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                     ffi::Buffer<DT> v, ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse, bool causal,
-                    float scale, bool bottom_right) {
+                    float scale, bool bottom_right, int32_t window_left = -1, int32_t window_right = -1,
+                    float softcap = 0.0f) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
 
   auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right};
+  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
   if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure())
     return e;
@@ -160,7 +172,7 @@ ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, 
   p.heads_q = static_cast<int>(s.heads_q);
   p.heads_kv = static_cast<int>(s.heads_kv);
   p.group = static_cast<int>(s.heads_q / s.heads_kv);
-  p.causal_off = causal_offset_int(s, attrs);
+  set_band(p, s, attrs);
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
 
@@ -179,7 +191,8 @@ template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::Buffer<DT> q,
                     ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o, ffi::Buffer<ffi::F32> lse,
                     ffi::Buffer<DT> dout, ffi::ResultBuffer<DT> dq, ffi::ResultBuffer<DT> dk,
-                    ffi::ResultBuffer<DT> dv, bool causal, float scale, bool bottom_right) {
+                    ffi::ResultBuffer<DT> dv, bool causal, float scale, bool bottom_right, int32_t window_left = -1,
+                    int32_t window_right = -1, float softcap = 0.0f) {
   using T = typename ElemOf<DT>::type;
   using Cfg = BwdConfig<T, D>;
   constexpr bool kF32 = std::is_same<T, float>::value;
@@ -187,7 +200,7 @@ ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocat
   auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right};
+  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
   if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
   if (auto e = check_bwd_operands(target, s, o.dimensions(), lse.dimensions(), dout.dimensions()); e.failure())
     return e;
@@ -292,7 +305,8 @@ ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocat
     p.heads_q = static_cast<int>(s.heads_q);
     p.heads_kv = static_cast<int>(s.heads_kv);
     p.group = group;
-    p.causal_off = causal_offset_int(s, attrs);
+    set_band(p, s, attrs);
+    set_cap_out(p);
     p.scale = scale;
     p.scale_log2 = scale * kLog2e;
     p.atomic_kv = atomic_kv ? 1 : 0;

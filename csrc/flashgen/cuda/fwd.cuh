@@ -3,9 +3,13 @@
 // One CTA = one block of BR query rows of one (batch, q head); each warp owns
 // 16 query rows for the whole kernel. The CTA walks the key/value blocks of
 // BC keys from the last needed block down to block 0:
-//   S = Q K^T (f32 accumulators), mask (only on tail / diagonal blocks),
-//   online softmax in the log2 domain (scale*log2(e) folded, ex2.approx),
+//   S = Q K^T (f32 accumulators), [softcap: S = c*tanh(S*scale/c), after
+//   which the softmax scale is 1], mask (only on tail / diagonal / window
+//   edge blocks), online softmax in the log2 domain (scale*log2(e) folded,
+//   ex2.approx),
 //   O += P V with P converted in registers to the A operand.
+// Causal and the sliding window are one band lo <= j - i <= hi
+// (attention.h visible_band): blocks outside it are never loaded.
 // Loads: Q once; K and V single-buffered but overlapped with compute in the
 // FA2 order (V[n] streams in during Q K[n]^T, K[n-1] during softmax and P V[n]).
 // Epilogue: O / l staged through the warp's own rows of the Q tile, written
@@ -26,9 +30,12 @@ struct FwdParams {
   void* o;
   float* lse;
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv, group;  // group = heads_q / heads_kv
-  int causal_off;     // key j visible to query i iff j <= i + causal_off (causal only)
-  float scale;        // softmax scale
-  float scale_log2;   // scale * log2(e)
+  int band_lo, band_hi;  // key j visible to query i iff band_lo <= j - i <= band_hi (clamped)
+  int masked;           // 1 if the band excludes any (i, j) pair (causal or window)
+  float scale;          // softmax scale
+  float scale_log2;     // scale * log2(e)
+  float softcap;        // 0: off; else scores x = scale*s become softcap * tanh(x / softcap)
+  float cap_in;         // scale / softcap (when softcap > 0)
 };
 
 // Tile shapes per (element type, head dim). f16/bf16: 8 warps x 16 rows.
@@ -82,11 +89,18 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   T* og = static_cast<T*>(p.o) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
   float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
 
-  // Keys this block needs: [0, kv_end).
+  // Keys this block needs: [kv_begin, kv_end) (the band of rows q0 .. q_last).
   const int q_last = min(q0 + BR, Sq) - 1;
-  int kv_end = Sk;
-  if (CAUSAL) kv_end = min(kv_end, q_last + p.causal_off + 1);
-  const int n_blocks = kv_end > 0 ? (kv_end + BC - 1) / BC : 0;
+  const long long kv_begin_ll = max(0LL, static_cast<long long>(q0) + p.band_lo);
+  const long long kv_end_ll = min(static_cast<long long>(Sk), static_cast<long long>(q_last) + p.band_hi + 1);
+  const int kv_begin = static_cast<int>(min(kv_begin_ll, static_cast<long long>(Sk)));
+  const int kv_end = static_cast<int>(max(kv_end_ll, 0LL));
+  const int n_first = kv_begin / BC;
+  const int n_blocks = kv_end > kv_begin ? (kv_end + BC - 1) / BC : 0;  // one past the last block
+  const bool capped = p.softcap > 0.f;
+  // With softcap the capped scores already include the scale.
+  const float sl2 = capped ? kLog2e : p.scale_log2;
+  const float lse_mul = capped ? 1.f : p.scale;
 
   float acc_o[kDT][4];
 #pragma unroll
@@ -105,7 +119,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
     cp_async_wait<0>();
     __syncthreads();
 
-    for (int n = n_blocks - 1; n >= 0; --n) {
+    for (int n = n_blocks - 1; n >= n_first; --n) {
       const int k0 = n * BC;
       load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);
       cp_async_commit();
@@ -129,8 +143,20 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
         }
       }
 
-      // ---- mask: keys past Sk and, if causal, keys after the diagonal
-      const bool need_mask = (k0 + BC > Sk) || (CAUSAL && k0 + BC - 1 > q0 + p.causal_off);
+      // ---- softcap (before masking: a masked score must stay -inf)
+      if (capped) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = p.softcap * tanhf(s[j][e] * p.cap_in);
+      }
+
+      // ---- mask: keys past Sk and keys outside the band (causal / window).
+      // Block [k0, k0+BC) is fully visible to rows [q0, q0+BR) iff
+      // k0 - (q0+BR-1) >= lo and (k0+BC-1) - q0 <= hi.
+      const bool need_mask =
+          (k0 + BC > Sk) ||
+          (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
       if (need_mask) {
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
@@ -138,8 +164,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
           for (int e = 0; e < 4; ++e) {
             const int row = q0 + wrow0 + g + (e >> 1) * 8;
             const int col = k0 + j * 8 + 2 * t + (e & 1);
-            bool masked = col >= Sk;
-            if (CAUSAL) masked = masked || col > row + p.causal_off;
+            const int dist = col - row;  // |dist| < 2^30 + BR
+            const bool masked = col >= Sk || dist < p.band_lo || dist > p.band_hi;
             if (masked) s[j][e] = -INFINITY;
           }
       }
@@ -154,8 +180,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
         const float m_new = fmaxf(row_max[r], mx);
         // A row that has seen only masked keys keeps m = -inf; subtract 0 then
         // so that exp2(-inf - m) is 0 and never NaN.
-        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.scale_log2;
-        const float corr = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
+        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * sl2;
+        const float corr = fast_exp2(row_max[r] * sl2 - m_scaled);
         row_max[r] = m_new;
         row_sum[r] *= corr;
 #pragma unroll
@@ -166,8 +192,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
-          s[j][2 * r] = fast_exp2(fmaf(s[j][2 * r], p.scale_log2, -m_scaled));
-          s[j][2 * r + 1] = fast_exp2(fmaf(s[j][2 * r + 1], p.scale_log2, -m_scaled));
+          s[j][2 * r] = fast_exp2(fmaf(s[j][2 * r], sl2, -m_scaled));
+          s[j][2 * r + 1] = fast_exp2(fmaf(s[j][2 * r + 1], sl2, -m_scaled));
           sum += s[j][2 * r] + s[j][2 * r + 1];
         }
         row_sum[r] += sum;
@@ -176,7 +202,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       // V[n] has landed; every warp is done with K[n] -> prefetch K[n-1].
       cp_async_wait<0>();
       __syncthreads();
-      if (n > 0) {
+      if (n > n_first) {
         load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, k0 - BC, Sk);
         cp_async_commit();
       }
@@ -207,7 +233,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
     inv[r] = l > 0.f ? 1.f / l : 0.f;
-    lse_val[r] = l > 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+    lse_val[r] = l > 0.f ? row_max[r] * lse_mul + logf(l) : -INFINITY;
   }
   // The warp reads only its own 16 rows of sQ, so it may reuse them as the
   // staging buffer for O without a CTA barrier.

@@ -8,9 +8,11 @@ defmodule FlashGen.Attention.Target do
 
   * Target names: `flashgen_{fwd|bwd}_d{D}_{dtype}[_causal]`, e.g.
     `flashgen_fwd_d64_bf16_causal`. The same names on CPU ("Host") and CUDA.
-  * Attributes: the handlers decode `causal : i1`, `scale : f32` and
-    `bottom_right : i1` from the op's `backend_config` dictionary (the native,
-    api_version 4 form). The types must match exactly: an untyped float would be
+  * Attributes: the handlers decode `causal : i1`, `scale : f32`,
+    `bottom_right : i1`, `window_left : i32`, `window_right : i32` (sliding
+    window, -1 = unbounded) and `softcap : f32` (0 = off) from the op's
+    `backend_config` dictionary (the native, api_version 4 form). Every one must
+    be present and the types must match exactly: an untyped float would be
     parsed as f64 and refused by the handler.
 
   `scale` is written as the hexadecimal bit pattern of the f32 (MLIR's exact
@@ -21,7 +23,8 @@ defmodule FlashGen.Attention.Target do
       "flashgen_fwd_d64_bf16_causal"
 
       iex> FlashGen.Attention.Target.backend_config(true, 0.125, false)
-      [{"causal", "true"}, {"scale", "0x3E000000 : f32"}, {"bottom_right", "false"}]
+      [{"causal", "true"}, {"scale", "0x3E000000 : f32"}, {"bottom_right", "false"},
+       {"window_left", "-1 : i32"}, {"window_right", "-1 : i32"}, {"softcap", "0x00000000 : f32"}]
   """
 
   @head_dims [32, 64, 96, 128, 160, 192, 224, 256]
@@ -44,12 +47,19 @@ defmodule FlashGen.Attention.Target do
   The `backend_config` entries, as the `{name, MLIR attribute}` pairs that
   `EXLA.CustomCall.Spec` takes in its `attributes` field.
   """
-  def backend_config(causal, scale, bottom_right)
-      when is_boolean(causal) and is_number(scale) and scale > 0 and is_boolean(bottom_right) do
+  def backend_config(causal, scale, bottom_right, window \\ {-1, -1}, softcap \\ 0.0)
+
+  def backend_config(causal, scale, bottom_right, {left, right}, softcap)
+      when is_boolean(causal) and is_number(scale) and scale > 0 and is_boolean(bottom_right) and
+             is_integer(left) and left >= -1 and is_integer(right) and right >= -1 and
+             is_number(softcap) and softcap >= 0 do
     [
       {"causal", to_string(causal)},
       {"scale", f32_literal(scale)},
-      {"bottom_right", to_string(bottom_right)}
+      {"bottom_right", to_string(bottom_right)},
+      {"window_left", "#{left} : i32"},
+      {"window_right", "#{right} : i32"},
+      {"softcap", f32_literal(softcap)}
     ]
   end
 
