@@ -211,6 +211,18 @@ def max_seqlen(results: list[dict]) -> dict:
     return out
 
 
+def cases(args):
+    """(hdim, dtype, causal, seqlen, batch, heads, kv_heads) for every case the flags ask for."""
+    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    for d in args.hdim:
+        for dtype in args.dtype:
+            for causal in causals:
+                for s in args.seqlens:
+                    heads = args.heads or max(1, args.heads_dim // d)
+                    yield (d, dtype, causal, s, args.batch or max(1, args.batch_tokens // s), heads,
+                           args.kv_heads or heads)
+
+
 def run(args) -> int:
     import jax
     if args.platform:
@@ -224,26 +236,18 @@ def run(args) -> int:
             setattr(args, name, value)
     impls = tuple(args.impls) if args.impls else (IMPLS if on_gpu else ("flashgen", "xla", "einsum"))
     baselines = tuple(i for i in impls if i != "flashgen")
-    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     directions = ("fwd", "fwd_bwd") if args.bwd else ("fwd",)
     rng = np.random.default_rng(0)
     results = []
-    for d in args.hdim:
-        for dtype in args.dtype:
-            for causal in causals:
-                for s in args.seqlens:
-                    heads = args.heads or max(1, args.heads_dim // d)
-                    batch = args.batch or max(1, args.batch_tokens // s)
-                    kv = args.kv_heads or heads
-                    for direction in directions:
-                        for impl in impls:
-                            rec = measure(impl, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
-                                          args.min_time)
-                            results.append(rec)
-                            status = (f"{rec['ms']:.3f} ms  {rec['tflops'] * 1e3:.1f} GFLOP/s"
-                                      if rec["ms"] is not None else f"failed: {rec.get('error')}")
-                            print(f"{impl:8} {direction:7} d{d} {dtype} causal={causal} B={batch} H={heads} "
-                                  f"S={s}: {status}", file=sys.stderr, flush=True)
+    for d, dtype, causal, s, batch, heads, kv in cases(args):
+        for direction in directions:
+            for impl in impls:
+                rec = measure(impl, direction, d, dtype, causal, batch, heads, kv, s, s, rng, args.min_time)
+                results.append(rec)
+                status = (f"{rec['ms']:.3f} ms  {rec['tflops'] * 1e3:.1f} GFLOP/s"
+                          if rec["ms"] is not None else f"failed: {rec.get('error')}")
+                print(f"{impl:8} {direction:7} d{d} {dtype} causal={causal} B={batch} H={heads} "
+                      f"S={s}: {status}", file=sys.stderr, flush=True)
     table = summarize(results, impls, baselines)
     print("\n".join(table))
     doc = {"environment": environment("cpu" if not on_gpu else "cuda"),
@@ -604,7 +608,6 @@ def run_cpu(args) -> int:
     if bad:
         raise ValueError(f"unknown CPU impls {bad}: choose from {', '.join(CPU_ALL_IMPLS)}")
     bwd_impls = tuple(i for i in (args.impls or CPU_BWD_IMPLS) if i in CPU_BWD_IMPLS)
-    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     directions = ("fwd",) if args.no_bwd else ("fwd", "fwd_bwd")
     threads = _cpu_count()
     peak = {} if args.no_peak else fma_peak(sorted({1, threads}))
@@ -614,27 +617,21 @@ def run_cpu(args) -> int:
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     rng = np.random.default_rng(0)
     results = []
-    for d in args.hdim:
-        for dtype in args.dtype:
-            for causal in causals:
-                for s in args.seqlens:
-                    heads = args.heads or max(1, args.heads_dim // d)
-                    batch = args.batch or max(1, args.batch_tokens // s)
-                    kv = args.kv_heads or heads
-                    for direction in directions:
-                        impls = fwd_impls if direction == "fwd" else bwd_impls
-                        if not impls:
-                            continue
-                        recs = measure_cpu_case(impls, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
-                                                min_time=args.min_time, repeats=args.repeats,
-                                                latency_max=args.latency_max, threads=threads, peak=peak)
-                        results.extend(recs)
-                        for rec in recs:
-                            status = (f"{_fmt_time(rec)}  {rec['gflops']:.1f} GFLOP/s  temp "
-                                      f"{_fmt_bytes(rec.get('temp_bytes'))}" if rec["ms"] is not None
-                                      else f"failed: {rec.get('error')}")
-                            print(f"{rec['impl']:16} {direction:7} d{d} {dtype} causal={causal} B={batch} "
-                                  f"H={heads} S={s}: {status}", file=sys.stderr, flush=True)
+    for d, dtype, causal, s, batch, heads, kv in cases(args):
+        for direction in directions:
+            impls = fwd_impls if direction == "fwd" else bwd_impls
+            if not impls:
+                continue
+            recs = measure_cpu_case(impls, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
+                                    min_time=args.min_time, repeats=args.repeats,
+                                    latency_max=args.latency_max, threads=threads, peak=peak)
+            results.extend(recs)
+            for rec in recs:
+                status = (f"{_fmt_time(rec)}  {rec['gflops']:.1f} GFLOP/s  temp "
+                          f"{_fmt_bytes(rec.get('temp_bytes'))}" if rec["ms"] is not None
+                          else f"failed: {rec.get('error')}")
+                print(f"{rec['impl']:16} {direction:7} d{d} {dtype} causal={causal} B={batch} "
+                      f"H={heads} S={s}: {status}", file=sys.stderr, flush=True)
     table = summarize_cpu(results)
     print("\n".join(table))
     env = environment("cpu")

@@ -192,22 +192,7 @@ def _erase_dead(graph: Graph, roots: list, erased: set) -> set:
 
 def _erase_unused_functions(module: ir.Module, candidates: set) -> None:
     while True:
-        used = set()
-
-        def visit(op):
-            for region in op.regions:
-                for block in region.blocks:
-                    for inner in block.operations:
-                        o = inner.operation
-                        if o.name == "func.call":
-                            used.add(ir.FlatSymbolRefAttr(o.attributes["callee"]).value)
-                        elif "called_computations" in o.attributes:
-                            for a in ir.ArrayAttr(o.attributes["called_computations"]):
-                                used.add(ir.FlatSymbolRefAttr(a).value)
-                        if len(o.regions):
-                            visit(o)
-
-        visit(module.operation)
+        used = _callees_of(module.operation)
         removed = False
         for op in list(module.body.operations):
             o = op.operation
@@ -226,6 +211,7 @@ def _erase_unused_functions(module: ir.Module, candidates: set) -> None:
 
 
 def _callees_of(fn) -> set:
+    """Names of the functions `fn` (an op: a function or the module) calls or references."""
     out = set()
 
     def visit(op):
@@ -235,6 +221,9 @@ def _callees_of(fn) -> set:
                     o = inner.operation
                     if o.name == "func.call":
                         out.add(ir.FlatSymbolRefAttr(o.attributes["callee"]).value)
+                    elif "called_computations" in o.attributes:
+                        for a in ir.ArrayAttr(o.attributes["called_computations"]):
+                            out.add(ir.FlatSymbolRefAttr(a).value)
                     if len(o.regions):
                         visit(o)
 
