@@ -100,16 +100,8 @@ def _attention_fn(impl: str, causal: bool):
     from flashgen.jax import flash_attention
     if impl == "flashgen":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-    if impl == "einsum":  # a hand-written attention, as users write it
-        def einsum_attention(q, k, v):
-            import jax.numpy as jnp
-            s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-            if causal:
-                mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-                s = jnp.where(mask, s, -jnp.inf)
-            p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-            return jnp.einsum("bhqk,bkhd->bqhd", p, v)
-        return einsum_attention
+    if impl == "einsum":
+        return einsum_attention(causal)
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
