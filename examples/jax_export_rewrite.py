@@ -21,7 +21,7 @@ Part 2 -- in the model's source (what a user who owns the model does): flax's
 ``attention_fn=`` hook, answered by ``flashgen.frontends.flax`` (an adapter from
 flax's ``(query, key, value, bias, mask, ...)`` to
 ``flashgen.jax.flash_attention``). Outputs *and gradients* match flax's own
-attention; an unsupported bias or a run-time mask raises a clear error.
+attention; biases and masks (also computed at run time) go to the kernels as operands.
 
 Exits non-zero if any comparison fails; ``--json FILE`` writes the numbers.
 """
@@ -183,14 +183,29 @@ def attention_hook(args, results: dict) -> None:
     gx_flax = jax.grad(lambda x: jnp.sum(mha_flax(x, mask=mask) ** 2))(x)
     check(results, "nnx MultiHeadAttention grad", rel_error(gx_flashgen, gx_flax, floor=1e-30))
 
+    # bias and masks reach the kernels as operands (a key-padding mask as segment ids),
+    # traced or concrete; the bias gets its gradient
+    shape = (2, 8, 2, args.head_dim)
+    qb, kb, vb = (jax.random.normal(jax.random.key(i), shape) for i in (3, 4, 5))
+    bias = jax.random.normal(jax.random.key(6), (2, 2, 8, 8))
+    padding = jnp.arange(8)[None, None, None, :] < jnp.array([8, 5])[:, None, None, None]
+    sparse = np.random.default_rng(0).random((8, 8)) < 0.5
+    sparse |= np.eye(8, dtype=bool)  # no row without a key (flax would average those)
+    for name, extra in {"bias": dict(bias=bias), "run-time padding mask": dict(mask=padding),
+                        "arbitrary mask": dict(mask=sparse)}.items():
+        ours = jax.jit(lambda q, k, v, e: attention_fn(q, k, v, **e))(qb, kb, vb, extra)
+        check(results, f"attention_fn {name}", rel_error(
+            ours, nn.dot_product_attention(qb, kb, vb, **extra)))
+    g_ours = jax.grad(lambda b: jnp.sum(attention_fn(qb, kb, vb, bias=b) ** 2))(bias)
+    g_flax = jax.grad(lambda b: jnp.sum(nn.dot_product_attention(qb, kb, vb, bias=b) ** 2))(bias)
+    check(results, "attention_fn bias grad", rel_error(g_ours, g_flax))
+
     # what the adapter refuses, and says why
     refused = {}
     q = jnp.zeros((1, 8, 2, args.head_dim))
     for what, call in {
-            "bias": lambda: attention_fn(q, q, q, bias=jnp.zeros((1, 2, 8, 8))),
-            "padding mask": lambda: attention_fn(q, q, q, mask=np.tri(8, k=-1, dtype=bool)),
-            "run-time mask": lambda: jax.jit(lambda q, m: attention_fn(q, q, q, mask=m))(
-                q, jnp.ones((8, 8), bool)),
+            "dropout": lambda: attention_fn(q, q, q, dropout_rate=0.1, deterministic=False),
+            "sow_weights": lambda: attention_fn(q, q, q, module=object()),
     }.items():
         try:
             call()

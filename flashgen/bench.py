@@ -221,6 +221,10 @@ def run(args) -> int:
         jax.config.update("jax_platforms", args.platform)
     plat = jax.default_backend()
     on_gpu = plat in ("gpu", "cuda")
+    if args.variants:
+        from flashgen.bench_variants import run_variants
+        _write_json(args.json, run_variants(args, on_gpu))
+        return 0
     if not on_gpu:
         return run_cpu(args)
     for name, value in GPU_DEFAULTS.items():
@@ -246,12 +250,16 @@ def run(args) -> int:
            "convention": "fwd flops 4*B*H*Sq*Sk*D (halved if causal); fwd_bwd = 3.5 x fwd",
            "args": {k: v for k, v in vars(args).items() if k != "func"},
            "max_seqlen": max_seqlen(results), "results": results, "table": table}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}", file=sys.stderr)
+    _write_json(args.json, doc)
     return 0
+
+
+def _write_json(path, doc) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {path}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,11 +651,7 @@ def run_cpu(args) -> int:
         print(json.dumps(doc["scaling"], indent=1))
     if args.markdown:
         print("\n".join(markdown_cpu(doc)))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}", file=sys.stderr)
+    _write_json(args.json, doc)
     return 0
 
 
@@ -710,5 +714,11 @@ def register(sub) -> None:
     p.add_argument("--markdown", action="store_true", help="CPU: also print the table as Markdown")
     p.add_argument("--scaling", action="store_true",
                    help="CPU: also time S=2048 pinned to 1 CPU and to all CPUs (child processes)")
+    p.add_argument("--variants", action="store_true",
+                   help="time packed varlen and paged-KV decode instead (tokens/s; flashgen/bench_variants.py)")
+    p.add_argument("--varlen-mean", type=int, default=512, help="--variants: mean sequence length")
+    p.add_argument("--decode-batch", type=_csv_ints, default=[1, 16],
+                   help="--variants: decode batch sizes")
+    p.add_argument("--decode-context", type=int, default=4096, help="--variants: keys per sequence")
     p.add_argument("--json", help="write the results as JSON here")
     p.set_defaults(func=run)

@@ -28,7 +28,7 @@ import time
 from typing import Callable, Iterable
 
 from flashgen import codegen, resources, toolchain
-from flashgen.spec import ATTRIBUTE_SCHEMA, SIGNATURES, KernelSpec
+from flashgen.spec import ATTRIBUTES, SIGNATURES, KernelSpec
 from flashgen.errors import BuildError
 
 __all__ = ["build", "Library", "BuildError", "cache_root", "resolve_target"]
@@ -135,7 +135,7 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
     return {
         "target": target,
         "specs": [s.to_json() for s in specs],
-        "attributes": ATTRIBUTE_SCHEMA,
+        "attributes": ATTRIBUTES,
         "ffi_api_version": toolchain.ffi_headers()["api_version"],
     }
 

@@ -12,7 +12,7 @@ import json
 import jinja2
 
 from flashgen import resources
-from flashgen.spec import FFI_DTYPES, KernelSpec
+from flashgen.spec import DIRECTIONS, FFI_DTYPES, KernelSpec
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
@@ -38,6 +38,9 @@ def _spec_context(spec: KernelSpec) -> dict:
         "causal": spec.causal,
         "fwd_symbol": spec.target_name("fwd"),
         "bwd_symbol": spec.target_name("bwd"),
+        "fwd_varlen_symbol": spec.target_name("fwd_varlen"),
+        "bwd_varlen_symbol": spec.target_name("bwd_varlen"),
+        "fwd_paged_symbol": spec.target_name("fwd_paged"),
         "arch": spec.target,
     }
 
@@ -54,7 +57,7 @@ def _handlers(specs: list[KernelSpec]) -> list[dict]:
     return [{"symbol": s.target_name(d), "platform": s.platform,
              # XLA's own registry names: what static registration must say.
              "xla_platform": "Host" if s.platform == "cpu" else "CUDA"}
-            for s in specs for d in ("fwd", "bwd")]
+            for s in specs for d in DIRECTIONS]
 
 
 def render_library(specs: list[KernelSpec], info: dict) -> list[Source]:

@@ -3,7 +3,9 @@
 Two attribute forms:
   native (default): {api_version = 4 : i32, backend_config = {causal = ..., scale = ... : f32,
                      bottom_right = ..., window_left = -1 : i32, window_right = -1 : i32,
-                     softcap = 0.0 : f32}} — StableHLO >= 1.3, what EXLA emits.
+                     softcap = 0.0 : f32, extras = ""}} — StableHLO >= 1.3, what EXLA emits.
+                     (varlen calls carry max_seqlen_q/_k : i32 instead of extras; paged
+                     calls neither: spec.ATTRIBUTES.)
   legacy:           {backend_config = "", mhlo.backend_config = {...}, operand_layouts,
                      result_layouts} — what jax.ffi.ffi_call prints; XLA upgrades it.
 """
@@ -14,7 +16,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func, stablehlo
 
 from flashgen.mlir_context import new_context
-from flashgen.spec import KernelSpec, normalize_dtype, normalize_softcap, normalize_window
+from flashgen.spec import (EXTRAS, KernelSpec, normalize_dtype, normalize_extras,
+                           normalize_softcap, normalize_window)
 
 _MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -25,61 +28,148 @@ def element_dtype(t: ir.Type) -> str:
 
 
 def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
-                         window=(-1, -1), softcap: float = 0.0) -> ir.DictAttr:
-    """The typed attribute dictionary every flashgen handler decodes (spec.ATTRIBUTE_SCHEMA)."""
+                         window=(-1, -1), softcap: float = 0.0, extras=(),
+                         direction: str = "fwd", max_seqlen=None) -> ir.DictAttr:
+    """The typed attribute dictionary a flashgen handler decodes (spec.ATTRIBUTES[direction]):
+    the six base attributes, plus `extras` (dense) or max_seqlen_q/_k (varlen)."""
     scale = float(np.float32(scale))
     if not (scale > 0 and np.isfinite(scale)):
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     left, right = normalize_window(window)
     softcap = normalize_softcap(softcap)
     i32 = ir.IntegerType.get_signless(32)
-    return ir.DictAttr.get({
+    attrs = {
         "causal": ir.BoolAttr.get(bool(causal)),
         "scale": ir.FloatAttr.get(ir.F32Type.get(), scale),
         "bottom_right": ir.BoolAttr.get(bool(bottom_right)),
         "window_left": ir.IntegerAttr.get(i32, left),
         "window_right": ir.IntegerAttr.get(i32, right),
         "softcap": ir.FloatAttr.get(ir.F32Type.get(), softcap),
-    })
+    }
+    if direction in ("fwd", "bwd"):
+        attrs["extras"] = ir.StringAttr.get(",".join(normalize_extras(extras)))
+    elif direction in ("fwd_varlen", "bwd_varlen"):
+        if max_seqlen is None:
+            raise ValueError("varlen calls need max_seqlen=(max_seqlen_q, max_seqlen_k)")
+        for name, x in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlen):
+            if not 0 <= int(x) < 2**31:
+                raise ValueError(f"{name} must be in [0, 2^31), got {x}")
+            attrs[name] = ir.IntegerAttr.get(i32, int(x))
+    return ir.DictAttr.get(attrs)
 
 
-def _tensor(v: ir.Value, name: str) -> ir.RankedTensorType:
+def _tensor(v: ir.Value, name: str, rank: int = 4, layout: str = "[batch, seq, heads, head_dim] (BSHD)"
+            ) -> ir.RankedTensorType:
     t = v.type
     if not isinstance(t, ir.RankedTensorType):
         raise ValueError(f"{name} must be a ranked tensor, got {t}")
-    if t.rank != 4:
-        raise ValueError(f"{name} must be rank 4 [batch, seq, heads, head_dim] (BSHD), got {t}")
+    if t.rank != rank:
+        raise ValueError(f"{name} must be rank {rank} {layout}, got {t}")
     if not t.has_static_shape:
         raise ValueError(f"{name} must have a static shape, got {t}")
     return t
 
 
-def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value]) -> list[ir.Type]:
-    """Check operand types against the spec; return the call's result types."""
-    names = ["q", "k", "v"] if direction == "fwd" else ["q", "k", "v", "o", "lse", "do"]
+def _operand_names(direction: str, extras: tuple[str, ...]) -> list[str]:
+    fixed = {"fwd": ["q", "k", "v"], "bwd": ["q", "k", "v", "o", "lse", "do"],
+             "fwd_varlen": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"],
+             "bwd_varlen": ["q", "k", "v", "o", "lse", "do", "cu_seqlens_q", "cu_seqlens_k"],
+             "fwd_paged": ["q", "k_cache", "v_cache", "block_table", "seqused_k"]}[direction]
+    return fixed + [n for e in extras for n in EXTRAS[e]]
+
+
+def _expect(x: ir.Value, name: str, shapes: list[list[int]], elements: list[str]) -> ir.RankedTensorType:
+    t = x.type
+    ok = (isinstance(t, ir.RankedTensorType) and t.has_static_shape
+          and list(t.shape) in shapes and str(t.element_type) in elements)
+    if not ok:
+        want = " or ".join(f"tensor<{'x'.join(map(str, s))}x{e}>" for s in shapes for e in elements)
+        raise ValueError(f"{name} has type {t}, expected {want}")
+    return t
+
+
+def _check_extras(extras, operands, b, sq, sk, hq, q_elt: str) -> list[ir.Type]:
+    """Type-checks the extra operands; returns the dbias result type (if any) as a list."""
+    it = iter(operands)
+    dbias = []
+    for e in extras:
+        if e == "alibi":
+            _expect(next(it), "alibi_slopes", [[hq], [b, hq]], ["f32"])
+        elif e in ("bias", "mask"):
+            shapes = [[bb, hh, sq, sk] for bb in sorted({1, b}) for hh in sorted({1, hq})]
+            t = _expect(next(it), e, shapes, sorted({"f32", q_elt}) if e == "bias" else ["i1"])
+            if e == "bias":
+                dbias = [t]
+        else:
+            _expect(next(it), "q_segment_ids", [[b, sq]], ["i32"])
+            _expect(next(it), "kv_segment_ids", [[b, sk]], ["i32"])
+    return dbias
+
+
+def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
+                 extras=()) -> list[ir.Type]:
+    """Check operand types against the spec (README "KernelSpec and the custom calls");
+    return the call's result types."""
+    extras = normalize_extras(extras)
+    if extras and direction not in ("fwd", "bwd"):
+        raise ValueError(f"{spec.target_name(direction)} takes no extras (dense targets only)")
+    names = _operand_names(direction, extras)
     if len(operands) != len(names):
         raise ValueError(f"{spec.target_name(direction)} takes {len(names)} operands "
                          f"({', '.join(names)}), got {len(operands)}")
-    q, k, v = (_tensor(x, n) for x, n in zip(operands[:3], names))
-    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+    rank = 3 if direction.endswith("varlen") else 4
+    layout = "[tokens, heads, head_dim]" if rank == 3 else (
+        "[blocks, block_size, kv_heads, head_dim]" if direction == "fwd_paged"
+        else "[batch, seq, heads, head_dim] (BSHD)")
+    q = _tensor(operands[0], "q", rank, "[tokens, heads, head_dim]" if rank == 3 else
+                "[batch, seq, heads, head_dim] (BSHD)")
+    k, v = (_tensor(x, n, rank, layout) for x, n in zip(operands[1:3], names[1:3]))
+    for t, n in ((q, "q"), (k, names[1]), (v, names[2])):
         if element_dtype(t.element_type) != spec.dtype:
             raise ValueError(f"{n} has element type {t.element_type}, the spec needs {spec.dtype}")
-        if t.shape[3] != spec.head_dim:
-            raise ValueError(f"{n} head_dim is {t.shape[3]}, the spec needs {spec.head_dim}")
-    b, sq, hq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b:
-        raise ValueError(f"mismatched shapes: q {q}, k {k}, v {v}")
-    if k.shape[2] == 0 or hq % k.shape[2]:
-        raise ValueError(f"kv heads ({k.shape[2]}) must divide q heads ({hq})")
+        if t.shape[-1] != spec.head_dim:
+            raise ValueError(f"{n} head_dim is {t.shape[-1]}, the spec needs {spec.head_dim}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if k.shape != v.shape:
+        raise ValueError(f"mismatched shapes: {names[1]} {k}, {names[2]} {v}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"kv heads ({hkv}) must divide q heads ({hq})")
     f32 = ir.F32Type.get()
+    i32 = ["i32"]
+    if rank == 3:  # varlen
+        lse = ir.RankedTensorType.get([hq, q.shape[0]], f32)
+        first = 3 if direction == "fwd_varlen" else 6
+        cu = _tensor(operands[first], "cu_seqlens_q", 1, "[batch + 1]")
+        if cu.shape[0] < 1:
+            raise ValueError(f"cu_seqlens_q must be [batch + 1], got {cu}")
+        _expect(operands[first], "cu_seqlens_q", [list(cu.shape)], i32)
+        _expect(operands[first + 1], "cu_seqlens_k", [list(cu.shape)], i32)
+        if direction == "fwd_varlen":
+            return [q, lse]
+        fixed = {"o": q, "lse": lse, "do": q}
+        for x, n in zip(operands[3:6], names[3:6]):
+            if x.type != fixed[n]:
+                raise ValueError(f"{n} has type {x.type}, expected {fixed[n]}")
+        return [q, k, v]
+    b, sq = q.shape[0], q.shape[1]
     lse = ir.RankedTensorType.get([b, hq, sq], f32)
+    if direction == "fwd_paged":
+        bt = _tensor(operands[3], "block_table", 2, f"[batch={b}, max_blocks]")
+        _expect(operands[3], "block_table", [[b, bt.shape[1]]], i32)
+        _expect(operands[4], "seqused_k", [[b]], i32)
+        return [q, lse]
+    if k.shape[0] != b:
+        raise ValueError(f"mismatched shapes: q {q}, k {k}, v {v}")
+    sk = k.shape[1]
+    nfixed = 3 if direction == "fwd" else 6
+    dbias = _check_extras(extras, operands[nfixed:], b, sq, sk, hq, str(q.element_type))
     if direction == "fwd":
         return [q, lse]
     expected = {"o": q, "lse": lse, "do": q}
-    for x, n in zip(operands[3:], names[3:]):
+    for x, n in zip(operands[3:6], names[3:6]):
         if x.type != expected[n]:
             raise ValueError(f"{n} has type {x.type}, expected {expected[n]}")
-    return [q, k, v]
+    return [q, k, v, *dbias]
 
 
 def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:
@@ -93,11 +183,17 @@ def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:
 
 def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value], *,
                      scale: float, bottom_right: bool = False, window=(-1, -1),
-                     softcap: float = 0.0, legacy_attrs: bool = False,
+                     softcap: float = 0.0, extras=(), max_seqlen=None,
+                     legacy_attrs: bool = False,
                      sharding_rule: bool = True,
                      loc: ir.Location | None = None, ip: ir.InsertionPoint | None = None
                      ) -> list[ir.Value]:
-    """Insert one flashgen custom call; returns its results (o, lse) or (dq, dk, dv).
+    """Insert one flashgen custom call; returns its results: (o, lse) for the forward
+    directions, (dq, dk, dv[, dbias]) for the backward ones.
+
+    `direction` is one of spec.DIRECTIONS; dense calls take the operands that `extras`
+    names after the fixed ones (README "Variants"), varlen calls need
+    `max_seqlen=(max_seqlen_q, max_seqlen_k)`.
 
     Must be called inside an active MLIR context with the stablehlo dialect
     loaded; `ip`/`loc` default to the current insertion point and location.
@@ -105,8 +201,9 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     an `sdy.sharding_rule` so SPMD partitioning splits it over batch and heads
     (flashgen/jax/sharding.py); it changes nothing on one device.
     """
-    types = result_types(spec, direction, operands)
-    attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap)
+    types = result_types(spec, direction, operands, extras)
+    attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap, extras,
+                                 direction, max_seqlen)
     name = spec.target_name(direction)
     if legacy_attrs:
         op = stablehlo.CustomCallOp(
@@ -122,7 +219,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
         from flashgen.jax.sharding import context_has_sdy, sharding_rule_attr
         if context_has_sdy(op.context):
             op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
-                direction, operands[0].type.shape, operands[1].type.shape)
+                direction, [list(x.type.shape) for x in operands], normalize_extras(extras))
     return list(op.results)
 
 

@@ -22,7 +22,6 @@ import numpy as np
 
 from flashgen.errors import FlashgenError, LoadError, UsageError
 
-_FLASHGEN_TARGET = re.compile(r"^flashgen_(fwd|bwd)_d(\d+)_(f16|bf16|f32)(_causal)?$")
 PLATFORMS = ("cpu", "cuda")
 
 # Output tolerance per dtype, relative to max(1, max |reference|).
@@ -112,13 +111,14 @@ def flashgen_targets(source) -> list[str]:
 
 
 def specs_for_targets(names: Sequence[str], target: str = "cpu"):
-    from flashgen.spec import KernelSpec
+    from flashgen.spec import KernelSpec, parse_target_name
     specs = set()
     for n in names:
-        m = _FLASHGEN_TARGET.match(n)
-        if not m:
+        parsed = parse_target_name(n)
+        if parsed is None:
             raise LoadError(f"unknown flashgen custom-call target {n!r}")
-        specs.add(KernelSpec(int(m.group(2)), m.group(3), bool(m.group(4)), target))
+        _, head_dim, dtype, causal = parsed
+        specs.add(KernelSpec(head_dim, dtype, causal, target))
     return sorted(specs)
 
 

@@ -29,12 +29,16 @@ _mask = mask
 
 
 def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(-1, -1),
-              softcap=0.0, do=None, dlse=None):
-    """Returns o, lse and, when `do` is given, (dq, dk, dv), all float64.
+              softcap=0.0, alibi_slopes=None, bias=None, mask=None, q_segment_ids=None,
+              kv_segment_ids=None, do=None, dlse=None):
+    """Returns o, lse and, when `do` is given, (dq, dk, dv) — plus dbias when `bias` is
+    given — all float64.
 
     q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D]; rows that see no key give o = 0, lse = -inf.
     window=(left, right), -1 = unbounded; softcap=c > 0 maps scaled scores x to
-    c·tanh(x/c) before masking. `dlse` (with `do`) adds a cotangent of lse.
+    c·tanh(x/c) before masking. Then (README "Variants"): alibi_slopes [Hq] | [B,Hq] adds
+    -slope·|i + off - j|, bias [1|B,1|Hq,Sq,Sk] is added, mask (same shapes, bool) and
+    segment ids (equal ids) restrict visibility. `dlse` (with `do`) adds a cotangent of lse.
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, sq, hq, d = q.shape
@@ -48,7 +52,20 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     if softcap > 0:
         tanh = np.tanh(s / softcap)
         s = softcap * tanh
-    visible = mask(sq, sk, causal, bottom_right, window)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, np.float64)
+        slopes = np.broadcast_to(slopes if slopes.ndim == 2 else slopes[None], (b, hq))
+        off = sk - sq if bottom_right else 0
+        dist = np.abs(np.arange(sq)[:, None] + off - np.arange(sk)[None, :])
+        s = s - slopes[:, :, None, None] * dist
+    if bias is not None:
+        s = s + np.asarray(bias, np.float64)
+    visible = _mask(sq, sk, causal, bottom_right, window)[None, None]
+    if mask is not None:
+        visible = visible & np.asarray(mask, bool)
+    if q_segment_ids is not None:
+        visible = visible & (np.asarray(q_segment_ids)[:, None, :, None]
+                             == np.asarray(kv_segment_ids)[:, None, None, :])
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if sk else np.full((b, hq, sq, 1), -np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -66,9 +83,50 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     ds = p * (dp - np.einsum("bqhd,bqhd->bhq", do, o)[..., None])
     if dlse is not None:
         ds = ds + p * np.asarray(dlse, np.float64)[..., None]  # d lse / d s = p
+    grads = ()
+    if bias is not None:  # d score / d bias = 1, summed over the dims bias broadcasts
+        shape = np.shape(bias)
+        grads = (ds.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True),)
     if softcap > 0:
         ds = ds * (1.0 - tanh ** 2)
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
     dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     fold = lambda x: x.reshape(b, sk, hkv, group, d).sum(axis=3)
-    return o, lse, (dq, fold(dk), fold(dv))
+    return o, lse, (dq, fold(dk), fold(dv)) + grads
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, do=None, **kw):
+    """Packed reference: q [Tq,Hq,D], k/v [Tk,Hkv,D]; each sequence through attention().
+    Returns o [Tq,Hq,D], lse [Hq,Tq] (and (dq, dk, dv) with `do`); rows outside every
+    sequence get o = 0, lse = -inf, zero gradients."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    o = np.zeros_like(q)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b in range(len(cu_seqlens_q) - 1):
+        qs = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        ks = slice(int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1]))
+        args = [x[None, s] for x, s in ((q, qs), (k, ks), (v, ks))]
+        if do is None:
+            ob, lb = attention(*args, **kw)
+        else:
+            ob, lb, (dqb, dkb, dvb) = attention(*args, do=np.asarray(do, np.float64)[None, qs], **kw)
+            dq[qs], dk[ks], dv[ks] = dqb[0], dkb[0], dvb[0]
+        o[qs], lse[:, qs] = ob[0], lb[0]
+    return (o, lse) if do is None else (o, lse, (dq, dk, dv))
+
+
+def attention_paged(q, k_cache, v_cache, block_table, seqused_k, **kw):
+    """Paged-KV reference: gathers each batch's keys through block_table, then attention()."""
+    q = np.asarray(q, np.float64)
+    bs = k_cache.shape[1]
+    o = np.zeros_like(q)
+    lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    for b in range(q.shape[0]):
+        n = int(seqused_k[b])
+        rows = [int(block_table[b, j // bs]) for j in range(n)]
+        k = np.stack([k_cache[r, j % bs] for j, r in enumerate(rows)]) if n else k_cache[:0, 0]
+        v = np.stack([v_cache[r, j % bs] for j, r in enumerate(rows)]) if n else v_cache[:0, 0]
+        ob, lb = attention(q[b:b + 1], k[None], v[None], **kw)
+        o[b], lse[b] = ob[0], lb[0]
+    return o, lse

@@ -14,7 +14,7 @@ import threading
 
 from flashgen.build import MANIFEST, build
 from flashgen.errors import LoadError
-from flashgen.spec import KernelSpec
+from flashgen.spec import DIRECTIONS, KernelSpec
 
 _lock = threading.Lock()
 _registered: dict[tuple[str, str], str] = {}  # (target name, platform) -> library path
@@ -76,7 +76,7 @@ def load(path: str | pathlib.Path) -> list[str]:
 def ensure(specs: list[KernelSpec]) -> None:
     """Build (through the cache) and register whatever of `specs` is not registered yet."""
     missing = [s for s in specs
-               if any((s.target_name(d), s.platform) not in _registered for d in ("fwd", "bwd"))]
+               if any((s.target_name(d), s.platform) not in _registered for d in DIRECTIONS)]
     if missing:
         load(build(missing).path)
 

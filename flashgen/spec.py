@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("f16", "bf16", "f32")
 TARGETS = ("cpu", "sm80", "sm90a")
-DIRECTIONS = ("fwd", "bwd")
+# Kernel entry points of one spec: dense BSHD forward/backward, packed variable-length
+# forward/backward, and the paged-KV forward (decode). README "Variants" has their operands.
+DIRECTIONS = ("fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_paged")
 
 # numpy / jax dtype names that map onto flashgen dtypes.
 _DTYPE_ALIASES = {
@@ -44,6 +47,17 @@ def target_name(direction: str, head_dim: int, dtype: str, causal: bool) -> str:
     target on CPU and CUDA, and whichever library is loaded serves it.
     """
     return f"flashgen_{direction}_d{head_dim}_{dtype}{'_causal' if causal else ''}"
+
+
+_TARGET_NAME = re.compile(r"^flashgen_(fwd|bwd|fwd_varlen|bwd_varlen|fwd_paged)_d(\d+)_(f16|bf16|f32)(_causal)?$")
+
+
+def parse_target_name(name: str):
+    """(direction, head_dim, dtype, causal) of a flashgen target name, or None."""
+    m = _TARGET_NAME.match(name)
+    if not m or int(m.group(2)) not in HEAD_DIMS:
+        return None
+    return m.group(1), int(m.group(2)), m.group(3), bool(m.group(4))
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -98,8 +112,39 @@ class KernelSpec:
 #   window_left / window_right: -1 = unbounded; key j visible to query i iff
 #     j >= i + off - left and j <= i + off + right (off as for causal; causal => right = 0)
 #   softcap: 0 = off; scaled scores x -> softcap * tanh(x / softcap)
-ATTRIBUTE_SCHEMA = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
-                    "window_left": "i32", "window_right": "i32", "softcap": "f32"}
+BASE_ATTRIBUTES = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
+                   "window_left": "i32", "window_right": "i32", "softcap": "f32"}
+# Dense targets also take `extras`: the optional operands after the fixed ones, by name.
+ATTRIBUTE_SCHEMA = {**BASE_ATTRIBUTES, "extras": "string"}
+# Per direction: dense (fwd, bwd) add `extras`; varlen adds the length bounds; paged adds nothing.
+ATTRIBUTES = {
+    "fwd": ATTRIBUTE_SCHEMA, "bwd": ATTRIBUTE_SCHEMA,
+    "fwd_varlen": {**BASE_ATTRIBUTES, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
+    "bwd_varlen": {**BASE_ATTRIBUTES, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
+    "fwd_paged": BASE_ATTRIBUTES,
+}
+
+# The optional operands of the dense targets, in the order they follow the fixed operands
+# (README "Variants"): name -> the operands it adds.
+EXTRAS = {
+    "alibi": ("alibi_slopes",),
+    "bias": ("bias",),
+    "mask": ("mask",),
+    "segment_ids": ("q_segment_ids", "kv_segment_ids"),
+}
+
+
+def normalize_extras(extras) -> tuple[str, ...]:
+    """The extras as a tuple in canonical order; ValueError for unknown or repeated names."""
+    if extras is None or extras == "":
+        return ()
+    names = extras.split(",") if isinstance(extras, str) else list(extras)
+    unknown = [n for n in names if n not in EXTRAS]
+    if unknown:
+        raise ValueError(f"unknown extras {unknown}: supported are {', '.join(EXTRAS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"extras repeat a name: {names}")
+    return tuple(n for n in EXTRAS if n in names)
 
 # Defaults of the runtime attributes that KernelSpec does not fix.
 DEFAULT_WINDOW = (-1, -1)
@@ -137,14 +182,28 @@ def normalize_softcap(softcap) -> float:
     return c
 
 
-# Operands and results, per direction, in call order.
+# Operands and results, per direction, in call order ("*extras": the operands `extras` names).
 SIGNATURES = {
     "fwd": {
-        "operands": ["q[B,Sq,Hq,D]", "k[B,Sk,Hkv,D]", "v[B,Sk,Hkv,D]"],
+        "operands": ["q[B,Sq,Hq,D]", "k[B,Sk,Hkv,D]", "v[B,Sk,Hkv,D]", "*extras"],
         "results": ["o[B,Sq,Hq,D]", "lse[B,Hq,Sq]:f32"],
     },
     "bwd": {
-        "operands": ["q", "k", "v", "o", "lse:f32", "do"],
+        "operands": ["q", "k", "v", "o", "lse:f32", "do", "*extras"],
+        "results": ["dq", "dk", "dv", "dbias (iff extras has bias)"],
+    },
+    "fwd_varlen": {
+        "operands": ["q[Tq,Hq,D]", "k[Tk,Hkv,D]", "v[Tk,Hkv,D]", "cu_seqlens_q[B+1]:i32",
+                     "cu_seqlens_k[B+1]:i32"],
+        "results": ["o[Tq,Hq,D]", "lse[Hq,Tq]:f32"],
+    },
+    "bwd_varlen": {
+        "operands": ["q", "k", "v", "o", "lse:f32", "do", "cu_seqlens_q:i32", "cu_seqlens_k:i32"],
         "results": ["dq", "dk", "dv"],
+    },
+    "fwd_paged": {
+        "operands": ["q[B,Sq,Hq,D]", "k_cache[NB,BS,Hkv,D]", "v_cache[NB,BS,Hkv,D]",
+                     "block_table[B,MB]:i32", "seqused_k[B]:i32"],
+        "results": ["o[B,Sq,Hq,D]", "lse[B,Hq,Sq]:f32"],
     },
 }

@@ -22,13 +22,20 @@ def test_build_writes_library_and_manifest(fresh_cache, tmp_path):
     assert lib.path.exists() and lib.path.parent == tmp_path / "out"
     m = json.loads(lib.manifest_path.read_text())
     assert m["target"] == "cpu" and m["platform"] == "cpu"
-    assert m["specs"][0]["targets"] == {"fwd": "flashgen_fwd_d32_f32", "bwd": "flashgen_bwd_d32_f32"}
-    assert m["attributes"] == {"causal": "i1", "scale": "f32", "bottom_right": "i1",
-                               "window_left": "i32", "window_right": "i32", "softcap": "f32"}
+    assert m["specs"][0]["targets"] == {
+        "fwd": "flashgen_fwd_d32_f32", "bwd": "flashgen_bwd_d32_f32",
+        "fwd_varlen": "flashgen_fwd_varlen_d32_f32", "bwd_varlen": "flashgen_bwd_varlen_d32_f32",
+        "fwd_paged": "flashgen_fwd_paged_d32_f32"}
+    base = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
+            "window_left": "i32", "window_right": "i32", "softcap": "f32"}
+    assert m["attributes"]["fwd"] == m["attributes"]["bwd"] == {**base, "extras": "string"}
+    assert m["attributes"]["fwd_varlen"] == {**base, "max_seqlen_q": "i32", "max_seqlen_k": "i32"}
+    assert m["attributes"]["fwd_paged"] == base
     assert m["ffi_headers"]["api_version"] and m["ffi_headers"]["jaxlib"]
     assert any("c++" in k or "g++" in k or "clang" in k for k in m["compilers"])
     out = subprocess.run(["nm", "-D", "--defined-only", str(lib.path)], capture_output=True, text=True).stdout
-    assert " T flashgen_fwd_d32_f32" in out and " T flashgen_bwd_d32_f32" in out
+    for name in m["specs"][0]["targets"].values():
+        assert f" T {name}\n" in out
 
 
 def test_second_build_is_a_cache_hit_under_a_second(fresh_cache):

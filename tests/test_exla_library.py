@@ -5,6 +5,7 @@ import subprocess
 import jax.ffi
 
 from flashgen import KernelSpec, build, toolchain
+from flashgen.spec import DIRECTIONS
 
 SPECS = [KernelSpec(32, "f32", False, "cpu"), KernelSpec(32, "f32", True, "cpu")]
 
@@ -17,7 +18,7 @@ def test_exla_library_registers_statically_on_load(tmp_path):
     syms = subprocess.run(["nm", "-D", str(lib.path)], capture_output=True, text=True).stdout
     assert " U XLA_FFI_GetApi" in syms  # resolved from the host's XLA at load time
     assert "PyInit" not in syms and "Py_" not in syms  # no Python: loads into a BEAM process
-    names = [s.target_name(d) for s in SPECS for d in ("fwd", "bwd")]
+    names = [s.target_name(d) for s in SPECS for d in DIRECTIONS]
     for n in names:
         assert f" T {n}\n" in syms
 

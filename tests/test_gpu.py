@@ -206,3 +206,58 @@ def test_window_and_return_lse_through_flash_attention(rng):
     assert _rel(o, ro) < 5e-3 and _rel(lse, rlse) < 5e-3
     for g, r in zip(vjp((do, dlse)), rg):
         assert _rel(g, r) < 1e-2
+
+
+# ----------------------------------------------------------------------------- issue 8 variants
+# The CPU tests' checks (tests/test_variants.py), run on the GPU with the GPU error bands.
+def _variants():
+    sys.path.insert(0, os.path.dirname(__file__))
+    import test_variants
+    return test_variants
+
+
+@pytest.mark.parametrize("case", [
+    dict(alibi=(4,), causal=True), dict(alibi=(2, 4), bottom_right=True),
+    dict(bias=((2, 4, 300, 260), "f32")), dict(bias=((1, 1, 300, 260), "bf16"), causal=True),
+    dict(bias=((2, 1, 300, 260), "f32"), softcap=5.0, window=(40, 8)),
+    dict(mask=(2, 4, 300, 260)), dict(mask=(1, 1, 300, 260), causal=True),
+    dict(segments=5, causal=True), dict(segments=3, alibi=(4,), bias=((1, 4, 300, 260), "f32")),
+])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dense_extras(rng, case, d):
+    _variants().check(rng, dtype="bf16", d=d, sq=300, sk=260, hq=4, hkv=2, tol=TOL, **case)
+
+
+def test_varlen_forward_backward(rng):
+    import jax
+    from flashgen import reference
+    from flashgen.jax import flash_attention_varlen
+    tv = _variants()
+    lens_q, lens_k = [5, 0, 700, 1, 130], [7, 3, 700, 0, 200]
+    for dtype, causal, br in (("bf16", True, True), ("f16", False, False), ("f32", True, False)):
+        q, k, v, do, cu_q, cu_k = tv._packed(rng, lens_q, lens_k, 8, 2, 64, dtype, pad_q=3, pad_k=2)
+        f = lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, 700, 700, causal=causal,
+                                                   bottom_right=br)
+        o, vjp = jax.vjp(jax.jit(f), q, k, v)
+        ro, _, rg = reference.attention_varlen(q, k, v, cu_q, cu_k, do=do, causal=causal,
+                                               bottom_right=br)
+        assert _rel(o, ro) <= TOL[dtype][0]
+        assert np.all(np.asarray(o, np.float32)[-3:] == 0)
+        for g, r in zip(vjp(do), rg):
+            assert _rel(g, r) <= TOL[dtype][1]
+
+
+@pytest.mark.parametrize("b, sq, lens, block_size", [(1, 1, [30000], 16), (4, 1, [900, 0, 33, 4096], 256),
+                                                     (2, 9, [500, 77], 64), (64, 1, [2048] * 64, 16)])
+def test_paged_decode_and_split_kv(rng, b, sq, lens, block_size):
+    import jax
+    from flashgen import reference
+    from flashgen.jax import flash_attention_paged
+    tv = _variants()
+    q, kc, vc, table, used = tv._paged(rng, b, sq, 8, 1, 128, "bf16", block_size, lens)
+    kw = dict(causal=True, bottom_right=True)
+    o, lse = jax.jit(lambda *a: flash_attention_paged(*a, return_lse=True, **kw))(q, kc, vc, table, used)
+    ro, rlse = reference.attention_paged(q, np.asarray(kc, np.float64), np.asarray(vc, np.float64),
+                                         table, used, **kw)
+    assert _rel(o, ro) <= TOL["bf16"][0]
+    np.testing.assert_allclose(np.asarray(lse), rlse, rtol=1e-3, atol=1e-3)

@@ -93,7 +93,7 @@ def test_handler_rejects_mismatched_calls_without_crashing(rng):
     q, k, v = _qkv(rng)
     name = "flashgen_fwd_d32_f32"
     good = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 16), jnp.float32))
-    rest = dict(window_left=np.int32(-1), window_right=np.int32(-1), softcap=np.float32(0))
+    rest = dict(window_left=np.int32(-1), window_right=np.int32(-1), softcap=np.float32(0), extras="")
     ok = _call_target(name, good, q, k, v, causal=False, scale=np.float32(0.2), bottom_right=False, **rest)
     np.testing.assert_allclose(ok[0], reference.attention(q, k, v, scale=0.2)[0], rtol=1e-5, atol=1e-5)
     cases = [
@@ -104,7 +104,11 @@ def test_handler_rejects_mismatched_calls_without_crashing(rng):
         ((q, k, v), good, {"scale": np.float32(-1.0)}, "scale must be a finite positive"),
         ((q, k, v), good, {"window_left": np.int32(-2)}, "window_left / window_right must be >= -1"),
         ((q, k, v), good, {"softcap": np.float32(np.nan)}, "softcap must be a finite f32 >= 0"),
-        ((q, k, v), good, {"bottom_right": True}, "bottom_right=true needs causal=true or a sliding window"),
+        ((q, k, v), good, {"bottom_right": True}, "bottom_right=true needs causal=true, a sliding window"),
+        ((q, k, v), good, {"extras": "bias"}, "names 1 extra operand"),
+        ((q, k, v), good, {"extras": "mask,bias"}, "out of order"),
+        ((q, k, v, np.ones((1, 1, 16, 15), np.float32)), good, {"extras": "bias"}, "bias has shape"),
+        ((q, k, v, np.ones((2, 4, 16, 16), np.int32)), good, {"extras": "mask"}, "mask must be i1"),
         ((q, k, v), good, {"window_left": None}, "Wrong number of attributes"),
     ]
     for args, outs, over, words in cases:
@@ -122,7 +126,8 @@ def test_python_float_attribute_is_the_documented_ffi_error(rng):
     with pytest.raises(Exception, match="F32"):
         jax.block_until_ready(_call_target("flashgen_fwd_d32_f32", outs, q, k, v, causal=False, scale=0.2,
                                            bottom_right=False, window_left=np.int32(-1),
-                                           window_right=np.int32(-1), softcap=np.float32(0)))
+                                           window_right=np.int32(-1), softcap=np.float32(0),
+                                           extras=""))
 
 
 def test_drop_in_for_jax_nn_dot_product_attention(rng):
@@ -131,7 +136,10 @@ def test_drop_in_for_jax_nn_dot_product_attention(rng):
     got = flash_attention(query=q, key=k, value=v, is_causal=True, scale=0.3)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(flash_attention(q, k, v, causal=True, scale=0.3), want, rtol=2e-5, atol=2e-5)
-    with pytest.raises(NotImplementedError, match="no bias or mask"):
-        flash_attention(q, k, v, mask=jnp.ones((2, 4, 16, 16), bool))
+    mask = jnp.asarray(rng.random((2, 4, 16, 16)) < 0.7) | jnp.eye(16, dtype=bool)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 16, 16)), jnp.float32)
+    np.testing.assert_allclose(flash_attention(q, k, v, bias, mask, scale=0.3),
+                               jax.nn.dot_product_attention(q, k, v, bias, mask, scale=0.3),
+                               rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="contradicts"):
         flash_attention(q, k, v, causal=False, is_causal=True)

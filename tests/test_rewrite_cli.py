@@ -184,6 +184,20 @@ def test_cli_verify_and_build(tmp_path, capsys):
     assert (tmp_path / pathlib.Path(report["library"]).name).exists()
 
 
+@pytest.mark.parametrize("name", ["jnn_mask_full", "torch_mha_key_padding"])
+def test_cli_verify_with_mask_arguments(name, tmp_path, capsys):
+    """--verify draws masks that leave every query a key (either mask convention) and
+    --explain names the extra operands."""
+    out, rep = tmp_path / "o.mlir", tmp_path / "r.json"
+    rc, io_ = run_cli("rewrite", GOLDEN / f"{name}.mlir", "-o", out, "--verify", "--explain",
+                      "--report", rep, capsys=capsys)
+    assert rc == 0, io_.err
+    assert "extras: mask" in io_.out + io_.err
+    report = json.loads(rep.read_text())
+    assert all(row["ok"] for row in report["verified"]["outputs"])
+    assert report["sites"][0]["extras"] == ["mask"]
+
+
 def test_cli_verify_failure_writes_nothing(tmp_path, capsys, monkeypatch):
     """A rewrite that computes something else (here: a wrong scale) fails --verify."""
     from flashgen.rewrite import patterns

@@ -4,7 +4,8 @@ Hypothesis builds random attention-like programs with jax (layouts, scale spelli
 masks, softmax spellings and axes, GQA, extra users of intermediates), exports them,
 rewrites them and runs original and rewritten module on the same inputs. Programs that
 are attention must be rewritten; near misses (wrong softmax axis, intermediates used
-elsewhere, masks that are not causal) must be left alone.
+elsewhere) must be left alone. Masks and biases that are no causal/window band become
+extra operands (README "Variants"): constant masks, ALiBi, run-time biases and masks.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ programs = st.fixed_dictionaries({
     "layout": st.sampled_from(["BSHD", "BHSD", "folded"]),
     "scale": st.sampled_from(["mul", "div_sqrt", "q", "split", "none"]),
     "mask": st.sampled_from(["none", "where", "bias", "const", "bottom_right", "window",
-                             "random"]),
+                             "random", "alibi", "rt_bias", "rt_mask"]),
     "fill": st.sampled_from([-np.inf, -1e9, "min"]),
     "softmax": st.sampled_from(["jax", "manual", "unstable", "recip"]),
     "axis": st.sampled_from(["keys", "keys", "keys", "queries"]),
@@ -53,8 +54,11 @@ def build(p):
     rng = np.random.default_rng(0)
     random_mask = rng.random((t, s)) < 0.7
     random_mask[:, 0] = True
+    slopes = np.array([2.0 ** (-8.0 * (n + 1) / H) for n in range(H)], np.float32)
+    if p["layout"] == "folded":
+        slopes = np.tile(slopes, B)
 
-    def attention(q, k, v):
+    def attention(q, k, v, *extra_args):
         # q, k, v in BSHD (or [B*H, S, D] folded); compute scores as [..., q, k]
         if p["layout"] == "folded":
             qs, ks, vs = q, k, v
@@ -93,6 +97,14 @@ def build(p):
             sc = jnp.where((j <= i) & (j > i - 3), sc, fill)
         elif p["mask"] == "random":
             sc = jnp.where(random_mask, sc, fill)
+        elif p["mask"] == "alibi":
+            dist = jnp.abs(i - j).astype(jnp.float32)
+            sc = sc - (slopes[:, None, None] if p["layout"] == "folded"
+                       else slopes[None, :, None, None]) * dist
+        elif p["mask"] == "rt_bias":
+            sc = sc + extra_args[0]
+        elif p["mask"] == "rt_mask":
+            sc = jnp.where(extra_args[0], sc, fill)
         ax = -1 if p["axis"] == "keys" else -2
         extra = None
         if p["softmax"] == "jax":
@@ -124,13 +136,21 @@ def build(p):
     else:
         shapes = [(B, t, H, D), (B, s, hkv, D), (B, s, hkv, D)]
     args = [jax.ShapeDtypeStruct(x, dt) for x in shapes]
+    lead = (B * H,) if p["layout"] == "folded" else (B, H if p["mask"] == "rt_bias" else 1)
+    if p["mask"] == "rt_bias":
+        args.append(jax.ShapeDtypeStruct(lead + (t, s), dt))
+    elif p["mask"] == "rt_mask":
+        args.append(jax.ShapeDtypeStruct(lead + (t, s), jnp.bool_))
     return jax.export.export(jax.jit(attention), platforms=["cpu"])(*args).mlir_module()
 
 
 def is_attention(p) -> bool:
     extra = p["extra"] if not (p["extra"] == "exp" and p["softmax"] == "jax") else None
-    return (p["axis"] == "keys" and extra is None
-            and p["mask"] in ("none", "where", "bias", "const", "bottom_right", "window"))
+    return p["axis"] == "keys" and extra is None
+
+
+EXTRAS = {"random": ["mask"], "alibi": ["alibi"], "rt_bias": ["bias"], "rt_mask": ["mask"]}
+BANDS = ("where", "bias", "const", "bottom_right", "window")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +169,8 @@ def test_rewritten_programs_compute_the_same(p, kernels):
     if is_attention(p):
         assert len(result.rewritten) == 1, (p, [s.reason for s in result.rejected])
         site = result.rewritten[0]
-        assert site.causal == (p["mask"] != "none")
+        assert site.causal == (p["mask"] in BANDS)
+        assert site.extras == EXTRAS.get(p["mask"], []), site.extras_detail
         if p["mask"] == "bottom_right":
             assert site.bottom_right == (seq_k(p) != 8)
         assert list(site.window) == ([2, -1] if p["mask"] == "window" else [-1, -1])
@@ -160,8 +181,22 @@ def test_rewritten_programs_compute_the_same(p, kernels):
     original, rewritten = modules.load(text), modules.load(result.to_bytes())
     params, _ = execute.signature(original)
     inputs = execute.random_inputs(params, seed=7)
+    for x in inputs:
+        if x.dtype == np.bool_:
+            x[..., 0] = True  # a row that sees no key: the kernel gives 0 by design
     ref = execute.run(original, inputs, register=False)
     got = execute.run(rewritten, inputs)
     dtype = "bf16" if p["dtype"] == "bfloat16" else "f32"
     rows = execute.compare(ref, got, dtype)
     assert all(r["ok"] for r in rows), (p, rows)
+
+
+@pytest.mark.parametrize("mask", sorted(EXTRAS))
+@pytest.mark.parametrize("layout,gqa,dtype,softmax", [
+    ("BSHD", False, "float32", "jax"), ("BHSD", True, "float32", "manual"),
+    ("folded", False, "bfloat16", "recip"), ("BSHD", True, "bfloat16", "unstable")])
+def test_extras_compute_the_same(mask, layout, gqa, dtype, softmax, kernels):
+    """Every extra operand kind in every layout (the random programs above draw few)."""
+    p = dict(layout=layout, scale="mul", mask=mask, fill=-1e9, softmax=softmax, axis="keys",
+             extra=None, v_left=layout == "BHSD", gqa=gqa, dtype=dtype, seq_k=16)
+    test_rewritten_programs_compute_the_same.hypothesis.inner_test(p, kernels)

@@ -70,6 +70,57 @@ FLASHGEN_HD bool band_masks_anything(const AttentionShape& s, const VisibleBand&
   return b.lo > -(s.seqlen_q - 1) || b.hi < s.seqlen_k - 1;
 }
 
+// Optional score terms of the dense targets (README "Variants"), decoded and
+// validated by the handlers (ffi_common.h decode_extras). A null pointer means
+// absent. In natural-log units, after scale and softcap:
+//   score(b,h,i,j) += -alibi(b,h) * |i + off - j|  (off as causal_offset)
+//                  +  bias(b,h,i,j)
+//   visible(b,h,i,j) &= mask(b,h,i,j) && q_seg(b,i) == kv_seg(b,j)
+// bias / mask / dbias: element (b,h,i,j) at b*stride_b + h*stride_h + i*Sk + j
+// (stride 0 on a broadcast dim). dbias (backward, iff bias) has the bias's
+// layout and type and receives dS summed over the broadcast dims.
+enum class ElemType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct ScoreExtras {
+  const float* alibi = nullptr;  // slope(b, h) = alibi[b * alibi_stride_b + h]
+  int64_t alibi_stride_b = 0;
+  const void* bias = nullptr;
+  ElemType bias_type = ElemType::F32;
+  int64_t bias_stride_b = 0, bias_stride_h = 0;
+  const bool* mask = nullptr;
+  int64_t mask_stride_b = 0, mask_stride_h = 0;
+  const int32_t* q_segment_ids = nullptr;   // [B, Sq]
+  const int32_t* kv_segment_ids = nullptr;  // [B, Sk]
+  void* dbias = nullptr;                    // backward only
+
+  FLASHGEN_HD bool any() const {
+    return alibi != nullptr || bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
+  }
+};
+
+// Packed variable-length batches: sequence b owns q rows [cu_q[b], cu_q[b+1])
+// and keys [cu_k[b], cu_k[b+1]) of q [Tq, Hq, D] / k, v [Tk, Hkv, D]; lse is
+// [Hq, Tq]. The AttentionShape passed with it has batch = B, seqlen_q = Tq,
+// seqlen_k = Tk (totals); masks and alignment use each sequence's lengths.
+struct VarlenArgs {
+  const int32_t* cu_seqlens_q;  // [B + 1]
+  const int32_t* cu_seqlens_k;  // [B + 1]
+  int32_t max_seqlen_q;
+  int32_t max_seqlen_k;
+};
+
+// Paged KV: key j < seqused_k[b] of batch b is row j % block_size of cache
+// block block_table[b * max_blocks + j / block_size] of k_cache / v_cache
+// [num_blocks, block_size, Hkv, D]. The AttentionShape passed with it has
+// seqlen_k = max_blocks * block_size (the most keys a row of the table holds).
+struct PagedArgs {
+  const int32_t* block_table;  // [B, max_blocks]
+  const int32_t* seqused_k;    // [B]
+  int64_t num_blocks;
+  int64_t block_size;
+  int64_t max_blocks;
+};
+
 // Offset added to a query index to get the last key index it may see.
 FLASHGEN_HD int64_t causal_offset(const AttentionShape& s, const AttentionAttrs& a) {
   return a.bottom_right ? s.seqlen_k - s.seqlen_q : 0;

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "flashgen/attention.h"
 #include "xla/ffi/api/ffi.h"
@@ -61,7 +62,8 @@ inline ffi::Error expect_dims(const char* target, const char* name, Dims got,
   return invalid(target, std::string(name) + " has shape " + dims_str(got) + ", expected " + w + "]");
 }
 
-inline ffi::Error check_attrs(const char* target, bool spec_causal, const AttentionAttrs& a) {
+inline ffi::Error check_attrs(const char* target, bool spec_causal, const AttentionAttrs& a,
+                              bool has_alibi = false) {
   if (a.causal != spec_causal)
     return invalid(target, std::string("attribute causal=") + (a.causal ? "true" : "false") +
                                " does not match this kernel (causal=" + (spec_causal ? "true" : "false") + ")");
@@ -72,8 +74,8 @@ inline ffi::Error check_attrs(const char* target, bool spec_causal, const Attent
                                std::to_string(a.window_left) + ", " + std::to_string(a.window_right) + ")");
   if (!(a.softcap >= 0.0f) || a.softcap == 1.0f / 0.0f)
     return invalid(target, "softcap must be a finite f32 >= 0 (0 = off), got " + std::to_string(a.softcap));
-  if (a.bottom_right && !a.causal && a.window_left < 0 && a.window_right < 0)
-    return invalid(target, "bottom_right=true needs causal=true or a sliding window");
+  if (a.bottom_right && !a.causal && a.window_left < 0 && a.window_right < 0 && !has_alibi)
+    return invalid(target, "bottom_right=true needs causal=true, a sliding window or alibi");
   return ffi::Error::Success();
 }
 
@@ -83,6 +85,181 @@ inline ffi::Error check_bwd_operands(const char* target, const AttentionShape& s
   if (auto e = expect_dims(target, "o", o, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse, {s.batch, s.heads_q, s.seqlen_q}); e.failure()) return e;
   return expect_dims(target, "do", dout, {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
+}
+
+// ---------------------------------------------------------------------------
+// The `extras` attribute of the dense targets and the operands it names.
+// ---------------------------------------------------------------------------
+struct ExtraNames {
+  bool alibi = false, bias = false, mask = false, segment_ids = false;
+  size_t operands() const { return alibi + bias + mask + 2 * segment_ids; }
+};
+
+// Parses "alibi,bias,mask,segment_ids" (any subset, this order, "" = none).
+inline ffi::ErrorOr<ExtraNames> parse_extras(const char* target, std::string_view text) {
+  ExtraNames n;
+  const char* order[4] = {"alibi", "bias", "mask", "segment_ids"};
+  bool* flags[4] = {&n.alibi, &n.bias, &n.mask, &n.segment_ids};
+  int next = 0;
+  while (!text.empty()) {
+    const size_t comma = text.find(',');
+    const std::string_view name = text.substr(0, comma);
+    int i = next;
+    while (i < 4 && name != order[i]) ++i;
+    if (i == 4)
+      return ffi::Unexpected<ffi::Error>(invalid(
+          target, "extras=\"" + std::string(name) +
+                      "\" is unknown, repeated or out of order (allowed, in this order: alibi,bias,mask,segment_ids)"));
+    *flags[i] = true;
+    next = i + 1;
+    if (comma == std::string_view::npos) break;
+    text.remove_prefix(comma + 1);
+    if (text.empty()) return ffi::Unexpected<ffi::Error>(invalid(target, "extras ends with a comma"));
+  }
+  return n;
+}
+
+inline const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "f32";
+    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::F16: return "f16";
+    case ffi::DataType::PRED: return "i1";
+    case ffi::DataType::S32: return "i32";
+    default: return "an unsupported type";
+  }
+}
+
+// Strides of a [1|B, 1|H, Sq, Sk] operand (0 on broadcast dims), or an error.
+inline ffi::Error broadcast_strides(const char* target, const char* name, Dims d, const AttentionShape& s,
+                                   int64_t* stride_b, int64_t* stride_h) {
+  if (d.size() != 4 || (d[0] != 1 && d[0] != s.batch) || (d[1] != 1 && d[1] != s.heads_q) ||
+      d[2] != s.seqlen_q || d[3] != s.seqlen_k)
+    return invalid(target, std::string(name) + " has shape " + dims_str(d) + ", expected [1|" +
+                               std::to_string(s.batch) + ", 1|" + std::to_string(s.heads_q) + ", " +
+                               std::to_string(s.seqlen_q) + ", " + std::to_string(s.seqlen_k) + "]");
+  *stride_h = d[1] == 1 ? 0 : s.seqlen_q * s.seqlen_k;
+  *stride_b = d[0] == 1 ? 0 : d[1] * s.seqlen_q * s.seqlen_k;
+  return ffi::Error::Success();
+}
+
+// Decodes the operands `extras` names from `args` (exactly those, in order) and
+// checks their types and shapes. `dbias` (backward): the results after dq, dk, dv,
+// which must be exactly one buffer like the bias iff extras has bias; null in the
+// forward.
+inline ffi::ErrorOr<ScoreExtras> decode_extras(const char* target, std::string_view extras,
+                                               const ffi::RemainingArgs& args, const AttentionShape& s,
+                                               ffi::DataType q_type, const ffi::RemainingRets* dbias) {
+  auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
+  auto names = parse_extras(target, extras);
+  if (names.has_error()) return ffi::Unexpected<ffi::Error>(names.error());
+  const ExtraNames n = names.value();
+  if (args.size() != n.operands())
+    return fail("extras=\"" + std::string(extras) + "\" names " + std::to_string(n.operands()) +
+                " extra operand(s) but the call passes " + std::to_string(args.size()));
+  ScoreExtras x;
+  size_t i = 0;
+  auto next = [&](const char* name, ffi::DataType want, ffi::DataType alt) -> ffi::ErrorOr<ffi::AnyBuffer> {
+    auto b = args.get<ffi::AnyBuffer>(i++);
+    if (b.has_error()) return ffi::Unexpected<ffi::Error>(invalid(target, std::string(name) + " is not a buffer"));
+    const ffi::DataType t = b.value().element_type();
+    if (t != want && t != alt)
+      return ffi::Unexpected<ffi::Error>(invalid(target, std::string(name) + " must be " + dtype_name(want) +
+                                                             (alt != want ? std::string(" or ") + dtype_name(alt) : "") +
+                                                             ", got " + dtype_name(t)));
+    return b.value();
+  };
+  if (n.alibi) {
+    auto b = next("alibi_slopes", ffi::DataType::F32, ffi::DataType::F32);
+    if (b.has_error()) return ffi::Unexpected<ffi::Error>(b.error());
+    Dims d = b.value().dimensions();
+    if (!((d.size() == 1 && d[0] == s.heads_q) || (d.size() == 2 && d[0] == s.batch && d[1] == s.heads_q)))
+      return fail("alibi_slopes has shape " + dims_str(d) + ", expected [" + std::to_string(s.heads_q) + "] or [" +
+                  std::to_string(s.batch) + ", " + std::to_string(s.heads_q) + "]");
+    x.alibi = static_cast<const float*>(b.value().untyped_data());
+    x.alibi_stride_b = d.size() == 2 ? s.heads_q : 0;
+  }
+  ffi::DataType bias_type = ffi::DataType::F32;
+  Dims bias_dims;
+  if (n.bias) {
+    auto b = next("bias", ffi::DataType::F32, q_type);
+    if (b.has_error()) return ffi::Unexpected<ffi::Error>(b.error());
+    bias_dims = b.value().dimensions();
+    if (auto e = broadcast_strides(target, "bias", bias_dims, s, &x.bias_stride_b, &x.bias_stride_h); e.failure())
+      return ffi::Unexpected<ffi::Error>(e);
+    bias_type = b.value().element_type();
+    x.bias = b.value().untyped_data();
+    x.bias_type = bias_type == ffi::DataType::F32 ? ElemType::F32
+                  : bias_type == ffi::DataType::BF16 ? ElemType::BF16 : ElemType::F16;
+  }
+  if (n.mask) {
+    auto b = next("mask", ffi::DataType::PRED, ffi::DataType::PRED);
+    if (b.has_error()) return ffi::Unexpected<ffi::Error>(b.error());
+    if (auto e = broadcast_strides(target, "mask", b.value().dimensions(), s, &x.mask_stride_b, &x.mask_stride_h);
+        e.failure())
+      return ffi::Unexpected<ffi::Error>(e);
+    x.mask = static_cast<const bool*>(b.value().untyped_data());
+  }
+  if (n.segment_ids) {
+    auto bq = next("q_segment_ids", ffi::DataType::S32, ffi::DataType::S32);
+    if (bq.has_error()) return ffi::Unexpected<ffi::Error>(bq.error());
+    auto bk = next("kv_segment_ids", ffi::DataType::S32, ffi::DataType::S32);
+    if (bk.has_error()) return ffi::Unexpected<ffi::Error>(bk.error());
+    if (auto e = expect_dims(target, "q_segment_ids", bq.value().dimensions(), {s.batch, s.seqlen_q}); e.failure())
+      return ffi::Unexpected<ffi::Error>(e);
+    if (auto e = expect_dims(target, "kv_segment_ids", bk.value().dimensions(), {s.batch, s.seqlen_k}); e.failure())
+      return ffi::Unexpected<ffi::Error>(e);
+    x.q_segment_ids = static_cast<const int32_t*>(bq.value().untyped_data());
+    x.kv_segment_ids = static_cast<const int32_t*>(bk.value().untyped_data());
+  }
+  if (dbias != nullptr) {
+    if (dbias->size() != (n.bias ? 1u : 0u))
+      return fail(std::string("the backward returns dq, dk, dv") + (n.bias ? " and dbias" : "") + " but the call has " +
+                  std::to_string(3 + dbias->size()) + " results");
+    if (n.bias) {
+      auto r = dbias->get<ffi::AnyBuffer>(0);
+      if (r.has_error()) return fail("dbias is not a buffer");
+      ffi::AnyBuffer db = *r.value();
+      if (db.element_type() != bias_type)
+        return fail(std::string("dbias must have the bias's type ") + dtype_name(bias_type) + ", got " +
+                    dtype_name(db.element_type()));
+      Dims d = db.dimensions();
+      if (d.size() != 4 || d[0] != bias_dims[0] || d[1] != bias_dims[1] || d[2] != bias_dims[2] ||
+          d[3] != bias_dims[3])
+        return fail("dbias has shape " + dims_str(d) + ", expected the bias's " + dims_str(bias_dims));
+      x.dbias = db.untyped_data();
+    }
+  }
+  return x;
+}
+
+// Checks the varlen operands' shapes (not their contents: on a GPU they live in
+// device memory; the CPU handler also checks the values, check_cu_seqlens).
+inline ffi::Error check_varlen_dims(const char* target, Dims cu_q, Dims cu_k, int64_t* batch) {
+  if (cu_q.size() != 1 || cu_q[0] < 1)
+    return invalid(target, "cu_seqlens_q must be rank 1 [batch + 1], got " + dims_str(cu_q));
+  if (auto e = expect_dims(target, "cu_seqlens_k", cu_k, {cu_q[0]}); e.failure()) return e;
+  *batch = cu_q[0] - 1;
+  return ffi::Error::Success();
+}
+
+// Host-side check of cu_seqlens values: cu[0] == 0, non-decreasing, cu[B] <= total,
+// each length <= max_len.
+inline ffi::Error check_cu_seqlens(const char* target, const char* name, const int32_t* cu, int64_t batch,
+                                   int64_t total, int32_t max_len) {
+  if (cu[0] != 0) return invalid(target, std::string(name) + "[0] must be 0, got " + std::to_string(cu[0]));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = int64_t(cu[b + 1]) - cu[b];
+    if (len < 0)
+      return invalid(target, std::string(name) + " decreases at index " + std::to_string(b + 1));
+    if (len > max_len)
+      return invalid(target, std::string("sequence ") + std::to_string(b) + " has length " + std::to_string(len) +
+                                 " > max_seqlen (" + std::to_string(max_len) + ") given for " + name);
+  }
+  if (cu[batch] > total)
+    return invalid(target, std::string(name) + "[-1] = " + std::to_string(cu[batch]) + " exceeds the " +
+                               std::to_string(total) + " rows passed");
+  return ffi::Error::Success();
 }
 
 // FLASHGEN_POISON=1 makes handlers fill every output with NaN bytes (0xFF) before

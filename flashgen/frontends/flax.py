@@ -19,21 +19,19 @@ The adapter maps flax's calling convention -- ``(query, key, value, bias, mask,
 broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision,
 module, ...)``, arrays laid out ``[batch..., length, heads, head_dim]`` -- onto
 :func:`flashgen.jax.flash_attention` (BSHD, ``causal``, ``scale``,
-``bottom_right``), which is differentiable (the backward kernel runs under
-``jax.grad``). The scale is flax's ``1/sqrt(head_dim)`` unless given.
+``bottom_right``, ``window``, ``softcap``, ``bias``, ``mask``), which is
+differentiable (the backward kernel runs under ``jax.grad``, the bias gets its
+gradient). The scale is flax's ``1/sqrt(head_dim)`` unless given.
 
-What it refuses, with a ValueError or NotImplementedError that says so (never a
-silently different result):
+``bias`` and ``mask`` ([batch..., heads|1, q_length, kv_length]) go to the kernels
+as operands. A *concrete* mask (a numpy array or a constant closed over by the
+model) that is exactly causal (``nn.make_causal_mask``, top-left or bottom-right
+aligned) or all-true selects the causal or plain kernel instead, with no mask
+operand; a key-padding mask travels as segment ids (flash_attention).
 
-* ``bias`` (additive attention bias, e.g. ALiBi or relative positions);
-* a ``mask`` that is not provably causal or all-true: flashgen's kernels take
-  no mask tensor. A *concrete* mask (a numpy array or a constant closed over by
-  the model) is inspected: the causal mask of ``nn.make_causal_mask`` (top-left
-  aligned) or its bottom-right-aligned variant selects the causal kernel, an
-  all-true mask the plain one. A mask computed inside ``jit`` is a traced value
-  whose contents are unknown when the kernel is chosen, so it is refused: drop
-  the mask and pass ``causal=True`` / ``is_causal=True`` instead. Padding masks
-  are not supported;
+What it refuses, with a NotImplementedError that says so (never a silently
+different result):
+
 * dropout on the attention probabilities (``dropout_rate > 0`` while not
   ``deterministic``);
 * ``module`` (``sow_weights=True``): the probabilities are never materialized;
@@ -54,10 +52,11 @@ __all__ = ["attention_fn", "make_attention_fn"]
 
 
 def make_attention_fn(*, causal: bool = False, scale: Optional[float] = None,
-                      bottom_right: bool = False):
-    """An ``attention_fn`` with fixed causality/scale, for modules that do not pass ``is_causal``."""
+                      bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0):
+    """An ``attention_fn`` with fixed causality/scale/window/softcap (flash_attention's
+    meanings), for modules that do not pass ``is_causal``."""
     return functools.partial(attention_fn, is_causal=causal, scale=scale,
-                             bottom_right=bottom_right)
+                             bottom_right=bottom_right, window=window, softcap=softcap)
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
@@ -65,16 +64,12 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                  dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
                  qk_attn_weights_einsum=None, attn_weights_value_einsum=None, *,
                  is_causal: bool = False, scale: Optional[float] = None,
-                 bottom_right: bool = False):
+                 bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0):
     """flax ``dot_product_attention``-compatible attention on flashgen kernels (see module doc)."""
     import jax.numpy as jnp
 
     from flashgen.jax import flash_attention
 
-    if bias is not None:
-        raise NotImplementedError(
-            "flashgen attention_fn: an attention bias is not supported (the kernels add no "
-            "bias to the scores); use flax's dot_product_attention for this module")
     if module is not None:
         raise NotImplementedError(
             "flashgen attention_fn: sow_weights=True needs the attention probabilities, "
@@ -93,9 +88,12 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                              f"head_dim], got shape {np.shape(x)}")
 
     causal = bool(is_causal)
+    sq, sk = query.shape[-3], key.shape[-3]
     if mask is not None:
-        causal, bottom_right = _causal_from_mask(mask, query.shape[-3], key.shape[-3],
-                                                 causal, bottom_right)
+        kind = _causal_from_mask(mask, sq, sk) if np.shape(mask)[-2:] == (sq, sk) else None
+        if kind is not None and (kind[0] or not causal):
+            causal, bottom_right = kind[0] or causal, kind[1] if kind[0] else bottom_right
+            mask = None
     if dtype is not None:
         query, key, value = (x.astype(dtype) for x in (query, key, value))
 
@@ -103,37 +101,36 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     q = query.reshape((math.prod(batch), *query.shape[-3:]))
     k = key.reshape((math.prod(key.shape[:-3]), *key.shape[-3:]))
     v = value.reshape((math.prod(value.shape[:-3]), *value.shape[-3:]))
-    out = flash_attention(q, k, v, causal=causal, scale=scale, bottom_right=bottom_right)
+    bias, mask = (None if x is None else _fold_batch(jnp.asarray(x), len(batch))
+                  for x in (bias, mask))
+    out = flash_attention(q, k, v, bias, mask, causal=causal, scale=scale,
+                          bottom_right=bottom_right, window=window, softcap=softcap)
     return jnp.reshape(out, (*batch, *out.shape[1:]))
 
 
-def _causal_from_mask(mask: Any, sq: int, sk: int, causal: bool, bottom_right: bool):
-    """(causal, bottom_right) that a concrete boolean mask stands for, or ValueError."""
+def _fold_batch(x, nbatch: int):
+    """[batch..., heads|1, Sq, Sk] (batch dims possibly 1) -> [prod(batch)|1, heads|1, Sq, Sk]."""
+    if x.ndim < nbatch + 3:
+        return x  # lower rank: broadcast as jax.nn.dot_product_attention does
+    lead = x.shape[:x.ndim - 3]
+    folded = 1 if all(d == 1 for d in lead) else math.prod(lead)
+    if folded != 1 and x.ndim - 3 != nbatch:
+        raise ValueError(f"flashgen attention_fn: cannot fold bias/mask batch dims {lead}")
+    return x.reshape((folded, *x.shape[-3:])) if folded != 1 or lead else x
+
+
+def _causal_from_mask(mask: Any, sq: int, sk: int):
+    """(causal, bottom_right) that a concrete mask stands for (all-true: (False, False)), or
+    None when it is traced or anything else (then it goes to the kernel as an operand)."""
     try:
         m = np.asarray(mask)
     except Exception:  # noqa: BLE001 - a jax Tracer raises TracerArrayConversionError
-        hint = ("the causal flag (is_causal=True, or make_attention_fn(causal=True)) already "
-                "says so: drop the mask" if causal else
-                "for a causal mask, drop the mask and pass is_causal=True "
-                "(or make_attention_fn(causal=True))")
-        raise ValueError(
-            "flashgen attention_fn: got a mask computed at run time (a traced array); the "
-            "kernel is chosen at trace time and takes no mask tensor, so its contents cannot "
-            f"be checked -- {hint}. Padding masks are not supported.") from None
-    if m.shape[-2:] != (sq, sk):
-        raise ValueError(f"flashgen attention_fn: mask shape {m.shape} does not end in "
-                         f"(q_length, kv_length) = ({sq}, {sk})")
+        return None
     m = m.astype(bool)
     i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
     candidates = {(True, False): j <= i, (True, True): j <= i + (sk - sq),
                   (False, False): np.ones((sq, sk), bool)}
-    for (c, br), pattern in candidates.items():
+    for kind, pattern in candidates.items():
         if np.array_equal(m, np.broadcast_to(pattern, m.shape)):
-            if causal and not c:
-                break  # is_causal=True with an all-true mask: contradictory
-            return c, (br if c else bottom_right)
-    raise ValueError(
-        "flashgen attention_fn: only causal (top-left or bottom-right aligned) or all-true "
-        "masks are supported; this mask is neither" +
-        (" (and is_causal=True was also given)" if causal else "") +
-        ". Padding and arbitrary masks need flax's dot_product_attention")
+            return kind
+    return None

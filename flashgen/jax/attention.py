@@ -15,7 +15,8 @@ import numpy as np
 
 from flashgen import runtime
 from flashgen.jax import sharding
-from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_dtype, normalize_softcap, normalize_window
+from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, normalize_dtype, normalize_softcap,
+                           normalize_window)
 
 
 def _local_target() -> str:
@@ -57,13 +58,17 @@ def _check(q, k, v, scale) -> tuple[str, float]:
     return dtype, scale
 
 
-def _fold_vmap(call):
-    """Batching rule for a kernel call: fold the vmapped axis into the batch axis."""
+def _fold_vmap(call, fold: bool = True):
+    """Batching rule for a kernel call: fold the vmapped axis into the batch axis (when every
+    operand leads with the batch: `fold`), else map the call over it."""
     call = jax.custom_batching.custom_vmap(call)
 
     @call.def_vmap
     def rule(axis_size, in_batched, *args):
         args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        if not fold:
+            outs = jax.lax.map(lambda xs: call(*xs), tuple(args))
+            return tuple(outs), (True,) * len(outs)
         outs = call(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
         outs = tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs)
         return outs, (True,) * len(outs)
@@ -72,33 +77,47 @@ def _fold_vmap(call):
 
 
 @functools.cache
-def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1, -1), softcap=0.0):
+def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1, -1), softcap=0.0,
+                  extras=()):
     # The FFI calls, carrying the batch/head sharding rule (flashgen/jax/sharding.py).
-    attrs = dict(scale=scale, bottom_right=bottom_right, window=window, softcap=softcap)
+    # Extra operands (bias, masks, ...) follow the fixed ones; they may broadcast over the
+    # batch, so a vmap maps the call instead of folding it into the batch.
+    attrs = dict(scale=scale, bottom_right=bottom_right, window=window, softcap=softcap, extras=extras)
 
-    def fwd(q, k, v):
-        return sharding.kernel_call(spec, "fwd", (q, k, v), **attrs)
+    def fwd(q, k, v, *extra):
+        return sharding.kernel_call(spec, "fwd", (q, k, v, *extra), **attrs)
 
-    def bwd(q, k, v, o, lse, do):
-        return sharding.kernel_call(spec, "bwd", (q, k, v, o, lse, do), **attrs)
+    def bwd(q, k, v, o, lse, do, *extra):
+        return sharding.kernel_call(spec, "bwd", (q, k, v, o, lse, do, *extra), **attrs)
 
-    return _fold_vmap(fwd), _fold_vmap(bwd)
-
-
-# `mask` = (bottom_right, window, softcap): the runtime attributes besides scale.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, spec, scale, mask):
-    return _kernel_calls(spec, scale, *mask)[0](q, k, v)[0]
+    return _fold_vmap(fwd, not extras), _fold_vmap(bwd, not extras)
 
 
-def _attention_fwd(q, k, v, spec, scale, mask):
-    o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v)
-    return o, (q, k, v, o, lse)
+# `mask` = (bottom_right, window, softcap, extras): the runtime attributes besides scale;
+# `ex` = the extra operands that `extras` names (README "Variants"). Only a bias has a
+# gradient; ALiBi slopes, masks and segment ids get none.
+def _extra_cotangents(mask, ex, dbias):
+    extras = mask[3]
+    cts = []
+    for name in extras:
+        cts += [dbias[0]] if name == "bias" else [None] * len(EXTRAS[name])
+    return tuple(cts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, ex, spec, scale, mask):
+    return _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)[0]
+
+
+def _attention_fwd(q, k, v, ex, spec, scale, mask):
+    o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
+    return o, (q, k, v, ex, o, lse)
 
 
 def _attention_bwd(spec, scale, mask, res, do):
-    q, k, v, o, lse = res
-    return _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do)
+    q, k, v, ex, o, lse = res
+    dq, dk, dv, *dbias = _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do, *ex)
+    return dq, dk, dv, _extra_cotangents(mask, ex, dbias)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -108,35 +127,43 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # cotangent adds p_ij * dlse_i to dS. The backward kernel computes dS = p * (dP - Dsum)
 # with dP = dO v^T and Dsum = rowsum(dO * o); one more call of it with v' = e_0 (every
 # key's value is the first unit vector), o' = 0 and dO'_i = dlse_i * e_0 gives
-# dP - Dsum = dlse_i, i.e. exactly the lse term of dq and dk (its dv is dropped).
+# dP - Dsum = dlse_i, i.e. exactly the lse term of dq, dk (and dbias; its dv is dropped).
 # That second call runs only when the lse cotangent is not a symbolic zero.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention_lse(q, k, v, spec, scale, mask):
-    return _kernel_calls(spec, scale, *mask)[0](q, k, v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention_lse(q, k, v, ex, spec, scale, mask):
+    return _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
 
 
-def _attention_lse_fwd(q, k, v, spec, scale, mask):
+def _attention_lse_fwd(q, k, v, ex, spec, scale, mask):
     q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros wraps the primals
-    o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v)
-    return (o, lse), (q, k, v, o, lse)
+    ex = tuple(x.value for x in ex)
+    o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
+    return (o, lse), (q, k, v, ex, o, lse)
 
 
 def _attention_lse_bwd(spec, scale, mask, res, cts):
-    q, k, v, o, lse = res
+    q, k, v, ex, o, lse = res
     do, dlse = cts
     zero = jax.custom_derivatives.SymbolicZero
     bwd = _kernel_calls(spec, scale, *mask)[1]
+    has_bias = "bias" in mask[3]
     if isinstance(do, zero):
         dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        dbias = [jnp.zeros_like(ex[_bias_index(mask)])] if has_bias else []
     else:
-        dq, dk, dv = bwd(q, k, v, o, lse, do)
+        dq, dk, dv, *dbias = bwd(q, k, v, o, lse, do, *ex)
     if not isinstance(dlse, zero):
         e0 = jnp.zeros(q.shape[3], q.dtype).at[0].set(1)
         v1 = jnp.broadcast_to(e0, v.shape)
         do1 = jnp.swapaxes(dlse, 1, 2)[..., None].astype(q.dtype) * e0  # [B,Sq,Hq,D]
-        dq1, dk1, _ = bwd(q, k, v1, jnp.zeros_like(o), lse, do1)
+        dq1, dk1, _, *dbias1 = bwd(q, k, v1, jnp.zeros_like(o), lse, do1, *ex)
         dq, dk = dq + dq1, dk + dk1
-    return dq, dk, dv
+        dbias = [a + b for a, b in zip(dbias, dbias1)]
+    return dq, dk, dv, _extra_cotangents(mask, ex, dbias)
+
+
+def _bias_index(mask) -> int:
+    return 1 if mask[3][0] == "alibi" else 0
 
 
 _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd, symbolic_zeros=True)
@@ -145,53 +172,122 @@ _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd, symbolic_zeros=Tru
 def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
                     is_causal: bool = False, causal: bool | None = None, bottom_right: bool = False,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
                     return_lse: bool = False):
-    """softmax(scale · q kᵀ [+ causal mask]) v with FlashAttention kernels.
+    """softmax(scale · q kᵀ [+ bias] [+ ALiBi] [masked]) v with FlashAttention kernels.
 
     A drop-in for jax.nn.dot_product_attention where the two overlap (query, key,
-    value, scale, is_causal; `causal` is flashgen's own spelling of is_causal).
+    value, bias, mask, scale, is_causal; `causal` is flashgen's own spelling of is_causal).
     query: [batch, seq_q, heads, head_dim]; key, value: [batch, seq_k, kv_heads, head_dim]
     (kv_heads divides heads: GQA/MQA). scale defaults to 1/sqrt(head_dim).
     Causal masks key j for query i unless j <= i (top-left, as jnp.tril and
     jax.nn.dot_product_attention), or j <= i + seq_k - seq_q with bottom_right=True
-    (FlashAttention-2's alignment). The kernels take no bias or mask tensor: passing
-    one raises instead of silently ignoring it.
+    (FlashAttention-2's alignment).
 
     window=(left, right) is a sliding window (-1 = unbounded on that side): key j is
     visible to query i iff i + off - left <= j <= i + off + right, with the same offset
     off as causal (0, or seq_k - seq_q with bottom_right=True, which a window alone also
     accepts); combined with causal, right is effectively 0. softcap=c > 0 replaces the
-    scaled scores x by c·tanh(x/c) before masking and softmax (Gemma-2). Both are runtime
-    attributes: they compile no new kernel.
+    scaled scores x by c·tanh(x/c) before masking and softmax (Gemma-2).
+
+    bias (float, broadcastable to [batch, heads, seq_q, seq_k]) is added to the scores
+    (after scale and softcap) and gets a gradient; mask (bool, same broadcasting; True =
+    attend) and q_segment_ids [batch, seq_q] / kv_segment_ids [batch, seq_k] (int; attend
+    only within equal ids: packed sequences) restrict visibility; alibi_slopes ([heads] or
+    [batch, heads], f32) subtracts slope·|i + off - j| (ALiBi; bottom_right chooses off).
+    A key-padding mask ([batch|1, 1, 1, seq_k]) travels as segment ids, O(seq) memory.
+    All combine with causal, window and softcap. A row that sees no key gives 0.
+
     return_lse=True returns (o, lse) with lse [batch, heads, seq_q] f32 (natural log,
     -inf for a row that sees no key); both are differentiable (an lse cotangent costs
     one more backward kernel call).
     """
-    if bias is not None or mask is not None:
-        raise NotImplementedError(
-            "flashgen.jax.flash_attention supports no bias or mask tensor yet; for causal masking "
-            "pass is_causal=True (or causal=True), or use jax.nn.dot_product_attention")
     if causal is not None and bool(causal) != bool(is_causal) and is_causal:
         raise ValueError(f"causal={causal} contradicts is_causal={is_causal}")
     causal = bool(is_causal if causal is None else causal)
     q, k, v = query, key, value
-    spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
-    q, k, v = sharding.match_varying(q, k, v)  # in shard_map: before the VJP, so grads psum
+    _check(q, k, v, scale)
+    extras, ex = _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_ids)
+    spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
+    q, k, v, *ex = sharding.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
     if return_lse:
-        return _attention_lse(q, k, v, spec, scale, mask)
-    return _attention(q, k, v, spec, scale, mask)
+        return _attention_lse(q, k, v, tuple(ex), spec, scale, attrs)
+    return _attention(q, k, v, tuple(ex), spec, scale, attrs)
 
 
-def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0):
+def _broadcast_4d(x, name: str, b: int, h: int, sq: int, sk: int, dtypes):
+    """x broadcast to [1|b, 1|h, sq, sk] (keeping size-1 batch/head dims)."""
+    x = jnp.asarray(x)
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must be broadcastable to [batch, heads, seq_q, seq_k] = "
+                         f"{[b, h, sq, sk]}, got shape {x.shape}")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    target = (x.shape[0] if x.shape[0] == 1 else b, x.shape[1] if x.shape[1] == 1 else h, sq, sk)
+    try:
+        np.broadcast_shapes(x.shape, (b, h, sq, sk))
+    except ValueError:
+        raise ValueError(f"{name} must be broadcastable to [batch, heads, seq_q, seq_k] = "
+                         f"{[b, h, sq, sk]}, got shape {x.shape}") from None
+    return jnp.broadcast_to(x, target)
+
+
+def _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_ids):
+    """The `extras` names and their operands, checked and in the kernels' layout."""
+    b, sq, hq = q.shape[0], q.shape[1], q.shape[2]
+    sk = k.shape[1]
+    out = {}
+    if alibi_slopes is not None:
+        a = jnp.asarray(alibi_slopes)
+        if a.shape not in ((hq,), (b, hq)):
+            raise ValueError(f"alibi_slopes must be [heads]={[hq]} or [batch, heads]={[b, hq]}, "
+                             f"got shape {a.shape}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"alibi_slopes must be floating point, got {a.dtype}")
+        out["alibi"] = (a.astype(jnp.float32),)
+    if bias is not None:
+        bias_dtypes = {jnp.dtype(jnp.float32), jnp.dtype(q.dtype)}
+        out["bias"] = (_broadcast_4d(bias, "bias", b, hq, sq, sk, bias_dtypes),)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if mask is not None:
+        m = jnp.asarray(mask)
+        if m.dtype != jnp.bool_:
+            raise TypeError(f"mask must be boolean (True = attend), got {m.dtype}")
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape) if m.ndim <= 4 else m
+        if (q_segment_ids is None and m.ndim == 4 and m.shape[1:3] == (1, 1) and m.shape[3] == sk
+                and m.shape[0] in (1, b)):
+            # Key padding: "attend iff key j is real" == segment ids 1 vs kv ids mask.
+            q_segment_ids = jnp.ones((b, sq), jnp.int32)
+            kv_segment_ids = jnp.broadcast_to(m[:, 0, 0, :], (b, sk)).astype(jnp.int32)
+        else:
+            out["mask"] = (_broadcast_4d(m, "mask", b, hq, sq, sk, {jnp.dtype(jnp.bool_)}),)
+    if q_segment_ids is not None:
+        qs, ks = jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids)
+        if qs.shape != (b, sq) or ks.shape != (b, sk):
+            raise ValueError(f"q_segment_ids must be [batch, seq_q]={[b, sq]} and kv_segment_ids "
+                             f"[batch, seq_k]={[b, sk]}, got {qs.shape} and {ks.shape}")
+        for name, x in (("q_segment_ids", qs), ("kv_segment_ids", ks)):
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name} must be integers, got {x.dtype}")
+        out["segment_ids"] = (qs.astype(jnp.int32), ks.astype(jnp.int32))
+    extras = tuple(n for n in EXTRAS if n in out)
+    return extras, [x for n in extras for x in out[n]]
+
+
+def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0, extras=(),
+             check_shardings=True):
     dtype, scale = _check(q, k, v, scale)
     window = normalize_window(window)
     softcap = normalize_softcap(softcap)
-    if bottom_right and not causal and window == (-1, -1):
-        raise ValueError("bottom_right only applies to causal attention or a sliding window")
-    sharding.check_operand_shardings(q, k, v)
+    if bottom_right and not causal and window == (-1, -1) and "alibi" not in extras:
+        raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
+    if check_shardings:
+        sharding.check_operand_shardings(q, k, v)
     spec = KernelSpec(q.shape[3], dtype, bool(causal), _local_target())
     runtime.ensure([spec])
-    return spec, scale, (bool(bottom_right), window, softcap)
+    return spec, scale, (bool(bottom_right), window, softcap, tuple(extras))
 
 
 def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -210,3 +306,152 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | N
     exact share of dq and its exact dk, dv."""
     spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
     return _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do)
+
+
+# --------------------------------------------------------------------------------------
+# Packed variable-length batches (flash_attn_varlen_func's layout) and the paged KV cache.
+
+def _check_lengths(name: str, cu, max_seqlen) -> int:
+    if np.ndim(cu) != 1 or np.shape(cu)[0] < 1:
+        raise ValueError(f"{name} must be rank 1 [batch + 1], got shape {np.shape(cu)}")
+    if not jnp.issubdtype(jnp.asarray(cu).dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers, got {jnp.asarray(cu).dtype}")
+    if isinstance(max_seqlen, jax.core.Tracer) or isinstance(max_seqlen, bool) or \
+            not isinstance(max_seqlen, (int, np.integer)):
+        raise TypeError(f"max_seqlen for {name} must be a Python int (it sizes the launch), "
+                        f"got {max_seqlen!r}")
+    if not 0 <= int(max_seqlen) < 2**31:
+        raise ValueError(f"max_seqlen for {name} must be in [0, 2^31), got {max_seqlen}")
+    return int(max_seqlen)
+
+
+def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(x) != 3:
+            raise ValueError(f"{name} must be rank 3 [total_tokens, heads, head_dim] (packed), "
+                             f"got shape {np.shape(x)}")
+    # Reuse the dense checks on [1, T, H, D] views (dtype, head dim, kv heads, scale).
+    spec, scale, attrs = _prepare(*(jax.ShapeDtypeStruct((1, *x.shape), x.dtype) for x in (q, k, v)),
+                                  causal, scale, bottom_right, window, softcap, check_shardings=False)
+    return spec, scale, attrs[:3]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention_varlen(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen):
+    return _varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen)
+
+
+def _varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen):
+    bottom_right, window, softcap = attrs
+    return sharding.kernel_call(spec, "fwd_varlen", (q, k, v, cu_q, cu_k), scale=scale,
+                                bottom_right=bottom_right, window=window, softcap=softcap,
+                                max_seqlen=max_seqlen)
+
+
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen):
+    o, lse = _varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen)
+    return (o, lse), (q, k, v, cu_q, cu_k, o, lse)
+
+
+def _attention_varlen_bwd(spec, scale, attrs, max_seqlen, res, cts):
+    q, k, v, cu_q, cu_k, o, lse = res
+    do, dlse = cts
+    bottom_right, window, softcap = attrs
+    dq, dk, dv = sharding.kernel_call(spec, "bwd_varlen", (q, k, v, o, lse, do, cu_q, cu_k),
+                                      scale=scale, bottom_right=bottom_right, window=window,
+                                      softcap=softcap, max_seqlen=max_seqlen)
+    # An lse cotangent (return_lse=True) is folded in as in _attention_lse_bwd: the
+    # backward with v' = e_0, o' = 0, dO' = dlse · e_0 yields exactly its dq, dk share.
+    e0 = jnp.zeros(q.shape[2], q.dtype).at[0].set(1)
+    do1 = jnp.swapaxes(dlse, 0, 1)[..., None].astype(q.dtype) * e0
+    dq1, dk1, _ = sharding.kernel_call(
+        spec, "bwd_varlen", (q, k, jnp.broadcast_to(e0, v.shape), jnp.zeros_like(o), lse, do1,
+                             cu_q, cu_k),
+        scale=scale, bottom_right=bottom_right, window=window, softcap=softcap, max_seqlen=max_seqlen)
+    return dq + dq1, dk + dk1, dv, None, None
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                           max_seqlen_k: int, *, causal: bool = False, scale: float | None = None,
+                           bottom_right: bool = False, window: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, return_lse: bool = False):
+    """Attention over a packed batch of variable-length sequences (flash_attn_varlen_func).
+
+    q [total_q, heads, head_dim], k, v [total_k, kv_heads, head_dim]; sequence b is q rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys cu_seqlens_k[b]:cu_seqlens_k[b+1]
+    (int32 [batch + 1], starting at 0, non-decreasing; may be traced). max_seqlen_q/_k are
+    Python ints bounding the lengths (they size the GPU launch). Each sequence is an
+    independent attention with its own lengths: causal, bottom_right, window and softcap
+    act per sequence. Rows past cu_seqlens_q[-1] and empty sequences give o = 0.
+    Returns o [total_q, heads, head_dim] (and lse [heads, total_q] with return_lse=True);
+    differentiable in q, k, v.
+    """
+    cu_q = jnp.asarray(cu_seqlens_q)
+    cu_k = jnp.asarray(cu_seqlens_k)
+    max_seqlen = (_check_lengths("cu_seqlens_q", cu_q, max_seqlen_q),
+                  _check_lengths("cu_seqlens_k", cu_k, max_seqlen_k))
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+                         f"got {cu_q.shape} and {cu_k.shape}")
+    spec, scale, attrs = _varlen_spec(q, k, v, bool(causal), scale, bottom_right, window, softcap)
+    o, lse = _attention_varlen(q, k, v, cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), spec,
+                               scale, attrs, max_seqlen)
+    return (o, lse) if return_lse else o
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention_paged(q, k_cache, v_cache, block_table, seqused_k, spec, scale, attrs):
+    bottom_right, window, softcap = attrs
+    return sharding.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k),
+                                scale=scale, bottom_right=bottom_right, window=window,
+                                softcap=softcap)
+
+
+def _attention_paged_fwd(*args):
+    return _attention_paged(*args), None
+
+
+def _attention_paged_bwd(spec, scale, attrs, res, cts):
+    raise NotImplementedError("flash_attention_paged is forward-only (inference/decode); "
+                              "differentiate flash_attention or flash_attention_varlen instead")
+
+
+_attention_paged.defvjp(_attention_paged_fwd, _attention_paged_bwd)
+
+
+def flash_attention_paged(q, k_cache, v_cache, block_table, seqused_k, *, causal: bool = False,
+                          scale: float | None = None, bottom_right: bool = False,
+                          window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                          return_lse: bool = False):
+    """Attention of q against a paged KV cache (vLLM's layout); forward only.
+
+    q [batch, seq_q, heads, head_dim]; k_cache, v_cache [num_blocks, block_size, kv_heads,
+    head_dim]; block_table int32 [batch, max_blocks]; seqused_k int32 [batch]. Key j of
+    batch b (j < seqused_k[b]) is row j % block_size of block block_table[b, j // block_size].
+    For decoding, where q holds the last seq_q tokens, use causal=True, bottom_right=True.
+    Decode with few sequences splits the keys over workers (split-KV). Returns o (and lse
+    [batch, heads, seq_q] with return_lse=True).
+    """
+    for name, x, r in (("q", q, 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
+                       ("block_table", block_table, 2), ("seqused_k", seqused_k, 1)):
+        if np.ndim(x) != r:
+            raise ValueError(f"{name} must be rank {r}, got shape {np.shape(x)}")
+    if np.shape(k_cache) != np.shape(v_cache):
+        raise ValueError(f"k_cache and v_cache shapes differ: {np.shape(k_cache)} vs {np.shape(v_cache)}")
+    b = q.shape[0]
+    if np.shape(block_table)[0] != b or np.shape(seqused_k) != (b,):
+        raise ValueError(f"block_table must be [batch={b}, max_blocks] and seqused_k [batch={b}], "
+                         f"got {np.shape(block_table)} and {np.shape(seqused_k)}")
+    for name, x in (("block_table", block_table), ("seqused_k", seqused_k)):
+        if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+            raise TypeError(f"{name} must be integers, got {jnp.asarray(x).dtype}")
+    # The dense checks (dtype, head dim, kv heads, scale) on a [B, block_size, Hkv, D] view.
+    kv_view = jax.ShapeDtypeStruct((b, *k_cache.shape[1:]), k_cache.dtype)
+    spec, scale, attrs = _prepare(q, kv_view, kv_view, bool(causal), scale, bottom_right, window,
+                                  softcap, check_shardings=False)
+    o, lse = _attention_paged(q, k_cache, v_cache, jnp.asarray(block_table, jnp.int32),
+                              jnp.asarray(seqused_k, jnp.int32), spec, scale, attrs[:3])
+    return (o, lse) if return_lse else o

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import re
 import threading
 
 import jax
@@ -44,7 +43,8 @@ from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
-from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, target_name
+from flashgen.spec import (DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, normalize_extras,
+                           parse_target_name, target_name)
 
 BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 
@@ -52,29 +52,66 @@ BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 # --------------------------------------------------------------------------------------
 # The Shardy rule (MLIR attributes only; flashgen.emit uses it too).
 
-def _rule_mappings(direction: str, heads: int, kv_heads: int):
-    """Factor names per operand and result; a tuple is a compound dimension (major first)."""
+def _rule_mappings(direction: str, shapes, extras=()):
+    """Factor names per operand and result, and the factor sizes. A tuple is a compound
+    dimension (major first); a broadcast (size-1) dimension gets a factor of its own, u0, u1..."""
+    q_shape, kv_shape = shapes[0], shapes[1]
+    heads, kv_heads = int(q_shape[-2]), int(kv_shape[-2])
     if kv_heads <= 0 or heads % kv_heads:
         raise ValueError(f"kv heads ({kv_heads}) must divide q heads ({heads})")
     # Shardy refuses size-1 factors inside a compound dimension: MQA's q heads are all h.
     qh = ("g",) if heads == kv_heads else ("h",) if kv_heads == 1 else ("g", "h")
-    q = ("b", "s", qh, "d")
+    sizes = {"g": kv_heads, "h": heads // kv_heads, "d": int(q_shape[-1])}
+    if direction in ("fwd_varlen", "bwd_varlen"):
+        # Packed tokens: only heads are parallel (a token's sequence is data, cu_seqlens).
+        sizes.update(s=int(q_shape[0]), t=int(kv_shape[0]), c=int(shapes[-1][0]))
+        q, kv, lse, cu = ("s", qh, "d"), ("t", "g", "d"), (qh, "s"), ("c",)
+        if direction == "fwd_varlen":
+            return [q, kv, kv, cu, cu], [q, lse], sizes
+        return [q, kv, kv, q, lse, q, cu, cu], [q, kv, kv], sizes
+    b, sq = int(q_shape[0]), int(q_shape[1])
+    sizes.update(b=b, s=sq)
+    q, lse = ("b", "s", qh, "d"), ("b", qh, "s")
+    if direction == "fwd_paged":
+        # Cache blocks are addressed by global ids in block_table: the caches stay whole
+        # along blocks; batch and kv heads are parallel.
+        sizes.update(n=int(kv_shape[0]), p=int(kv_shape[1]), m=int(shapes[3][1]))
+        cache = ("n", "p", "g", "d")
+        return [q, cache, cache, ("b", "m"), ("b",)], [q, lse], sizes
+    sizes["t"] = int(kv_shape[1])
     kv = ("b", "t", "g", "d")
-    lse = ("b", qh, "s")
+    fixed = [q, kv, kv] if direction == "fwd" else [q, kv, kv, q, lse, q]
+    extra, dbias = [], []
+    it = iter(shapes[len(fixed):])
+    for e in extras:
+        if e == "alibi":
+            extra.append((qh,) if len(next(it)) == 1 else ("b", qh))
+        elif e in ("bias", "mask"):
+            bb, hh = next(it)[:2]
+            units = [f"u{len(sizes) + i}" for i in range(2)]
+            sizes.update({u: 1 for u in units})
+            m = ("b" if bb != 1 or b == 1 else units[0], qh if hh != 1 or heads == 1 else units[1],
+                 "s", "t")
+            extra.append(m)
+            if e == "bias":
+                dbias = [m]
+        else:
+            next(it), next(it)
+            extra += [("b", "s"), ("b", "t")]
     if direction == "fwd":
-        return [q, kv, kv], [q, lse]
+        return fixed + extra, [q, lse], sizes
     if direction == "bwd":
-        return [q, kv, kv, q, lse, q], [q, kv, kv]
+        return fixed + extra, [q, kv, kv] + dbias, sizes
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
-def sharding_rule_attr(direction: str, q_shape, kv_shape) -> ir.Attribute:
-    """The ``#sdy.op_sharding_rule`` of one flashgen call (inside an MLIR context with sdy)."""
-    b, sq, hq, d = (int(x) for x in q_shape)
-    sk, hkv = int(kv_shape[1]), int(kv_shape[2])
-    sizes = {"b": b, "s": sq, "g": hkv, "h": hq // max(hkv, 1), "d": d, "t": sk}
-    operands, results = _rule_mappings(direction, hq, hkv)
-    used = [f for f in ("b", "s", "g", "h", "d", "t")
+def sharding_rule_attr(direction: str, shapes, extras=()) -> ir.Attribute:
+    """The ``#sdy.op_sharding_rule`` of one flashgen call (inside an MLIR context with sdy);
+    `shapes` are the operands' shapes, in call order."""
+    operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras)
+    order = ("b", "s", "g", "h", "d", "t", "c", "n", "p", "m") + tuple(
+        sorted(f for f in sizes if f.startswith("u")))
+    used = [f for f in order
             if any(f in (dim if isinstance(dim, tuple) else (dim,))
                    for m in operands + results for dim in m)]
     index = {f: i for i, f in enumerate(used)}
@@ -89,7 +126,8 @@ def sharding_rule_attr(direction: str, q_shape, kv_shape) -> ir.Attribute:
         factor_sizes=[sizes[f] for f in used],
         operand_mappings=[tensor(m) for m in operands],
         result_mappings=[tensor(m) for m in results],
-        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h") if f in index),
+        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h", "c", "n", "p", "m")
+                                        if f in index),
         is_custom=True)
 
 
@@ -103,7 +141,8 @@ def context_has_sdy(context: ir.Context | None = None) -> bool:
 # --------------------------------------------------------------------------------------
 # XLA custom-call partitioners (HloSharding arithmetic; called by the SPMD partitioner).
 
-_TARGET = re.compile(r"^flashgen_(fwd|bwd)_d(\d+)_(f16|bf16|f32)(_causal)?$")
+# Partitioners serve the dense targets; varlen and paged calls (whose token or cache-block
+# layout is data) keep XLA's default for custom calls: operands replicated.
 _registered = False
 _register_lock = threading.Lock()
 
@@ -163,8 +202,7 @@ def _lse_sharding(s):
 
 
 def _parse_call(name: str, backend_string: bytes):
-    m = _TARGET.match(name)
-    direction, hd, dtype, causal = m.group(1), int(m.group(2)), m.group(3), bool(m.group(4))
+    direction, hd, dtype, causal = parse_target_name(name)
     from flashgen.mlir_context import new_context
     with new_context():
         attrs = ir.DictAttr(ir.Attribute.parse(bytes(backend_string).decode() or "{}"))
@@ -174,22 +212,24 @@ def _parse_call(name: str, backend_string: bytes):
             "window": tuple(ir.IntegerAttr(attrs[n]).value if n in attrs else -1
                             for n in ("window_left", "window_right")),
             "softcap": ir.FloatAttr(attrs["softcap"]).value if "softcap" in attrs else 0.0,
+            "extras": normalize_extras(ir.StringAttr(attrs["extras"]).value if "extras" in attrs else ""),
         }
     return KernelSpec(hd, dtype, causal, "cpu"), direction, scale, bool(bottom_right), extra
 
 
-def _local_module(spec: KernelSpec, direction: str, local_shapes, scale, bottom_right,
+_MLIR_ELEMENTS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "bool": "i1", "int32": "i32"}
+
+
+def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, scale, bottom_right,
                   extra=None) -> bytes:
     """A module whose @main is the same flashgen call on per-device shapes."""
     from jaxlib.mlir.dialects import func
-    from flashgen.emit import _MLIR_DTYPES, emit_custom_call
+    from flashgen.emit import emit_custom_call
     from flashgen.mlir_context import new_context
     with new_context(), ir.Location.unknown():
         module = ir.Module.create()
-        types = [ir.RankedTensorType.get(list(shape),
-                                         ir.F32Type.get() if direction == "bwd" and i == 4
-                                         else ir.Type.parse(_MLIR_DTYPES[spec.dtype]))
-                 for i, shape in enumerate(local_shapes)]
+        types = [ir.RankedTensorType.get(list(shape), ir.Type.parse(_MLIR_ELEMENTS[elt]))
+                 for shape, elt in zip(local_shapes, elements)]
         with ir.InsertionPoint(module.body):
             fn = func.FuncOp("main", ir.FunctionType.get(types, []))
             fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
@@ -227,16 +267,22 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
     xc = _xc()
     spec, direction, scale, bottom_right, extra = _parse_call(name, backend_string)
     shapes = [tuple(s.dimensions()) for s in arg_shapes]
+    elements = [str(np.dtype(s.numpy_dtype())) for s in arg_shapes]
     if any(s is not None and s.is_manual() for s in arg_shardings):
         # Inside a fully manual region the call already sees local shapes.
         operand_sh = [xc.HloSharding.manual()] * len(shapes)
         result_sh = [xc.HloSharding.manual()] * len(result_shape.tuple_shapes())
         local = shapes
+    elif extra["extras"]:
+        # Bias, mask, ALiBi and segment-id operands are not split yet: the call runs whole.
+        operand_sh = [xc.HloSharding.replicate()] * len(shapes)
+        result_sh = [xc.HloSharding.replicate()] * len(result_shape.tuple_shapes())
+        local = shapes
     else:
         plan = _plan(_base_sharding(arg_shardings, result_sharding), shapes[0], shapes[1])
         operand_sh, result_sh = _shardings_for(direction, plan)
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
-    module = _local_module(spec, direction, local, scale, bottom_right, extra)
+    module = _local_module(spec, direction, local, elements, scale, bottom_right, extra)
     return module, operand_sh, xc.HloSharding.tuple_sharding(result_shape, result_sh)
 
 
@@ -247,7 +293,9 @@ def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_
         if base is None:
             return None
         shapes = [tuple(s.dimensions()) for s in arg_shapes]
-        direction = _TARGET.match(name).group(1)
+        direction = parse_target_name(name)[0]
+        if len(shapes) != (3 if direction == "fwd" else 6):  # extras: the call runs whole
+            return None
         _, result_sh = _shardings_for(direction, _plan(base, shapes[0], shapes[1]))
         return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
     except Exception:  # noqa: BLE001 - fall back to XLA's default (replicated) choice
@@ -258,9 +306,9 @@ def _propagate_user_sharding(user_sharding, shape, backend_string):
     return user_sharding
 
 
-def all_target_names() -> list[str]:
+def all_target_names(directions=DIRECTIONS) -> list[str]:
     return [target_name(d, h, t, c)
-            for d, h, t, c in itertools.product(DIRECTIONS, HEAD_DIMS, DTYPES, (False, True))]
+            for d, h, t, c in itertools.product(directions, HEAD_DIMS, DTYPES, (False, True))]
 
 
 def register_partitioners() -> None:
@@ -270,7 +318,7 @@ def register_partitioners() -> None:
         if _registered:
             return
         xc = _xc()
-        for name in all_target_names():
+        for name in all_target_names(("fwd", "bwd")):
             callbacks = dict(prop_user_sharding=_propagate_user_sharding,
                              partition=functools.partial(_partition, name),
                              infer_sharding_from_operands=functools.partial(_infer_from_operands, name),
@@ -294,14 +342,29 @@ _kernel_p.multiple_results = True
 
 def _abstract_eval(*avals, target, direction, attrs):
     q = avals[0]
-    if direction == "bwd":
-        return [a.update(weak_type=False) for a in avals[:3]]
+    if direction.startswith("bwd"):
+        dbias = [avals[6 + _extra_position(attrs, "bias")]] if "bias" in _extras_of(attrs) else []
+        return [a.update(weak_type=False) for a in [*avals[:3], *dbias]]
+    if direction == "fwd_varlen":
+        lse = q.update(shape=(q.shape[1], q.shape[0]), dtype=jnp.float32, weak_type=False)
+        return [q.update(weak_type=False), lse]
     b, sq, hq, _ = q.shape
     sharding = q.sharding
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
     lse = q.update(shape=(b, hq, sq), dtype=jnp.float32, weak_type=False,
                    sharding=sharding.update(spec=P(spec[BATCH], spec[HEADS], None)))
     return [q.update(weak_type=False), lse]
+
+
+def _extras_of(attrs) -> tuple[str, ...]:
+    return normalize_extras(dict(attrs).get("extras", ""))
+
+
+def _extra_position(attrs, name: str) -> int:
+    """Index of extra `name`'s first operand among the extra operands."""
+    from flashgen.spec import EXTRAS
+    extras = _extras_of(attrs)
+    return sum(len(EXTRAS[e]) for e in extras[:extras.index(name)])
 
 
 def _fully_manual(ctx) -> bool:
@@ -314,8 +377,8 @@ def _fully_manual(ctx) -> bool:
 def _lowering(ctx, *args, target, direction, attrs):
     extra = {}
     if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx):
-        q, k = ctx.avals_in[0], ctx.avals_in[1]
-        extra["sdy.sharding_rule"] = sharding_rule_attr(direction, q.shape, k.shape)
+        extra["sdy.sharding_rule"] = sharding_rule_attr(
+            direction, [a.shape for a in ctx.avals_in], _extras_of(attrs))
     rule = jax.ffi.ffi_lowering(target, extra_attributes=extra or None)
     return rule(ctx, *args, **dict(attrs))
 
@@ -347,17 +410,22 @@ def match_varying(*operands):
 
 
 def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool,
-                window=(-1, -1), softcap: float = 0.0):
-    """Bind one flashgen kernel: (q, k, v) -> (o, lse) or (q, k, v, o, lse, do) -> (dq, dk, dv).
-    Passes every attribute of spec.ATTRIBUTE_SCHEMA with its exact type."""
+                window=(-1, -1), softcap: float = 0.0, extras=(), max_seqlen=None):
+    """Bind one flashgen kernel (`direction` one of spec.DIRECTIONS; operands as README
+    "KernelSpec and the custom calls" lists them, the dense ones followed by the operands
+    `extras` names). Passes every attribute of spec.ATTRIBUTES[direction] with its exact type."""
     register_partitioners()
     operands = match_varying(*operands)
     left, right = window
-    attrs = (("bottom_right", bool(bottom_right)), ("causal", spec.causal),
+    attrs = [("bottom_right", bool(bottom_right)), ("causal", spec.causal),
              ("scale", np.float32(scale)), ("softcap", np.float32(softcap)),
-             ("window_left", np.int32(left)), ("window_right", np.int32(right)))
+             ("window_left", np.int32(left)), ("window_right", np.int32(right))]
+    if direction in ("fwd", "bwd"):
+        attrs.append(("extras", ",".join(normalize_extras(extras))))
+    elif direction.endswith("varlen"):
+        attrs += [("max_seqlen_k", np.int32(max_seqlen[1])), ("max_seqlen_q", np.int32(max_seqlen[0]))]
     return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),
-                                direction=direction, attrs=attrs))
+                                direction=direction, attrs=tuple(sorted(attrs))))
 
 
 # --------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@
 
 ``flashgen.rewrite(...)`` (the package called like a function) is the same call.
 Modules: modules (formats), graph (navigation through calls), fold (constant
-evaluation), layout (axis bookkeeping), patterns (match/rewrite), driver
-(applies the pattern), report (the records).
+evaluation), layout (axis bookkeeping), patterns (match/rewrite), masks (causal /
+window bands), extras (ALiBi, bias, mask and segment-id operands), adapters (layout
+ops), driver (applies the pattern), report (the records).
 """
 from __future__ import annotations
 

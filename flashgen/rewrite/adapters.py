@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from math import prod
 
+import numpy as np
+
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
@@ -49,3 +51,124 @@ def adapt(value: ir.Value, src, dst, created, final_shape=None) -> ir.Value:
     if list(x.type.shape) != target:
         x = reshape(x, target, created)
     return x
+
+
+# ----------------------------------------------------------------------------- extra operands
+def target_recipe(src_layout, groups):
+    """How to bring a tensor whose dims hold ``src_layout`` (refined pieces; () = a size-1,
+    broadcast dim) into one dim per group. ``groups``: [(pieces, full)]; a group is kept at
+    its full size when ``full`` or when the tensor holds any of its pieces, else it is 1.
+
+    Returns (fine, perm, target, bdims, final): the tensor's pieces in order, the transpose
+    that orders them as in the target, the target's pieces, where each of the tensor's
+    (permuted) pieces goes among them, and the final shape. ValueError if the tensor holds a
+    piece that no group has.
+    """
+    fine = L.pieces(src_layout)
+    present = set(fine)
+    target, final = [], []
+    for pcs, full in groups:
+        if full or any(p in present for p in pcs):
+            target += list(pcs)
+            final.append(prod(p[2] for p in pcs))
+        else:
+            final.append(1)
+    missing = [p for p in fine if p not in target]
+    if missing:
+        raise ValueError(f"pieces {missing} have no place in the kernel operand")
+    perm = sorted(range(len(fine)), key=lambda i: target.index(fine[i]))
+    ordered = [fine[i] for i in perm]
+    bdims = [target.index(p) for p in ordered]
+    return fine, perm, target, bdims, final
+
+
+def np_to_kernel(arr, layout, groups) -> np.ndarray:
+    """A compact constant (each dim full or 1) whose dims hold ``layout`` (refined pieces),
+    as one dim per group (target_recipe)."""
+    arr = np.asarray(arr)
+    lay = tuple(d if arr.shape[i] != 1 else () for i, d in enumerate(layout))
+    fine, perm, target, bdims, final = target_recipe(lay, groups)
+    x = arr.reshape([p[2] for p in fine])
+    x = np.transpose(x, perm)
+    expanded = [1] * len(target)
+    for i, d in enumerate(bdims):
+        expanded[d] = target[d][2]
+    x = x.reshape(expanded)
+    x = np.broadcast_to(x, [p[2] for p in target])
+    return np.ascontiguousarray(x.reshape(final))
+
+
+def to_kernel(value: ir.Value, layout, groups, created) -> ir.Value:
+    """The MLIR counterpart of np_to_kernel for a value whose dims hold ``layout`` exactly
+    (size-1 dims hold no piece)."""
+    fine, perm, target, bdims, final = target_recipe(layout, groups)
+    x = value
+    whole = [tuple(pcs) for pcs, _ in groups]
+    if len(layout) == len(groups) and all(not d or tuple(d) == whole[i]
+                                          for i, d in enumerate(layout)):
+        # already one dim per group (size 1 where broadcast): at most one broadcast_in_dim
+        return broadcast_to(x, final, created)
+    kept = [d for d in layout if d]
+    if all(tuple(d) in whole for d in kept):
+        gidx = [whole.index(tuple(d)) for d in kept]
+        if gidx == sorted(set(gidx)):
+            squeezed = [final[g] for g in gidx]
+            if list(x.type.shape) != squeezed:
+                x = reshape(x, squeezed, created)
+            if squeezed != list(final):
+                x = broadcast(x, final, gidx, created)
+            return x
+    fine_shape = [p[2] for p in fine]
+    if list(x.type.shape) != fine_shape:
+        x = reshape(x, fine_shape, created)
+    if perm != list(range(len(perm))):
+        op = stablehlo.TransposeOp(x, perm)
+        created.append(op)
+        x = op.result
+    tshape = [p[2] for p in target]
+    if list(x.type.shape) != tshape:
+        x = broadcast(x, tshape, bdims, created)
+    if list(x.type.shape) != list(final):
+        x = reshape(x, final, created)
+    return x
+
+
+def broadcast(x: ir.Value, shape, dims, created) -> ir.Value:
+    t = ir.RankedTensorType.get(list(shape), x.type.element_type)
+    op = stablehlo.BroadcastInDimOp(t, x, list(dims))
+    created.append(op)
+    return op.result
+
+
+def broadcast_to(x: ir.Value, shape, created) -> ir.Value:
+    """Same rank, size-1 dims expanded."""
+    if list(x.type.shape) == list(shape):
+        return x
+    return broadcast(x, shape, range(len(shape)), created)
+
+
+def constant(array: np.ndarray, elt, created) -> ir.Value:
+    array = np.ascontiguousarray(array)
+    t = ir.RankedTensorType.get(list(array.shape), elt)
+    if array.size and (array == array.reshape(-1)[0]).all():
+        x = array.reshape(-1)[0]
+        attr = ir.DenseElementsAttr.get_splat(t, ir.BoolAttr.get(bool(x)) if array.dtype == np.bool_
+                                              else ir.FloatAttr.get(elt, float(x)))
+    else:
+        attr = ir.DenseElementsAttr.get(array, type=t)
+    op = stablehlo.ConstantOp(attr)
+    created.append(op)
+    return op.result
+
+
+def binary(kind: str, a: ir.Value, b: ir.Value, created) -> ir.Value:
+    cls = {"add": stablehlo.AddOp, "and": stablehlo.AndOp, "multiply": stablehlo.MulOp}[kind]
+    op = cls(a, b)
+    created.append(op)
+    return op.result
+
+
+def logical_not(x: ir.Value, created) -> ir.Value:
+    op = stablehlo.NotOp(x)
+    created.append(op)
+    return op.result

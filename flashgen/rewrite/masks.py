@@ -6,7 +6,8 @@ what remains must vary along one query axis and one key axis only, and be a band
 on the diagonal distance: visible iff ``lo <= j - i - off <= hi`` with off = 0
 (top-left) or Sk - Sq (bottom-right), with no fully masked row. hi = 0 is causal,
 hi > 0 a window's right side, lo a window's left side (left = -lo); an unbounded
-side is -1. Anything else (padding, block masks, hi < 0) is rejected with the reason.
+side is -1. Anything else (padding, block masks, hi < 0) raises NotBand with the reason; the
+pattern then passes the mask as a constant ``mask`` operand (flashgen.rewrite.extras).
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import numpy as np
 
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.errors import Reject
+
+
+class NotBand(Reject):
+    """The constant masks are valid but no causal/window band: pass them as a mask operand."""
 
 
 def classify(masks, cuts, q_free, k_free):
@@ -54,7 +59,7 @@ def classify(masks, cuts, q_free, k_free):
             elif pc in k_set and ka is None:
                 ka = pc
             else:
-                raise Reject("the mask is not causal: it varies along "
+                raise NotBand("the mask is not causal: it varies along "
                              f"{'a batch or head axis' if pc[0][0] == 'B' else 'several axes'}")
         keep = [ax for ax, pc in enumerate(fine_pieces) if pc in (qa, ka) and arr.shape[ax] > 1]
         arr2 = arr.reshape([arr.shape[ax] for ax in keep]) if keep else arr.reshape(())
@@ -68,22 +73,22 @@ def classify(masks, cuts, q_free, k_free):
         else:
             arr2 = arr2.reshape((1, 1) if not keep else arr2.shape)
         if (q_axis and qa and q_axis != qa) or (k_axis and ka and k_axis != ka):
-            raise Reject("the masks vary along different axes")
+            raise NotBand("the masks vary along different axes")
         q_axis, k_axis = q_axis or qa, k_axis or ka
         combined = arr2 if combined is None else (combined & arr2)
     if combined.all():
         return False, False, [], (-1, -1)
     single_query = not q_free  # one query row (a decode step): the mask varies along keys only
     if k_axis is None or (q_axis is None and not single_query):
-        raise Reject("the mask is not causal (it depends on only one of the query and key "
+        raise NotBand("the mask is not causal (it depends on only one of the query and key "
                      "positions: a padding mask?)")
     if len(k_free) != 1:
-        raise Reject("a causal mask over several key axes is not supported")
+        raise NotBand("a causal mask over several key axes is not supported")
     sq, sk = (1 if q_axis is None else q_axis[2]), k_axis[2]
     full = np.broadcast_to(combined, (sq, sk))
     found = band(full)
     if found is None:
-        raise Reject("the mask is not causal or a sliding window (block, strided or other "
+        raise NotBand("the mask is not causal or a sliding window (block, strided or other "
                      "pattern): unsupported")
     causal, bottom_right, window = found
     if not full.any(axis=1).all():
@@ -128,3 +133,18 @@ def band(full: np.ndarray):
     if not found:
         return None
     return min(found, key=lambda f: (not f[0], f[2][0] != -1, f[1]))
+
+
+def visible(sq: int, sk: int, causal: bool, bottom_right: bool, window) -> np.ndarray:
+    """[Sq, Sk] visibility of the kernel's causal/window attributes (flashgen.reference)."""
+    i = np.arange(sq)[:, None] + ((sk - sq) if bottom_right else 0)
+    j = np.arange(sk)[None, :]
+    out = np.ones((sq, sk), bool)
+    left, right = window
+    if causal:
+        out &= j <= i
+    if right >= 0:
+        out &= j <= i + right
+    if left >= 0:
+        out &= j >= i - left
+    return out

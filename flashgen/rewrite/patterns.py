@@ -7,8 +7,7 @@ What is matched, starting at a ``dot_general`` (the Q·K product):
     scores -> [scale] -> [softcap] -> [mask]     multiply/divide by constants; softcap
                                                  c·tanh(x/c): tanh then a multiply by c (the
                                                  divide by c is part of the scale); select with
-                                                 a constant causal / sliding-window mask and a
-                                                 large negative fill, or an additive 0/-inf bias;
+                                                 a large negative fill; additive biases;
                                                  converts, reshapes, transposes, unit
                                                  broadcasts, private calls
     p = exp(x - rowconst) / rowsum               the softmax over the key axes R; rowconst is
@@ -16,6 +15,17 @@ What is matched, starting at a ``dot_general`` (the Q·K product):
     p -> [layout, converts, fully-masked guard]
     out = dot_general(p, V) contracting R        V on either side
     out -> [transpose/reshape/convert]           the site's exit value
+
+Masks and biases (flashgen.rewrite.extras, README "Variants"): a select's predicate is split
+into its AND-ed conjuncts. Constant conjuncts that form a causal / sliding-window band become
+the call's attributes (flashgen.rewrite.masks), other constant masks a constant ``mask``
+operand; run-time conjuncts a ``mask`` operand, or ``segment_ids`` when they compare integer
+ids along the queries with ids along the keys. An added value is split into its terms:
+constants (whose large negative entries mask) become ALiBi slopes when they equal
+-slope·|i + off - j| up to per-row constants on the visible entries, else a constant
+``bias``; ``where(p, 0, -inf)`` terms are masks; other run-time terms a ``bias`` operand.
+Run-time operands are walked back through layout ops to their most compact form and must
+not depend on the Q·K product; they are rejected after a tanh (the kernel caps first).
 
 Roles are read from dimension numbers: the operand of the first product
 whose free axes the softmax reduces is K, the other is Q. Every tensor on the
@@ -33,6 +43,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
 from flashgen.rewrite import adapters, masks
+from flashgen.rewrite import extras as X
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Const, Folder
@@ -109,6 +120,7 @@ class Plan:
     site_ops: set             # {(ir.Operation, ctx)} the site's own ops
     window: tuple = (-1, -1)  # (left, right), -1 = unbounded
     softcap: float = 0.0      # 0 = none
+    extras: object = None     # extras.Resolved: the operands after q, k, v
 
 
 class _Match:
@@ -125,6 +137,9 @@ class _Match:
         self.probs_layout = None       # the probabilities' layout at the P·V product
         self.tanh = False              # the scores went through tanh (a softcap's first half)
         self.softcap = 0.0             # the cap c multiplied onto tanh (0: no softcap)
+        self.biases: list = []         # X.ConstBias: constant additive biases
+        self.extras: list = []         # X.ValueBias | X.ValueMask | X.SegmentIds (run time)
+        self.dot1 = None               # the Q·K product
 
     def add(self, op, ctx):
         self.ops.add((op.operation, ctx))
@@ -229,6 +244,7 @@ class AttentionPattern:
                               + [L.whole(f"L{j}", ls[a]) for j, a in enumerate(lfree)]
                               + [L.whole(f"R{j}", rs[b]) for j, b in enumerate(rfree)])
         m.add(dot1, ())
+        m.dot1 = dot1
         m.matched.append("Q·K product")
 
         # 1. scores -> softmax entry
@@ -291,7 +307,7 @@ class AttentionPattern:
             users = list(self.g.users(ref))
             if not users:
                 raise Reject("the scores are never used")
-            if self._is_softmax_entry(users):
+            if self._is_softmax_entry(m, users):
                 if m.tanh and not m.softcap:
                     raise Reject("the scores pass through tanh without a multiply by a constant "
                                  "cap after it (not a softcap c·tanh(x/c))")
@@ -325,7 +341,7 @@ class AttentionPattern:
                 return "the scores are returned; no softmax follows"
         return f"the scores pass through {names[0]} before any softmax"
 
-    def _is_softmax_entry(self, users) -> bool:
+    def _is_softmax_entry(self, m: _Match, users) -> bool:
         for user, idx, ctx in users:
             name = op_name(user)
             if name == "stablehlo.exponential":
@@ -335,7 +351,10 @@ class AttentionPattern:
             if name == "stablehlo.subtract" and idx == 0:
                 other = Ref(user.operands[1], ctx)
                 if self.folder.fold(other) is None:
-                    return True
+                    # the row maximum comes from the scores; a run-time bias does not
+                    r = self.g.resolve(other)
+                    if r.ctx or not self._independent(m, r.value):
+                        return True
         return False
 
     def _score_step(self, m: _Match, user, idx: int, ctx, layout):
@@ -350,7 +369,10 @@ class AttentionPattern:
         if name == "stablehlo.tanh":
             if m.tanh:
                 raise Reject("the scores pass through tanh twice")
-            if m.masks:
+            if m.biases or any(isinstance(x, X.ValueBias) for x in m.extras):
+                raise Reject("the scores get an additive bias before the softcap's tanh (the "
+                             "kernel caps before adding a bias)")
+            if m.masks or m.extras:
                 raise Reject("the scores are masked before the softcap's tanh (the kernel caps "
                              "before masking)")
             m.tanh = True
@@ -373,39 +395,248 @@ class AttentionPattern:
             m.scale = m.scale * s if name == "stablehlo.multiply" else m.scale / s
             m.matched.append("scale")
             return layout
+        if name in ("stablehlo.select", "stablehlo.add", "stablehlo.subtract") and m.tanh \
+                and not m.softcap:
+            raise Reject("the scores are masked or biased between the softcap's tanh and its "
+                         "multiply by the cap")
         if name == "stablehlo.select" and idx in (1, 2):
-            pred = self.folder.fold(Ref(user.operands[0], ctx))
-            if pred is None:
-                raise Reject("the mask depends on runtime values (a padding or attention-mask "
-                             "argument): only causal masks known at compile time are supported")
             fill = self.folder.fold(Ref(user.operands[3 - idx], ctx))
             if fill is None or not fill.uniform:
                 raise Reject("the masked-out fill value is not a constant")
             value = float(fill.scalar())
             if not value <= LARGE_NEGATIVE:
                 raise Reject(f"the mask fill value {value:g} is not a large negative number")
-            visible = pred.array.astype(bool)
-            if idx == 2:
-                visible = ~visible
-            m.masks.append((Const(visible, pred.shape), layout, "select"))
+            self._mask_terms(m, Ref(user.operands[0], ctx), layout, idx == 2, 0)
             m.matched.append("mask")
             return layout
         if name == "stablehlo.add" or (name == "stablehlo.subtract" and idx == 0):
-            bias = self.folder.fold(other)
-            if bias is None:
-                raise Reject("the scores get a runtime additive bias (an attention-mask argument "
-                             "or a position bias): only causal masks are supported")
-            b = bias.array.astype(np.float64)
-            if name == "stablehlo.subtract":
-                b = -b
-            if np.all(b == 0):
-                return layout
-            if not np.all((b == 0) | (b <= LARGE_NEGATIVE)):
-                raise Reject("the additive bias is not a 0 / -inf mask (a position bias?)")
-            m.masks.append((Const(b == 0, bias.shape), layout, "bias"))
-            m.matched.append("mask (additive)")
+            self._bias_terms(m, other, layout, -1.0 if name == "stablehlo.subtract" else 1.0, 0)
+            m.matched.append("bias")
             return layout
         raise Reject(f"the scores pass through {name}")
+
+    # ------------------------------------------------------------------ masks and biases
+    def _mask_terms(self, m: _Match, ref: Ref, layout, negate: bool, depth: int) -> None:
+        """Record a select's predicate (visible where true, or false with ``negate``): constant
+        conjuncts as masks, run-time conjuncts as mask / segment-id operands."""
+        if depth > MAX_CHAIN:
+            raise Reject("the mask expression is too deep to analyse")
+        c = self.folder.fold(ref)
+        if c is not None:
+            visible = c.array.astype(bool)
+            m.masks.append((Const(~visible if negate else visible, c.shape), layout, "select"))
+            return
+        op, r = self.g.producer(ref)
+        name = op_name(op) if op is not None else None
+        if name == ("stablehlo.or" if negate else "stablehlo.and"):
+            for x in op.operands:   # a conjunction (De Morgan under a negation)
+                self._mask_terms(m, Ref(x, r.ctx), layout, negate, depth + 1)
+            return
+        if name == "stablehlo.not":
+            return self._mask_terms(m, Ref(op.operands[0], r.ctx), layout, not negate, depth + 1)
+        if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
+            back = self._back(op, layout)
+            if back is not None:
+                return self._mask_terms(m, Ref(op.operands[0], r.ctx), back, negate, depth + 1)
+        if name == "stablehlo.compare" and _direction(op) in ("EQ", "NE"):
+            # x != 0 / x == 0 of a boolean converted to numbers (flax's float masks)
+            for i in (0, 1):
+                zero = self.folder.fold(Ref(op.operands[1 - i], r.ctx))
+                if zero is None or not zero.uniform or float(zero.scalar()) != 0:
+                    continue
+                found = self._bool_of(Ref(op.operands[i], r.ctx), layout)
+                if found is not None:
+                    return self._mask_terms(m, found[0], found[1],
+                                            negate != (_direction(op) == "EQ"), depth + 1)
+        leaf = self._value_mask(m, ref, layout, negate)
+        if name == "stablehlo.compare" and not negate and _direction(op) == "EQ" and \
+                _elt(op.operands[0]).lstrip("u").startswith("i") and _elt(op.operands[0]) != "i1":
+            sides = [self._source(m, Ref(x, r.ctx), layout)[0] for x in op.operands]
+            if all(sd is not None for sd in sides):
+                m.extras.append(X.SegmentIds((sides[0][0], sides[0][1]),
+                                             (sides[1][0], sides[1][1]), leaf))
+                return
+        if leaf is None:
+            raise Reject("the mask is computed inside a called function from values of that "
+                         "function")
+        m.extras.append(leaf)
+        m.notes.append("run-time mask passed as an operand")
+
+    def _bool_of(self, ref: Ref, layout):
+        """(Ref, layout) of the i1 value that ``ref`` converts to numbers (through layout
+        ops and float converts), or None."""
+        r = ref
+        for _ in range(MAX_CHAIN):
+            op, r = self.g.producer(r)
+            if op is None:
+                return None
+            name = op_name(op)
+            if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
+                layout = self._back(op, layout)
+                if layout is None:
+                    return None
+                r = Ref(op.operands[0], r.ctx)
+                continue
+            if name == "stablehlo.convert":
+                src = _elt(op.operands[0])
+                if src == "i1":
+                    return Ref(op.operands[0], r.ctx), layout
+                if src in _WIDTH and _elt(op.result) in _WIDTH:
+                    r = Ref(op.operands[0], r.ctx)
+                    continue
+            return None
+        return None
+
+    def _value_mask(self, m: _Match, ref: Ref, layout, negate: bool):
+        found, _ = self._source(m, ref, layout)
+        if found is None:
+            return None
+        value, lay, _ = found
+        return X.ValueMask(value, lay, negate)
+
+    def _bias_terms(self, m: _Match, ref: Ref, layout, factor: float, depth: int) -> None:
+        """Record what is added to the scores (times ``factor``): constant terms, masks spelled
+        as 0 / -inf biases, run-time terms."""
+        if depth > MAX_CHAIN:
+            raise Reject("the additive bias expression is too deep to analyse")
+        c = self.folder.fold(ref)
+        if c is not None:
+            b = c.array.astype(np.float64) * factor
+            masked = b <= LARGE_NEGATIVE
+            if np.any(masked):
+                m.masks.append((Const(~masked, c.shape), layout, "bias"))
+                b = np.where(masked, 0.0, b)
+            if np.any(b != 0):
+                m.biases.append(X.ConstBias(Const(b, c.shape), layout, 1.0, m.scale))
+            return
+        found, (r, lay, f) = self._source(m, ref, layout, scale=True)
+        op = None if isinstance(r.value, ir.BlockArgument) else r.value.owner
+        name = op_name(op) if op is not None else None
+        f *= factor
+        if name in ("stablehlo.add", "stablehlo.subtract") and f == 1.0:
+            # a sum of terms (e.g. ALiBi + a padding bias): each one on its own
+            self._bias_terms(m, Ref(op.operands[0], r.ctx), lay, 1.0, depth + 1)
+            self._bias_terms(m, Ref(op.operands[1], r.ctx), lay,
+                             -1.0 if name == "stablehlo.subtract" else 1.0, depth + 1)
+            return
+        if name == "stablehlo.select":
+            a = self.folder.fold(Ref(op.operands[1], r.ctx))
+            b = self.folder.fold(Ref(op.operands[2], r.ctx))
+            if a is not None and b is not None and a.uniform and b.uniform:
+                va, vb = float(a.scalar()) * f, float(b.scalar()) * f
+                if va == 0 and vb <= LARGE_NEGATIVE:    # where(p, 0, -inf): visible = p
+                    return self._mask_terms(m, Ref(op.operands[0], r.ctx), lay, False, depth + 1)
+                if vb == 0 and va <= LARGE_NEGATIVE:
+                    return self._mask_terms(m, Ref(op.operands[0], r.ctx), lay, True, depth + 1)
+        if found is None:
+            raise Reject("the additive bias is computed inside a called function from values "
+                         "of that function")
+        value, lay, f = found
+        m.extras.append(X.ValueBias(value, lay, f * factor, m.scale))
+        m.notes.append("run-time additive bias passed as an operand")
+
+    def _source(self, m: _Match, ref: Ref, layout, *, scale: bool = False):
+        """Walk back from a bias/mask operand through layout ops (and, with ``scale``,
+        multiplies by constants). Returns ((value, layout, factor) of the last value seen in
+        the site's own function, proven independent of the Q·K product, or None), and
+        (Ref, layout, factor) where the walk stopped."""
+        best, factor = None, 1.0
+        r = ref
+        for _ in range(MAX_CHAIN):
+            if not r.ctx:
+                best = (r.value, layout, factor)
+            r = self.g.resolve(r)
+            if not r.ctx:
+                best = (r.value, layout, factor)
+            v = r.value
+            if isinstance(v, ir.BlockArgument):
+                break
+            op = v.owner
+            name = op_name(op)
+            if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
+                back = self._back(op, layout)
+                if back is None:
+                    break
+                layout, r = back, Ref(op.operands[0], r.ctx)
+                continue
+            if name == "stablehlo.convert":
+                src, dst = _elt(op.operands[0]), _elt(v)
+                if not _widening(src, dst):
+                    break
+                r = Ref(op.operands[0], r.ctx)
+                continue
+            if scale and name in ("stablehlo.multiply", "stablehlo.divide"):
+                found = None
+                for i in ((0, 1) if name == "stablehlo.multiply" else (1,)):
+                    c = self.folder.fold(Ref(op.operands[i], r.ctx))
+                    if c is not None and c.uniform and np.isfinite(float(c.scalar())) and \
+                            float(c.scalar()) != 0:
+                        found = (i, float(c.scalar()))
+                        break
+                if found is None:
+                    break
+                i, k = found
+                factor = factor * k if name == "stablehlo.multiply" else factor / k
+                r = Ref(op.operands[1 - i], r.ctx)
+                continue
+            if scale and name == "stablehlo.negate":
+                factor, r = -factor, Ref(op.operands[0], r.ctx)
+                continue
+            break
+        if best is not None and not self._independent(m, best[0]):
+            raise Reject("the bias or mask depends on the scores (computed from the Q·K product)")
+        return best, (r, layout, factor)
+
+    @staticmethod
+    def _back(op, layout):
+        """The layout of a layout op's operand given its result's (size-1 dims hold no piece),
+        or None where a reshape mixes axes."""
+        name = op_name(op)
+        if name == "stablehlo.transpose":
+            perm = _ints(op.operation.attributes["permutation"])
+            out = [()] * len(perm)
+            for i, pp in enumerate(perm):
+                out[pp] = layout[i]
+            return tuple(out)
+        if name == "stablehlo.reshape":
+            return L.regroup(layout, _shape(op.operands[0]))
+        dims = _ints(op.operation.attributes["broadcast_dimensions"])
+        src, dst = _shape(op.operands[0]), _shape(op.result)
+        return tuple(layout[d] if src[i] == dst[d] else () for i, d in enumerate(dims))
+
+    def _independent(self, m: _Match, value) -> bool:
+        """Can ``value`` (in the site's function) be computed without the Q·K product? Ops
+        before the product in its block (or outside its region) are; others are followed back
+        to their operands."""
+        dot1 = m.dot1.operation
+        home = dot1.block
+        outer = set()
+        o = dot1
+        while o.parent is not None and o.parent.name != "func.func":
+            o = o.parent
+            outer.add(o.block)
+        stack, seen = [value], set()
+        while stack:
+            v = stack.pop()
+            if v == m.dot1.result:
+                return False
+            if isinstance(v, ir.BlockArgument):
+                continue
+            op = v.owner.operation
+            key = hash(op)
+            if key in seen:
+                continue
+            seen.add(key)
+            if len(seen) > 4096:
+                return False
+            blk = op.block
+            if blk == home:
+                if op.is_before_in_block(dot1):
+                    continue
+            elif blk in outer:
+                continue
+            stack.extend(op.operands)
+        return True
 
     def _uniform(self, ref: Ref, what: str) -> float:
         c = self.folder.fold(ref)
@@ -680,7 +911,11 @@ class AttentionPattern:
                 if other is None or not other.uniform or float(other.scalar()) != 0.0:
                     raise Reject(self._dropout_or(p, "the probabilities are selected against "
                                                      "a non-zero value"))
-                pred = self._term(m, Ref(user.operands[0], ctx))
+                try:
+                    pred = self._term(m, Ref(user.operands[0], ctx))
+                except Reject:
+                    raise Reject(self._dropout_or(p, "the probabilities are masked after the "
+                                                     "softmax")) from None
                 if pred.full:
                     raise Reject(self._dropout_or(p, "the probabilities are masked after the "
                                                      "softmax"))
@@ -920,7 +1155,8 @@ class AttentionPattern:
         v_val, v_lay, _, v_abs = v_in
         if q_abs:
             raise Reject("the query is broadcast")
-        mask_layouts = [lay for _, lay, _ in m.masks]
+        mask_layouts = [lay for _, lay, _ in m.masks] + [b.layout for b in m.biases] + \
+            X.layouts(m.extras)
         everything = [q_lay, k_lay, v_lay, exit_layout, (k_abs,), (v_abs,), (tuple(R),)] + mask_layouts
         cuts = L.boundaries(everything)
         if cuts is None:
@@ -934,16 +1170,31 @@ class AttentionPattern:
         v_pieces = [p for p in vp if p[0][0] == "V"]
         batching = [p for p in qp if p[0][0] == "B"]
 
-        # mask -> causal?
-        causal, bottom_right, q_seq, window = masks.classify(m.masks, cuts, q_free, k_free)
-        if not causal and q_free:
-            # any split is correct without a mask; name the largest query axis the sequence
-            q_seq = [max(q_free, key=lambda p: (p[2], -qp.index(p)))]
+        # mask -> causal / window attributes, or a constant mask operand
+        band_masks, const_masks = m.masks, []
+        try:
+            causal, bottom_right, q_seq, window = masks.classify(m.masks, cuts, q_free, k_free)
+        except masks.NotBand as e:
+            causal, bottom_right, q_seq, window = False, False, [], (-1, -1)
+            band_masks, const_masks = [], m.masks
+            m.notes.append(f"constant mask passed as an operand ({e.reason})")
+        if not q_seq and q_free:
+            # without a band any split is correct: name the query axis that a constant bias,
+            # constant mask or segment ids vary along the sequence, else the largest
+            hint = self._seq_hint(m, const_masks, cuts, q_free)
+            q_seq = [hint if hint is not None else
+                     max(q_free, key=lambda p: (p[2], -qp.index(p)))]
         group_q = [p for p in q_free if p not in q_seq]
         first_seq = min((qp.index(p) for p in q_seq), default=len(qp))
         kv_batch = [p for p in batching if p not in absent]
         b_pieces = [p for p in kv_batch if qp.index(p) < first_seq]
-        hkv = [p for p in kv_batch if qp.index(p) >= first_seq]
+        held = self._held_pieces(m, const_masks, cuts)
+        if held is not None and len(b_pieces) > 1:
+            # an extra operand is [1|B, 1|H, Sq, Sk]: keep the heads it does not vary along
+            # out of the batch, or it would be materialized once per head
+            last = max((i for i, p in enumerate(b_pieces) if p in held), default=0)
+            b_pieces = b_pieces[:last + 1]
+        hkv = [p for p in kv_batch if p not in b_pieces]
         group = sorted([p for p in batching if p in absent] + group_q, key=qp.index)
         hq = hkv + group
         kernel = {
@@ -982,13 +1233,19 @@ class AttentionPattern:
                          f"{', '.join(map(str, HEAD_DIMS))})", **details)
         if not (scale > 0 and np.isfinite(scale)):
             raise Reject(f"the scale {scale:g} is not a finite positive number", **details)
+        resolved = X.resolve(m.extras, m.biases, const_masks, cuts=cuts,
+                             kernel_q=kernel["q"], k_free=tuple(k_free), final_scale=m.scale,
+                             causal=causal, bottom_right=bottom_right, window=window,
+                             kernel_dtype=dtype)
+        bottom_right = resolved.bottom_right
+        m.notes.extend(resolved.notes)
         spec = KernelSpec(head_dim, dtype, causal, self.target)
         layout_text = _layout_letters(q_lay, first, q_seq, batching[1:] + group_q, c_pieces)
         plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
                     inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
                     kernel=kernel, spec=spec, scale=float(np.float32(scale)),
                     bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
-                    softcap=float(np.float32(m.softcap)))
+                    softcap=float(np.float32(m.softcap)), extras=resolved)
         return AttentionSite(
             location=where["location"], function=where["function"], op=where["op"],
             q_shape=_shape(q_val), k_shape=_shape(k_val), v_shape=_shape(v_val),
@@ -996,7 +1253,41 @@ class AttentionPattern:
             seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
             target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan,
-            window=list(window), softcap=float(np.float32(m.softcap)))
+            window=list(window), softcap=float(np.float32(m.softcap)),
+            extras=list(resolved.names), extras_detail=list(resolved.describe))
+
+    @staticmethod
+    def _held_pieces(m: _Match, const_masks, cuts):
+        """The pieces the extra operands vary along (None without extras)."""
+        if not (m.extras or m.biases or const_masks):
+            return None
+        held = set()
+        consts = [(b.const.array, b.layout) for b in m.biases] + \
+            [(c.array, lay) for c, lay, _ in const_masks]
+        for arr, lay in consts:
+            for i, d in enumerate(L.refine(lay, cuts)):
+                if arr.shape[i] > 1:
+                    held |= set(d)
+        for lay in X.layouts(m.extras):
+            held |= set(L.pieces(L.refine(lay, cuts)))
+        return held
+
+    @staticmethod
+    def _seq_hint(m: _Match, const_masks, cuts, q_free):
+        """The one query piece that a constant bias / mask or segment ids vary along, or None."""
+        found = set()
+        q_set = set(q_free)
+        consts = [(b.const.array, b.layout) for b in m.biases] + \
+            [(c.array, lay) for c, lay, _ in const_masks]
+        for arr, lay in consts:
+            for i, d in enumerate(L.refine(lay, cuts)):
+                if arr.shape[i] > 1:
+                    found |= {p for p in d if p in q_set}
+        for it in m.extras:
+            if isinstance(it, X.SegmentIds):
+                for _, lay in (it.a, it.b):
+                    found |= {p for p in L.pieces(L.refine(lay, cuts)) if p in q_set}
+        return found.pop() if len(found) == 1 else None
 
     # ------------------------------------------------------------------ rewrite
     def rewrite(self, site: AttentionSite) -> None:
@@ -1019,9 +1310,12 @@ class AttentionPattern:
                     if str(x.type.element_type) != plan.spec.dtype:
                         x = adapters.convert(x, kdt, created)
                     operands.append(x)
+                names = plan.extras.names if plan.extras is not None else ()
+                if names:
+                    operands += X.emit(plan.extras, plan.spec.dtype, created)
                 o, lse = emit_custom_call(plan.spec, "fwd", operands, scale=plan.scale,
                                           bottom_right=plan.bottom_right, window=plan.window,
-                                          softcap=plan.softcap,
+                                          softcap=plan.softcap, extras=names,
                                           legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
                 out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created,
@@ -1042,6 +1336,22 @@ _SCORE_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
                 "stablehlo.select", "stablehlo.add", "stablehlo.subtract", "stablehlo.tanh"}
 _PROB_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
                "stablehlo.broadcast_in_dim", "stablehlo.select", "stablehlo.dot_general"}
+
+
+def _direction(op) -> str:
+    return str(op.operation.attributes["comparison_direction"]).split()[-1].strip(">").upper()
+
+
+def _widening(src: str, dst: str) -> bool:
+    """A convert that keeps every value: float to a wider float, integer to a wider integer
+    of the same signedness, i1 to i1."""
+    if src in _WIDTH and dst in _WIDTH:
+        return _WIDTH[src] <= _WIDTH[dst] and not (src == "bf16" and dst == "f16")
+    ints = {"i8": 8, "i16": 16, "i32": 32, "i64": 64}
+    if src.lstrip("u") in ints and dst.lstrip("u") in ints:
+        return src.startswith("u") == dst.startswith("u") and \
+            ints[src.lstrip("u")] <= ints[dst.lstrip("u")]
+    return src == dst
 
 
 def _merge_layouts(layouts):

@@ -42,6 +42,8 @@ class AttentionSite:
     plan: Any = dataclasses.field(default=None, repr=False, compare=False)
     window: list = dataclasses.field(default_factory=lambda: [-1, -1])  # (left, right), -1 = unbounded
     softcap: float = 0.0         # 0 = none
+    extras: list = dataclasses.field(default_factory=list)         # e.g. ["alibi", "mask"]
+    extras_detail: list = dataclasses.field(default_factory=list)  # one text per extra
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
@@ -68,6 +70,7 @@ class AttentionSite:
             f"  layout {self.layout}: batch {self.batch}, {self.heads} heads{gqa}, "
             f"seq {self.seq_q}x{self.seq_k}, head dim {self.head_dim}",
             f"  {mask}, scale {self.scale:.6g}",
+            *([f"  extras: {'; '.join(self.extras_detail or self.extras)}"] if self.extras else []),
             f"  -> {self.target}" if self.status != "rejected" else f"  reason: {self.reason}",
         ]
         lines += [f"  note: {n}" for n in self.notes]

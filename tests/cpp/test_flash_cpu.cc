@@ -19,11 +19,20 @@
 // exactly-zero gradient (e.g. a row that sees a single key) must come out tiny.
 //   lse (f32 always): |out - ref| <= 1e-5*(1 + |ref|); -inf must match exactly.
 // Outputs are poisoned with NaN before every call, so an unwritten element fails.
+// Variants (one general double reference, same tolerance model): ALiBi [H] and
+// [B, H], bias f32 / T with every broadcast combination (+ dbias, compared like
+// the other gradients with mag = sum p (|dp| + |D|)), masks with fully masked
+// rows, packed and random segment ids (a q segment without keys), combined with
+// causal / window / softcap / GQA; packed varlen forward + backward (empty
+// sequences, Sq != Sk, both alignments, padding rows); paged KV (shuffled block
+// tables whose unused entries are out of range, seqused_k < capacity and 0,
+// block sizes 16, 48 and 256) and split-KV decode (no split, auto, forced).
 // Also checks the scalar bf16/f16 conversions against an exact reference, the
 // 32-bit transpose, and parallel_for on the own pool and on Workers whose
 // helpers start late, run inline, or never start.
 #include "flashgen/cpu/flash_cpu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -502,6 +511,595 @@ static void run_type(std::mt19937_64& rng) {
   late.join();
 }
 
+// ---------------------------------------------------------------------------
+// Variants: score extras (ALiBi, bias + dbias, mask, segment ids), sliding
+// window and softcap, packed varlen, paged KV and split-KV, against one general
+// double reference with the same tolerance model as above. The backward's mag
+// for dbias is sum p (|dp| + |D|) over the summed terms.
+// ---------------------------------------------------------------------------
+struct Prob {
+  int64_t B = 1, Sq = 0, Sk = 0, Hq = 1, Hkv = 1, D = 64;
+  double scale = 0.125, softcap = 0.0;
+  bool causal = false, br = false;
+  int wl = -1, wr = -1;
+  std::vector<double> q, k, v, dout, o;  // BSHD; o: the kernel's o (the backward's input)
+  std::vector<double> alibi;             // empty: none; slope(b, h) = alibi[b * alibi_sb + h]
+  int64_t alibi_sb = 0;
+  std::vector<double> bias;  // empty: none; (b, h, i, j) at b * bias_sb + h * bias_sh + i * Sk + j
+  int64_t bias_sb = 0, bias_sh = 0;
+  std::vector<uint8_t> mask;  // empty: none; like bias
+  int64_t mask_sb = 0, mask_sh = 0;
+  std::vector<int32_t> qseg, kseg;  // empty: none; [B, Sq], [B, Sk]
+};
+
+struct RefOut {
+  std::vector<double> o, mo, lse, dq, mdq, dk, mdk, dv, mdv, db, mdb;
+};
+
+static void reference(const Prob& p, RefOut& r, bool bwd, size_t db_elems) {
+  const int64_t B = p.B, Sq = p.Sq, Sk = p.Sk, Hq = p.Hq, Hkv = p.Hkv, D = p.D, G = Hq / Hkv;
+  const size_t nq = size_t(B * Sq * Hq * D), nk = size_t(B * Sk * Hkv * D);
+  r.o.assign(nq, 0.0);
+  r.mo.assign(nq, 0.0);
+  r.lse.assign(size_t(B * Hq * Sq), -std::numeric_limits<double>::infinity());
+  r.dq.assign(nq, 0.0);
+  r.mdq.assign(nq, 0.0);
+  r.dk.assign(nk, 0.0);
+  r.mdk.assign(nk, 0.0);
+  r.dv.assign(nk, 0.0);
+  r.mdv.assign(nk, 0.0);
+  r.db.assign(db_elems, 0.0);
+  r.mdb.assign(db_elems, 0.0);
+  const int64_t off = p.br ? Sk - Sq : 0;
+  const double ninf = -std::numeric_limits<double>::infinity();
+  std::vector<double> sc(size_t(std::max<int64_t>(Sk, 1))), pr(sc.size()), uu(sc.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / G;
+      for (int64_t i = 0; i < Sq; ++i) {
+        const int64_t base = ((b * Sq + i) * Hq + h) * D;
+        double m = ninf;
+        for (int64_t j = 0; j < Sk; ++j) {
+          bool vis = true;
+          if (p.causal && j > i + off) vis = false;
+          if (p.wl >= 0 && j < i + off - p.wl) vis = false;
+          if (!p.causal && p.wr >= 0 && j > i + off + p.wr) vis = false;
+          if (!p.mask.empty() && !p.mask[size_t(b * p.mask_sb + h * p.mask_sh + i * Sk + j)]) vis = false;
+          if (!p.qseg.empty() && p.qseg[size_t(b * Sq + i)] != p.kseg[size_t(b * Sk + j)]) vis = false;
+          double s = ninf;
+          if (vis) {
+            const int64_t kb = ((b * Sk + j) * Hkv + hk) * D;
+            double acc = 0;
+            for (int64_t d = 0; d < D; ++d) acc += p.q[size_t(base + d)] * p.k[size_t(kb + d)];
+            s = acc * p.scale;
+            uu[size_t(j)] = 0.0;
+            if (p.softcap > 0) {
+              uu[size_t(j)] = std::tanh(s / p.softcap);
+              s = p.softcap * uu[size_t(j)];
+            }
+            if (!p.bias.empty()) s += p.bias[size_t(b * p.bias_sb + h * p.bias_sh + i * Sk + j)];
+            if (!p.alibi.empty()) s -= p.alibi[size_t(b * p.alibi_sb + h)] * std::fabs(double(i + off - j));
+          }
+          sc[size_t(j)] = s;
+          m = std::max(m, s);
+        }
+        const int64_t li = (b * Hq + h) * Sq + i;
+        if (m == ninf) continue;  // sees no key: o = 0, lse = -inf, no gradient
+        double l = 0;
+        for (int64_t j = 0; j < Sk; ++j) l += (pr[size_t(j)] = sc[size_t(j)] == ninf ? 0.0 : std::exp(sc[size_t(j)] - m));
+        for (int64_t j = 0; j < Sk; ++j) pr[size_t(j)] /= l;
+        r.lse[size_t(li)] = m + std::log(l);
+        for (int64_t d = 0; d < D; ++d) {
+          double acc = 0, mag = 0;
+          for (int64_t j = 0; j < Sk; ++j) {
+            const double vv = p.v[size_t(((b * Sk + j) * Hkv + hk) * D + d)];
+            acc += pr[size_t(j)] * vv;
+            mag += pr[size_t(j)] * std::fabs(vv);
+          }
+          r.o[size_t(base + d)] = acc;
+          r.mo[size_t(base + d)] = mag;
+        }
+        if (!bwd) continue;
+        double Di = 0, Dmag = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          Di += p.dout[size_t(base + d)] * p.o[size_t(base + d)];
+          Dmag += std::fabs(p.dout[size_t(base + d)] * p.o[size_t(base + d)]);
+        }
+        for (int64_t j = 0; j < Sk; ++j) {
+          if (pr[size_t(j)] == 0.0 && sc[size_t(j)] == ninf) continue;
+          const int64_t kb = ((b * Sk + j) * Hkv + hk) * D;
+          double dp = 0, dpmag = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dp += p.dout[size_t(base + d)] * p.v[size_t(kb + d)];
+            dpmag += std::fabs(p.dout[size_t(base + d)] * p.v[size_t(kb + d)]);
+          }
+          const double ds0 = pr[size_t(j)] * (dp - Di), ds0mag = pr[size_t(j)] * (dpmag + Dmag);
+          if (db_elems) {
+            const size_t bi = size_t(b * p.bias_sb + h * p.bias_sh + i * Sk + j);
+            r.db[bi] += ds0;
+            r.mdb[bi] += ds0mag;
+          }
+          const double f = p.scale * (p.softcap > 0 ? 1.0 - uu[size_t(j)] * uu[size_t(j)] : 1.0);
+          const double ds = ds0 * f, dsmag = ds0mag * std::fabs(f);
+          for (int64_t d = 0; d < D; ++d) {
+            const double kd = p.k[size_t(kb + d)], qd = p.q[size_t(base + d)], dod = p.dout[size_t(base + d)];
+            r.dq[size_t(base + d)] += ds * kd;
+            r.mdq[size_t(base + d)] += dsmag * std::fabs(kd);
+            r.dk[size_t(kb + d)] += ds * qd;
+            r.mdk[size_t(kb + d)] += dsmag * std::fabs(qd);
+            r.dv[size_t(kb + d)] += pr[size_t(j)] * dod;
+            r.mdv[size_t(kb + d)] += pr[size_t(j)] * std::fabs(dod);
+          }
+        }
+      }
+    }
+}
+
+// Max abs errors per (variant family, dtype).
+struct VarSummary {
+  double o = 0, lse = 0, dq = 0, dk = 0, dv = 0, db = 0;
+  int cases = 0;
+};
+static VarSummary g_var[3][3];  // [family: extras, varlen, paged][dtype]
+static const char* kFamilies[3] = {"extras", "varlen", "paged"};
+
+template <typename T>
+static std::vector<double> to_double(const std::vector<T>& x) {
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = Traits<T>::to(x[i]);
+  return r;
+}
+
+template <typename T>
+static std::vector<T> random_vec(size_t n, std::mt19937_64& rng, float lo = -2.0f, float hi = 2.0f) {
+  std::uniform_real_distribution<float> U(lo, hi);
+  std::vector<T> x(n);
+  for (auto& e : x) e = Traits<T>::from(U(rng));
+  return x;
+}
+
+static double mtol_for_products(bool bf16_path) { return bf16_path ? std::ldexp(1.0, -8) : 1e-5; }
+
+struct VCase {
+  const char* name;
+  int64_t B, Sq, Sk, Hq, Hkv;
+  bool causal, br;
+  int wl, wr;
+  float softcap;
+  int alibi;            // 0 none, 1 [Hq], 2 [B, Hq]
+  int bias;             // 0 none, 1 f32, 2 the q type
+  bool bias_b, bias_h;  // the bias has a batch / head dim (else broadcast)
+  bool bias_inf;        // some -inf bias entries (and a row of them)
+  int mask;             // 0 none, 1 random with fully masked rows
+  bool mask_b, mask_h;
+  int segs;  // 0 none, 1 packed (sorted, a q segment without keys), 2 random ids
+  int kv_splits;
+};
+
+// Packed segment ids for n positions in `parts` runs of random lengths; run
+// `empty` (>= 0) gets length 0.
+static std::vector<int32_t> packed_ids(int64_t n, int parts, int empty, std::mt19937_64& rng) {
+  std::vector<int64_t> cuts;
+  for (int s = 0; s < parts - 1; ++s) cuts.push_back(int64_t(rng() % uint64_t(n + 1)));
+  std::sort(cuts.begin(), cuts.end());
+  cuts.push_back(n);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  int64_t start = 0;
+  for (int s = 0; s < parts; ++s) {
+    int64_t end = cuts[size_t(s)];
+    if (s == empty) end = start;  // nothing of segment s (its length goes to the next)
+    for (int64_t i = start; i < end; ++i) ids[size_t(i)] = s;
+    start = std::max(start, end);
+  }
+  return ids;
+}
+
+template <typename T, int D>
+static void run_variant(const VCase& c, int nt, std::mt19937_64& rng) {
+  const int64_t B = c.B, Sq = c.Sq, Sk = c.Sk, Hq = c.Hq, Hkv = c.Hkv;
+  AttentionShape s{B, Sq, Sk, Hq, Hkv, D};
+  AttentionAttrs a{float(1.0 / std::sqrt(double(D))), c.causal, c.br, c.wl, c.wr, c.softcap};
+  const size_t nq = size_t(B * Sq * Hq * D), nk = size_t(B * Sk * Hkv * D), nl = size_t(B * Hq * Sq);
+  std::vector<T> q = random_vec<T>(nq, rng), k = random_vec<T>(nk, rng), v = random_vec<T>(nk, rng),
+                 dout = random_vec<T>(nq, rng);
+  std::vector<T> o(nq, Traits<T>::nan()), dq(nq, Traits<T>::nan()), dk(nk, Traits<T>::nan()),
+      dv(nk, Traits<T>::nan());
+  std::vector<float> lse(nl, std::numeric_limits<float>::quiet_NaN());
+
+  Prob p;
+  p.B = B, p.Sq = Sq, p.Sk = Sk, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
+  p.scale = a.scale, p.softcap = c.softcap, p.causal = c.causal, p.br = c.br, p.wl = c.wl, p.wr = c.wr;
+  flashgen::ScoreExtras x;
+
+  std::vector<float> alibi;
+  if (c.alibi) {
+    alibi.resize(size_t(c.alibi == 2 ? B * Hq : Hq));
+    for (auto& e : alibi) e = std::ldexp(1.0f, -int(1 + rng() % 4)) * (0.5f + 0.5f * float(rng() % 1000) / 1000.0f);
+    x.alibi = alibi.data();
+    x.alibi_stride_b = c.alibi == 2 ? Hq : 0;
+    p.alibi.assign(alibi.begin(), alibi.end());
+    p.alibi_sb = x.alibi_stride_b;
+  }
+  // Bias (f32 or T) and dbias (poisoned).
+  const int64_t Bd = c.bias_b ? B : 1, Hd = c.bias_h ? Hq : 1;
+  const size_t nb = c.bias ? size_t(Bd * Hd * Sq * Sk) : 0;
+  std::vector<float> biasf, dbiasf;
+  std::vector<T> biast, dbiast;
+  if (c.bias) {
+    std::uniform_real_distribution<float> U(-2.0f, 2.0f);
+    std::vector<float> vals(nb);
+    for (auto& e : vals) e = U(rng);
+    if (c.bias_inf) {
+      for (auto& e : vals)
+        if (rng() % 20 == 0) e = -std::numeric_limits<float>::infinity();
+      if (Sq > 2)
+        for (int64_t j = 0; j < Sk; ++j) vals[size_t(2 * Sk + j)] = -std::numeric_limits<float>::infinity();
+    }
+    p.bias.resize(nb);
+    if (c.bias == 1) {
+      biasf = vals;
+      dbiasf.assign(nb, std::numeric_limits<float>::quiet_NaN());
+      for (size_t i = 0; i < nb; ++i) p.bias[i] = biasf[i];
+      x.bias = biasf.data();
+      x.dbias = dbiasf.data();
+      x.bias_type = flashgen::ElemType::F32;
+    } else {
+      biast.resize(nb);
+      for (size_t i = 0; i < nb; ++i) biast[i] = Traits<T>::from(vals[i]), p.bias[i] = Traits<T>::to(biast[i]);
+      dbiast.assign(nb, Traits<T>::nan());
+      x.bias = biast.data();
+      x.dbias = dbiast.data();
+      x.bias_type = std::is_same<T, float>::value      ? flashgen::ElemType::F32
+                    : std::is_same<T, fc::bf16>::value ? flashgen::ElemType::BF16
+                                                       : flashgen::ElemType::F16;
+    }
+    x.bias_stride_h = c.bias_h ? Sq * Sk : 0;
+    x.bias_stride_b = c.bias_b ? Hd * Sq * Sk : 0;
+    p.bias_sb = x.bias_stride_b;
+    p.bias_sh = x.bias_stride_h;
+  }
+  std::vector<uint8_t> mask;
+  if (c.mask) {
+    const int64_t Bm = c.mask_b ? B : 1, Hm = c.mask_h ? Hq : 1;
+    mask.resize(size_t(Bm * Hm * Sq * Sk));
+    for (auto& e : mask) e = rng() % 4 != 0;
+    for (int64_t sl = 0; sl < Bm * Hm; ++sl)  // fully masked rows: 1 and the last
+      for (int64_t i : {int64_t(1), Sq - 1})
+        if (i >= 0 && i < Sq)
+          for (int64_t j = 0; j < Sk; ++j) mask[size_t((sl * Sq + i) * Sk + j)] = 0;
+    x.mask = reinterpret_cast<const bool*>(mask.data());
+    x.mask_stride_h = c.mask_h ? Sq * Sk : 0;
+    x.mask_stride_b = c.mask_b ? Hm * Sq * Sk : 0;
+    p.mask = mask;
+    p.mask_sb = x.mask_stride_b;
+    p.mask_sh = x.mask_stride_h;
+  }
+  std::vector<int32_t> qseg, kseg;
+  if (c.segs) {
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<int32_t> qs, ks;
+      if (c.segs == 1) {
+        qs = packed_ids(Sq, 4, -1, rng);
+        ks = packed_ids(Sk, 4, 2, rng);  // segment 2 has no keys
+      } else {
+        for (int64_t i = 0; i < Sq; ++i) qs.push_back(i % 7 == 3 ? 9 : int32_t(rng() % 3));  // id 9: no keys
+        for (int64_t j = 0; j < Sk; ++j) ks.push_back(int32_t(rng() % 3));
+      }
+      qseg.insert(qseg.end(), qs.begin(), qs.end());
+      kseg.insert(kseg.end(), ks.begin(), ks.end());
+    }
+    x.q_segment_ids = qseg.data();
+    x.kv_segment_ids = kseg.data();
+    p.qseg = qseg;
+    p.kseg = kseg;
+  }
+
+  fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, x, nt, nullptr, c.kv_splits);
+  fc::attention_bwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(), dk.data(),
+                          dv.data(), s, a, x, nt);
+
+  p.q = to_double(q), p.k = to_double(k), p.v = to_double(v), p.dout = to_double(dout), p.o = to_double(o);
+  RefOut r;
+  reference(p, r, true, nb);
+  const bool bf16_p = fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value;
+  const double mtol = mtol_for_products(bf16_p);
+  Err eo, el, edq, edk, edv, edb;
+  compare(o, r.o, r.mo, eo, mtol);
+  compare_lse(lse, r.lse, el);
+  compare(dq, r.dq, r.mdq, edq, mtol);
+  compare(dk, r.dk, r.mdk, edk, mtol);
+  compare(dv, r.dv, r.mdv, edv, mtol);
+  if (c.bias == 1) compare(dbiasf, r.db, r.mdb, edb);
+  if (c.bias == 2) compare(dbiast, r.db, r.mdb, edb);
+  const bool ok = eo.ok && el.ok && edq.ok && edk.ok && edv.ok && edb.ok;
+  char buf[640];
+  std::snprintf(buf, sizeof buf,
+                "extras %-4s D=%-3d %-34s B=%lld Sq=%lld Sk=%lld Hq=%lld Hkv=%lld c=%d br=%d w=(%d,%d) cap=%g nt=%d "
+                "| o=%.2e lse=%.2e dq=%.2e dk=%.2e dv=%.2e db=%.2e | worst err/tol %.2f",
+                Traits<T>::name(), D, c.name, (long long)B, (long long)Sq, (long long)Sk, (long long)Hq,
+                (long long)Hkv, int(c.causal), int(c.br), c.wl, c.wr, double(c.softcap), nt, eo.max_abs, el.max_abs,
+                edq.max_abs, edk.max_abs, edv.max_abs, edb.max_abs,
+                std::max({eo.worst_ratio, el.worst_ratio, edq.worst_ratio, edk.worst_ratio, edv.worst_ratio,
+                          edb.worst_ratio}));
+  check(ok, buf);
+  VarSummary& sm = g_var[0][type_index<T>()];
+  sm.o = std::max(sm.o, eo.max_abs), sm.lse = std::max(sm.lse, el.max_abs), sm.dq = std::max(sm.dq, edq.max_abs);
+  sm.dk = std::max(sm.dk, edk.max_abs), sm.dv = std::max(sm.dv, edv.max_abs), sm.db = std::max(sm.db, edb.max_abs);
+  sm.cases++;
+}
+
+//                 name                      B   Sq   Sk  Hq Hkv causal br   wl  wr cap  al bi bb bh inf mk mb mh sg split
+static const VCase kVCases[] = {
+    {"alibi[H] causal",                      2, 129, 129, 2, 1, true,  false, -1, -1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi[B,H] causal bottom-right",       2,  70, 150, 2, 2, true,  true,  -1, -1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi[H] non-causal bottom-right",     1,  90,  40, 4, 2, false, true,  -1, -1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi[B,H] non-causal",                2,  65, 100, 2, 1, false, false, -1, -1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"bias f32 [B,H]",                       2,  77, 130, 2, 1, false, false, -1, -1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0},
+    {"bias f32 [1,H] causal",                2, 100, 100, 4, 2, true,  false, -1, -1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0},
+    {"bias f32 [B,1] GQA",                   2,  64, 129, 4, 1, false, false, -1, -1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"bias f32 [1,1] causal br",             3,  50, 140, 2, 2, true,  true,  -1, -1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"bias T [B,H] -inf entries",            2,  70,  90, 2, 2, false, false, -1, -1, 0, 0, 2, 1, 1, 1, 0, 0, 0, 0, 0},
+    {"bias T [1,1] causal",                  2, 129, 129, 2, 1, true,  false, -1, -1, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"bias T [1,H] window",                  1, 150, 150, 2, 1, false, false, 30, 20, 0, 0, 2, 0, 1, 0, 0, 0, 0, 0, 0},
+    {"bias f32 [B,1] softcap",               2,  80,  80, 2, 2, false, false, -1, -1, 5, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"mask [B,H] (masked rows)",             2,  60,  75, 2, 1, false, false, -1, -1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0},
+    {"mask [1,1] causal",                    2, 129, 129, 4, 2, true,  false, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0},
+    {"mask [B,1] causal br",                 2,  40, 100, 2, 2, true,  true,  -1, -1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0},
+    {"segments packed",                      2, 150, 150, 2, 1, false, false, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"segments packed causal",               2, 200, 200, 2, 2, true,  false, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"segments random GQA",                  1,  70, 120, 4, 2, false, false, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0},
+    {"all extras causal window softcap",     2, 100, 130, 4, 2, true,  true,  50, -1, 8, 2, 1, 1, 0, 1, 1, 0, 1, 1, 0},
+    {"all extras T bias GQA",                2,  90,  90, 4, 1, false, false, -1, -1, 0, 1, 2, 0, 1, 0, 1, 1, 0, 2, 0},
+    {"window + softcap (no extras)",         2, 129, 160, 2, 1, false, true,  40, 10, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"causal window (no extras)",            1, 200, 200, 2, 2, true,  false, 64, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"split-KV x3 causal bias mask",         1, 129, 300, 2, 1, true,  false, -1, -1, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 3},
+    {"split-KV x4 (no extras)",              1,  40, 260, 2, 2, true,  true,  -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4},
+    {"empty k with bias",                    1,  17,   0, 2, 1, false, false, -1, -1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0},
+    {"empty q with bias",                    1,   0,  17, 2, 1, false, false, -1, -1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0},
+};
+
+// Packed varlen: per-sequence lengths and trailing padding rows.
+struct LCase {
+  const char* name;
+  std::vector<int> lq, lk;
+  int pad_q, pad_k;
+  int64_t Hq, Hkv;
+  bool causal, br;
+  int wl, wr;
+  float softcap;
+};
+
+template <typename T, int D>
+static void run_varlen(const LCase& c, int nt, std::mt19937_64& rng) {
+  const int64_t B = int64_t(c.lq.size()), Hq = c.Hq, Hkv = c.Hkv;
+  std::vector<int32_t> cq(size_t(B + 1), 0), ck(size_t(B + 1), 0);
+  int32_t mq = 0, mk = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    cq[size_t(b + 1)] = cq[size_t(b)] + c.lq[size_t(b)];
+    ck[size_t(b + 1)] = ck[size_t(b)] + c.lk[size_t(b)];
+    mq = std::max(mq, c.lq[size_t(b)]), mk = std::max(mk, c.lk[size_t(b)]);
+  }
+  const int64_t Tq = cq[size_t(B)] + c.pad_q, Tk = ck[size_t(B)] + c.pad_k;
+  AttentionShape s{B, Tq, Tk, Hq, Hkv, D};
+  AttentionAttrs a{float(1.0 / std::sqrt(double(D))), c.causal, c.br, c.wl, c.wr, c.softcap};
+  const size_t nq = size_t(Tq * Hq * D), nk = size_t(Tk * Hkv * D), nl = size_t(Hq * Tq);
+  std::vector<T> q = random_vec<T>(nq, rng), k = random_vec<T>(nk, rng), v = random_vec<T>(nk, rng),
+                 dout = random_vec<T>(nq, rng);
+  std::vector<T> o(nq, Traits<T>::nan()), dq(nq, Traits<T>::nan()), dk(nk, Traits<T>::nan()),
+      dv(nk, Traits<T>::nan());
+  std::vector<float> lse(nl, std::numeric_limits<float>::quiet_NaN());
+  const flashgen::VarlenArgs va{cq.data(), ck.data(), mq, mk};
+  fc::attention_fwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, va, a, nt);
+  fc::attention_bwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
+                                 dk.data(), dv.data(), s, va, a, nt);
+
+  // Reference: each sequence as a dense problem; rows outside every sequence stay 0 / -inf.
+  const std::vector<double> dq_ = to_double(q), dk_ = to_double(k), dv_ = to_double(v), ddo = to_double(dout),
+                            dO = to_double(o);
+  RefOut all;
+  all.o.assign(nq, 0.0), all.mo.assign(nq, 0.0), all.dq.assign(nq, 0.0), all.mdq.assign(nq, 0.0);
+  all.dk.assign(nk, 0.0), all.mdk.assign(nk, 0.0), all.dv.assign(nk, 0.0), all.mdv.assign(nk, 0.0);
+  all.lse.assign(nl, -std::numeric_limits<double>::infinity());
+  for (int64_t b = 0; b < B; ++b) {
+    Prob p;
+    p.B = 1, p.Sq = c.lq[size_t(b)], p.Sk = c.lk[size_t(b)], p.Hq = Hq, p.Hkv = Hkv, p.D = D;
+    p.scale = a.scale, p.softcap = c.softcap, p.causal = c.causal, p.br = c.br, p.wl = c.wl, p.wr = c.wr;
+    const size_t q0 = size_t(cq[size_t(b)] * Hq * D), qn = size_t(p.Sq * Hq * D);
+    const size_t k0 = size_t(ck[size_t(b)] * Hkv * D), kn = size_t(p.Sk * Hkv * D);
+    p.q.assign(dq_.begin() + q0, dq_.begin() + q0 + qn);
+    p.dout.assign(ddo.begin() + q0, ddo.begin() + q0 + qn);
+    p.o.assign(dO.begin() + q0, dO.begin() + q0 + qn);
+    p.k.assign(dk_.begin() + k0, dk_.begin() + k0 + kn);
+    p.v.assign(dv_.begin() + k0, dv_.begin() + k0 + kn);
+    RefOut r;
+    reference(p, r, true, 0);
+    std::copy(r.o.begin(), r.o.end(), all.o.begin() + q0);
+    std::copy(r.mo.begin(), r.mo.end(), all.mo.begin() + q0);
+    std::copy(r.dq.begin(), r.dq.end(), all.dq.begin() + q0);
+    std::copy(r.mdq.begin(), r.mdq.end(), all.mdq.begin() + q0);
+    std::copy(r.dk.begin(), r.dk.end(), all.dk.begin() + k0);
+    std::copy(r.mdk.begin(), r.mdk.end(), all.mdk.begin() + k0);
+    std::copy(r.dv.begin(), r.dv.end(), all.dv.begin() + k0);
+    std::copy(r.mdv.begin(), r.mdv.end(), all.mdv.begin() + k0);
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < p.Sq; ++i) all.lse[size_t(h * Tq + cq[size_t(b)] + i)] = r.lse[size_t(h * p.Sq + i)];
+  }
+  const bool bf16_p = fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value;
+  const double mtol = mtol_for_products(bf16_p);
+  Err eo, el, edq, edk, edv;
+  compare(o, all.o, all.mo, eo, mtol);
+  compare_lse(lse, all.lse, el);
+  compare(dq, all.dq, all.mdq, edq, mtol);
+  compare(dk, all.dk, all.mdk, edk, mtol);
+  compare(dv, all.dv, all.mdv, edv, mtol);
+  const bool ok = eo.ok && el.ok && edq.ok && edk.ok && edv.ok;
+  std::string lens;
+  for (int64_t b = 0; b < B; ++b)
+    lens += (b ? "," : "") + std::to_string(c.lq[size_t(b)]) + "/" + std::to_string(c.lk[size_t(b)]);
+  char buf[640];
+  std::snprintf(buf, sizeof buf,
+                "varlen %-4s D=%-3d %-22s q/k lens [%s] pad %d/%d Hq=%lld Hkv=%lld c=%d br=%d w=(%d,%d) cap=%g "
+                "nt=%d | o=%.2e lse=%.2e dq=%.2e dk=%.2e dv=%.2e | worst err/tol %.2f",
+                Traits<T>::name(), D, c.name, lens.c_str(), c.pad_q, c.pad_k, (long long)Hq, (long long)Hkv,
+                int(c.causal), int(c.br), c.wl, c.wr, double(c.softcap), nt, eo.max_abs, el.max_abs, edq.max_abs,
+                edk.max_abs, edv.max_abs,
+                std::max({eo.worst_ratio, el.worst_ratio, edq.worst_ratio, edk.worst_ratio, edv.worst_ratio}));
+  check(ok, buf);
+  VarSummary& sm = g_var[1][type_index<T>()];
+  sm.o = std::max(sm.o, eo.max_abs), sm.lse = std::max(sm.lse, el.max_abs), sm.dq = std::max(sm.dq, edq.max_abs);
+  sm.dk = std::max(sm.dk, edk.max_abs), sm.dv = std::max(sm.dv, edv.max_abs);
+  sm.cases++;
+}
+
+static const LCase kLCases[] = {
+    {"causal top-left", {5, 0, 130, 64, 1, 9}, {7, 3, 100, 64, 0, 9}, 3, 5, 2, 1, true, false, -1, -1, 0},
+    {"causal bottom-right", {5, 0, 130, 64, 1, 20}, {7, 3, 100, 64, 0, 300}, 0, 2, 4, 2, true, true, -1, -1, 0},
+    {"non-causal", {33, 1, 0, 200}, {1, 17, 0, 150}, 7, 0, 2, 2, false, false, -1, -1, 0},
+    {"window softcap", {70, 129}, {90, 129}, 1, 1, 2, 1, false, true, 16, 8, 4},
+    {"all empty", {0, 0}, {0, 4}, 3, 2, 2, 1, true, false, -1, -1, 0},
+};
+
+// Paged KV forward.
+struct PCase {
+  const char* name;
+  int64_t Sq, Hq, Hkv, BS, NB;
+  std::vector<int> used;  // seqused_k per batch entry
+  int64_t MB;             // block table width (>= blocks needed)
+  bool causal, br;
+  int wl;
+  float softcap;
+  int nt, kv_splits;
+};
+
+template <typename T, int D>
+static void run_paged(const PCase& c, std::mt19937_64& rng) {
+  const int64_t B = int64_t(c.used.size()), Sq = c.Sq, Hq = c.Hq, Hkv = c.Hkv, BS = c.BS, NB = c.NB, MB = c.MB;
+  // Block table: a shuffled set of distinct cache blocks; entries no key reaches are out of range.
+  std::vector<int32_t> perm(static_cast<size_t>(NB));
+  for (int64_t i = 0; i < NB; ++i) perm[size_t(i)] = int32_t(i);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> table(size_t(B * MB), -7);
+  size_t next = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j * BS < c.used[size_t(b)]; ++j) table[size_t(b * MB + j)] = perm[next++ % perm.size()];
+  std::vector<int32_t> used(c.used.begin(), c.used.end());
+  const size_t nq = size_t(B * Sq * Hq * D), nc = size_t(NB * BS * Hkv * D), nl = size_t(B * Hq * Sq);
+  std::vector<T> q = random_vec<T>(nq, rng), kc = random_vec<T>(nc, rng), vc = random_vec<T>(nc, rng);
+  std::vector<T> o(nq, Traits<T>::nan());
+  std::vector<float> lse(nl, std::numeric_limits<float>::quiet_NaN());
+  AttentionShape s{B, Sq, MB * BS, Hq, Hkv, D};
+  AttentionAttrs a{float(1.0 / std::sqrt(double(D))), c.causal, c.br, c.wl, -1, c.softcap};
+  const flashgen::PagedArgs pa{table.data(), used.data(), NB, BS, MB};
+  fc::attention_fwd_paged<T, D>(q.data(), kc.data(), vc.data(), o.data(), lse.data(), s, pa, a, c.nt, nullptr,
+                                c.kv_splits);
+
+  const std::vector<double> qd = to_double(q), kd = to_double(kc), vd = to_double(vc);
+  RefOut all;
+  all.o.assign(nq, 0.0), all.mo.assign(nq, 0.0), all.lse.assign(nl, 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    Prob p;
+    p.B = 1, p.Sq = Sq, p.Sk = used[size_t(b)], p.Hq = Hq, p.Hkv = Hkv, p.D = D;
+    p.scale = a.scale, p.softcap = c.softcap, p.causal = c.causal, p.br = c.br, p.wl = c.wl;
+    const size_t q0 = size_t(b * Sq * Hq * D), qn = size_t(Sq * Hq * D);
+    p.q.assign(qd.begin() + q0, qd.begin() + q0 + qn);
+    for (int64_t j = 0; j < p.Sk; ++j) {
+      const size_t row = size_t((int64_t(table[size_t(b * MB + j / BS)]) * BS + j % BS) * Hkv * D);
+      p.k.insert(p.k.end(), kd.begin() + row, kd.begin() + row + size_t(Hkv * D));
+      p.v.insert(p.v.end(), vd.begin() + row, vd.begin() + row + size_t(Hkv * D));
+    }
+    RefOut r;
+    reference(p, r, false, 0);
+    std::copy(r.o.begin(), r.o.end(), all.o.begin() + q0);
+    std::copy(r.mo.begin(), r.mo.end(), all.mo.begin() + q0);
+    std::copy(r.lse.begin(), r.lse.end(), all.lse.begin() + size_t(b * Hq * Sq));
+  }
+  const bool bf16_p = fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value;
+  Err eo, el;
+  compare(o, all.o, all.mo, eo, mtol_for_products(bf16_p));
+  compare_lse(lse, all.lse, el);
+  std::string us;
+  for (int64_t b = 0; b < B; ++b) us += (b ? "," : "") + std::to_string(used[size_t(b)]);
+  char buf[640];
+  std::snprintf(buf, sizeof buf,
+                "paged  %-4s D=%-3d %-26s Sq=%lld Hq=%lld Hkv=%lld BS=%lld NB=%lld MB=%lld seqused [%s] c=%d br=%d "
+                "wl=%d cap=%g nt=%d splits=%d | o=%.2e lse=%.2e | worst err/tol %.2f",
+                Traits<T>::name(), D, c.name, (long long)Sq, (long long)Hq, (long long)Hkv, (long long)BS,
+                (long long)NB, (long long)MB, us.c_str(), int(c.causal), int(c.br), c.wl, double(c.softcap), c.nt,
+                c.kv_splits, eo.max_abs, el.max_abs, std::max(eo.worst_ratio, el.worst_ratio));
+  check(eo.ok && el.ok, buf);
+  VarSummary& sm = g_var[2][type_index<T>()];
+  sm.o = std::max(sm.o, eo.max_abs), sm.lse = std::max(sm.lse, el.max_abs);
+  sm.cases++;
+}
+
+static const PCase kPCases[] = {
+    // name                          Sq Hq Hkv  BS  NB  used           MB  causal br   wl cap nt splits
+    {"decode BS=16",                 1, 4, 2,  16, 40, {0, 37, 300},  20, true,  true,  -1, 0, 2, 0},
+    {"prefill chunk BS=16",         20, 2, 1,  16, 40, {100, 5, 250}, 17, true,  true,  -1, 0, 2, 0},
+    {"BS=256",                       5, 2, 2, 256,  6, {600, 0, 256},  3, true,  true,  -1, 0, 2, 0},
+    {"BS=48 (not a multiple of 64)", 3, 4, 1,  48, 30, {1, 200, 333},  8, false, false, -1, 0, 3, 0},
+    {"BS=48 window softcap",         9, 2, 1,  48, 30, {77, 300, 9},   8, true,  true,  40, 5, 2, 0},
+    {"seqused=0 only",               2, 2, 1,  16,  4, {0, 0},         2, true,  true,  -1, 0, 2, 0},
+    {"split-KV decode, no split",    1, 4, 1,  16, 520, {8000},      510, true,  true,  -1, 0, 8, 1},
+    {"split-KV decode, auto",        1, 4, 1,  16, 520, {8000},      510, true,  true,  -1, 0, 8, 0},
+    {"split-KV decode, 7 splits",    1, 4, 1,  16, 520, {8000},      510, true,  true,  -1, 0, 8, 7},
+    {"split-KV, short seq + empty",  2, 2, 2,  16, 100, {900, 0, 50}, 60, true,  true,  -1, 0, 8, 5},
+};
+
+template <typename T>
+static void run_variants_type(std::mt19937_64& rng) {
+  int idx = 0;
+  for (const VCase& c : kVCases) {
+    // Alternate head dims and thread counts so every case runs a few configurations cheaply.
+    const int nt = 1 + idx % 3;
+    if (idx % 4 == 0)
+      run_variant<T, 128>(c, nt, rng);
+    else
+      run_variant<T, 64>(c, nt, rng);
+    if (idx % 5 == 0) run_variant<T, 32>(c, 4, rng);
+    ++idx;
+  }
+  run_variant<T, 256>(kVCases[18], 2, rng);  // all extras, largest head dim
+  idx = 0;
+  for (const LCase& c : kLCases) {
+    run_varlen<T, 64>(c, 1 + idx % 3, rng);
+    if (idx < 2) run_varlen<T, 128>(c, 3, rng);
+    ++idx;
+  }
+  for (const PCase& c : kPCases) {
+    if (c.BS == 256)
+      run_paged<T, 128>(c, rng);
+    else
+      run_paged<T, 64>(c, rng);
+  }
+}
+
+static void test_split_plan() {
+  // The paged decode case "auto" below: one row block per head (4), 8000 keys, 8 threads.
+  const flashgen::AttentionShape s{1, 1, 8000, 4, 1, 64};
+  const flashgen::AttentionAttrs a{0.125f, true, true};
+  const double flops = 4.0 * 4 * std::max(fc::detail::visible_pairs(s, a), 1.0) * 64;
+  const auto sp = fc::detail::plan_splits(4, 8000, fc::detail::threads_for(8, flops), 0);
+  check(sp.nsplit > 1, "split-KV plan: decode with B*Hq*q-blocks = 4 < useful threads splits into " +
+                           std::to_string(sp.nsplit) + " ranges of " + std::to_string(sp.keys) + " keys");
+  const auto none = fc::detail::plan_splits(64, 4000, 8, 0);
+  check(none.nsplit == 1, "split-KV plan: no split with 64 row blocks on 8 threads");
+}
+
+static void run_all_variants(std::mt19937_64& rng) {
+  test_split_plan();
+  run_variants_type<float>(rng);
+  run_variants_type<fc::bf16>(rng);
+  run_variants_type<fc::f16>(rng);
+  const char* names[3] = {"f32", "bf16", "f16"};
+  for (int f = 0; f < 3; ++f)
+    for (int t = 0; t < 3; ++t) {
+      const VarSummary& v = g_var[f][t];
+      std::printf("max abs err %-6s %-4s (%2d cases): o %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e  dbias %.2e\n",
+                  kFamilies[f], names[t], v.cases, v.o, v.lse, v.dq, v.dk, v.dv, v.db);
+    }
+}
+
 int main() {
   const auto t0 = std::chrono::steady_clock::now();
   test_conversions();
@@ -512,6 +1110,8 @@ int main() {
   run_type<float>(rng);
   run_type<fc::bf16>(rng);
   run_type<fc::f16>(rng);
+  std::mt19937_64 rng2(7);
+  run_all_variants(rng2);
   const char* names[3] = {"f32", "bf16", "f16"};
   for (int t = 0; t < 3; ++t)
     std::printf("max abs err %-4s: o %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e\n", names[t], g_sum[t].o,

@@ -32,11 +32,13 @@ B, T, H, D = 2, 8, 4, 32
 
 def case(name, *, fmt="mlir", rewritten=0, rejected=(), targets=(), causal=None,
          bottom_right=None, scale=None, kv_heads=None, layout=None, numerics=True, window=None,
-         softcap=None):
-    """Register a builder; ``rejected`` lists substrings of the expected reasons. ``window``
-    and ``softcap`` (when given) are checked on every rewritten site."""
+         softcap=None, extras=None):
+    """Register a builder; ``rejected`` lists substrings of the expected reasons. ``window``,
+    ``softcap`` and ``extras`` (the extra operands' names, when given) are checked on every
+    rewritten site."""
     def deco(fn):
-        extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+        extra = {k: v for k, v in (("window", window), ("softcap", softcap), ("extras", extras))
+                 if v is not None}
         CASES[name] = dict(fn=fn, fmt=fmt, expect=dict(
             rewritten=rewritten, rejected=list(rejected), targets=list(targets),
             causal=causal, bottom_right=bottom_right, scale=scale, kv_heads=kv_heads,
@@ -662,15 +664,6 @@ def _():
     return export_fn(lambda x, w: jax.nn.softmax(x @ w), spec((B, 64)), spec((64, 10)))
 
 
-@case("neg_padding_mask", rejected=["runtime values"])
-def _():
-    jax, jnp, _ = _jax()
-
-    def f(q, k, v, mask):
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
-    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
-
-
 @case("sliding_window_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
       bottom_right=False, window=[2, -1], softcap=0.0)
 def _():
@@ -738,19 +731,6 @@ def _():
     return export_fn(f, *qkv("bfloat16", t=4, s=T))
 
 
-@case("neg_strided_mask", rejected=["not causal or a sliding window"])
-def _():
-    # a mask that is no band on the diagonal (every other key): left untouched
-    jax, jnp, _ = _jax()
-
-    def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = jnp.where((j <= i) & ((i - j) % 2 == 0), s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
-
-
 @case("neg_softcap_masked_first", rejected=["masked before the softcap"])
 def _():
     # tanh after the mask turns the -1e9 fill into -cap: not a mask the kernel can apply
@@ -779,17 +759,6 @@ def _():
 def _():
     jax, _, _ = _jax()
     return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *qkv(d=48))
-
-
-@case("neg_position_bias", rejected=["not a 0 / -inf mask"])
-def _():
-    jax, jnp, _ = _jax()
-    rel = (np.arange(T)[None, :] - np.arange(T)[:, None]).astype(np.float32) * 0.1
-
-    def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + rel
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
 
 
 @case("neg_value_head_dim", rejected=["value head dim"])
@@ -827,6 +796,427 @@ def _():
     return torch_export(M().eval(), torch.randn(B, T, H * D))
 
 
+# ----------------------------------------------------------------------------- extras
+# README "Variants": biases, masks, ALiBi and segment ids become extra operands of the call.
+def alibi_slopes(h):
+    """The ALiBi paper's slopes for h heads (a power of two): 2^(-8/h), 2^(-16/h), ..."""
+    return np.array([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], np.float32)
+
+
+@case("jnn_bias_runtime", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["bias"])
+def _():
+    # jax.nn.dot_product_attention with a bias argument [B, H, T, T]
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
+                     *qkv(), spec((B, H, T, T)))
+
+
+@case("jnn_key_padding_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["mask"])
+def _():
+    # a key padding mask [B, 1, 1, T] ANDed with is_causal: causal stays an attribute
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m,
+                                                                     is_causal=True),
+                     *qkv(), spec((B, 1, 1, T), "bool"))
+
+
+@case("jnn_mask_full", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["mask"])
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m),
+                     *qkv(), spec((B, 1, T, T), "bool"))
+
+
+@case("jnn_bias_mask_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["bias", "mask"])
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, b, m: jax.nn.dot_product_attention(
+        q, k, v, bias=b, mask=m, is_causal=True), *qkv(), spec((B, 1, 1, T)),
+        spec((B, 1, 1, T), "bool"))
+
+
+@case("jnn_bias_bf16", rewritten=1, targets=[tname(32, "bf16", False)], extras=["bias"])
+def _():
+    # a bf16 padding bias [B, 1, 1, T] stays bf16 (the q dtype)
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
+                     *qkv("bfloat16"), spec((B, 1, 1, T), "bfloat16"))
+
+
+@case("jnn_gqa_mask", rewritten=1, targets=[tname(32, "f32", True)], causal=True, kv_heads=2,
+      extras=["mask"])
+def _():
+    # a per-head mask with GQA: the mask's heads must follow the kernel's head order
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m,
+                                                                     is_causal=True),
+                     *qkv(hkv=2), spec((B, H, T, T), "bool"))
+
+
+@case("jnn_decode_padding", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def _():
+    # one query row against a padded KV cache
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m),
+                     *qkv(t=1, s=8), spec((B, 1, 1, 8), "bool"))
+
+
+@case("alibi_bloom", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      scale=1 / math.sqrt(32), extras=["alibi"])
+def _():
+    # BLOOM's spelling: slopes·j (equal to -slopes·(i - j) up to a per-row constant) + causal
+    jax, jnp, _ = _jax()
+    slopes = alibi_slopes(H)
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(32))
+        s = s + slopes[None, :, None, None] * jnp.arange(T, dtype=jnp.float32)
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where(j <= i, s, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("alibi_symmetric", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      bottom_right=False, extras=["alibi"])
+def _():
+    # -slope·|i - j| without a mask (encoder-style ALiBi)
+    jax, jnp, _ = _jax()
+    slopes = alibi_slopes(H)
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
+        s = s - slopes[:, None, None] * dist
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("alibi_bottom_right", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      bottom_right=True, extras=["alibi"])
+def _():
+    # 4 new queries against 8 keys, distances measured from the last key (offset Sk - Sq)
+    jax, jnp, _ = _jax()
+    slopes = alibi_slopes(H)
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(4)[:, None] + (T - 4), jnp.arange(T)[None, :]
+        s = s + (-slopes)[:, None, None] * jnp.abs(i - j).astype(jnp.float32)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(t=4, s=T))
+
+
+@case("alibi_like_sqrt", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["bias"])
+def _():
+    # near miss: -slope·sqrt|i - j| is no ALiBi (not linear in |i - j|): a constant bias
+    jax, jnp, _ = _jax()
+    slopes = alibi_slopes(H)
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
+        s = s - slopes[:, None, None] * jnp.sqrt(dist)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("const_position_bias", rewritten=1, targets=[tname(32, "f32", False)], extras=["bias"])
+def _():
+    # a constant relative-position bias 0.1·(j - i): no ALiBi without a causal mask
+    jax, jnp, _ = _jax()
+    rel = (np.arange(T)[None, :] - np.arange(T)[:, None]).astype(np.float32) * 0.1
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + rel
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+def _relpos_buckets():
+    rel = np.arange(T)[None, :] - np.arange(T)[:, None]
+    return np.clip(rel, -3, 3) + 3          # 7 buckets of the key-query distance
+
+
+@case("flax_relpos_bias_const", rewritten=1, targets=[tname(32, "f32", False)],
+      extras=["bias"])
+def _():
+    # flax.linen.dot_product_attention with a relative-position bias table known at export
+    # time (a closed-over constant [1, H, T, T])
+    jax, jnp, _ = _jax()
+    import flax.linen as nn
+    table = np.random.default_rng(0).standard_normal((7, H)).astype(np.float32)
+    bias = table[_relpos_buckets()].transpose(2, 0, 1)[None]
+
+    def f(q, k, v):
+        return nn.dot_product_attention(q, k, v, bias=bias)
+    return export_fn(f, *qkv())
+
+
+@case("flax_relpos_bias_table", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["bias"])
+def _():
+    # the same with a trainable table (a gather at run time) and a causal mask
+    jax, jnp, _ = _jax()
+    import flax.linen as nn
+    buckets = _relpos_buckets()
+
+    def f(q, k, v, table):
+        bias = jnp.transpose(table[buckets], (2, 0, 1))[None]
+        return nn.dot_product_attention(q, k, v, bias=bias, mask=nn.make_causal_mask(q[..., 0, 0]))
+    return export_fn(f, *qkv(), spec((7, H)))
+
+
+@case("segment_ids_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["segment_ids"])
+def _():
+    # packed sequences: q_seg[:, None, :, None] == kv_seg[:, None, None, :], ANDed with causal
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, seg):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        visible = (seg[:, None, :, None] == seg[:, None, None, :]) & (j <= i)
+        s = jnp.where(visible, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, T), "int32"))
+
+
+@case("flax_segment_mask", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["segment_ids"])
+def _():
+    # flax's spelling: make_attention_mask(seg, seg, jnp.equal) combined with a causal mask
+    jax, jnp, _ = _jax()
+    import flax.linen as nn
+
+    def f(q, k, v, seg):
+        mask = nn.combine_masks(nn.make_attention_mask(seg, seg, jnp.equal),
+                                nn.make_causal_mask(seg))
+        return nn.dot_product_attention(q, k, v, mask=mask)
+    return export_fn(f, *qkv(), spec((B, T), "int32"))
+
+
+@case("segment_ids_per_head", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def _():
+    # near miss: ids that differ per head are no segment ids [B, S]: a plain mask
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, ids):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        s = jnp.where(ids[:, :, :, None] == ids[:, :, None, :], s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, H, T), "int32"))
+
+
+@case("prefix_lm_mask", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["mask"])
+def _():
+    # prefix LM: causal OR key inside the per-example prefix (an OR: one run-time mask)
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, prefix):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        visible = (j <= i)[None, None] | (j < prefix[:, None, None, None])
+        s = jnp.where(visible, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B,), "int32"))
+
+
+@case("const_strided_mask", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["mask"])
+def _():
+    # a constant mask that is no band on the diagonal (every other key): a constant operand
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where((j <= i) & ((i - j) % 2 == 0), s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("torch_sdpa_bool_mask", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def _():
+    # SDPA turns a bool attn_mask into a 0 / -inf bias: read back as a mask
+    import torch
+    import torch.nn.functional as F
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, m):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    m = torch.ones(B, 1, T, T, dtype=torch.bool)
+    return torch_export(M(), *_torch_qkv(), m)
+
+
+@case("torch_sdpa_float_mask", rewritten=1, targets=[tname(32, "f32", False)], extras=["bias"])
+def _():
+    import torch
+    import torch.nn.functional as F
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, m):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    return torch_export(M(), *_torch_qkv(), torch.zeros(B, 1, 1, T))
+
+
+@case("torch_mha_key_padding", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def _():
+    import torch
+    torch.manual_seed(0)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(H * D, H, batch_first=True)
+
+        def forward(self, x, pad):
+            return self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+    return torch_export(M().eval(), torch.randn(B, T, H * D), torch.zeros(B, T, dtype=torch.bool))
+
+
+@case("scan_layers_padding_mask", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["mask"])
+def _():
+    # lax.scan over layers with one key padding mask: the mask enters the while body as a
+    # loop-carried value and is passed from there
+    jax, jnp, _ = _jax()
+    C = H * D
+
+    def f(x, wq, wk, wv, mask):
+        def body(x, w):
+            q = (x @ w[0]).reshape(B, T, H, D)
+            k = (x @ w[1]).reshape(B, T, H, D)
+            v = (x @ w[2]).reshape(B, T, H, D)
+            a = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+            return x + a.reshape(B, T, C), None
+        return jax.lax.scan(body, x, jnp.stack([wq, wk, wv], 1))[0]
+    return export_fn(f, spec((B, T, C)), spec((3, C, C)), spec((3, C, C)), spec((3, C, C)),
+                     spec((B, 1, 1, T), "bool"))
+
+
+EXLA_PADDING = """\
+module @EXLA.padding {
+  func.func public @main(%arg0: tensor<2x4x8x32xf32>, %arg1: tensor<2x4x8x32xf32>, %arg2: tensor<2x4x8x32xf32>, %arg3: tensor<2x8xi1>) -> tensor<2x4x8x32xf32> {
+    %0 = func.call @attention_5(%arg0, %arg1, %arg2, %arg3) : (tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>, tensor<2x8xi1>) -> tensor<2x4x8x32xf32>
+    return %0 : tensor<2x4x8x32xf32>
+  }
+  func.func private @attention_5(%arg0: tensor<2x4x8x32xf32>, %arg1: tensor<2x4x8x32xf32>, %arg2: tensor<2x4x8x32xf32>, %arg3: tensor<2x8xi1>) -> tensor<2x4x8x32xf32> {
+    %0 = stablehlo.dot_general %arg0, %arg1, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [3] : (tensor<2x4x8x32xf32>, tensor<2x4x8x32xf32>) -> tensor<2x4x8x8xf32>
+    %cst = stablehlo.constant dense<1.250000e-01> : tensor<2x4x8x8xf32>
+    %1 = stablehlo.multiply %0, %cst : tensor<2x4x8x8xf32>
+    %2 = stablehlo.broadcast_in_dim %arg3, dims = [0, 3] : (tensor<2x8xi1>) -> tensor<2x4x8x8xi1>
+    %cst_0 = stablehlo.constant dense<-1.000000e+09> : tensor<2x4x8x8xf32>
+    %3 = stablehlo.select %2, %1, %cst_0 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+    %cst_1 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+    %4 = stablehlo.reduce(%3 init: %cst_1) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+    %5 = stablehlo.broadcast_in_dim %4, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
+    %6 = stablehlo.subtract %3, %5 : tensor<2x4x8x8xf32>
+    %7 = stablehlo.exponential %6 : tensor<2x4x8x8xf32>
+    %cst_2 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %8 = stablehlo.reduce(%7 init: %cst_2) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+    %9 = stablehlo.broadcast_in_dim %8, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
+    %10 = stablehlo.divide %7, %9 : tensor<2x4x8x8xf32>
+    %11 = stablehlo.dot_general %10, %arg2, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [2] : (tensor<2x4x8x8xf32>, tensor<2x4x8x32xf32>) -> tensor<2x4x8x32xf32>
+    return %11 : tensor<2x4x8x32xf32>
+  }
+}
+"""
+
+
+@case("exla_padding_mask", rewritten=1, targets=[tname(32, "f32", False)], scale=0.125,
+      extras=["mask"])
+def _():
+    # EXLA-style: the attention outlined into a private function that takes the padding mask
+    return _Text(EXLA_PADDING)
+
+
+# ----------------------------------------------------------------------------- extras: negatives
+@case("neg_bias_before_softcap", rejected=["before the softcap"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, b):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + b
+        s = jnp.tanh(s / 5.0) * 5.0
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, H, T, T)))
+
+
+@case("neg_bias_from_scores", rejected=["depends on the scores"])
+def _():
+    # a "bias" computed from the scores themselves cannot be passed in ahead of the kernel
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        s = s + jnp.flip(s, -1) * 0.1
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_mask_fill_zero", rejected=["not a large negative number"])
+def _():
+    # a run-time mask whose fill (0) does not remove the key from the softmax
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, m):
+        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
+
+
+@case("neg_runtime_fill", rejected=["fill value is not a constant"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, m, fill):
+        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, fill)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"), spec(()))
+
+
+@case("neg_mask_after_softmax", rejected=["masked"])
+def _():
+    # the mask applies to the probabilities (no renormalization): not attention masking
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, m):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(m, p, 0.0), v)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
+
+
+@case("neg_const_mask_empty_row", rejected=["no visible key"])
+def _():
+    # strictly-below-diagonal: the first query sees nothing (the kernel would give 0, the
+    # program the mean of V)
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where(j < i, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_bias_runtime_scale", rejected=["run time"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, b, scale):
+        s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) + b) * scale
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, H, T, T)), spec(()))
+
+
 # ----------------------------------------------------------------------------- writing
 def write(name: str, meta: dict) -> pathlib.Path:
     exported = meta["fn"]()
@@ -851,7 +1241,8 @@ def default_checks(expect: dict) -> str:
         br = "true" if expect["bottom_right"] else "false"
         lines += [f"// CHECK: stablehlo.custom_call @{t}(",
                   "// CHECK-SAME: api_version = 4 : i32",
-                  f"// CHECK-SAME: backend_config = {{bottom_right = {br}, causal = {causal}, scale = "]
+                  f"// CHECK-SAME: backend_config = {{bottom_right = {br}, causal = {causal}, "
+                  f"extras = \"{','.join(expect.get('extras') or [])}\", scale = "]
     elif expect["rewritten"]:
         lines += [f"// CHECK-DAG: stablehlo.custom_call @{t}(" for t in expect["targets"]]
     else:

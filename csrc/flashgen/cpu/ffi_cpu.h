@@ -11,6 +11,8 @@
 // threads on the own pool (1: inline).
 #pragma once
 #include <cstring>
+#include <string>
+#include <string_view>
 
 #include "flashgen/cpu/flash_cpu.h"
 #include "flashgen/ffi_common.h"
@@ -68,22 +70,31 @@ void poison(Results&... results) {
   if (poison_outputs()) (std::memset(results->untyped_data(), 0xFF, results->size_bytes()), ...);
 }
 
+// Poisons an extra result (dbias) when FLASHGEN_POISON is set.
+inline void poison_raw(void* data, size_t bytes) {
+  if (poison_outputs() && data != nullptr) std::memset(data, 0xFF, bytes);
+}
+
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
-               ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
-               bool bottom_right, int32_t window_left, int32_t window_right, float softcap) {
+               ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal,
+               float scale, bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
+               std::string_view extras) {
   auto shape = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
+  auto xs = decode_extras(target, extras, extra_args, s, T, nullptr);
+  if (xs.has_error()) return xs.error();
+  const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, D}); e.failure())
     return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
     return e;
   poison(o, lse);
   with_threads(pool, [&](int threads, Workers* workers) {
-    attention_fwd<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, attrs, threads,
+    attention_fwd<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, attrs, x, threads,
                                                 workers);
   });
   return ffi::Error::Success();
@@ -91,14 +102,18 @@ ffi::Error fwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::
 
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error bwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
-               ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout, ffi::ResultBuffer<T> dq,
-               ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal, float scale,
-               bool bottom_right, int32_t window_left, int32_t window_right, float softcap) {
+               ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout, ffi::RemainingArgs extra_args,
+               ffi::ResultBuffer<T> dq, ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv,
+               ffi::RemainingRets extra_rets, bool causal, float scale, bool bottom_right, int32_t window_left,
+               int32_t window_right, float softcap, std::string_view extras) {
   auto shape = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
+  auto xs = decode_extras(target, extras, extra_args, s, T, &extra_rets);
+  if (xs.has_error()) return xs.error();
+  const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = check_bwd_operands(target, s, o.dimensions(), lse.dimensions(), dout.dimensions());
       e.failure())
     return e;
@@ -109,9 +124,155 @@ ffi::Error bwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::
   if (auto e = expect_dims(target, "dv", dv->dimensions(), {s.batch, s.seqlen_k, s.heads_kv, D}); e.failure())
     return e;
   poison(dq, dk, dv);
+  if (x.dbias != nullptr) {
+    auto db = extra_rets.get<ffi::AnyBuffer>(0);
+    if (db.has_error()) return invalid(target, "dbias is not a buffer");
+    poison_raw(x.dbias, (*db.value()).size_bytes());
+  }
   with_threads(pool, [&](int threads, Workers* workers) {
     attention_bwd<typename Storage<T>::type, D>(in(q), in(k), in(v), in(o), lse.typed_data(), in(dout), out(dq),
-                                                out(dk), out(dv), s, attrs, threads, workers);
+                                                out(dk), out(dv), s, attrs, x, threads, workers);
+  });
+  return ffi::Error::Success();
+}
+
+// Shapes of the packed varlen operands q [Tq, Hq, D], k, v [Tk, Hkv, D] and the
+// cu_seqlens (values included: CPU buffers are host memory). Returns
+// {B, Tq, Tk, Hq, Hkv, D}.
+inline ffi::ErrorOr<AttentionShape> varlen_shape(const char* target, int64_t head_dim, Dims q, Dims k, Dims v,
+                                                 const ffi::Buffer<ffi::S32>& cu_q,
+                                                 const ffi::Buffer<ffi::S32>& cu_k, int32_t max_seqlen_q,
+                                                 int32_t max_seqlen_k) {
+  auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
+  const char* names[3] = {"q", "k", "v"};
+  Dims all[3] = {q, k, v};
+  for (int i = 0; i < 3; ++i) {
+    if (all[i].size() != 3)
+      return fail(std::string(names[i]) + " must be rank 3 [total_tokens, heads, head_dim], got " +
+                  dims_str(all[i]));
+    if (all[i][2] != head_dim)
+      return fail(std::string(names[i]) + " head_dim is " + std::to_string(all[i][2]) +
+                  " but this kernel is specialized for " + std::to_string(head_dim));
+  }
+  if (v[0] != k[0] || v[1] != k[1]) return fail("k and v shapes differ: k " + dims_str(k) + ", v " + dims_str(v));
+  if (k[1] <= 0 || q[1] % k[1] != 0)
+    return fail("kv heads (" + std::to_string(k[1]) + ") must divide q heads (" + std::to_string(q[1]) + ")");
+  int64_t batch = 0;
+  if (auto e = check_varlen_dims(target, cu_q.dimensions(), cu_k.dimensions(), &batch); e.failure())
+    return ffi::Unexpected<ffi::Error>(e);
+  if (max_seqlen_q < 0 || max_seqlen_k < 0)
+    return fail("max_seqlen_q / max_seqlen_k must be >= 0, got (" + std::to_string(max_seqlen_q) + ", " +
+                std::to_string(max_seqlen_k) + ")");
+  if (auto e = check_cu_seqlens(target, "cu_seqlens_q", cu_q.typed_data(), batch, q[0], max_seqlen_q); e.failure())
+    return ffi::Unexpected<ffi::Error>(e);
+  if (auto e = check_cu_seqlens(target, "cu_seqlens_k", cu_k.typed_data(), batch, k[0], max_seqlen_k); e.failure())
+    return ffi::Unexpected<ffi::Error>(e);
+  return AttentionShape{batch, q[0], k[0], q[1], k[1], head_dim};
+}
+
+template <ffi::DataType T, int D, bool Causal>
+ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k,
+                      ffi::Buffer<T> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
+                      ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
+                      bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
+                      int32_t max_seqlen_q, int32_t max_seqlen_k) {
+  auto shape = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k, max_seqlen_q,
+                            max_seqlen_k);
+  if (shape.has_error()) return shape.error();
+  const AttentionShape& s = shape.value();
+  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
+  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = expect_dims(target, "o", o->dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
+  poison(o, lse);
+  const VarlenArgs va{cu_q.typed_data(), cu_k.typed_data(), max_seqlen_q, max_seqlen_k};
+  with_threads(pool, [&](int threads, Workers* workers) {
+    attention_fwd_varlen<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, va, attrs,
+                                                       threads, workers);
+  });
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T, int D, bool Causal>
+ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k,
+                      ffi::Buffer<T> v, ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout,
+                      ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::ResultBuffer<T> dq,
+                      ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal, float scale, bool bottom_right,
+                      int32_t window_left, int32_t window_right, float softcap, int32_t max_seqlen_q,
+                      int32_t max_seqlen_k) {
+  auto shape = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k, max_seqlen_q,
+                            max_seqlen_k);
+  if (shape.has_error()) return shape.error();
+  const AttentionShape& s = shape.value();
+  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
+  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = expect_dims(target, "o", o.dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "lse", lse.dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
+  if (auto e = expect_dims(target, "do", dout.dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "dq", dq->dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "dk", dk->dimensions(), {s.seqlen_k, s.heads_kv, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "dv", dv->dimensions(), {s.seqlen_k, s.heads_kv, D}); e.failure()) return e;
+  poison(dq, dk, dv);
+  const VarlenArgs va{cu_q.typed_data(), cu_k.typed_data(), max_seqlen_q, max_seqlen_k};
+  with_threads(pool, [&](int threads, Workers* workers) {
+    attention_bwd_varlen<typename Storage<T>::type, D>(in(q), in(k), in(v), in(o), lse.typed_data(), in(dout),
+                                                       out(dq), out(dk), out(dv), s, va, attrs, threads, workers);
+  });
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T, int D, bool Causal>
+ffi::Error fwd_paged(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k_cache,
+                     ffi::Buffer<T> v_cache, ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seqused_k,
+                     ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
+                     bool bottom_right, int32_t window_left, int32_t window_right, float softcap) {
+  const Dims qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  if (qd.size() != 4)
+    return invalid(target, "q must be rank 4 [batch, seq, heads, head_dim], got " + dims_str(qd));
+  if (kd.size() != 4)
+    return invalid(target, "k_cache must be rank 4 [num_blocks, block_size, kv_heads, head_dim], got " +
+                               dims_str(kd));
+  if (qd[3] != D || kd[3] != D)
+    return invalid(target, "head_dim of q " + dims_str(qd) + " / k_cache " + dims_str(kd) +
+                               " does not match this kernel's " + std::to_string(D));
+  if (auto e = expect_dims(target, "v_cache", vd, {kd[0], kd[1], kd[2], kd[3]}); e.failure()) return e;
+  if (kd[2] <= 0 || qd[2] % kd[2] != 0)
+    return invalid(target, "kv heads (" + std::to_string(kd[2]) + ") must divide q heads (" +
+                               std::to_string(qd[2]) + ")");
+  if (kd[1] <= 0) return invalid(target, "block_size (k_cache dim 1) must be > 0, got " + dims_str(kd));
+  const int64_t B = qd[0], NB = kd[0], BS = kd[1];
+  const Dims bt = block_table.dimensions();
+  if (bt.size() != 2 || bt[0] != B)
+    return invalid(target, "block_table has shape " + dims_str(bt) + ", expected [" + std::to_string(B) +
+                               ", max_blocks]");
+  const int64_t MB = bt[1];
+  if (auto e = expect_dims(target, "seqused_k", seqused_k.dimensions(), {B}); e.failure()) return e;
+  const int32_t* table = block_table.typed_data();
+  const int32_t* used = seqused_k.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (used[b] < 0 || int64_t(used[b]) > MB * BS)
+      return invalid(target, "seqused_k[" + std::to_string(b) + "] = " + std::to_string(used[b]) +
+                                 " is outside [0, max_blocks * block_size = " + std::to_string(MB * BS) + "]");
+    const int64_t nblk = (int64_t(used[b]) + BS - 1) / BS;
+    for (int64_t j = 0; j < nblk; ++j) {
+      const int32_t id = table[b * MB + j];
+      if (id < 0 || id >= NB)
+        return invalid(target, "block_table[" + std::to_string(b) + ", " + std::to_string(j) + "] = " +
+                                   std::to_string(id) + " is outside [0, num_blocks = " + std::to_string(NB) +
+                                   ") but seqused_k[" + std::to_string(b) + "] = " + std::to_string(used[b]) +
+                                   " uses it");
+    }
+  }
+  const AttentionShape s{B, qd[1], MB * BS, qd[2], kd[2], D};
+  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
+  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = expect_dims(target, "o", o->dimensions(), {B, s.seqlen_q, s.heads_q, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "lse", lse->dimensions(), {B, s.heads_q, s.seqlen_q}); e.failure()) return e;
+  poison(o, lse);
+  const PagedArgs pa{table, used, NB, BS, MB};
+  with_threads(pool, [&](int threads, Workers* workers) {
+    attention_fwd_paged<typename Storage<T>::type, D>(in(q), in(k_cache), in(v_cache), out(o), lse->typed_data(), s,
+                                                      pa, attrs, threads, workers);
   });
   return ffi::Error::Success();
 }

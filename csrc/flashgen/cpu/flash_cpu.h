@@ -29,6 +29,32 @@
 //   or in a [chunks][B][Sq][Hq][D] buffer reduced at the end; every accumulator
 //   region belongs to exactly one work item, so there are no races.
 //
+//
+// Variants (README "Variants"; attention.h ScoreExtras / VarlenArgs / PagedArgs):
+//   Score extras (dense targets): ALiBi, an additive bias (f32 or the q type,
+//   broadcast over batch / heads by strides), a boolean mask and segment ids.
+//   Forward: per key block an extras tile Xt [BK][BQ] (bias transposed, minus
+//   slope * |i + off - j|, times log2(e); -inf where mask / segments hide the
+//   pair) is added to the base-2 scores after scale, softcap and the band mask.
+//   Backward: the same terms per query row, along the key lanes; dS' = P o (dP -
+//   Drow) is dbias's share, dS = dS' * scale (* (1 - tanh^2) with softcap).
+//   dbias accumulates in fp32 (dbias itself when f32): an item (batch, kv head)
+//   that owns its slots writes them directly; slots shared by several items
+//   (bias broadcast over the batch or over kv-head groups) are zeroed first and
+//   receive per-item [Sq][BK] tiles under striped locks. Key blocks whose
+//   segment-id range is disjoint from the q block's are skipped; everything
+//   else is masked per element. Without extras the code path is the one above.
+//   Packed varlen: every work item is a (sequence, head, q block) forward or
+//   (sequence, kv head, key chunk) backward of a dense problem with its own
+//   base pointers and lengths (lse [Hq][Tq]); rows outside every sequence get
+//   o = 0, lse = -inf and zero gradients.
+//   Paged KV (forward): key rows come through a row accessor (block table) into
+//   the same contiguous block buffers; batch entry b has seqused_k[b] keys.
+//   Split-KV (dense and paged forward): when there are fewer row blocks than
+//   useful threads, each row block's keys are split into ranges processed by
+//   different items, each writing fp32 partial (o, lse); a log-sum-exp merge
+//   combines them (partials with lse = -inf contribute nothing).
+//
 // Matrix products go through one register-blocked micro-kernel written with
 // GCC/Clang vector extensions (AVX-512, AVX2/FMA, or SSE2 depending on the
 // target flags), so the header compiles with and without -march=native.
@@ -845,9 +871,68 @@ FLASHGEN_CPU_INLINE const uint32_t* rows_pairs(const T* src, int64_t ld_in, int6
   return out;
 }
 
+// Key / value row sources: the address of row j (a key index of one problem)
+// for one kv head. Dense (and packed varlen) rows are ld elements apart; paged
+// rows are looked up in the block table (PagedArgs).
+template <typename T>
+struct DenseRows {
+  const T* base;  // row 0
+  int64_t ld;
+  FLASHGEN_CPU_INLINE const T* operator()(int64_t j) const { return base + j * ld; }
+};
+template <typename T>
+struct PagedRows {
+  const T* base;         // k_cache (or v_cache) + kv head * D
+  const int32_t* table;  // this batch entry's row of the block table
+  int64_t block_size;
+  int64_t ld_block;  // elements per cache block (block_size * Hkv * D)
+  int64_t ld;        // elements per row of a block (Hkv * D)
+  FLASHGEN_CPU_INLINE const T* operator()(int64_t j) const {
+    const int64_t blk = j / block_size;
+    return base + int64_t(table[blk]) * ld_block + (j - blk * block_size) * ld;
+  }
+};
+
+// Rows [j0, j0 + n) of a row source as contiguous fp32 [n][D].
+template <typename T, int D, typename Rows>
+FLASHGEN_CPU_INLINE const float* gather_f32(const Rows& r, int64_t j0, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) load_f32<T>(r(j0 + i), buf + i * D, D);
+  return buf;
+}
+// Rows [j0, j0 + n) of 16-bit elements as contiguous bf16 pairs [n][D / 2].
+template <typename T, int D, typename Rows>
+FLASHGEN_CPU_INLINE const uint32_t* gather_pairs(const Rows& r, int64_t j0, int64_t n, float* buf) {
+  static_assert(sizeof(T) == 2 && D % 2 == 0, "pairs of 16-bit elements");
+  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * (D / 2), r(j0 + i), D * sizeof(T));
+  return out;
+}
+
 #if FLASHGEN_CPU_BF16_DOT
 // Vp[jp][d] = (v[2jp][d], v[2jp+1][d]) for n rows of bf16 (stride ld), an odd
-// last row paired with 0: the B operand of P V on vdpbf16ps.
+// last row paired with 0: the B operand of P V on vdpbf16ps. interleave_rows:
+// the same for rows [j0, j0 + n) of a row source.
+template <int D, typename Rows>
+inline void interleave_rows(const Rows& rows, int64_t j0, int64_t n, uint32_t* dst) {
+  static_assert(D % 32 == 0, "D multiple of 32");
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t jp = 0; 2 * jp < n; ++jp) {
+    const bool has1 = 2 * jp + 1 < n;
+    const bf16* r0 = rows(j0 + 2 * jp);
+    const bf16* r1 = has1 ? rows(j0 + 2 * jp + 1) : r0;
+    uint32_t* out = dst + jp * D;
+    for (int d = 0; d < D; d += 32) {
+      const __m512i a = _mm512_loadu_si512(r0 + d);
+      const __m512i b = has1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, il, b));
+      _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, ih, b));
+    }
+  }
+}
 template <int D>
 inline void interleave_row_pairs(const bf16* src, int64_t ld, int64_t n, uint32_t* dst) {
   static_assert(D % 32 == 0, "D multiple of 32");
@@ -868,6 +953,11 @@ inline void interleave_row_pairs(const bf16* src, int64_t ld, int64_t n, uint32_
       _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, ih, b));
     }
   }
+}
+// Dense rows: exactly the strided form.
+template <int D>
+inline void interleave_rows(const DenseRows<bf16>& rows, int64_t j0, int64_t n, uint32_t* dst) {
+  interleave_row_pairs<D>(rows(j0), rows.ld, n, dst);
 }
 
 // Pb[jp][i] = bf16 pair (P[2jp][i], P[2jp+1][i]) (round to nearest even) for
@@ -905,17 +995,87 @@ inline void rows_to_bf16_pairs(const float* src, int64_t ld, int64_t n, int64_t 
 #endif
 
 // ---------------------------------------------------------------------------
-// Forward work item: one (batch, q head, q block).
+// Score extras (ALiBi, bias, mask, segment ids) of one (batch entry, q head).
+// ---------------------------------------------------------------------------
+struct HeadExtras {
+  bool alibi = false;
+  float slope = 0.0f;  // natural-log units
+  const void* bias = nullptr;  // element (i, j) at i * ld + j
+  ElemType bias_type = ElemType::F32;
+  const bool* mask = nullptr;     // element (i, j) at i * ld + j
+  const int32_t* qseg = nullptr;  // [Sq]
+  const int32_t* kseg = nullptr;  // [Sk]
+  float* dbias = nullptr;         // fp32 accumulator, element (i, j) at i * db_ld + j - db_col0
+  int64_t db_ld = 0, db_col0 = 0;
+  int64_t ld = 0;                 // Sk
+};
+
+inline HeadExtras head_extras(const ScoreExtras& x, int64_t b, int64_t h, int64_t Sq, int64_t Sk, float* dbacc) {
+  HeadExtras e;
+  e.ld = Sk;
+  if (x.alibi != nullptr) {
+    e.alibi = true;
+    e.slope = x.alibi[b * x.alibi_stride_b + h];
+  }
+  if (x.bias != nullptr) {
+    const int64_t off = b * x.bias_stride_b + h * x.bias_stride_h;
+    e.bias_type = x.bias_type;
+    e.bias = x.bias_type == ElemType::F32 ? static_cast<const void*>(static_cast<const float*>(x.bias) + off)
+                                          : static_cast<const void*>(static_cast<const uint16_t*>(x.bias) + off);
+    if (dbacc != nullptr) e.dbias = dbacc + off;
+    e.db_ld = Sk;
+  }
+  if (x.mask != nullptr) e.mask = x.mask + b * x.mask_stride_b + h * x.mask_stride_h;
+  if (x.q_segment_ids != nullptr) {
+    e.qseg = x.q_segment_ids + b * Sq;
+    e.kseg = x.kv_segment_ids + b * Sk;
+  }
+  return e;
+}
+
+// n bias elements from element `idx` on, as fp32.
+inline void bias_f32(const HeadExtras& e, int64_t idx, int64_t n, float* dst) {
+  switch (e.bias_type) {
+    case ElemType::F32:
+      std::memcpy(dst, static_cast<const float*>(e.bias) + idx, size_t(n) * sizeof(float));
+      break;
+    case ElemType::BF16:
+      load_f32<bf16>(static_cast<const bf16*>(e.bias) + idx, dst, n);
+      break;
+    default:
+      load_f32<f16>(static_cast<const f16*>(e.bias) + idx, dst, n);
+      break;
+  }
+}
+
+FLASHGEN_CPU_INLINE vi loadvi(const int32_t* p) {
+  vi v;
+  std::memcpy(&v, p, sizeof(vi));
+  return v;
+}
+FLASHGEN_CPU_INLINE vf absdist(vi d) { return __builtin_convertvector(d < 0 ? -d : d, vf); }
+
+// Segment ids: [lo, hi] of ids[0, n); the segment ids of a query block and a key
+// block whose ranges do not overlap are all different (the block is masked).
+inline void id_range(const int32_t* ids, int64_t n, int32_t* lo, int32_t* hi) {
+  int32_t a = std::numeric_limits<int32_t>::max(), b = std::numeric_limits<int32_t>::min();
+  for (int64_t i = 0; i < n; ++i) a = std::min(a, ids[i]), b = std::max(b, ids[i]);
+  *lo = a;
+  *hi = b;
+}
+
+// ---------------------------------------------------------------------------
+// Forward work item: one (problem, q head, q block), where a problem is a
+// batch entry (dense, paged) or a packed sequence (varlen).
 // ---------------------------------------------------------------------------
 template <int D>
 constexpr size_t fwd_ws_floats() {
-  // Qt [D][BQ], St [BK][BQ], Oacc [BQ][D], Kc, Vc [BK][D], Pb [BK/2][BQ], m, l, alpha [BQ]
+  // Qt [D][BQ], St [BK][BQ], Oacc [BQ][D], Kc, Vc [BK][D], Pb [BK/2][BQ], m, l, alpha [BQ];
+  // extras: Xt [BK][BQ], Xc [BQ][BK], q segment ids [BQ]
   return size_t(D) * kFwdBq + size_t(kFwdBk) * kFwdBq + size_t(kFwdBq) * D + 2 * size_t(kFwdBk) * D +
-         size_t(kFwdBk / 2) * kFwdBq + 3 * size_t(kFwdBq);
+         size_t(kFwdBk / 2) * kFwdBq + 3 * size_t(kFwdBq) + 2 * size_t(kFwdBk) * kFwdBq + size_t(kFwdBq);
 }
 
-// Causal tiles of St = K Qt in a block crossing the diagonal: key row r sees
-// the local query columns >= r + c.
 // tanh, lane-wise (softcap): Cephes' odd polynomial below |x| = 0.625, else
 // 1 - 2 / (exp(2|x|) + 1) with the sign restored; ~1e-7 relative error.
 FLASHGEN_CPU_INLINE vf tanhv(vf x) {
@@ -934,6 +1094,8 @@ FLASHGEN_CPU_INLINE vf tanhv(vf x) {
   return ax < splat(0.625f) ? small : large;
 }
 
+// Causal tiles of St = K Qt in a block crossing the diagonal: key row r sees
+// the local query columns >= r + c.
 struct ScoreTiles {
   int64_t c;
   FLASHGEN_CPU_INLINE int64_t vbegin(int64_t r) const { return r + c <= 0 ? 0 : (r + c) / W; }
@@ -953,9 +1115,90 @@ struct ValueTiles {
   }
 };
 
-template <typename T, int D>
-void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
-              const AttentionAttrs& a, int64_t b, int64_t h, int64_t qb, float* ws) {
+// Xt[j][i] = the extras' score term of query q0 + i and key k0 + j in base-2
+// units (log2(e) * (bias - slope * |i + aoff - j|)), -inf where masked; lanes
+// [nq, nqp) stay finite or -inf. qsegb: the block's q segment ids, padded to nqp.
+__attribute__((noinline)) inline void fwd_extras_tile(const HeadExtras& e, int64_t q0, int64_t nq, int64_t nqp, int64_t k0, int64_t nk,
+                            int64_t aoff, const int32_t* qsegb, float* Xt, float* Xc) {
+  constexpr int BQ = kFwdBq, BK = kFwdBk;
+  const int nv = static_cast<int>(nqp / W);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  if (e.bias != nullptr) {
+    if (e.bias_type == ElemType::F32) {
+      transpose32(reinterpret_cast<const uint32_t*>(static_cast<const float*>(e.bias) + q0 * e.ld + k0), e.ld, nq,
+                  nk, nqp, reinterpret_cast<uint32_t*>(Xt), BQ);
+    } else {
+      for (int64_t i = 0; i < nq; ++i) bias_f32(e, (q0 + i) * e.ld + k0, nk, Xc + i * BK);
+      transpose32(Xc, BK, nq, nk, nqp, Xt, BQ);
+    }
+  }
+  const vf l2 = splat(kLog2e), sl = splat(e.slope * kLog2e), ninfv = splat(ninf), zero = splat(0.0f);
+  const vi iota = iota_i();
+  for (int64_t j = 0; j < nk; ++j) {
+    float* xr = Xt + j * BQ;
+    const int32_t d0 = static_cast<int32_t>(q0 + aoff - (k0 + j));  // i + aoff - j for local row i = 0
+    const vi kv = splat_i(e.kseg != nullptr ? e.kseg[k0 + j] : 0);
+    for (int t = 0; t < nv; ++t) {
+      vf x = e.bias != nullptr ? loadv(xr + t * W) * l2 : zero;
+      if (e.alibi) x = x - sl * absdist(iota + splat_i(t * W + d0));
+      if (e.qseg != nullptr) x = loadvi(qsegb + t * W) == kv ? x : ninfv;
+      storev(xr + t * W, x);
+    }
+  }
+  if (e.mask != nullptr)
+    for (int64_t i = 0; i < nq; ++i) {
+      const bool* m = e.mask + (q0 + i) * e.ld + k0;
+      for (int64_t j = 0; j < nk; ++j)
+        if (!m[j]) Xt[j * BQ + i] = ninf;
+    }
+}
+
+// Scores with extras: St[j][i] = St * cv, -inf outside the band when `masked`
+// (query i sees key j iff band.lo <= j + dk - i <= band.hi, dk = k0 - q0), plus
+// Xt; mx = the lane-wise max over j.
+__attribute__((noinline)) inline void fwd_extras_scores(float* St, const float* Xt, int64_t nk, int nv, vf cv,
+                                                        bool masked, int64_t dk, VisibleBand band, vf* mx) {
+  constexpr int BQ = kFwdBq;
+  const vf ninfv = splat(-std::numeric_limits<float>::infinity());
+  const vi iota = iota_i();
+  for (int64_t j = 0; j < nk; ++j) {
+    float* sr = St + j * BQ;
+    int64_t ilo = -1, ihi = BQ;
+    if (masked) {
+      ilo = std::min<int64_t>(std::max<int64_t>(j + dk - band.hi, -1), BQ);
+      ihi = std::min<int64_t>(std::max<int64_t>(j + dk - band.lo, -1), BQ);
+    }
+    const vi ilov = splat_i(static_cast<int32_t>(ilo)), ihiv = splat_i(static_cast<int32_t>(ihi));
+    const float* xr = Xt + j * BQ;
+    for (int t = 0; t < nv; ++t) {
+      vf y = loadv(sr + t * W) * cv;
+      const vi idx = iota + splat_i(t * W);
+      y = ((idx >= ilov) & (idx <= ihiv)) ? y : ninfv;
+      y = y + loadv(xr + t * W);
+      storev(sr + t * W, y);
+      mx[t] = vmax(mx[t], y);
+    }
+  }
+}
+
+// One forward problem at one q head. Rows of q / o are Hq * D elements apart,
+// lse rows are contiguous. With opart set, the item writes its normalized o in
+// fp32 to opart and its lse to lpart (same layouts; split-KV partials) instead.
+template <typename T>
+struct FwdProblem {
+  const T* q = nullptr;  // row 0 of this q head
+  T* o = nullptr;
+  float* lse = nullptr;
+  float* opart = nullptr;
+  float* lpart = nullptr;
+  int64_t Sq = 0, Sk = 0;      // this problem's lengths (alignment, masks)
+  int64_t kmin = 0, kmax = 0;  // keys this item may visit: [kmin, kmax)
+  const HeadExtras* x = nullptr;
+};
+
+template <typename T, int D, typename Rows>
+void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int64_t Hq, const AttentionAttrs& a,
+              int64_t qb, float* ws) {
   constexpr int BQ = kFwdBq, BK = kFwdBk;
 #if FLASHGEN_CPU_BF16_DOT
   constexpr bool BF = std::is_same<T, bf16>::value;
@@ -964,8 +1207,8 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
 #endif
   using E = typename std::conditional<BF, uint32_t, float>::type;  // product element: bf16 pair or float
   constexpr int KD = BF ? D / 2 : D;                                 // K steps of Q K^T
-  const int64_t Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
-  const int64_t hk = h / (Hq / Hkv);
+  const int64_t Sq = p.Sq, Sk = p.Sk;
+  const AttentionShape s{1, Sq, Sk, 1, 1, D};
   const int64_t q0 = qb * BQ;
   const int64_t nq = std::min<int64_t>(BQ, Sq - q0);
   const int64_t nqp = round_up(nq, W);
@@ -981,10 +1224,13 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
   float* mrow = Pbuf + (BK / 2) * BQ;  // [BQ]
   float* lrow = mrow + BQ;             // [BQ]
   float* alpha = lrow + BQ;            // [BQ]
+  float* Xt = alpha + BQ;              // [BK][BQ] extras' score terms
+  float* Xc = Xt + BK * BQ;            // [BQ][BK] bias rows (scratch)
+  int32_t* qsegb = reinterpret_cast<int32_t*>(Xc + BQ * BK);  // [BQ]
   E* Qe = reinterpret_cast<E*>(Qt);
 
-  const int64_t ldq = Hq * D, ldkv = Hkv * D;
-  const T* qblk = q + ((b * Sq + q0) * Hq + h) * D;
+  const int64_t ldq = Hq * D;
+  const T* qblk = p.q + q0 * ldq;
   if constexpr (BF) {
     transpose32(reinterpret_cast<const uint32_t*>(qblk), ldq / 2, nq, D / 2, nqp, reinterpret_cast<uint32_t*>(Qt),
                 BQ);
@@ -1010,6 +1256,8 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
     kbeg = std::min<int64_t>(Sk, std::max<int64_t>(0, q0 + band.lo));
     kend = std::min<int64_t>(Sk, std::max<int64_t>(0, q0 + nq + band.hi));
   }
+  kbeg = std::max(kbeg, p.kmin);
+  kend = std::min(kend, p.kmax);
   // Softcap: S = c * tanh(S * scale / c), after which the softmax scale is 1.
   const bool capped = a.softcap > 0.0f;
   const float cap_in = capped ? a.scale / a.softcap : 0.0f;
@@ -1018,20 +1266,31 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
   const vi iota = iota_i();
   vf mx[BQ / W], msub[BQ / W], lacc[BQ / W];
 
+  // Extras: the ALiBi offset (as causal's, even without causal) and the q block's segment ids.
+  const HeadExtras* x = p.x;
+  const int64_t aoff = causal_offset(s, a);
+  int32_t qseg_lo = 0, qseg_hi = 0;
+  if (x != nullptr && x->qseg != nullptr && nq > 0) {
+    for (int64_t i = 0; i < nqp; ++i) qsegb[i] = x->qseg[q0 + std::min<int64_t>(i, nq - 1)];
+    id_range(qsegb, nq, &qseg_lo, &qseg_hi);
+  }
+
   for (int64_t k0 = kbeg; k0 < kend; k0 += BK) {
     const int64_t nk = std::min<int64_t>(BK, kend - k0);
-    const T* kblk = k + ((b * Sk + k0) * Hkv + hk) * D;
-    const T* vblk = v + ((b * Sk + k0) * Hkv + hk) * D;
+    if (x != nullptr && x->kseg != nullptr) {
+      int32_t lo, hi;
+      id_range(x->kseg + k0, nk, &lo, &hi);
+      if (hi < qseg_lo || lo > qseg_hi) continue;  // no key of the block shares a query's segment
+    }
     const bool diag = !windowed && a.causal && (k0 + nk - 1 > q0 + off);
     const bool edge = windowed && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
 
     // St = K * Qt : scores, one key per row, query rows along the lanes.
     const E* Kp;
     if constexpr (BF) {
-      Kp = rows_pairs<T, D>(kblk, ldkv, nk, Kc);
+      Kp = gather_pairs<T, D>(krows, k0, nk, Kc);
     } else {
-      int64_t ldk;
-      Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+      Kp = gather_f32<T, D>(krows, k0, nk, Kc);
     }
     if (diag)
       gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
@@ -1046,10 +1305,12 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
           storev(p, capv * tanhv(loadv(p) * cinv));
         }
     }
+    if (x != nullptr) fwd_extras_tile(*x, q0, nq, nqp, k0, nk, aoff, qsegb, Xt, Xc);
 
     // Online softmax (base 2), lane-wise over query rows.
     for (int t = 0; t < nv; ++t) mx[t] = ninfv;
-    for (int64_t j = 0; j < nk; ++j) {
+    if (x != nullptr) fwd_extras_scores(St, Xt, nk, nv, cv, edge || diag, k0 - q0, band, mx);
+    else for (int64_t j = 0; j < nk; ++j) {
       float* sr = St + j * BQ;
       if (edge) {
         // Query row i (local) sees key k0+j iff k0+j-q0-hi <= i <= k0+j-q0-lo.
@@ -1057,27 +1318,27 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
         const int64_t ihi = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.lo, -1), BQ);
         const vi ilov = splat_i(static_cast<int32_t>(ilo)), ihiv = splat_i(static_cast<int32_t>(ihi));
         for (int t = 0; t < nv; ++t) {
-          vf x = loadv(sr + t * W) * cv;
+          vf y = loadv(sr + t * W) * cv;
           const vi idx = iota + splat_i(t * W);
-          x = ((idx >= ilov) & (idx <= ihiv)) ? x : ninfv;
-          storev(sr + t * W, x);
-          mx[t] = vmax(mx[t], x);
+          y = ((idx >= ilov) & (idx <= ihiv)) ? y : ninfv;
+          storev(sr + t * W, y);
+          mx[t] = vmax(mx[t], y);
         }
       } else if (diag) {
         // Query row i (local) sees key k0+j iff i >= k0 + j - off - q0.
         const int64_t lo = std::min<int64_t>(std::max<int64_t>(k0 + j - off - q0, -1), BQ);
         const vi lov = splat_i(static_cast<int32_t>(lo));
         for (int t = 0; t < nv; ++t) {
-          vf x = loadv(sr + t * W) * cv;
-          x = (iota + splat_i(t * W)) >= lov ? x : ninfv;
-          storev(sr + t * W, x);
-          mx[t] = vmax(mx[t], x);
+          vf y = loadv(sr + t * W) * cv;
+          y = (iota + splat_i(t * W)) >= lov ? y : ninfv;
+          storev(sr + t * W, y);
+          mx[t] = vmax(mx[t], y);
         }
       } else {
         for (int t = 0; t < nv; ++t) {
-          const vf x = loadv(sr + t * W) * cv;
-          storev(sr + t * W, x);
-          mx[t] = vmax(mx[t], x);
+          const vf y = loadv(sr + t * W) * cv;
+          storev(sr + t * W, y);
+          mx[t] = vmax(mx[t], y);
         }
       }
     }
@@ -1093,9 +1354,9 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
     for (int64_t j = 0; j < nk; ++j) {
       float* sr = St + j * BQ;
       for (int t = 0; t < nv; ++t) {
-        const vf p = exp2v(loadv(sr + t * W) - msub[t]);
-        storev(sr + t * W, p);
-        lacc[t] += p;
+        const vf pv = exp2v(loadv(sr + t * W) - msub[t]);
+        storev(sr + t * W, pv);
+        lacc[t] += pv;
       }
     }
     for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) * loadv(alpha + t * W) + lacc[t]);
@@ -1107,7 +1368,7 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
 #if FLASHGEN_CPU_BF16_DOT
       uint32_t* Vp = reinterpret_cast<uint32_t*>(Vc);
       uint32_t* Pb = reinterpret_cast<uint32_t*>(Pbuf);
-      interleave_row_pairs<D>(reinterpret_cast<const bf16*>(vblk), ldkv, nk, Vp);
+      interleave_rows<D>(vrows, k0, nk, Vp);
       pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
       const int64_t kp = (nk + 1) / 2;
       if (diag)
@@ -1116,20 +1377,26 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
         gemm<uint32_t, true, true>(nq, D, kp, Pb, 1, BQ, Vp, D, Oacc, D, alpha);
 #endif
     } else {
-      int64_t ldv;
-      const float* Vp = rows_f32<T, D>(vblk, ldkv, nk, Vc, &ldv);
+      const float* Vp = gather_f32<T, D>(vrows, k0, nk, Vc);
       if (diag)
-        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, ldv, Oacc, D, alpha, ValueTiles<1>{off + q0 - k0});
+        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, D, Oacc, D, alpha, ValueTiles<1>{off + q0 - k0});
       else
-        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, ldv, Oacc, D, alpha);
+        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, D, Oacc, D, alpha);
     }
   }
 
-  // Normalize and write o, lse.
+  // Normalize and write o, lse (or the fp32 partials).
   for (int64_t i = 0; i < nq; ++i) {
-    T* orow = o + ((b * Sq + q0 + i) * Hq + h) * D;
-    float* lrow_out = lse + (b * Hq + h) * Sq + q0 + i;
     const float l = lrow[i];
+    if (p.opart != nullptr) {
+      float* orow = p.opart + (q0 + i) * ldq;
+      const float r = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int d = 0; d < D; ++d) orow[d] = l > 0.0f ? Oacc[i * D + d] * r : 0.0f;
+      p.lpart[q0 + i] = l > 0.0f ? mrow[i] * kLn2 + std::log(l) : ninf;
+      continue;
+    }
+    T* orow = p.o + (q0 + i) * ldq;
+    float* lrow_out = p.lse + q0 + i;
     if (l > 0.0f) {
       store_from_f32<T>(Oacc + i * D, orow, D, 1.0f / l);
       *lrow_out = mrow[i] * kLn2 + std::log(l);
@@ -1146,24 +1413,124 @@ void fwd_item(const T* q, const T* k, const T* v, T* o, float* lse, const Attent
 template <int D>
 constexpr size_t bwd_ws_floats() {
   // Kt, Vt [D][BK]; Kc, dKa, dVa [BK][D]; Qc, dOc [BQ][D]; P, dS [BQ][BK];
-  // Qb, dOb [BQ][D/2] bf16 pairs; tmp [BK][D]; Pp, dSp [BQ/2][BK] and dSb [BQ][BK/2] bf16 pairs
+  // Qb, dOb [BQ][D/2] bf16 pairs; tmp [BK][D]; Pp, dSp [BQ/2][BK] and dSb [BQ][BK/2] bf16 pairs;
+  // extras: xrow [BK], kv segment ids [BK]
   return 2 * size_t(D) * kBwdBk + 3 * size_t(kBwdBk) * D + 2 * size_t(kBwdBq) * D + 2 * size_t(kBwdBq) * kBwdBk +
-         size_t(kBwdBq) * D + size_t(kBwdBk) * D + 2 * size_t(kBwdBq) * kBwdBk;
+         size_t(kBwdBq) * D + size_t(kBwdBk) * D + 2 * size_t(kBwdBq) * kBwdBk + 2 * size_t(kBwdBk);
 }
 
-template <typename T, int D>
-void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* lse2, const float* Drow, T* dk, T* dv,
-              float* dqacc, const AttentionShape& s, const AttentionAttrs& a, int64_t b, int64_t hk, int64_t chunk,
-              int64_t nchunks, float* ws) {
+// xr[t] (t < nkp) = the extras' score term of query i and key k0 + t in base-2
+// units, -inf where masked (lanes [nk, nkp) finite or -inf). ksegb: the key
+// block's segment ids, padded to nkp.
+inline void bwd_extras_row(const HeadExtras& e, int64_t i, int64_t k0, int64_t nk, int64_t nkp, int64_t aoff,
+                           const int32_t* ksegb, float* xr) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  if (e.bias != nullptr) {
+    bias_f32(e, i * e.ld + k0, nk, xr);
+    for (int64_t t = nk; t < nkp; ++t) xr[t] = 0.0f;
+  }
+  const vf l2 = splat(kLog2e), sl = splat(e.slope * kLog2e), ninfv = splat(ninf), zero = splat(0.0f);
+  const vi iota = iota_i();
+  const int32_t d0 = static_cast<int32_t>(i + aoff - k0);  // i + aoff - j for local key 0
+  const vi qv = splat_i(e.qseg != nullptr ? e.qseg[i] : 0);
+  for (int64_t t = 0; t < nkp; t += W) {
+    vf y = e.bias != nullptr ? loadv(xr + t) * l2 : zero;
+    if (e.alibi) y = y - sl * absdist(splat_i(d0 - static_cast<int32_t>(t)) - iota);
+    if (e.qseg != nullptr) y = loadvi(ksegb + t) == qv ? y : ninfv;
+    storev(xr + t, y);
+  }
+  if (e.mask != nullptr) {
+    const bool* m = e.mask + i * e.ld + k0;
+    for (int64_t t = 0; t < nk; ++t)
+      if (!m[t]) xr[t] = ninf;
+  }
+}
+
+// One row of the backward with extras: prow (S) becomes P, dr (dP) becomes dS.
+// s' = softcap(scale * S) + extras; dS' = P o (dP - Drow) is dbias's share (added
+// to e.dbias); dS = dS' * scale (* (1 - u^2) with softcap). Keys outside [lo, hi]
+// (band) get P = 0.
+__attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const AttentionAttrs& a, int64_t i,
+                                                      int64_t k0, int64_t nk, int64_t nkp, int64_t aoff, int64_t lo,
+                                                      int64_t hi, float lse2, float drow, const int32_t* ksegb,
+                                                      float* xrow, float* prow, float* dr) {
+  constexpr int BK = kBwdBk;
+  bwd_extras_row(e, i, k0, nk, nkp, aoff, ksegb, xrow);
+  const bool capped = a.softcap > 0.0f;
+  const vf zero = splat(0.0f), scv = splat(a.scale), Lv = splat(-lse2), Dv = splat(drow);
+  const vi iota = iota_i(), lov = splat_i(static_cast<int32_t>(lo)), hiv = splat_i(static_cast<int32_t>(hi));
+  alignas(64) float du[BK];
+  vf cx = splat(a.scale * kLog2e);
+  if (capped) {
+    const vf capv = splat(a.softcap), cinv = splat(a.scale / a.softcap), one = splat(1.0f);
+    for (int64_t t = 0; t < nkp; t += W) {
+      const vf u = tanhv(loadv(prow + t) * cinv);
+      storev(prow + t, capv * u);
+      storev(du + t, one - u * u);
+    }
+    cx = splat(kLog2e);
+  }
+  float* dbr = e.dbias != nullptr ? e.dbias + i * e.db_ld + (k0 - e.db_col0) : nullptr;
+  for (int64_t t = 0; t < nkp; t += W) {
+    const vi idx = iota + splat_i(static_cast<int32_t>(t));
+    vf pv = exp2v(vfma(loadv(prow + t), cx, Lv) + loadv(xrow + t));
+    pv = ((idx >= lov) & (idx <= hiv)) ? pv : zero;
+    storev(prow + t, pv);
+    const vf ds0 = pv * (loadv(dr + t) - Dv);
+    if (dbr != nullptr) {
+      if (t + W <= nk) {
+        storev(dbr + t, loadv(dbr + t) + ds0);
+      } else {
+        for (int64_t l = 0; l < nk - t; ++l) dbr[t + l] += ds0[l];
+      }
+    }
+    vf ds = ds0 * scv;
+    if (capped) ds *= loadv(du + t);
+    storev(dr + t, ds);
+  }
+}
+
+// One backward problem (a batch entry or a packed sequence). q, dout and the
+// dq accumulator: row 0 of head 0, rows Hq * D apart; k, v, dk, dv: row 0 of
+// head 0, rows Hkv * D apart; lse2, Drow: row 0 of head 0, heads lse_hs apart.
+template <typename T>
+struct BwdProblem {
+  const T* q = nullptr;
+  const T* dout = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  T* dk = nullptr;
+  T* dv = nullptr;
+  float* dqacc = nullptr;
+  const float* lse2 = nullptr;
+  const float* Drow = nullptr;
+  int64_t lse_hs = 0;
+  int64_t Sq = 0, Sk = 0;
+};
+
+struct NoFlush {
+  void operator()(int64_t, int64_t, int64_t) const {}
+};
+
+// Key block kb of kv head hk: writes its dK, dV rows and adds its dQ terms to
+// the dq accumulator rows of the group's q heads. x, b: the dense targets'
+// extras and batch entry. With a bias, dS goes to the fp32 dbias accumulator
+// dbacc (bias layout), or, when dbpriv is set, to the private tile dbpriv
+// [Sq][BK] (columns of this key block), after each q head h of which
+// flush(h, r0, r1) runs: rows [r0, r1) of the tile may be nonzero.
+template <typename T, int D, typename Flush = NoFlush>
+void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const AttentionAttrs& a, int64_t hk, int64_t kb,
+               const ScoreExtras* x, int64_t b, float* dbacc, float* ws, float* dbpriv = nullptr,
+               const Flush& flush = Flush()) {
   constexpr int BQ = kBwdBq, BK = kBwdBk;
 #if FLASHGEN_CPU_BF16_DOT
   constexpr bool BF = std::is_same<T, bf16>::value;
 #else
   constexpr bool BF = false;
 #endif
-  const int64_t Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
+  const int64_t Sq = pr.Sq, Sk = pr.Sk;
+  const AttentionShape s{1, Sq, Sk, Hq, Hkv, D};
   const int64_t G = Hq / Hkv;
-  const int64_t off = a.causal ? causal_offset(s, a) : 0;
   const int64_t ldq = Hq * D, ldkv = Hkv * D;
 
   float* Kt = ws;                // [D][BK] (or [D/2][BK] bf16 pairs)
@@ -1179,9 +1546,8 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
   float* tmp = QdOb + BQ * D;    // [BK][D]
   float* PdSp = tmp + BK * D;    // [BQ/2][BK] + [BQ/2][BK] bf16 pairs along the query axis
   [[maybe_unused]] float* dSbuf = PdSp + BQ * BK;  // [BQ][BK/2] bf16 pairs along the key axis
-
-  // Zero this item's dq accumulator region: rows (b, all i, heads of group hk).
-  for (int64_t i = 0; i < Sq; ++i) std::memset(dqacc + ((b * Sq + i) * Hq + hk * G) * D, 0, sizeof(float) * G * D);
+  float* xrow = PdSp + 2 * BQ * BK;                // [BK] extras' terms of one row
+  int32_t* ksegb = reinterpret_cast<int32_t*>(xrow + BK);  // [BK]
 
   const float c = a.scale * kLog2e;
   const vf cv = splat(c), scv = splat(a.scale), zero = splat(0.0f);
@@ -1191,139 +1557,160 @@ void bwd_item(const T* q, const T* k, const T* v, const T* dout, const float* ls
   const bool capped = a.softcap > 0.0f;
   const float cap_in = capped ? a.scale / a.softcap : 0.0f;
   const vi iota = iota_i();
-  const int64_t nkb = (Sk + BK - 1) / BK;
-  const int64_t nqb = (Sq + BQ - 1) / BQ;
+  const int64_t aoff = causal_offset(s, a);
 
-  for (int64_t kb = chunk; kb < nkb; kb += nchunks) {
-    const int64_t k0 = kb * BK;
-    const int64_t nk = std::min<int64_t>(BK, Sk - k0);
-    const int64_t nkp = round_up(nk, W);
-    const T* kblk = k + ((b * Sk + k0) * Hkv + hk) * D;
-    const T* vblk = v + ((b * Sk + k0) * Hkv + hk) * D;
-    if constexpr (BF) {
-      transpose32(reinterpret_cast<const uint32_t*>(kblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Kt),
-                  BK);
-      transpose32(reinterpret_cast<const uint32_t*>(vblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Vt),
-                  BK);
-    } else {
-      load_transposed<T, D>(kblk, ldkv, nk, nkp, Kt, BK, tmp);
-      load_transposed<T, D>(vblk, ldkv, nk, nkp, Vt, BK, tmp);
-    }
-    int64_t ldk = D;
-    const float* Kp = Kc;
-    if constexpr (BF) {
+  const int64_t k0 = kb * BK;
+  const int64_t nk = std::min<int64_t>(BK, Sk - k0);
+  const int64_t nkp = round_up(nk, W);
+  const T* kblk = pr.k + (k0 * Hkv + hk) * D;
+  const T* vblk = pr.v + (k0 * Hkv + hk) * D;
+  if constexpr (BF) {
+    transpose32(reinterpret_cast<const uint32_t*>(kblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Kt),
+                BK);
+    transpose32(reinterpret_cast<const uint32_t*>(vblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Vt),
+                BK);
+  } else {
+    load_transposed<T, D>(kblk, ldkv, nk, nkp, Kt, BK, tmp);
+    load_transposed<T, D>(vblk, ldkv, nk, nkp, Vt, BK, tmp);
+  }
+  int64_t ldk = D;
+  const float* Kp = Kc;
+  if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
-      interleave_row_pairs<D>(reinterpret_cast<const bf16*>(kblk), ldkv, nk, reinterpret_cast<uint32_t*>(Kc));
+    interleave_row_pairs<D>(reinterpret_cast<const bf16*>(kblk), ldkv, nk, reinterpret_cast<uint32_t*>(Kc));
 #endif
-    } else {
-      Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+  } else {
+    Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+  }
+  std::memset(dKa, 0, sizeof(float) * size_t(nk) * D);
+  std::memset(dVa, 0, sizeof(float) * size_t(nk) * D);
+
+  // Rows that see some key of the block: [qstart, qend).
+  const int64_t qstart = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 - band.hi)) : 0;
+  const int64_t qend = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 + nk - band.lo)) : Sq;
+  const int64_t qbend = qend > qstart ? (qend + BQ - 1) / BQ : 0;
+  // Segment ids of the key block.
+  int32_t kseg_lo = 0, kseg_hi = 0;
+  const bool segs = x != nullptr && x->q_segment_ids != nullptr;
+  if (segs) {
+    const int32_t* ks = x->kv_segment_ids + b * Sk + k0;
+    for (int64_t t = 0; t < nkp; ++t) ksegb[t] = ks[std::min<int64_t>(t, nk - 1)];
+    id_range(ksegb, nk, &kseg_lo, &kseg_hi);
+  }
+  for (int64_t g = 0; g < G && qstart < qend; ++g) {
+    const int64_t h = hk * G + g;
+    HeadExtras e;
+    if (x != nullptr) e = head_extras(*x, b, h, Sq, Sk, dbacc);
+    if (dbpriv != nullptr && e.bias != nullptr) {
+      e.dbias = dbpriv;
+      e.db_ld = BK;
+      e.db_col0 = k0;
     }
-    std::memset(dKa, 0, sizeof(float) * size_t(nk) * D);
-    std::memset(dVa, 0, sizeof(float) * size_t(nk) * D);
+    for (int64_t qb = qstart / BQ; qb < qbend; ++qb) {
+      const int64_t q0 = qb * BQ;
+      const int64_t nq = std::min<int64_t>(BQ, Sq - q0);
+      if (segs) {
+        int32_t lo, hi;
+        id_range(e.qseg + q0, nq, &lo, &hi);
+        if (hi < kseg_lo || lo > kseg_hi) continue;  // no query of the block shares a key's segment
+      }
+      const T* qrows = pr.q + (q0 * Hq + h) * D;
+      const T* dorows = pr.dout + (q0 * Hq + h) * D;
+      int64_t ldqf = D, lddo = D;
+      const float* Qp = Qc;
+      const float* dOp = dOc;
+      if constexpr (!BF) {
+        Qp = rows_f32<T, D>(qrows, ldq, nq, Qc, &ldqf);
+        dOp = rows_f32<T, D>(dorows, ldq, nq, dOc, &lddo);
+      }
 
-    // Rows that see some key of the block: [qstart, qend).
-    const int64_t qstart = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 - band.hi)) : 0;
-    const int64_t qend = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 + nk - band.lo)) : Sq;
-    const int64_t qbend = qend > qstart ? (qend + BQ - 1) / BQ : 0;
-    for (int64_t g = 0; g < G && qstart < qend; ++g) {
-      const int64_t h = hk * G + g;
-      for (int64_t qb = qstart / BQ; qb < qbend; ++qb) {
-        const int64_t q0 = qb * BQ;
-        const int64_t nq = std::min<int64_t>(BQ, Sq - q0);
-        const T* qrows = q + ((b * Sq + q0) * Hq + h) * D;
-        const T* dorows = dout + ((b * Sq + q0) * Hq + h) * D;
-        int64_t ldqf = D, lddo = D;
-        const float* Qp = Qc;
-        const float* dOp = dOc;
-        if constexpr (!BF) {
-          Qp = rows_f32<T, D>(qrows, ldq, nq, Qc, &ldqf);
-          dOp = rows_f32<T, D>(dorows, ldq, nq, dOc, &lddo);
-        }
-
-        if constexpr (BF) {
+      if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
-          const uint32_t* Qb = rows_pairs<T, D>(qrows, ldq, nq, QdOb);
-          const uint32_t* dOb = rows_pairs<T, D>(dorows, ldq, nq, QdOb + BQ * D / 2);
-          gemm<uint32_t, false>(nq, nkp, D / 2, Qb, D / 2, 1, reinterpret_cast<const uint32_t*>(Kt), BK, P, BK);
-          gemm<uint32_t, false>(nq, nkp, D / 2, dOb, D / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
+        const uint32_t* Qb = rows_pairs<T, D>(qrows, ldq, nq, QdOb);
+        const uint32_t* dOb = rows_pairs<T, D>(dorows, ldq, nq, QdOb + BQ * D / 2);
+        gemm<uint32_t, false>(nq, nkp, D / 2, Qb, D / 2, 1, reinterpret_cast<const uint32_t*>(Kt), BK, P, BK);
+        gemm<uint32_t, false>(nq, nkp, D / 2, dOb, D / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
 #endif
-        } else {
-          gemm<float, false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK);    // S
-          gemm<float, false>(nq, nkp, D, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
-        }
+      } else {
+        gemm<float, false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK);    // S
+        gemm<float, false>(nq, nkp, D, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
+      }
 
-        const bool diag = banded && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
-        (void)off;
-        const float* L = lse2 + (b * Hq + h) * Sq + q0;
-        const float* Dr = Drow + (b * Hq + h) * Sq + q0;
-        for (int64_t i = 0; i < nq; ++i) {
-          int64_t lo = 0, hi = nk - 1;  // visible local keys [lo, hi]
-          if (diag) {
-            lo = std::min<int64_t>(std::max<int64_t>(q0 + i + band.lo - k0, 0), nk);
-            hi = std::min<int64_t>(std::max<int64_t>(q0 + i + band.hi - k0, -1), nk - 1);
+      const bool diag = banded && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
+      const float* L = pr.lse2 + h * pr.lse_hs + q0;
+      const float* Dr = pr.Drow + h * pr.lse_hs + q0;
+      for (int64_t i = 0; i < nq; ++i) {
+        int64_t lo = 0, hi = nk - 1;  // visible local keys [lo, hi]
+        if (diag) {
+          lo = std::min<int64_t>(std::max<int64_t>(q0 + i + band.lo - k0, 0), nk);
+          hi = std::min<int64_t>(std::max<int64_t>(q0 + i + band.hi - k0, -1), nk - 1);
+        }
+        const vi lov = splat_i(static_cast<int32_t>(lo)), hiv = splat_i(static_cast<int32_t>(hi));
+        const vf Lv = splat(-L[i]), Dv = splat(Dr[i]);
+        float* prow = P + i * BK;
+        float* dr = dS + i * BK;
+        if (x != nullptr) {
+          bwd_extras_p_ds(e, a, q0 + i, k0, nk, nkp, aoff, lo, hi, L[i], Dr[i], ksegb, xrow, prow, dr);
+          continue;
+        }
+        if (capped) {
+          // u = tanh(S * scale / c); P = exp2(c * u * log2e - lse2); dS *= 1 - u^2.
+          alignas(64) float du[BK];
+          const vf capv = splat(a.softcap), cinv = splat(cap_in), one = splat(1.0f);
+          for (int64_t t = 0; t < nkp; t += W) {
+            const vf u = tanhv(loadv(prow + t) * cinv);
+            storev(prow + t, capv * u);
+            storev(du + t, one - u * u);
           }
-          const vi lov = splat_i(static_cast<int32_t>(lo)), hiv = splat_i(static_cast<int32_t>(hi));
-          const vf Lv = splat(-L[i]), Dv = splat(Dr[i]);
-          float* pr = P + i * BK;
-          float* dr = dS + i * BK;
-          if (capped) {
-            // u = tanh(S * scale / c); P = exp2(c * u * log2e - lse2); dS *= 1 - u^2.
-            alignas(64) float du[BK];
-            const vf capv = splat(a.softcap), cinv = splat(cap_in), one = splat(1.0f);
-            for (int64_t t = 0; t < nkp; t += W) {
-              const vf u = tanhv(loadv(pr + t) * cinv);
-              storev(pr + t, capv * u);
-              storev(du + t, one - u * u);
-            }
-            const vf lv2 = splat(kLog2e);
-            for (int64_t t = 0; t < nkp; t += W) {
-              const vi idx = iota + splat_i(static_cast<int32_t>(t));
-              vf p = exp2v(vfma(loadv(pr + t), lv2, Lv));
-              p = ((idx >= lov) & (idx <= hiv)) ? p : zero;
-              storev(pr + t, p);
-              storev(dr + t, p * (loadv(dr + t) - Dv) * scv * loadv(du + t));
-            }
-            continue;
-          }
+          const vf lv2 = splat(kLog2e);
           for (int64_t t = 0; t < nkp; t += W) {
             const vi idx = iota + splat_i(static_cast<int32_t>(t));
-            vf p = exp2v(vfma(loadv(pr + t), cv, Lv));
-            p = ((idx >= lov) & (idx <= hiv)) ? p : zero;
-            storev(pr + t, p);
-            storev(dr + t, p * (loadv(dr + t) - Dv) * scv);
+            vf pv = exp2v(vfma(loadv(prow + t), lv2, Lv));
+            pv = ((idx >= lov) & (idx <= hiv)) ? pv : zero;
+            storev(prow + t, pv);
+            storev(dr + t, pv * (loadv(dr + t) - Dv) * scv * loadv(du + t));
           }
+          continue;
         }
-        float* dq_rows = dqacc + ((b * Sq + q0) * Hq + h) * D;
-        if constexpr (BF) {
-#if FLASHGEN_CPU_BF16_DOT
-          // P, dS rounded to bf16 (as GPU FlashAttention-2 does); Q, dO, K are bf16 inputs.
-          uint32_t* Qi = reinterpret_cast<uint32_t*>(Qc);    // Q pairs along the query axis [BQ/2][D]
-          uint32_t* dOi = reinterpret_cast<uint32_t*>(dOc);  // dO pairs along the query axis
-          uint32_t* Pp = reinterpret_cast<uint32_t*>(PdSp);
-          uint32_t* dSp = Pp + (BQ / 2) * BK;
-          uint32_t* dSb = reinterpret_cast<uint32_t*>(dSbuf);
-          interleave_row_pairs<D>(reinterpret_cast<const bf16*>(qrows), ldq, nq, Qi);
-          interleave_row_pairs<D>(reinterpret_cast<const bf16*>(dorows), ldq, nq, dOi);
-          pack_p_pairs(P, BK, nq, nkp, Pp, BK);
-          pack_p_pairs(dS, BK, nq, nkp, dSp, BK);
-          rows_to_bf16_pairs(dS, BK, nq, nkp, dSb, BK / 2);
-          const int64_t qp = (nq + 1) / 2, kp = (nk + 1) / 2;
-          gemm<uint32_t, true>(nk, D, qp, Pp, 1, BK, dOi, D, dVa, D);    // dV += P^T dO
-          gemm<uint32_t, true>(nk, D, qp, dSp, 1, BK, Qi, D, dKa, D);    // dK += dS^T Q
-          gemm<uint32_t, true>(nq, D, kp, dSb, BK / 2, 1, reinterpret_cast<const uint32_t*>(Kc), D, dq_rows,
-                               ldq);                                     // dQ += dS K
-#endif
-        } else {
-          gemm<float, true>(nk, D, nq, P, 1, BK, dOp, lddo, dVa, D);   // dV += P^T dO
-          gemm<float, true>(nk, D, nq, dS, 1, BK, Qp, ldqf, dKa, D);   // dK += dS^T Q
-          gemm<float, true>(nq, D, nk, dS, BK, 1, Kp, ldk, dq_rows, ldq);  // dQ += dS K
+        for (int64_t t = 0; t < nkp; t += W) {
+          const vi idx = iota + splat_i(static_cast<int32_t>(t));
+          vf pv = exp2v(vfma(loadv(prow + t), cv, Lv));
+          pv = ((idx >= lov) & (idx <= hiv)) ? pv : zero;
+          storev(prow + t, pv);
+          storev(dr + t, pv * (loadv(dr + t) - Dv) * scv);
         }
       }
+      float* dq_rows = pr.dqacc + (q0 * Hq + h) * D;
+      if constexpr (BF) {
+#if FLASHGEN_CPU_BF16_DOT
+        // P, dS rounded to bf16 (as GPU FlashAttention-2 does); Q, dO, K are bf16 inputs.
+        uint32_t* Qi = reinterpret_cast<uint32_t*>(Qc);    // Q pairs along the query axis [BQ/2][D]
+        uint32_t* dOi = reinterpret_cast<uint32_t*>(dOc);  // dO pairs along the query axis
+        uint32_t* Pp = reinterpret_cast<uint32_t*>(PdSp);
+        uint32_t* dSp = Pp + (BQ / 2) * BK;
+        uint32_t* dSb = reinterpret_cast<uint32_t*>(dSbuf);
+        interleave_row_pairs<D>(reinterpret_cast<const bf16*>(qrows), ldq, nq, Qi);
+        interleave_row_pairs<D>(reinterpret_cast<const bf16*>(dorows), ldq, nq, dOi);
+        pack_p_pairs(P, BK, nq, nkp, Pp, BK);
+        pack_p_pairs(dS, BK, nq, nkp, dSp, BK);
+        rows_to_bf16_pairs(dS, BK, nq, nkp, dSb, BK / 2);
+        const int64_t qp = (nq + 1) / 2, kp = (nk + 1) / 2;
+        gemm<uint32_t, true>(nk, D, qp, Pp, 1, BK, dOi, D, dVa, D);  // dV += P^T dO
+        gemm<uint32_t, true>(nk, D, qp, dSp, 1, BK, Qi, D, dKa, D);  // dK += dS^T Q
+        gemm<uint32_t, true>(nq, D, kp, dSb, BK / 2, 1, reinterpret_cast<const uint32_t*>(Kc), D, dq_rows,
+                             ldq);                                   // dQ += dS K
+#endif
+      } else {
+        gemm<float, true>(nk, D, nq, P, 1, BK, dOp, lddo, dVa, D);       // dV += P^T dO
+        gemm<float, true>(nk, D, nq, dS, 1, BK, Qp, ldqf, dKa, D);       // dK += dS^T Q
+        gemm<float, true>(nq, D, nk, dS, BK, 1, Kp, ldk, dq_rows, ldq);  // dQ += dS K
+      }
     }
-    for (int64_t j = 0; j < nk; ++j) {
-      store_from_f32<T>(dKa + j * D, dk + ((b * Sk + k0 + j) * Hkv + hk) * D, D, 1.0f);
-      store_from_f32<T>(dVa + j * D, dv + ((b * Sk + k0 + j) * Hkv + hk) * D, D, 1.0f);
-    }
+    if (dbpriv != nullptr) flush(h, qstart, qend);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    store_from_f32<T>(dKa + j * D, pr.dk + ((k0 + j) * Hkv + hk) * D, D, 1.0f);
+    store_from_f32<T>(dVa + j * D, pr.dv + ((k0 + j) * Hkv + hk) * D, D, 1.0f);
   }
 }
 
@@ -1367,90 +1754,240 @@ inline int64_t pick_chunks(int64_t nbh, int64_t nkb, int nt) {
   return best;
 }
 
+// Split-KV: the number of key ranges per row block when `items` row blocks
+// cannot keep `want` threads busy (each range at least two key blocks), or
+// `forced` (> 0) ranges; at most one per key block.
+inline int64_t pick_splits(int64_t items, int64_t nkb, int want, int forced) {
+  if (nkb <= 1 || items <= 0) return 1;
+  if (forced > 0) return std::min<int64_t>(forced, nkb);
+  if (items >= want) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>((want + items - 1) / items, nkb / 2));
+}
+
 template <typename T>
 FLASHGEN_CPU_INLINE constexpr bool valid_head_dim(int D) {
   return D == 32 || D == 64 || D == 96 || D == 128 || D == 160 || D == 192 || D == 224 || D == 256;
 }
 
-}  // namespace detail
-
-// ---------------------------------------------------------------------------
-// Public entry points. Preconditions: s.head_dim == D, heads_kv > 0 divides
-// heads_q, all sizes >= 0, buffers contiguous BSHD (lse [B][Hq][Sq]).
-// num_threads: the most threads to use (the calling thread included); helpers
-// run on `workers` (the own pool when null). Small problems use fewer threads.
-// ---------------------------------------------------------------------------
+// o, lse = the log-sum-exp merge of nsplit partials (o in fp32 laid out like o,
+// lse like lse, parts o_elems / l_elems apart) for B x Sq x Hq rows. A partial
+// whose lse is -inf contributes nothing; rows without any give o = 0, lse = -inf.
 template <typename T, int D>
-void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
-                   const AttentionAttrs& a, int num_threads, Workers* workers = nullptr) {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
-                "T must be float, bf16 or f16");
-  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
-  using namespace detail;
-  if (s.batch <= 0 || s.heads_q <= 0 || s.heads_kv <= 0 || s.seqlen_q <= 0) return;
-  if (s.head_dim != D || s.heads_q % s.heads_kv != 0 || s.seqlen_k < 0) return;  // precondition violated
-  const int64_t nqb = (s.seqlen_q + kFwdBq - 1) / kFwdBq;
-  const int64_t nbh = s.batch * s.heads_q;
-  const int64_t n = nbh * nqb;
-  const double flops = 4.0 * double(nbh) * std::max(visible_pairs(s, a), double(s.seqlen_q)) * D;
-  const int nt = static_cast<int>(std::min<int64_t>(threads_for(num_threads, flops), n));
-  // Last (for causal: most expensive) q blocks first.
+void merge_splits(const float* opart, const float* lpart, int64_t nsplit, int64_t B, int64_t Sq, int64_t Hq, T* o,
+                  float* lse, int num_threads, Workers* workers) {
+  const int64_t o_elems = B * Sq * Hq * D, l_elems = B * Hq * Sq;
+  const int nt = threads_for(num_threads, 4.0 * double(nsplit) * double(o_elems));
   parallel_for(
-      n, nt,
-      [&](int64_t item, int) {
-        const int64_t qb = nqb - 1 - item / nbh;
-        const int64_t bh = item % nbh;
-        fwd_item<T, D>(q, k, v, o, lse, s, a, bh / s.heads_q, bh % s.heads_q, qb,
-                       thread_workspace(fwd_ws_floats<D>()));
+      B * Sq, nt,
+      [&](int64_t r, int) {
+        const int64_t b = r / Sq, i = r % Sq;
+        alignas(64) float acc[D];
+        for (int64_t h = 0; h < Hq; ++h) {
+          const int64_t li = (b * Hq + h) * Sq + i, oi = (r * Hq + h) * D;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < nsplit; ++c) m = std::max(m, lpart[c * l_elems + li]);
+          if (m == -std::numeric_limits<float>::infinity()) {
+            for (int d = 0; d < D; ++d) o[oi + d] = from_f32<T>(0.0f);
+            lse[li] = m;
+            continue;
+          }
+          float sum = 0.0f;
+          for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+          for (int64_t c = 0; c < nsplit; ++c) {
+            const float l = lpart[c * l_elems + li];
+            if (l == -std::numeric_limits<float>::infinity()) continue;
+            const float w = std::exp(l - m);
+            sum += w;
+            const float* src = opart + c * o_elems + oi;
+            for (int d = 0; d < D; ++d) acc[d] += w * src[d];
+          }
+          store_from_f32<T>(acc, o + oi, D, 1.0f / sum);
+          lse[li] = m + std::log(sum);
+        }
       },
       workers);
 }
 
+// lse2 = lse * log2(e) (+inf for rows that see no key) and Drow = rowsum(dO o O)
+// for B x Hq x Sq rows (lse [B][Hq][Sq]; o, dout [B][Sq][Hq][D]).
 template <typename T, int D>
-void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk,
-                   T* dv, const AttentionShape& s, const AttentionAttrs& a, int num_threads,
-                   Workers* workers = nullptr) {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
-                "T must be float, bf16 or f16");
-  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
-  using namespace detail;
+void bwd_row_terms(const T* o, const T* dout, const float* lse, int64_t B, int64_t Sq, int64_t Hq, float* lse2,
+                   float* Drow, int nt, Workers* workers) {
+  if (Sq <= 0) return;
+  parallel_for(
+      B * Hq, nt,
+      [&](int64_t bh, int) {
+        const int64_t b = bh / Hq, h = bh % Hq;
+        alignas(64) float to[D], td[D];
+        for (int64_t i = 0; i < Sq; ++i) {
+          const int64_t r = bh * Sq + i;
+          const float l = lse[r];
+          lse2[r] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
+          const int64_t off = ((b * Sq + i) * Hq + h) * D;
+          load_f32<T>(o + off, to, D);
+          load_f32<T>(dout + off, td, D);
+          vf acc = splat(0.0f);
+          for (int d = 0; d < D; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
+          float sum = 0.0f;
+          for (int t = 0; t < W; ++t) sum += acc[t];
+          Drow[r] = sum;
+        }
+      },
+      workers);
+}
+
+// dq (rows x rowlen) = the sum of nchunks fp32 accumulators (elems apart), converted.
+template <typename T>
+void reduce_dq(float* dqacc, int64_t nchunks, int64_t elems, int64_t rows, int64_t rowlen, T* dq, int nt,
+               Workers* workers) {
+  if (rows <= 0) return;
+  const int64_t per = std::max<int64_t>(1, 16384 / std::max<int64_t>(rowlen, 1));
+  const int64_t nitems = (rows + per - 1) / per;
+  parallel_for(
+      nitems, nt,
+      [&](int64_t it, int) {
+        const int64_t r0 = it * per, r1 = std::min(rows, r0 + per);
+        float* base = dqacc + r0 * rowlen;
+        const int64_t len = (r1 - r0) * rowlen;
+        for (int64_t c = 1; c < nchunks; ++c) {
+          const float* src = base + c * elems;
+          for (int64_t e = 0; e < len; ++e) base[e] += src[e];
+        }
+        store_from_f32<T>(base, dq + r0 * rowlen, len, 1.0f);
+      },
+      workers);
+}
+
+// Forward over `n` row blocks of B x Sq x Hq rows (o [B][Sq][Hq][D], lse
+// [B][Hq][Sq]) with optional split-KV: setup(item, c, kmin, kmax) runs row block
+// `item` over the keys [kmin, kmax) of split c, writing o / lse directly
+// (nsplit == 1) or the partials it is handed (set in its FwdProblem by
+// bind_split), which are merged afterwards.
+struct SplitPlan {
+  int64_t nsplit = 1;
+  int64_t keys = 0;  // keys per split (a multiple of the key block)
+};
+
+inline SplitPlan plan_splits(int64_t items, int64_t max_keys, int want, int forced) {
+  const int64_t nkb = (max_keys + kFwdBk - 1) / kFwdBk;
+  SplitPlan sp;
+  const int64_t ns = pick_splits(items, nkb, want, forced);
+  const int64_t per = ns > 1 ? (nkb + ns - 1) / ns : std::max<int64_t>(nkb, 1);
+  sp.nsplit = ns > 1 ? (nkb + per - 1) / per : 1;
+  sp.keys = per * kFwdBk;
+  return sp;
+}
+
+// Dense forward (extras optional) and paged forward share this driver: `run`
+// is called as run(b, h, qb, FwdProblem&) with q / o / lse / extras of (b, h)
+// to fill in the kv rows and call fwd_item; Sk_of(b) gives the problem's keys.
+template <typename T, int D, typename SkOf, typename Run>
+void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const AttentionAttrs& a, int num_threads,
+                 Workers* workers, int kv_splits, double flops, SkOf&& Sk_of, Run&& run) {
+  const int64_t nqb = (Sq + kFwdBq - 1) / kFwdBq;
+  const int64_t nbh = B * Hq;
+  const int64_t n = nbh * nqb;
+  const int want = threads_for(num_threads, flops);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < B; ++b) max_keys = std::max<int64_t>(max_keys, Sk_of(b));
+  const SplitPlan sp = plan_splits(n, max_keys, want, kv_splits);
+  const int64_t ns = sp.nsplit;
+  const int64_t o_elems = B * Sq * Hq * D, l_elems = B * Hq * Sq;
+  AlignedFloats opart(ns > 1 ? size_t(ns * o_elems) : 0), lpart(ns > 1 ? size_t(ns * l_elems) : 0);
+  const int nt = static_cast<int>(std::min<int64_t>(want, n * ns));
+  (void)a;
+  // Last (for causal: most expensive) q blocks first.
+  parallel_for(
+      n * ns, nt,
+      [&](int64_t item, int) {
+        const int64_t c = item / n, r = item % n;
+        const int64_t qb = nqb - 1 - r / nbh;
+        const int64_t bh = r % nbh;
+        const int64_t b = bh / Hq, h = bh % Hq;
+        FwdProblem<T> p;
+        p.Sq = Sq;
+        p.Sk = Sk_of(b);
+        p.o = o + (b * Sq * Hq + h) * D;
+        p.lse = lse + bh * Sq;
+        p.kmin = 0;
+        p.kmax = p.Sk;
+        if (ns > 1) {
+          p.opart = opart.p + c * o_elems + (b * Sq * Hq + h) * D;
+          p.lpart = lpart.p + c * l_elems + bh * Sq;
+          p.kmin = std::min(p.Sk, c * sp.keys);
+          p.kmax = std::min(p.Sk, (c + 1) * sp.keys);
+        }
+        run(b, h, qb, p);
+      },
+      workers);
+  if (ns > 1) merge_splits<T, D>(opart.p, lpart.p, ns, B, Sq, Hq, o, lse, num_threads, workers);
+}
+
+template <typename T, int D>
+void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
+               const AttentionAttrs& a, const ScoreExtras* x, int num_threads, Workers* workers, int kv_splits) {
   const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
-  if (B <= 0 || Hq <= 0 || Hkv <= 0 || Sq < 0 || Sk < 0) return;
-  if (s.head_dim != D || Hq % Hkv != 0) return;  // precondition violated
-  if (Sq == 0 && Sk == 0) return;
+  const int64_t G = Hq / Hkv;
+  const double flops = 4.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(Sq)) * D;
+  fwd_batched<T, D>(
+      o, lse, B, Sq, Hq, a, num_threads, workers, kv_splits, flops, [&](int64_t) { return Sk; },
+      [&](int64_t b, int64_t h, int64_t qb, FwdProblem<T>& p) {
+        const int64_t hk = h / G;
+        p.q = q + (b * Sq * Hq + h) * D;
+        HeadExtras e;
+        if (x != nullptr) {
+          e = head_extras(*x, b, h, Sq, Sk, nullptr);
+          p.x = &e;
+        }
+        const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * D, Hkv * D};
+        fwd_item<T, D>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D>()));
+      });
+}
+
+// Dense backward; x (optional) may carry a bias and its dbias.
+template <typename T, int D>
+void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk, T* dv,
+               const AttentionShape& s, const AttentionAttrs& a, const ScoreExtras* x, int num_threads,
+               Workers* workers) {
+  const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
+  const int64_t G = Hq / Hkv;
   const int nthreads =
       threads_for(num_threads, 10.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(std::max(Sq, Sk))) * D);
   const int light_threads = threads_for(nthreads, 8.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * D);
 
-  // Per-row terms: lse2 = lse*log2(e) (+inf for empty rows), Drow = rowsum(dO o O).
   AlignedFloats lse2(size_t(B * Hq * Sq)), Drow(size_t(B * Hq * Sq));
-  if (Sq > 0) {
-    const int64_t nbh = B * Hq;
+  bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
+
+  // dbias: fp32 accumulator (dbias itself when f32). When no two items
+  // (batch entry, kv head) share a dbias slot, each owns its slots and writes
+  // them directly (zeroing each key block's columns first). When the bias
+  // broadcasts over the batch or over kv-head groups, the accumulator is zeroed
+  // first and each item adds dS in a private [Sq][BK] tile per (q head, key
+  // block), flushed into the shared accumulator under a lock striped by
+  // (slot, key block): race-free, but the order of those additions (and so the
+  // last bits of dbias) may vary from run to run.
+  const bool has_db = x != nullptr && x->bias != nullptr && x->dbias != nullptr;
+  const int64_t sb = has_db ? x->bias_stride_b : 0, sh = has_db ? x->bias_stride_h : 0;
+  const bool db_shared = has_db && ((sb == 0 && B > 1) || (sh == 0 && Hkv > 1));
+  const size_t db_elems = has_db ? size_t((sb ? B : 1) * (sh ? Hq : 1) * Sq * Sk) : 0;
+  const bool db_direct = has_db && x->bias_type == ElemType::F32;
+  AlignedFloats dbbuf(has_db && !db_direct ? db_elems : 0);
+  float* dbacc = !has_db ? nullptr : db_direct ? static_cast<float*>(x->dbias) : dbbuf.p;
+  constexpr int kStripes = 64;
+  std::mutex stripes[kStripes];
+  if (db_shared) {
+    const int64_t per = 16384, nitems = (int64_t(db_elems) + per - 1) / per;
     parallel_for(
-        nbh, light_threads,
-        [&](int64_t bh, int) {
-          const int64_t b = bh / Hq, h = bh % Hq;
-          alignas(64) float to[D], td[D];
-          for (int64_t i = 0; i < Sq; ++i) {
-            const int64_t r = bh * Sq + i;
-            const float l = lse[r];
-            lse2.p[r] =
-                l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
-            const int64_t off = ((b * Sq + i) * Hq + h) * D;
-            load_f32<T>(o + off, to, D);
-            load_f32<T>(dout + off, td, D);
-            vf acc = splat(0.0f);
-            for (int d = 0; d < D; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
-            float sum = 0.0f;
-            for (int t = 0; t < W; ++t) sum += acc[t];
-            Drow.p[r] = sum;
-          }
+        nitems, light_threads,
+        [&](int64_t it, int) {
+          const int64_t e0 = it * per, len = std::min<int64_t>(per, int64_t(db_elems) - e0);
+          std::memset(dbacc + e0, 0, sizeof(float) * size_t(len));
         },
         workers);
   }
 
-  // Split each (b, kv head)'s key blocks into interleaved chunks when there are
-  // too few (b, kv head) pairs to keep the threads busy.
+  // Split each (batch, kv head)'s key blocks into interleaved chunks when there
+  // are too few of them to keep the threads busy.
   const int64_t nkb = (Sk + kBwdBk - 1) / kBwdBk;
   const int64_t nbh = B * Hkv;
   const int64_t nchunks = pick_chunks(nbh, nkb, nthreads);
@@ -1465,31 +2002,304 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* 
       n, nt,
       [&](int64_t item, int) {
         const int64_t c = item % nchunks, bh = item / nchunks;
-        bwd_item<T, D>(q, k, v, dout, lse2.p, Drow.p, dk, dv, dqacc + c * dq_elems, s, a, bh / Hkv, bh % Hkv, c,
-                       nchunks, thread_workspace(bwd_ws_floats<D>()));
+        const int64_t b = bh / Hkv, hk = bh % Hkv;
+        float* slab = dqacc + c * dq_elems;
+        for (int64_t i = 0; i < Sq; ++i)
+          std::memset(slab + ((b * Sq + i) * Hq + hk * G) * D, 0, sizeof(float) * size_t(G * D));
+        float* ws = thread_workspace(bwd_ws_floats<D>());
+        BwdProblem<T> p;
+        p.q = q + b * Sq * Hq * D;
+        p.dout = dout + b * Sq * Hq * D;
+        p.k = k + b * Sk * Hkv * D;
+        p.v = v + b * Sk * Hkv * D;
+        p.dk = dk + b * Sk * Hkv * D;
+        p.dv = dv + b * Sk * Hkv * D;
+        p.dqacc = slab + b * Sq * Hq * D;
+        p.lse2 = lse2.p + b * Hq * Sq;
+        p.Drow = Drow.p + b * Hq * Sq;
+        p.lse_hs = Sq;
+        p.Sq = Sq;
+        p.Sk = Sk;
+        AlignedFloats priv(db_shared ? size_t(Sq) * kBwdBk : 0);
+        if (db_shared) std::memset(priv.p, 0, sizeof(float) * size_t(Sq) * kBwdBk);
+        for (int64_t kb = c; kb < nkb; kb += nchunks) {
+          const int64_t k0 = kb * kBwdBk, nk = std::min<int64_t>(kBwdBk, Sk - k0);
+          if (db_shared) {
+            // Adds rows [r0, r1) of the tile to q head h's slot and zeroes them.
+            auto flush = [&](int64_t h, int64_t r0, int64_t r1) {
+              const int64_t slot = b * sb + h * sh;
+              float* dst = dbacc + slot + k0;
+              std::lock_guard<std::mutex> lock(stripes[size_t((slot / std::max<int64_t>(1, Sq * Sk) * nkb + kb) %
+                                                              kStripes)]);
+              for (int64_t i = r0; i < r1; ++i) {
+                float* t = priv.p + i * kBwdBk;
+                for (int64_t j = 0; j < nk; ++j) dst[i * Sk + j] += t[j];
+                std::memset(t, 0, sizeof(float) * size_t(nk));
+              }
+            };
+            bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws, priv.p, flush);
+          } else {
+            if (dbacc != nullptr) {
+              // This item owns the slots of (b, heads of hk): zero the block's columns.
+              for (int64_t h = hk * G; h < (sh ? (hk + 1) * G : hk * G + 1); ++h) {
+                float* base = dbacc + b * sb + h * sh + k0;
+                for (int64_t i = 0; i < Sq; ++i) std::memset(base + i * Sk, 0, sizeof(float) * size_t(nk));
+              }
+            }
+            bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
+          }
+        }
       },
       workers);
 
-  if (!direct && Sq > 0) {
-    // dq = sum over chunks, converted; items are blocks of rows.
-    const int64_t rows = B * Sq;
-    const int64_t per = std::max<int64_t>(1, 16384 / (Hq * D));
-    const int64_t nitems = (rows + per - 1) / per;
-    const int64_t rowlen = Hq * D;
+  if (!direct) reduce_dq<T>(dqacc, nchunks, int64_t(dq_elems), B * Sq, Hq * D, dq, light_threads, workers);
+  if (has_db && !db_direct) {
+    const int64_t per = 16384, nitems = (int64_t(db_elems) + per - 1) / per;
     parallel_for(
         nitems, light_threads,
         [&](int64_t it, int) {
-          const int64_t r0 = it * per, r1 = std::min(rows, r0 + per);
-          float* base = dqacc + r0 * rowlen;
-          const int64_t len = (r1 - r0) * rowlen;
-          for (int64_t c = 1; c < nchunks; ++c) {
-            const float* src = base + c * dq_elems;
-            for (int64_t e = 0; e < len; ++e) base[e] += src[e];
-          }
-          store_from_f32<T>(base, dq + r0 * rowlen, len, 1.0f);
+          const int64_t e0 = it * per, len = std::min<int64_t>(per, int64_t(db_elems) - e0);
+          if (x->bias_type == ElemType::BF16)
+            store_from_f32<bf16>(dbbuf.p + e0, static_cast<bf16*>(x->dbias) + e0, len, 1.0f);
+          else
+            store_from_f32<f16>(dbbuf.p + e0, static_cast<f16*>(x->dbias) + e0, len, 1.0f);
         },
         workers);
   }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------
+// Public entry points. Preconditions: s.head_dim == D, heads_kv > 0 divides
+// heads_q, all sizes >= 0, buffers contiguous BSHD (lse [B][Hq][Sq]).
+// num_threads: the most threads to use (the calling thread included); helpers
+// run on `workers` (the own pool when null). Small problems use fewer threads.
+// kv_splits (forward): split-KV ranges per row block; 0 = automatic (split
+// only when there are fewer row blocks than useful threads), 1 = never.
+// ---------------------------------------------------------------------------
+template <typename T, int D>
+void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
+                   const AttentionAttrs& a, const ScoreExtras& x, int num_threads, Workers* workers = nullptr,
+                   int kv_splits = 0) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
+                "T must be float, bf16 or f16");
+  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  if (s.batch <= 0 || s.heads_q <= 0 || s.heads_kv <= 0 || s.seqlen_q <= 0) return;
+  if (s.head_dim != D || s.heads_q % s.heads_kv != 0 || s.seqlen_k < 0) return;  // precondition violated
+  detail::fwd_dense<T, D>(q, k, v, o, lse, s, a, x.any() ? &x : nullptr, num_threads, workers, kv_splits);
+}
+
+template <typename T, int D>
+void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
+                   const AttentionAttrs& a, int num_threads, Workers* workers = nullptr) {
+  attention_fwd<T, D>(q, k, v, o, lse, s, a, ScoreExtras{}, num_threads, workers, 0);
+}
+
+// x.dbias (with x.bias): receives dS summed over the bias's broadcast dims,
+// every element written.
+template <typename T, int D>
+void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk,
+                   T* dv, const AttentionShape& s, const AttentionAttrs& a, const ScoreExtras& x, int num_threads,
+                   Workers* workers = nullptr) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
+                "T must be float, bf16 or f16");
+  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
+  if (B <= 0 || Hq <= 0 || Hkv <= 0 || Sq < 0 || Sk < 0) return;
+  if (s.head_dim != D || Hq % Hkv != 0) return;  // precondition violated
+  if (Sq == 0 && Sk == 0) return;
+  detail::bwd_dense<T, D>(q, k, v, o, lse, dout, dq, dk, dv, s, a, x.any() ? &x : nullptr, num_threads, workers);
+}
+
+template <typename T, int D>
+void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk,
+                   T* dv, const AttentionShape& s, const AttentionAttrs& a, int num_threads,
+                   Workers* workers = nullptr) {
+  attention_bwd<T, D>(q, k, v, o, lse, dout, dq, dk, dv, s, a, ScoreExtras{}, num_threads, workers);
+}
+
+// Paged KV forward (PagedArgs): q, o [B][Sq][Hq][D], lse [B][Hq][Sq]; k_cache,
+// v_cache [num_blocks][block_size][Hkv][D]; batch entry b sees its first
+// seqused_k[b] keys (alignment uses that length). s.seqlen_k is unused.
+// Preconditions (the handler checks them): 0 <= seqused_k[b] <= max_blocks *
+// block_size and every block id a used key reaches is in [0, num_blocks).
+template <typename T, int D>
+void attention_fwd_paged(const T* q, const T* k_cache, const T* v_cache, T* o, float* lse, const AttentionShape& s,
+                         const PagedArgs& pa, const AttentionAttrs& a, int num_threads, Workers* workers = nullptr,
+                         int kv_splits = 0) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
+                "T must be float, bf16 or f16");
+  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  using namespace detail;
+  const int64_t B = s.batch, Sq = s.seqlen_q, Hq = s.heads_q, Hkv = s.heads_kv;
+  if (B <= 0 || Hq <= 0 || Hkv <= 0 || Sq <= 0) return;
+  if (s.head_dim != D || Hq % Hkv != 0 || pa.block_size <= 0) return;  // precondition violated
+  const int64_t G = Hq / Hkv, BS = pa.block_size, MB = pa.max_blocks;
+  double flops = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    const AttentionShape sb{1, Sq, pa.seqused_k[b], Hq, Hkv, D};
+    flops += 4.0 * double(Hq) * std::max(visible_pairs(sb, a), double(Sq)) * D;
+  }
+  fwd_batched<T, D>(
+      o, lse, B, Sq, Hq, a, num_threads, workers, kv_splits, flops,
+      [&](int64_t b) { return int64_t(pa.seqused_k[b]); },
+      [&](int64_t b, int64_t h, int64_t qb, FwdProblem<T>& p) {
+        const int64_t hk = h / G;
+        p.q = q + (b * Sq * Hq + h) * D;
+        const PagedRows<T> kr{k_cache + hk * D, pa.block_table + b * MB, BS, BS * Hkv * D, Hkv * D};
+        const PagedRows<T> vr{v_cache + hk * D, pa.block_table + b * MB, BS, BS * Hkv * D, Hkv * D};
+        fwd_item<T, D>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D>()));
+      });
+}
+
+// Packed varlen forward (VarlenArgs): q, o [Tq][Hq][D], k, v [Tk][Hkv][D], lse
+// [Hq][Tq], s = {B, Tq, Tk, Hq, Hkv, D}. Rows past cu_seqlens_q[B] get o = 0,
+// lse = -inf. Preconditions (the handler checks them): cu_seqlens start at 0,
+// do not decrease and end within Tq / Tk.
+template <typename T, int D>
+void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
+                          const VarlenArgs& va, const AttentionAttrs& a, int num_threads,
+                          Workers* workers = nullptr) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
+                "T must be float, bf16 or f16");
+  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  using namespace detail;
+  const int64_t B = s.batch, Tq = s.seqlen_q, Hq = s.heads_q, Hkv = s.heads_kv;
+  if (B < 0 || Hq <= 0 || Hkv <= 0 || Tq <= 0) return;
+  if (s.head_dim != D || Hq % Hkv != 0) return;  // precondition violated
+  const int64_t G = Hq / Hkv;
+  const int32_t* cq = va.cu_seqlens_q;
+  const int32_t* ck = va.cu_seqlens_k;
+  // Rows outside every sequence.
+  const int64_t used = B > 0 ? cq[B] : 0;
+  for (int64_t i = used; i < Tq; ++i) {
+    std::memset(static_cast<void*>(o + i * Hq * D), 0, sizeof(T) * size_t(Hq * D));
+    for (int64_t h = 0; h < Hq; ++h) lse[h * Tq + i] = -std::numeric_limits<float>::infinity();
+  }
+  // Row blocks (sequence, q block), most keys first.
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (sequence, q block)
+  std::vector<double> cost;
+  double flops = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t sq = cq[b + 1] - cq[b], sk = ck[b + 1] - ck[b];
+    const AttentionShape sb{1, sq, sk, Hq, Hkv, D};
+    flops += 4.0 * double(Hq) * std::max(visible_pairs(sb, a), double(sq)) * D;
+    for (int64_t qb = 0; qb * kFwdBq < sq; ++qb) blocks.emplace_back(b, qb);
+  }
+  if (blocks.empty()) return;
+  for (const auto& bl : blocks) {
+    const int64_t sq = cq[bl.first + 1] - cq[bl.first], sk = ck[bl.first + 1] - ck[bl.first];
+    const int64_t last = std::min<int64_t>(sq, (bl.second + 1) * kFwdBq) - 1;
+    const int64_t off = a.bottom_right ? sk - sq : 0;
+    cost.push_back(a.causal ? double(std::max<int64_t>(0, std::min<int64_t>(sk, last + off + 1))) : double(sk));
+  }
+  std::vector<size_t> order(blocks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return cost[x] > cost[y]; });
+  const int64_t n = int64_t(blocks.size()) * Hq;
+  const int nt = static_cast<int>(std::min<int64_t>(threads_for(num_threads, flops), n));
+  parallel_for(
+      n, nt,
+      [&](int64_t item, int) {
+        const auto& bl = blocks[order[size_t(item / Hq)]];
+        const int64_t h = item % Hq, hk = h / G, b = bl.first;
+        FwdProblem<T> p;
+        p.Sq = cq[b + 1] - cq[b];
+        p.Sk = ck[b + 1] - ck[b];
+        p.kmax = p.Sk;
+        p.q = q + (int64_t(cq[b]) * Hq + h) * D;
+        p.o = o + (int64_t(cq[b]) * Hq + h) * D;
+        p.lse = lse + h * Tq + cq[b];
+        const DenseRows<T> kr{k + (int64_t(ck[b]) * Hkv + hk) * D, Hkv * D};
+        const DenseRows<T> vr{v + (int64_t(ck[b]) * Hkv + hk) * D, Hkv * D};
+        fwd_item<T, D>(p, kr, vr, Hq, a, bl.second, thread_workspace(fwd_ws_floats<D>()));
+      },
+      workers);
+}
+
+// Packed varlen backward: q, o, dout, dq [Tq][Hq][D]; k, v, dk, dv [Tk][Hkv][D];
+// lse [Hq][Tq]. Rows outside every sequence get zero gradients.
+template <typename T, int D>
+void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq,
+                          T* dk, T* dv, const AttentionShape& s, const VarlenArgs& va, const AttentionAttrs& a,
+                          int num_threads, Workers* workers = nullptr) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
+                "T must be float, bf16 or f16");
+  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  using namespace detail;
+  const int64_t B = s.batch, Tq = s.seqlen_q, Tk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
+  if (B < 0 || Hq <= 0 || Hkv <= 0 || Tq < 0 || Tk < 0) return;
+  if (s.head_dim != D || Hq % Hkv != 0) return;  // precondition violated
+  const int64_t G = Hq / Hkv;
+  const int32_t* cq = va.cu_seqlens_q;
+  const int32_t* ck = va.cu_seqlens_k;
+  const int64_t used_q = B > 0 ? cq[B] : 0, used_k = B > 0 ? ck[B] : 0;
+  // Keys outside every sequence.
+  if (Tk > used_k) {
+    std::memset(static_cast<void*>(dk + used_k * Hkv * D), 0, sizeof(T) * size_t((Tk - used_k) * Hkv * D));
+    std::memset(static_cast<void*>(dv + used_k * Hkv * D), 0, sizeof(T) * size_t((Tk - used_k) * Hkv * D));
+  }
+  if (Tq <= 0) return;
+  double pairs = 0.0;
+  int64_t nkb = 0;
+  std::vector<int64_t> order;
+  std::vector<double> cost(size_t(std::max<int64_t>(B, 0)));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t sq = cq[b + 1] - cq[b], sk = ck[b + 1] - ck[b];
+    const AttentionShape sb{1, sq, sk, Hq, Hkv, D};
+    cost[size_t(b)] = std::max(visible_pairs(sb, a), double(std::max(sq, sk)));
+    pairs += cost[size_t(b)];
+    nkb = std::max<int64_t>(nkb, (sk + kBwdBk - 1) / kBwdBk);
+    order.push_back(b);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost[size_t(x)] > cost[size_t(y)]; });
+  const int nthreads = threads_for(num_threads, 10.0 * double(Hq) * pairs * D);
+  const int light_threads = threads_for(nthreads, 8.0 * double(Hq) * double(std::max(Tq, Tk)) * D);
+
+  AlignedFloats lse2(size_t(Hq * Tq)), Drow(size_t(Hq * Tq));
+  bwd_row_terms<T, D>(o, dout, lse, 1, Tq, Hq, lse2.p, Drow.p, light_threads, workers);
+
+  const int64_t nown = B * Hkv;
+  const int64_t nchunks = pick_chunks(std::max<int64_t>(nown, 1), nkb, nthreads);
+  const bool direct = std::is_same<T, float>::value && nchunks == 1;
+  const size_t dq_elems = size_t(Tq * Hq * D);
+  AlignedFloats dqbuf(direct ? 0 : dq_elems * nchunks);
+  float* dqacc = direct ? reinterpret_cast<float*>(dq) : dqbuf.p;
+  // Rows outside every sequence.
+  for (int64_t c = 0; c < nchunks; ++c)
+    if (Tq > used_q)
+      std::memset(dqacc + c * dq_elems + used_q * Hq * D, 0, sizeof(float) * size_t((Tq - used_q) * Hq * D));
+
+  const int64_t n = nown * nchunks;
+  const int nt = static_cast<int>(std::min<int64_t>(nthreads, std::max<int64_t>(n, 1)));
+  parallel_for(
+      n, nt,
+      [&](int64_t item, int) {
+        const int64_t c = item % nchunks, own = item / nchunks;
+        const int64_t b = order[size_t(own / Hkv)], hk = own % Hkv;
+        BwdProblem<T> p;
+        p.Sq = cq[b + 1] - cq[b];
+        p.Sk = ck[b + 1] - ck[b];
+        p.q = q + int64_t(cq[b]) * Hq * D;
+        p.dout = dout + int64_t(cq[b]) * Hq * D;
+        p.k = k + int64_t(ck[b]) * Hkv * D;
+        p.v = v + int64_t(ck[b]) * Hkv * D;
+        p.dk = dk + int64_t(ck[b]) * Hkv * D;
+        p.dv = dv + int64_t(ck[b]) * Hkv * D;
+        p.dqacc = dqacc + c * dq_elems + int64_t(cq[b]) * Hq * D;
+        p.lse2 = lse2.p + cq[b];
+        p.Drow = Drow.p + cq[b];
+        p.lse_hs = Tq;
+        for (int64_t i = 0; i < p.Sq; ++i)
+          std::memset(p.dqacc + (i * Hq + hk * G) * D, 0, sizeof(float) * size_t(G * D));
+        float* ws = thread_workspace(bwd_ws_floats<D>());
+        const int64_t nkb_b = (p.Sk + kBwdBk - 1) / kBwdBk;
+        for (int64_t kb = c; kb < nkb_b; kb += nchunks)
+          bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, nullptr, 0, nullptr, ws);
+      },
+      workers);
+  if (!direct) reduce_dq<T>(dqacc, nchunks, int64_t(dq_elems), Tq, Hq * D, dq, light_threads, workers);
 }
 
 }  // namespace cpu

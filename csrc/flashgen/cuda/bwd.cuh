@@ -22,10 +22,28 @@
 //     in f32 to per-kv-head workspaces (or to dk/dv directly when f32).
 //     Without GQA dK/dV are written directly in the output dtype.
 //  3. flash_bwd_convert_kernel: f32 workspace -> output dtype (dQ, and dK/dV
-//     under GQA); not needed for f32.
+//     under GQA, dbias); not needed for f32.
+//
+// Variants of the main kernel (template parameter MODE, see BwdMode):
+//   kBwdDense   the fast path above, unchanged.
+//   kBwdExtras  dense + ALiBi / bias / mask / segment ids (extras.cuh), per
+//               element on every visited block: P^T = exp2((x + add) * log2e
+//               - lse * log2e), x = scale*s or softcap(scale*s). dS' = P^T *
+//               (dP^T - Dsum) is the gradient of the biased score: with a
+//               bias it is atomically added (f32) into the dbias accumulator
+//               (summing the broadcast dims). Softcap: 1 - u^2 with u
+//               recovered from P after subtracting the (recomputed) add term.
+//   kBwdVarlen  packed variable-length batch (blockIdx.z = sequence; clamped
+//               cu_seqlens; key blocks past the sequence exit at once; the
+//               handler zeroes dK/dV first, so uncovered rows read 0).
 #pragma once
 
 #include "flashgen/cuda/common.cuh"
+#include "flashgen/cuda/extras.cuh"
+
+#ifndef FLASHGEN_BWD_EXTRAS_QC16_MIN_D
+#define FLASHGEN_BWD_EXTRAS_QC16_MIN_D 224
+#endif
 
 namespace flashgen {
 namespace cuda {
@@ -53,6 +71,22 @@ struct BwdParams {
   float cap_out;  // 1 / (softcap * log2(e)) (when softcap > 0)
   int atomic_kv;  // 1: accumulate dK/dV into dk_acc/dv_acc with atomics (GQA)
 };
+
+// Parameters of the variants (the dense fast path keeps BwdParams, unchanged).
+struct BwdVarParams : BwdParams {
+  // Raw attributes: varlen computes the band per sequence on the device.
+  int causal, bottom_right, window_left, window_right;
+  ExtrasParams x;  // kBwdExtras
+  // kBwdVarlen: seqlen_q / seqlen_k are the totals Tq / Tk, batch the number of sequences;
+  // lse / dsum are [Hq, Tq].
+  const int* cu_q;
+  const int* cu_k;
+  int max_seqlen_q, max_seqlen_k;
+};
+
+enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2 };
+template <int MODE>
+using BwdParamsT = typename std::conditional<MODE == kBwdDense, BwdParams, BwdVarParams>::type;
 
 template <class T, int D>
 struct BwdConfig {
@@ -126,7 +160,7 @@ __global__ void __launch_bounds__(256) flash_bwd_pre_kernel(const T* __restrict_
 }
 
 // ---------------------------------------------------------------------------
-// 3. f32 -> T conversion (n is a multiple of 4; both pointers 16-byte aligned)
+// 3. f32 -> T conversion (src 16-byte aligned; any n)
 // ---------------------------------------------------------------------------
 template <class T>
 __global__ void __launch_bounds__(256) flash_bwd_convert_kernel(const float* __restrict__ src, T* __restrict__ dst,
@@ -141,21 +175,28 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_kernel(const float* __r
     d[2] = from_float<T>(x.z);
     d[3] = from_float<T>(x.w);
   }
+  // n % 4 tail (dbias may have any element count)
+  if (blockIdx.x == 0 && threadIdx.x < n - 4 * n4) dst[4 * n4 + threadIdx.x] = from_float<T>(src[4 * n4 + threadIdx.x]);
 }
 
 // ---------------------------------------------------------------------------
 // 2. main backward kernel
 // ---------------------------------------------------------------------------
-template <class T, int D, bool CAUSAL>
-__global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel(const BwdParams p) {
+template <class T, int D, bool CAUSAL, int MODE = kBwdDense>
+__global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel(const BwdParamsT<MODE> p) {
   using Cfg = BwdConfig<T, D>;
   using Ops = typename OpsFor<T>::type;
   using FragA = typename Ops::FragA;
   using FragB = typename Ops::FragB;
-  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDS = Cfg::LDS, QC = Cfg::QC;
+  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDS = Cfg::LDS;
+  // The extras variant keeps more values live per element: narrower S^T chunks
+  // for large head dims (fewer accumulators) avoid register spills.
+  // (f16/bf16 only: for f32 at those dims it makes the existing spills worse.)
+  constexpr int QC = (MODE == kBwdExtras && !Cfg::kF32 && D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D) ? 16 : Cfg::QC;
   constexpr int DV = Cfg::DV, NSPLIT = Cfg::NSPLIT, NT = Cfg::kThreads, KS = Ops::KS;
   constexpr int kQT = QC / 8;  // S^T accumulator tiles per chunk
   constexpr int kVT = DV / 8;  // dK/dV accumulator tiles
+  constexpr bool kExtras = MODE == kBwdExtras;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
@@ -170,27 +211,54 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   const int g = lane >> 2, t = lane & 3;
   const int nblk = blockIdx.x / NSPLIT, split = blockIdx.x % NSPLIT;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  constexpr bool kVarlen = MODE == kBwdVarlen;
+  // Varlen: sequence b (clamped: cu_seqlens live on the device and are not trusted).
+  SeqRange rq{0, 0}, rk{0, 0};
+  if constexpr (kVarlen) {
+    rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
+    rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
+  }
+  const int Sq = kVarlen ? rq.len : p.seqlen_q, Sk = kVarlen ? rk.len : p.seqlen_k;
   const int k0 = nblk * BC;
   const int dcol0 = split * DV;
   const int wrow0 = warp * 16;  // warp's first key row inside the tile
+  int band_lo = 0, band_hi = 0, band_masked = 0;
+  if constexpr (kVarlen) {
+    if (k0 >= Sk) return;  // the whole CTA: past this sequence's keys
+    const IntBand bd = int_band(Sq, Sk, p.causal, p.bottom_right, p.window_left, p.window_right);
+    band_lo = bd.lo;
+    band_hi = bd.hi;
+    band_masked = bd.masked;
+  }
 
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
-  const int64_t q_off = (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
-  const int64_t kv_off = (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+  const int64_t q_off = kVarlen ? (static_cast<int64_t>(rq.start) * p.heads_q + h) * D
+                                : (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+  const int64_t kv_off = kVarlen ? (static_cast<int64_t>(rk.start) * p.heads_kv + hk) * D
+                                 : (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
   const T* qg = static_cast<const T*>(p.q) + q_off;
   const T* dog = static_cast<const T*>(p.dout) + q_off;
   const T* kg = static_cast<const T*>(p.k) + kv_off;
   const T* vg = static_cast<const T*>(p.v) + kv_off;
-  const float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
-  const float* dsumg = p.dsum + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  // lse / dsum: [B, Hq, Sq], or [Hq, Tq] for varlen
+  const float* lseg = p.lse + (kVarlen ? static_cast<int64_t>(h) * p.seqlen_q + rq.start
+                                       : (static_cast<int64_t>(b) * p.heads_q + h) * Sq);
+  const float* dsumg = p.dsum + (kVarlen ? static_cast<int64_t>(h) * p.seqlen_q + rq.start
+                                         : (static_cast<int64_t>(b) * p.heads_q + h) * Sq);
   float* dqg = p.dq_acc + q_off;
+  ExtrasView<T> xv;
+  if constexpr (kExtras) xv.init(p.x, b, h, Sq, Sk);
+  // The dense variants read the band from the parameters at each use (as the
+  // fast path always did); varlen computed it above.
+#define FG_BAND_LO (MODE == kBwdVarlen ? band_lo : p.band_lo)
+#define FG_BAND_HI (MODE == kBwdVarlen ? band_hi : p.band_hi)
+#define FG_BAND_MASKED (MODE == kBwdVarlen ? band_masked : p.masked)
 
   // Query blocks that can see at least one key of this block: rows i with
   // k0 - hi <= i <= k0 + BC - 1 - lo.
-  const long long first_q = max(0LL, static_cast<long long>(k0) - p.band_hi);
-  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - p.band_lo);
+  const long long first_q = max(0LL, static_cast<long long>(k0) - FG_BAND_HI);
+  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - FG_BAND_LO);
   const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
   const bool capped = p.softcap > 0.f;
@@ -238,7 +306,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
       const int q0 = m * BR;
       const bool need_mask =
           (k0 + BC > Sk) ||
-          (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
+          (FG_BAND_MASKED && (k0 - (q0 + BR - 1) < FG_BAND_LO || k0 + BC - 1 - q0 > FG_BAND_HI));
 
 #pragma unroll 1
       for (int qc = 0; qc < BR / QC; ++qc) {
@@ -262,24 +330,41 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
           }
         }
         // ---- P^T
+        if constexpr (kExtras) {
 #pragma unroll
-        for (int j = 0; j < kQT; ++j)
+          for (int j = 0; j < kQT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qi = c0 + j * 8 + 2 * t + (e & 1);     // tile-local query
-            const int kj = k0 + wrow0 + g + (e >> 1) * 8;  // global key
-            float pv;
-            if (capped)
-              pv = fast_exp2(fmaf(p.softcap * tanhf(s[j][e] * p.cap_in), kLog2e, -sLse[qi]));
-            else
-              pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -sLse[qi]));
-            if (need_mask) {
-              const int dist = kj - (q0 + qi);
-              const bool masked = kj >= Sk || dist < p.band_lo || dist > p.band_hi;
-              if (masked) pv = 0.f;
+            for (int e = 0; e < 4; ++e) {
+              const int qi = c0 + j * 8 + 2 * t + (e & 1);     // tile-local query
+              const int kj = k0 + wrow0 + g + (e >> 1) * 8;  // global key
+              const int row = q0 + qi;
+              const int dist = kj - row;
+              float add = 0.f;
+              bool vis = row < Sq && kj < Sk && dist >= FG_BAND_LO && dist <= FG_BAND_HI;
+              if (vis) vis = xv.term(row, kj, add);
+              const float x = capped ? p.softcap * tanhf(s[j][e] * p.cap_in) : s[j][e] * p.scale;
+              s[j][e] = vis ? fast_exp2(fmaf(x + add, kLog2e, -sLse[qi])) : 0.f;
             }
-            s[j][e] = pv;
-          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kQT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qi = c0 + j * 8 + 2 * t + (e & 1);     // tile-local query
+              const int kj = k0 + wrow0 + g + (e >> 1) * 8;  // global key
+              float pv;
+              if (capped)
+                pv = fast_exp2(fmaf(p.softcap * tanhf(s[j][e] * p.cap_in), kLog2e, -sLse[qi]));
+              else
+                pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -sLse[qi]));
+              if (need_mask) {
+                const int dist = kj - (q0 + qi);
+                const bool masked = kj >= Sk || dist < FG_BAND_LO || dist > FG_BAND_HI;
+                if (masked) pv = 0.f;
+              }
+              s[j][e] = pv;
+            }
+        }
         // ---- dV += P^T dO
 #pragma unroll
         for (int ks = 0; ks < QC / KS; ++ks) {
@@ -320,7 +405,16 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
           for (int e = 0; e < 4; ++e) {
             const int qi = c0 + j * 8 + 2 * t + (e & 1);
             float ds = s[j][e] * (dpt[j][e] - sDsum[qi]);
-            if (capped && s[j][e] > 0.f) {
+            if constexpr (kExtras) {
+              if (s[j][e] > 0.f) {  // visible: row < Sq, key < Sk
+                const int row = q0 + qi, kj = k0 + wrow0 + g + (e >> 1) * 8;
+                if (xv.dbias != nullptr) xv.add_dbias(row, kj, ds);
+                if (capped) {
+                  const float u = (__log2f(s[j][e]) + sLse[qi] - xv.add_only(row, kj) * kLog2e) * p.cap_out;
+                  ds *= 1.f - u * u;
+                }
+              }
+            } else if (capped && s[j][e] > 0.f) {
               const float u = (__log2f(s[j][e]) + sLse[qi]) * p.cap_out;
               ds *= 1.f - u * u;
             }
@@ -464,6 +558,9 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
       }
     }
   }
+#undef FG_BAND_LO
+#undef FG_BAND_HI
+#undef FG_BAND_MASKED
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
 // XLA FFI handler implementations for the CUDA kernels, as templates on
 // (dtype, head dim, causal). The generated spec TU (templates/cuda/spec.cu.j2)
-// binds them with XLA_FFI_DEFINE_HANDLER_SYMBOL.
+// binds them with XLA_FFI_DEFINE_HANDLER_SYMBOL: cuda_fwd / cuda_bwd (dense,
+// optional `extras` operands; no extras -> the unchanged fast-path kernels),
+// cuda_fwd_varlen / cuda_bwd_varlen (packed batches) and cuda_fwd_paged
+// (paged KV cache with split-KV).
 //
 // Contract: every operand and result shape and every attribute is validated
 // (ffi_common.h) before anything runs; work is enqueued on the given stream
@@ -11,8 +14,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "flashgen/attention.h"
 #include "flashgen/cuda/bwd.cuh"
@@ -127,22 +132,134 @@ inline unsigned grid_for(int64_t work_items, int per_block) {
   return static_cast<unsigned>(blocks);
 }
 
+// Kernel-parameter form of the decoded extras.
+inline ExtrasParams extras_params(const ScoreExtras& x, const AttentionShape& s, bool bottom_right) {
+  ExtrasParams e{};
+  e.alibi = x.alibi;
+  e.alibi_stride_b = x.alibi_stride_b;
+  e.bias = x.bias;
+  e.bias_f32 = x.bias_type == ElemType::F32 ? 1 : 0;
+  e.bias_stride_b = x.bias_stride_b;
+  e.bias_stride_h = x.bias_stride_h;
+  e.mask = x.mask;
+  e.mask_stride_b = x.mask_stride_b;
+  e.mask_stride_h = x.mask_stride_h;
+  e.q_seg = x.q_segment_ids;
+  e.kv_seg = x.kv_segment_ids;
+  e.dbias_acc = nullptr;
+  e.dbias_stride_b = x.bias_stride_b;
+  e.dbias_stride_h = x.bias_stride_h;
+  e.alibi_off = bottom_right ? static_cast<int>(s.seqlen_k - s.seqlen_q) : 0;
+  return e;
+}
+
+template <class Params>
+inline void set_raw_attrs(Params& p, const AttentionAttrs& a) {
+  p.causal = a.causal ? 1 : 0;
+  p.bottom_right = a.bottom_right ? 1 : 0;
+  p.window_left = a.window_left;
+  p.window_right = a.window_right;
+}
+
+inline ffi::Error alloc_scratch(const char* target, ffi::ScratchAllocator& scratch, size_t bytes, const char* what,
+                                char** out) {
+  *out = nullptr;
+  if (bytes == 0) return ffi::Error::Success();
+  auto ws = scratch.Allocate(bytes, 256);
+  if (!ws.has_value() || *ws == nullptr)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(target) + ": could not allocate " +
+                                                              std::to_string(bytes) + " bytes of scratch memory for " +
+                                                              what);
+  *out = static_cast<char*>(*ws);
+  return ffi::Error::Success();
+}
+
+inline size_t round_up256(size_t x) { return (x + 255) / 256 * 256; }
+
+// Rank-3 packed operands q [Tq, Hq, D], k / v [Tk, Hkv, D] and cu_seqlens [B + 1].
+inline ffi::ErrorOr<AttentionShape> varlen_shape(const char* target, int64_t head_dim, Dims q, Dims k, Dims v,
+                                                 Dims cu_q, Dims cu_k) {
+  auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
+  const char* names[3] = {"q", "k", "v"};
+  Dims all[3] = {q, k, v};
+  for (int i = 0; i < 3; ++i) {
+    if (all[i].size() != 3)
+      return fail(std::string(names[i]) + " must be rank 3 [total_tokens, heads, head_dim], got " +
+                  dims_str(all[i]));
+    if (all[i][2] != head_dim)
+      return fail(std::string(names[i]) + " head_dim is " + std::to_string(all[i][2]) +
+                  " but this kernel is specialized for " + std::to_string(head_dim));
+  }
+  if (v[0] != k[0] || v[1] != k[1]) return fail("k and v shapes differ: k " + dims_str(k) + ", v " + dims_str(v));
+  if (k[1] <= 0 || q[1] % k[1] != 0)
+    return fail("kv heads (" + std::to_string(k[1]) + ") must divide q heads (" + std::to_string(q[1]) + ")");
+  int64_t batch = 0;
+  if (auto e = check_varlen_dims(target, cu_q, cu_k, &batch); e.failure()) return ffi::Unexpected<ffi::Error>(e);
+  return AttentionShape{batch, q[0], k[0], q[1], k[1], head_dim};
+}
+
+inline ffi::Error check_max_seqlen(const char* target, int32_t max_seqlen_q, int32_t max_seqlen_k) {
+  if (max_seqlen_q < 0 || max_seqlen_k < 0)
+    return invalid(target, "max_seqlen_q / max_seqlen_k must be >= 0, got (" + std::to_string(max_seqlen_q) + ", " +
+                               std::to_string(max_seqlen_k) + ")");
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// forward (dense, dense + extras, varlen, paged) -- the launch
+// ---------------------------------------------------------------------------
+template <class T, int D>
+inline void fill_fwd_params(FwdVarParams& p, const AttentionShape& s, const AttentionAttrs& attrs, const void* q,
+                            const void* k, const void* v, void* o, float* lse) {
+  p = FwdVarParams{};
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.lse = lse;
+  p.batch = static_cast<int>(s.batch);
+  p.seqlen_q = static_cast<int>(s.seqlen_q);
+  p.seqlen_k = static_cast<int>(s.seqlen_k);
+  p.heads_q = static_cast<int>(s.heads_q);
+  p.heads_kv = static_cast<int>(s.heads_kv);
+  p.group = static_cast<int>(s.heads_q / s.heads_kv);
+  set_band(p, s, attrs);
+  set_raw_attrs(p, attrs);
+  p.scale = attrs.scale;
+  p.scale_log2 = attrs.scale * kLog2e;
+  p.nsplit = 1;
+}
+
+template <class T, int D, bool CAUSAL, int MODE>
+ffi::Error launch_fwd(const char* target, cudaStream_t stream, const FwdVarParams& vp, dim3 grid) {
+  const FwdParamsT<MODE>& p = vp;  // the dense kernel takes the base part only
+  using Cfg = FwdConfig<T, D>;
+  constexpr size_t kSmem = fwd_smem_bytes<T, D, MODE>();
+  auto kernel = flash_fwd_kernel<T, D, CAUSAL, MODE>;
+  if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return check_launch(target, "flash_fwd_kernel");
+}
+
 // ---------------------------------------------------------------------------
 // forward
 // ---------------------------------------------------------------------------
 template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
-                    ffi::Buffer<DT> v, ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse, bool causal,
-                    float scale, bool bottom_right, int32_t window_left = -1, int32_t window_right = -1,
-                    float softcap = 0.0f) {
+                    ffi::Buffer<DT> v, ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> o,
+                    ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale, bool bottom_right,
+                    int32_t window_left, int32_t window_right, float softcap, std::string_view extras) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
 
   auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
+  auto x_or = decode_extras(target, extras, extra_args, s, DT, nullptr);
+  if (x_or.has_error()) return x_or.error();
+  const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure())
     return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
@@ -160,48 +277,376 @@ ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, 
   }
   if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
 
-  FwdParams p;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.o = o->untyped_data();
-  p.lse = lse->typed_data();
-  p.batch = static_cast<int>(s.batch);
-  p.seqlen_q = static_cast<int>(s.seqlen_q);
-  p.seqlen_k = static_cast<int>(s.seqlen_k);
-  p.heads_q = static_cast<int>(s.heads_q);
-  p.heads_kv = static_cast<int>(s.heads_kv);
-  p.group = static_cast<int>(s.heads_q / s.heads_kv);
-  set_band(p, s, attrs);
-  p.scale = scale;
-  p.scale_log2 = scale * kLog2e;
-
-  auto kernel = flash_fwd_kernel<T, D, CAUSAL>;
-  if (auto e = set_smem(target, kernel, Cfg::kSmem); e.failure()) return e;
+  FwdVarParams p;
+  fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k.untyped_data(), v.untyped_data(), o->untyped_data(),
+                        lse->typed_data());
   const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
-  return check_launch(target, "flash_fwd_kernel");
+  if (!x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense>(target, stream, p, grid);
+  p.x = extras_params(x, s, bottom_right);
+  return launch_fwd<T, D, CAUSAL, kFwdExtras>(target, stream, p, grid);
 }
 
 // ---------------------------------------------------------------------------
-// backward
+// forward, packed variable-length batch
 // ---------------------------------------------------------------------------
 template <ffi::DataType DT, int D, bool CAUSAL>
-ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::Buffer<DT> q,
-                    ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<DT> dout, ffi::ResultBuffer<DT> dq, ffi::ResultBuffer<DT> dk,
-                    ffi::ResultBuffer<DT> dv, bool causal, float scale, bool bottom_right, int32_t window_left = -1,
-                    int32_t window_right = -1, float softcap = 0.0f) {
+ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
+                           ffi::Buffer<DT> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
+                           ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
+                           bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
+                           int32_t max_seqlen_q, int32_t max_seqlen_k) {
   using T = typename ElemOf<DT>::type;
-  using Cfg = BwdConfig<T, D>;
-  constexpr bool kF32 = std::is_same<T, float>::value;
+  using Cfg = FwdConfig<T, D>;
 
-  auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
+  auto shape_or = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q.dimensions(),
+                               cu_k.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
   if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = check_max_seqlen(target, max_seqlen_q, max_seqlen_k); e.failure()) return e;
+  if (auto e = expect_dims(target, "o", o->dimensions(), {s.seqlen_q, s.heads_q, s.head_dim}); e.failure()) return e;
+  if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
+
+  if (s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
+  if (auto e = check_limits(target, s); e.failure()) return e;
+  if (auto e = check_aligned(target, "q", q.untyped_data()); e.failure()) return e;
+  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
+  if (s.seqlen_k > 0) {
+    if (auto e = check_aligned(target, "k", k.untyped_data()); e.failure()) return e;
+    if (auto e = check_aligned(target, "v", v.untyped_data()); e.failure()) return e;
+  }
+  if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
+
+  // Rows no sequence computes: o = 0, lse = -inf.
+  flash_fwd_varlen_fill_kernel<T, D><<<grid_for(s.seqlen_q, 8), 256, 0, stream>>>(
+      cu_q.typed_data(), static_cast<int>(s.batch), static_cast<int>(s.seqlen_q), max_seqlen_q,
+      static_cast<int>(s.heads_q), static_cast<T*>(o->untyped_data()), lse->typed_data());
+  if (auto e = check_launch(target, "flash_fwd_varlen_fill_kernel"); e.failure()) return e;
+
+  // No sequence is longer than the packed total (the kernel clamps), so the
+  // grid needs at most min(max_seqlen_q, Tq) rows.
+  const int64_t rows = std::min<int64_t>(max_seqlen_q, s.seqlen_q);
+  if (s.batch == 0 || rows == 0) return ffi::Error::Success();
+  FwdVarParams p;
+  fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k.untyped_data(), v.untyped_data(), o->untyped_data(),
+                        lse->typed_data());
+  p.cu_q = cu_q.typed_data();
+  p.cu_k = cu_k.typed_data();
+  p.max_seqlen_q = max_seqlen_q;
+  p.max_seqlen_k = max_seqlen_k;
+  const dim3 grid(static_cast<unsigned>((rows + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
+                  static_cast<unsigned>(s.batch));
+  return launch_fwd<T, D, CAUSAL, kFwdVarlen>(target, stream, p, grid);
+}
+
+// ---------------------------------------------------------------------------
+// forward, paged KV cache (decode), with split-KV for small grids
+// ---------------------------------------------------------------------------
+inline ffi::Error sm_count(const char* target, int* sms) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda_failure(target, "cudaGetDevice", err);
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return cuda_failure(target, "cudaDeviceGetAttribute(MultiProcessorCount)", err);
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType DT, int D, bool CAUSAL>
+ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                          ffi::Buffer<DT> q, ffi::Buffer<DT> k_cache, ffi::Buffer<DT> v_cache,
+                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seqused_k, ffi::ResultBuffer<DT> o,
+                          ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale, bool bottom_right,
+                          int32_t window_left, int32_t window_right, float softcap) {
+  using T = typename ElemOf<DT>::type;
+  using Cfg = FwdConfig<T, D>;
+
+  Dims qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  if (qd.size() != 4 || qd[3] != D)
+    return invalid(target, "q must be rank 4 [batch, seq, heads, " + std::to_string(D) + "], got " + dims_str(qd));
+  if (kd.size() != 4 || kd[3] != D)
+    return invalid(target, "k_cache must be rank 4 [num_blocks, block_size, kv_heads, " + std::to_string(D) +
+                               "], got " + dims_str(kd));
+  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3])
+    return invalid(target, "k_cache and v_cache shapes differ: k_cache " + dims_str(kd) + ", v_cache " + dims_str(vd));
+  if (kd[2] <= 0 || qd[2] % kd[2] != 0)
+    return invalid(target, "kv heads (" + std::to_string(kd[2]) + ") must divide q heads (" + std::to_string(qd[2]) +
+                               ")");
+  Dims td = block_table.dimensions();
+  if (td.size() != 2 || td[0] != qd[0])
+    return invalid(target, "block_table must be [" + std::to_string(qd[0]) + ", max_blocks], got " + dims_str(td));
+  if (auto e = expect_dims(target, "seqused_k", seqused_k.dimensions(), {qd[0]}); e.failure()) return e;
+  const int64_t num_blocks = kd[0], block_size = kd[1], max_blocks = td[1];
+  const int64_t max_keys = (block_size == 0 || max_blocks == 0) ? 0 : max_blocks * block_size;
+  const AttentionShape s{qd[0], qd[1], max_keys, qd[2], kd[2], D};
+  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
+  if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure())
+    return e;
+  if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
+    return e;
+
+  if (s.batch == 0 || s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
+  if (max_blocks > (int64_t{1} << 30) || block_size > (int64_t{1} << 30) ||
+      num_blocks * block_size > int64_t{0x7fffffff})
+    return invalid(target, "paged cache too large: num_blocks * block_size must be < 2^31 and max_blocks * "
+                           "block_size <= 2^30, got k_cache " + dims_str(kd) + ", block_table " + dims_str(td));
+  if (auto e = check_limits(target, s); e.failure()) return e;  // max_blocks * block_size <= 2^30
+  if (auto e = check_aligned(target, "q", q.untyped_data()); e.failure()) return e;
+  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
+  if (num_blocks > 0 && block_size > 0) {
+    if (auto e = check_aligned(target, "k_cache", k_cache.untyped_data()); e.failure()) return e;
+    if (auto e = check_aligned(target, "v_cache", v_cache.untyped_data()); e.failure()) return e;
+  }
+  if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
+
+  FwdVarParams p;
+  fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
+                        o->untyped_data(), lse->typed_data());
+  p.block_table = block_table.typed_data();
+  p.seqused_k = seqused_k.typed_data();
+  p.num_blocks = num_blocks;
+  p.block_size = static_cast<int>(block_size);
+  p.max_blocks = static_cast<int>(max_blocks);
+
+  // Split-KV when the grid would leave most SMs idle (decode).
+  const int64_t m_blocks = (s.seqlen_q + Cfg::BR - 1) / Cfg::BR;
+  const int64_t ctas = m_blocks * s.heads_q * s.batch;
+  int sms = 0;
+  if (auto e = sm_count(target, &sms); e.failure()) return e;
+  int nsplit = choose_nsplit(ctas, (max_keys + Cfg::BC - 1) / Cfg::BC, sms, Cfg::kMinBlocks);
+  while (nsplit > 1 && s.batch * nsplit > 65535) --nsplit;
+  if (nsplit > 1) {
+    const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seqlen_q);
+    const size_t o_bytes = round_up256(static_cast<size_t>(nsplit) * rows * D * sizeof(float));
+    const size_t l_bytes = round_up256(static_cast<size_t>(nsplit) * rows * sizeof(float));
+    char* ws = nullptr;
+    if (alloc_scratch(target, scratch, o_bytes + l_bytes, "the split-KV partials", &ws).success() && ws != nullptr) {
+      p.nsplit = nsplit;
+      p.o_part = reinterpret_cast<float*>(ws);
+      p.lse_part = reinterpret_cast<float*>(ws + o_bytes);
+    } else {
+      nsplit = 1;  // no workspace: run unsplit
+    }
+  }
+  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(s.heads_q),
+                  static_cast<unsigned>(s.batch * nsplit));
+  if (auto e = launch_fwd<T, D, CAUSAL, kFwdPaged>(target, stream, p, grid); e.failure()) return e;
+  if (nsplit > 1) {
+    flash_fwd_combine_kernel<T, D><<<grid_for(s.batch * s.heads_q * s.seqlen_q, 8), 256, 0, stream>>>(
+        p.o_part, p.lse_part, static_cast<T*>(o->untyped_data()), lse->typed_data(), nsplit,
+        static_cast<int>(s.batch), static_cast<int>(s.heads_q), static_cast<int>(s.seqlen_q));
+    if (auto e = check_launch(target, "flash_fwd_combine_kernel"); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// backward (shared by dense, dense + extras and varlen)
+// ---------------------------------------------------------------------------
+struct BwdBuffers {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const float* lse;
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+};
+
+// s: the dense shape, or for varlen {B, Tq, Tk, Hq, Hkv, D} (then `varlen` is set
+// and lse / dsum are [Hq, Tq]). x: extras (dense only); dbias / dbias_elems: the
+// dbias result when x has a bias.
+template <class T, int D, bool CAUSAL>
+ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdBuffers& buf,
+                   const AttentionShape& s, const AttentionAttrs& attrs, const ScoreExtras* x, void* dbias,
+                   size_t dbias_elems, const VarlenArgs* varlen) {
+  using Cfg = BwdConfig<T, D>;
+  constexpr bool kF32 = std::is_same<T, float>::value;
+  const bool is_varlen = varlen != nullptr;
+  // Rows of q (all batches): dense B*Sq, varlen Tq.
+  const int64_t q_rows = is_varlen ? s.seqlen_q : s.batch * s.seqlen_q;
+  const int64_t k_rows = is_varlen ? s.seqlen_k : s.batch * s.seqlen_k;
+  const size_t q_elems = static_cast<size_t>(q_rows * s.heads_q * s.head_dim);
+  const size_t kv_elems = static_cast<size_t>(k_rows * s.heads_kv * s.head_dim);
+  const bool has_dbias = dbias != nullptr;
+  const bool dbias_f32 = has_dbias && x->bias_type == ElemType::F32;
+
+  // Degenerate shapes: no (query, key) pair exists, every gradient is 0.
+  const bool no_work = q_elems == 0 || kv_elems == 0 || s.batch == 0 ||
+                       (is_varlen && (varlen->max_seqlen_q == 0 || varlen->max_seqlen_k == 0));
+  if (no_work) {
+    if (auto e = memset_async(target, "dq", buf.dq, q_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dk", buf.dk, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dv", buf.dv, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (has_dbias)
+      return memset_async(target, "dbias", dbias, dbias_elems * (dbias_f32 ? 4 : sizeof(T)), stream);
+    return ffi::Error::Success();
+  }
+  if (auto e = check_limits(target, s); e.failure()) return e;
+  {
+    const char* names[] = {"q", "k", "v", "o", "do", "dq", "dk", "dv"};
+    const void* ptrs[] = {buf.q, buf.k, buf.v, buf.o, buf.dout, buf.dq, buf.dk, buf.dv};
+    for (int i = 0; i < 8; ++i)
+      if (auto e = check_aligned(target, names[i], ptrs[i]); e.failure()) return e;
+  }
+
+  const int group = static_cast<int>(s.heads_q / s.heads_kv);
+  const bool atomic_kv = group > 1;
+  const size_t rows_q = static_cast<size_t>(q_rows * s.heads_q);
+
+  // Workspace: Dsum [B,Hq,Sq] f32; for f16/bf16 also dQ f32 [B,Sq,Hq,D] and,
+  // under GQA, dK/dV f32 [B,Sk,Hkv,D]; dbias f32 unless the bias is f32. For
+  // f32 the outputs themselves are the accumulators.
+  const size_t dsum_bytes = round_up256(rows_q * sizeof(float));
+  const size_t dq_ws_bytes = kF32 ? 0 : round_up256(q_elems * sizeof(float));
+  const size_t kv_ws_bytes = (kF32 || !atomic_kv) ? 0 : round_up256(kv_elems * sizeof(float));
+  const size_t db_ws_bytes = (has_dbias && !dbias_f32) ? round_up256(dbias_elems * sizeof(float)) : 0;
+  char* wsp = nullptr;
+  if (auto e = alloc_scratch(target, scratch, dsum_bytes + dq_ws_bytes + 2 * kv_ws_bytes + db_ws_bytes,
+                             "the backward workspace", &wsp);
+      e.failure())
+    return e;
+  float* dsum = reinterpret_cast<float*>(wsp);
+  float* dq_acc = kF32 ? reinterpret_cast<float*>(buf.dq) : reinterpret_cast<float*>(wsp + dsum_bytes);
+  float* dk_acc = nullptr;
+  float* dv_acc = nullptr;
+  if (atomic_kv) {
+    dk_acc = kF32 ? reinterpret_cast<float*>(buf.dk) : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes);
+    dv_acc = kF32 ? reinterpret_cast<float*>(buf.dv)
+                  : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes + kv_ws_bytes);
+  }
+  float* dbias_acc = nullptr;
+  if (has_dbias)
+    dbias_acc = dbias_f32 ? static_cast<float*>(dbias)
+                          : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes + 2 * kv_ws_bytes);
+
+  if (auto e = memset_async(target, "dq accumulator", dq_acc, q_elems * sizeof(float), stream); e.failure())
+    return e;
+  if (atomic_kv) {
+    if (auto e = memset_async(target, "dk accumulator", dk_acc, kv_elems * sizeof(float), stream); e.failure())
+      return e;
+    if (auto e = memset_async(target, "dv accumulator", dv_acc, kv_elems * sizeof(float), stream); e.failure())
+      return e;
+  } else if (is_varlen) {
+    // Key rows no sequence covers are never visited: they read 0.
+    if (auto e = memset_async(target, "dk", buf.dk, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dv", buf.dv, kv_elems * sizeof(T), stream); e.failure()) return e;
+  }
+  if (has_dbias) {
+    if (auto e = memset_async(target, "dbias accumulator", dbias_acc, dbias_elems * sizeof(float), stream);
+        e.failure())
+      return e;
+  }
+
+  // 1. Dsum = rowsum(dO * O); row (b * Sq + i) * Hq + h -> dsum[(b * Hq + h) * Sq + i]
+  //    (varlen: one "batch" of Tq rows -> dsum [Hq, Tq], like lse).
+  {
+    const int64_t rows = static_cast<int64_t>(rows_q);
+    constexpr int kCpr = D * static_cast<int>(sizeof(T)) / 16;
+    constexpr int kLanes = kCpr >= 32 ? 32 : (kCpr >= 16 ? 16 : (kCpr >= 8 ? 8 : 4));
+    const int rows_per_block = 256 / kLanes;
+    flash_bwd_pre_kernel<T, D><<<grid_for(rows, rows_per_block), 256, 0, stream>>>(
+        static_cast<const T*>(buf.o), static_cast<const T*>(buf.dout), dsum, rows,
+        static_cast<int>(s.seqlen_q), static_cast<int>(s.heads_q));
+    if (auto e = check_launch(target, "flash_bwd_pre_kernel"); e.failure()) return e;
+  }
+
+  // 2. main kernel
+  {
+    BwdVarParams p{};
+    p.q = buf.q;
+    p.k = buf.k;
+    p.v = buf.v;
+    p.dout = buf.dout;
+    p.lse = buf.lse;
+    p.dsum = dsum;
+    p.dq_acc = dq_acc;
+    p.dk_acc = dk_acc;
+    p.dv_acc = dv_acc;
+    p.dk = buf.dk;
+    p.dv = buf.dv;
+    p.batch = static_cast<int>(s.batch);
+    p.seqlen_q = static_cast<int>(s.seqlen_q);
+    p.seqlen_k = static_cast<int>(s.seqlen_k);
+    p.heads_q = static_cast<int>(s.heads_q);
+    p.heads_kv = static_cast<int>(s.heads_kv);
+    p.group = group;
+    set_band(p, s, attrs);
+    set_cap_out(p);
+    set_raw_attrs(p, attrs);
+    p.scale = attrs.scale;
+    p.scale_log2 = attrs.scale * kLog2e;
+    p.atomic_kv = atomic_kv ? 1 : 0;
+
+    int64_t key_rows = s.seqlen_k;
+    if (is_varlen) {
+      p.cu_q = varlen->cu_seqlens_q;
+      p.cu_k = varlen->cu_seqlens_k;
+      p.max_seqlen_q = varlen->max_seqlen_q;
+      p.max_seqlen_k = varlen->max_seqlen_k;
+      key_rows = std::min<int64_t>(varlen->max_seqlen_k, s.seqlen_k);
+    }
+    const dim3 grid(static_cast<unsigned>((key_rows + Cfg::BC - 1) / Cfg::BC * Cfg::NSPLIT),
+                    static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+    auto launch = [&](auto kernel, const auto& params) -> ffi::Error {
+      if (auto e = set_smem(target, kernel, Cfg::kSmem); e.failure()) return e;
+      kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(params);
+      return check_launch(target, "flash_bwd_kernel");
+    };
+    ffi::Error err = ffi::Error::Success();
+    if (is_varlen) {
+      err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdVarlen>, p);
+    } else if (x != nullptr && x->any()) {
+      p.x = extras_params(*x, s, attrs.bottom_right);
+      p.x.dbias_acc = dbias_acc;
+      err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdExtras>, p);
+    } else {
+      err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
+    }
+    if (err.failure()) return err;
+  }
+
+  // 3. f32 accumulators -> output dtype
+  auto convert = [&](const float* src, void* dst, size_t n, const char* what) -> ffi::Error {
+    flash_bwd_convert_kernel<T><<<grid_for(static_cast<int64_t>(n / 4), 256), 256, 0, stream>>>(
+        src, static_cast<T*>(dst), static_cast<int64_t>(n));
+    return check_launch(target, what);
+  };
+  if constexpr (!kF32) {
+    if (auto e = convert(dq_acc, buf.dq, q_elems, "flash_bwd_convert_kernel(dq)"); e.failure()) return e;
+    if (atomic_kv) {
+      if (auto e = convert(dk_acc, buf.dk, kv_elems, "flash_bwd_convert_kernel(dk)"); e.failure()) return e;
+      if (auto e = convert(dv_acc, buf.dv, kv_elems, "flash_bwd_convert_kernel(dv)"); e.failure()) return e;
+    }
+    if (has_dbias && !dbias_f32) {
+      if (auto e = convert(dbias_acc, dbias, dbias_elems, "flash_bwd_convert_kernel(dbias)"); e.failure())
+        return e;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType DT, int D, bool CAUSAL>
+ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::Buffer<DT> q,
+                    ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<DT> dout, ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> dq,
+                    ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv, ffi::RemainingRets extra_rets, bool causal,
+                    float scale, bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
+                    std::string_view extras) {
+  using T = typename ElemOf<DT>::type;
+
+  auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
+  if (shape_or.has_error()) return shape_or.error();
+  const AttentionShape s = shape_or.value();
+  auto x_or = decode_extras(target, extras, extra_args, s, DT, &extra_rets);
+  if (x_or.has_error()) return x_or.error();
+  const ScoreExtras x = x_or.value();
+  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
+  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = check_bwd_operands(target, s, o.dimensions(), lse.dimensions(), dout.dimensions()); e.failure())
     return e;
   if (auto e = expect_dims(target, "dq", dq->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
@@ -214,128 +659,52 @@ ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocat
       e.failure())
     return e;
 
-  const size_t q_elems = static_cast<size_t>(s.batch * s.seqlen_q * s.heads_q * s.head_dim);
-  const size_t kv_elems = static_cast<size_t>(s.batch * s.seqlen_k * s.heads_kv * s.head_dim);
+  if (auto e = poison_async(target, stream, dq, dk, dv); e.failure()) return e;
+  size_t dbias_elems = 0;
+  if (x.dbias != nullptr) {
+    auto r = extra_rets.get<ffi::AnyBuffer>(0);
+    if (r.has_error()) return invalid(target, "dbias is not a buffer");
+    ffi::AnyBuffer db = *r.value();
+    dbias_elems = db.element_count();
+    if (poison_outputs())
+      if (auto e = memset_async(target, "poison", x.dbias, db.size_bytes(), stream, 0xFF); e.failure()) return e;
+  }
+  const BwdBuffers buf{q.untyped_data(),   k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
+                       lse.typed_data(),   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
+                       dv->untyped_data()};
+  return bwd_run<T, D, CAUSAL>(target, stream, scratch, buf, s, attrs, &x, x.dbias, dbias_elems, nullptr);
+}
 
+template <ffi::DataType DT, int D, bool CAUSAL>
+ffi::Error cuda_bwd_varlen(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                           ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o,
+                           ffi::Buffer<ffi::F32> lse, ffi::Buffer<DT> dout, ffi::Buffer<ffi::S32> cu_q,
+                           ffi::Buffer<ffi::S32> cu_k, ffi::ResultBuffer<DT> dq, ffi::ResultBuffer<DT> dk,
+                           ffi::ResultBuffer<DT> dv, bool causal, float scale, bool bottom_right, int32_t window_left,
+                           int32_t window_right, float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k) {
+  using T = typename ElemOf<DT>::type;
+
+  auto shape_or = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q.dimensions(),
+                               cu_k.dimensions());
+  if (shape_or.has_error()) return shape_or.error();
+  const AttentionShape s = shape_or.value();
+  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
+  if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = check_max_seqlen(target, max_seqlen_q, max_seqlen_k); e.failure()) return e;
+  const int64_t Tq = s.seqlen_q, Tk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
+  if (auto e = expect_dims(target, "o", o.dimensions(), {Tq, Hq, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "lse", lse.dimensions(), {Hq, Tq}); e.failure()) return e;
+  if (auto e = expect_dims(target, "do", dout.dimensions(), {Tq, Hq, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "dq", dq->dimensions(), {Tq, Hq, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "dk", dk->dimensions(), {Tk, Hkv, D}); e.failure()) return e;
+  if (auto e = expect_dims(target, "dv", dv->dimensions(), {Tk, Hkv, D}); e.failure()) return e;
   if (auto e = poison_async(target, stream, dq, dk, dv); e.failure()) return e;
 
-  // Degenerate shapes: no (query, key) pair exists, every gradient is 0.
-  if (q_elems == 0 || kv_elems == 0) {
-    if (auto e = memset_async(target, "dq", dq->untyped_data(), q_elems * sizeof(T), stream); e.failure()) return e;
-    if (auto e = memset_async(target, "dk", dk->untyped_data(), kv_elems * sizeof(T), stream); e.failure())
-      return e;
-    return memset_async(target, "dv", dv->untyped_data(), kv_elems * sizeof(T), stream);
-  }
-  if (auto e = check_limits(target, s); e.failure()) return e;
-  {
-    const char* names[] = {"q", "k", "v", "o", "do", "dq", "dk", "dv"};
-    const void* ptrs[] = {q.untyped_data(),  k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
-                          dout.untyped_data(), dq->untyped_data(), dk->untyped_data(), dv->untyped_data()};
-    for (int i = 0; i < 8; ++i)
-      if (auto e = check_aligned(target, names[i], ptrs[i]); e.failure()) return e;
-  }
-
-  const int group = static_cast<int>(s.heads_q / s.heads_kv);
-  const bool atomic_kv = group > 1;
-  const size_t rows_q = static_cast<size_t>(s.batch * s.heads_q * s.seqlen_q);
-
-  // Workspace: Dsum [B,Hq,Sq] f32; for f16/bf16 also dQ f32 [B,Sq,Hq,D] and,
-  // under GQA, dK/dV f32 [B,Sk,Hkv,D]. For f32 the outputs themselves are the
-  // accumulators.
-  auto round_up = [](size_t x) { return (x + 255) / 256 * 256; };
-  const size_t dsum_bytes = round_up(rows_q * sizeof(float));
-  const size_t dq_ws_bytes = kF32 ? 0 : round_up(q_elems * sizeof(float));
-  const size_t kv_ws_bytes = (kF32 || !atomic_kv) ? 0 : round_up(kv_elems * sizeof(float));
-  const size_t ws_bytes = dsum_bytes + dq_ws_bytes + 2 * kv_ws_bytes;
-  auto ws = scratch.Allocate(ws_bytes, 256);
-  if (!ws.has_value() || *ws == nullptr)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(target) + ": could not allocate " + std::to_string(ws_bytes) +
-                          " bytes of scratch memory for the backward workspace");
-  char* wsp = static_cast<char*>(*ws);
-  float* dsum = reinterpret_cast<float*>(wsp);
-  float* dq_acc = kF32 ? reinterpret_cast<float*>(dq->untyped_data()) : reinterpret_cast<float*>(wsp + dsum_bytes);
-  float* dk_acc = nullptr;
-  float* dv_acc = nullptr;
-  if (atomic_kv) {
-    dk_acc = kF32 ? reinterpret_cast<float*>(dk->untyped_data())
-                  : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes);
-    dv_acc = kF32 ? reinterpret_cast<float*>(dv->untyped_data())
-                  : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes + kv_ws_bytes);
-  }
-
-  if (auto e = memset_async(target, "dq accumulator", dq_acc, q_elems * sizeof(float), stream); e.failure())
-    return e;
-  if (atomic_kv) {
-    if (auto e = memset_async(target, "dk accumulator", dk_acc, kv_elems * sizeof(float), stream); e.failure())
-      return e;
-    if (auto e = memset_async(target, "dv accumulator", dv_acc, kv_elems * sizeof(float), stream); e.failure())
-      return e;
-  }
-
-  // 1. Dsum = rowsum(dO * O)
-  {
-    const int64_t rows = static_cast<int64_t>(rows_q);
-    constexpr int kCpr = D * static_cast<int>(sizeof(T)) / 16;
-    constexpr int kLanes = kCpr >= 32 ? 32 : (kCpr >= 16 ? 16 : (kCpr >= 8 ? 8 : 4));
-    const int rows_per_block = 256 / kLanes;
-    flash_bwd_pre_kernel<T, D><<<grid_for(rows, rows_per_block), 256, 0, stream>>>(
-        static_cast<const T*>(o.untyped_data()), static_cast<const T*>(dout.untyped_data()), dsum, rows,
-        static_cast<int>(s.seqlen_q), static_cast<int>(s.heads_q));
-    if (auto e = check_launch(target, "flash_bwd_pre_kernel"); e.failure()) return e;
-  }
-
-  // 2. main kernel
-  {
-    BwdParams p;
-    p.q = q.untyped_data();
-    p.k = k.untyped_data();
-    p.v = v.untyped_data();
-    p.dout = dout.untyped_data();
-    p.lse = lse.typed_data();
-    p.dsum = dsum;
-    p.dq_acc = dq_acc;
-    p.dk_acc = dk_acc;
-    p.dv_acc = dv_acc;
-    p.dk = dk->untyped_data();
-    p.dv = dv->untyped_data();
-    p.batch = static_cast<int>(s.batch);
-    p.seqlen_q = static_cast<int>(s.seqlen_q);
-    p.seqlen_k = static_cast<int>(s.seqlen_k);
-    p.heads_q = static_cast<int>(s.heads_q);
-    p.heads_kv = static_cast<int>(s.heads_kv);
-    p.group = group;
-    set_band(p, s, attrs);
-    set_cap_out(p);
-    p.scale = scale;
-    p.scale_log2 = scale * kLog2e;
-    p.atomic_kv = atomic_kv ? 1 : 0;
-
-    auto kernel = flash_bwd_kernel<T, D, CAUSAL>;
-    if (auto e = set_smem(target, kernel, Cfg::kSmem); e.failure()) return e;
-    const dim3 grid(static_cast<unsigned>((s.seqlen_k + Cfg::BC - 1) / Cfg::BC * Cfg::NSPLIT),
-                    static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
-    if (auto e = check_launch(target, "flash_bwd_kernel"); e.failure()) return e;
-  }
-
-  // 3. f32 accumulators -> output dtype
-  if constexpr (!kF32) {
-    auto convert = [&](const float* src, void* dst, size_t n, const char* what) -> ffi::Error {
-      flash_bwd_convert_kernel<T><<<grid_for(static_cast<int64_t>(n / 4), 256), 256, 0, stream>>>(
-          src, static_cast<T*>(dst), static_cast<int64_t>(n));
-      return check_launch(target, what);
-    };
-    if (auto e = convert(dq_acc, dq->untyped_data(), q_elems, "flash_bwd_convert_kernel(dq)"); e.failure())
-      return e;
-    if (atomic_kv) {
-      if (auto e = convert(dk_acc, dk->untyped_data(), kv_elems, "flash_bwd_convert_kernel(dk)"); e.failure())
-        return e;
-      if (auto e = convert(dv_acc, dv->untyped_data(), kv_elems, "flash_bwd_convert_kernel(dv)"); e.failure())
-        return e;
-    }
-  }
-  return ffi::Error::Success();
+  const VarlenArgs va{cu_q.typed_data(), cu_k.typed_data(), max_seqlen_q, max_seqlen_k};
+  const BwdBuffers buf{q.untyped_data(),   k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
+                       lse.typed_data(),   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
+                       dv->untyped_data()};
+  return bwd_run<T, D, CAUSAL>(target, stream, scratch, buf, s, attrs, nullptr, nullptr, 0, &va);
 }
 
 }  // namespace

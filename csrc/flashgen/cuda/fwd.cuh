@@ -15,9 +15,29 @@
 // Epilogue: O / l staged through the warp's own rows of the Q tile, written
 // with 16-byte stores; lse = m * scale + log(l) (natural log), or -inf (and
 // O = 0) for rows that see no key.
+//
+// One kernel body, four variants (template parameter MODE, see FwdMode):
+//   kFwdDense   the fast path above, unchanged.
+//   kFwdExtras  dense + ALiBi / bias / mask / segment ids (extras.cuh): every
+//               visited block evaluates them per element; the scores are
+//               turned into log2 units (x*scale*log2e + add*log2e) before the
+//               online softmax, which then runs with a multiplier of 1.
+//   kFwdVarlen  packed variable-length batch: blockIdx.z is the sequence, its
+//               rows/keys come from cu_seqlens (clamped on the device, never
+//               trusted); blocks past the sequence's length exit at once.
+//   kFwdPaged   paged KV cache: per key tile, threads 0..BC-1 look up the
+//               physical cache row of each key in the block table (-1 for keys
+//               past seqused_k or block ids outside [0, num_blocks)) into a
+//               double-buffered shared array; the K/V cp.async loads read it
+//               (-1: zero-filled) and the mask stage masks -1 keys. With
+//               split-KV (nsplit > 1, blockIdx.z = b * nsplit + split) each
+//               CTA walks one chunk of the key blocks and writes an f32
+//               partial O and its lse to a workspace;
+//               flash_fwd_combine_kernel merges them by log-sum-exp.
 #pragma once
 
 #include "flashgen/cuda/common.cuh"
+#include "flashgen/cuda/extras.cuh"
 
 namespace flashgen {
 namespace cuda {
@@ -38,6 +58,29 @@ struct FwdParams {
   float cap_in;         // scale / softcap (when softcap > 0)
 };
 
+// Parameters of the variants (the dense fast path keeps FwdParams, unchanged).
+struct FwdVarParams : FwdParams {
+  // Raw attributes: varlen / paged compute the band per sequence on the device.
+  int causal, bottom_right, window_left, window_right;
+  ExtrasParams x;  // kFwdExtras
+  // kFwdVarlen: seqlen_q / seqlen_k are the totals Tq / Tk, batch the number of sequences.
+  const int* cu_q;
+  const int* cu_k;
+  int max_seqlen_q, max_seqlen_k;
+  // kFwdPaged: k / v are the caches [num_blocks, block_size, Hkv, D]; seqlen_k = max keys.
+  const int* block_table;  // [batch, max_blocks]
+  const int* seqused_k;    // [batch]
+  long long num_blocks;
+  int block_size, max_blocks;
+  int nsplit;       // >= 1; > 1: write partials to o_part / lse_part
+  float* o_part;    // [nsplit, B, Hq, Sq, D] f32
+  float* lse_part;  // [nsplit, B, Hq, Sq] f32
+};
+
+enum FwdMode : int { kFwdDense = 0, kFwdExtras = 1, kFwdVarlen = 2, kFwdPaged = 3 };
+template <int MODE>
+using FwdParamsT = typename std::conditional<MODE == kFwdDense, FwdParams, FwdVarParams>::type;
+
 // Tile shapes per (element type, head dim). f16/bf16: 8 warps x 16 rows.
 // Shared memory = (BR + 2*BC) * (D + pad) * sizeof(T); pad = 16 bytes per row
 // (keeps ldmatrix and the fragment stores bank-conflict free).
@@ -56,9 +99,55 @@ struct FwdConfig {
   static_assert(kSmem <= 166912, "exceeds the 163 KiB opt-in shared memory of sm_80");
 };
 
-template <class T, int D, bool CAUSAL>
+// Paged KV: physical cache row of each key of tile n (keys [n*BC, n*BC + BC)),
+// or -1 for keys >= Sk and keys whose block id is outside [0, num_blocks).
+// Threads 0..BC-1 write rows[0..BC-1]; the caller orders it with a barrier.
+template <int BC>
+FG_DEV void paged_tile_rows(int* rows, int n, int Sk, const int* table_row, int block_size, long long num_blocks) {
+  const int r = static_cast<int>(threadIdx.x);
+  if (r < BC) {
+    const int j = n * BC + r;
+    int phys = -1;
+    if (j < Sk) {
+      const int blk = table_row[j / block_size];
+      // num_blocks * block_size < 2^31 (checked by the handler): phys fits int.
+      if (blk >= 0 && blk < num_blocks) phys = blk * block_size + j % block_size;
+    }
+    rows[r] = phys;
+  }
+}
+
+// Gathers a ROWS x D tile of one kv head from a paged cache with cp.async
+// (16-byte chunks): tile row r is cache row rows[r] (zero-filled when < 0).
+template <class T, int ROWS, int D, int NT>
+FG_DEV void load_tile_rows(T* s, int ld, const T* cache, int64_t row_stride, const int* rows) {
+  constexpr int kEpc = 16 / sizeof(T);
+  constexpr int kCpr = D / kEpc;
+  constexpr int kTotal = ROWS * kCpr;
+  // Not unrolled: an unrolled gather keeps every chunk's 64-bit address live
+  // at once (register spills at large head dims).
+#pragma unroll 1
+  for (int it = 0; it < (kTotal + NT - 1) / NT; ++it) {
+    const int idx = it * NT + static_cast<int>(threadIdx.x);
+    if (kTotal % NT == 0 || idx < kTotal) {
+      const int r = idx / kCpr, c = idx % kCpr;
+      const int phys = rows[r];
+      const bool ok = phys >= 0;
+      const T* src = ok ? cache + static_cast<int64_t>(phys) * row_stride + c * kEpc : cache;
+      cp_async_16(s + r * ld + c * kEpc, src, ok);
+    }
+  }
+}
+
+// Dynamic shared memory of one variant (the paged one adds the per-key flags).
+template <class T, int D, int MODE>
+constexpr size_t fwd_smem_bytes() {
+  return FwdConfig<T, D>::kSmem + (MODE == kFwdPaged ? 2 * FwdConfig<T, D>::BC * sizeof(int) : 0);
+}
+
+template <class T, int D, bool CAUSAL, int MODE = kFwdDense>
 __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kMinBlocks)
-    flash_fwd_kernel(const FwdParams p) {
+    flash_fwd_kernel(const FwdParamsT<MODE> p) {
   using Cfg = FwdConfig<T, D>;
   using Ops = typename OpsFor<T>::type;
   using FragA = typename Ops::FragA;
@@ -67,40 +156,108 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   constexpr int KS = Ops::KS;
   constexpr int kNT = BC / 8;  // S accumulator tiles (8 keys each) per warp
   constexpr int kDT = D / 8;   // O accumulator tiles (8 dims each) per warp
+  constexpr bool kExtras = MODE == kFwdExtras;
+  constexpr bool kPaged = MODE == kFwdPaged;
+  static_assert(!kPaged || NT >= BC, "paged_tile_rows needs a thread per key of the tile");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BR * LD;
   T* sV = sK + BC * LD;
+  // kFwdPaged: physical cache rows of the keys of tile n in sRows + (n & 1) * BC (-1: no key)
+  int* sRows = reinterpret_cast<int*>(sV + BC * LD);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   // Causal: the last query blocks have the most work; launch them first.
   const int mblk = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int h = blockIdx.y, hk = h / p.group;
   const int q0 = mblk * BR;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  int b = blockIdx.z, split = 0;
+  if constexpr (kPaged) {
+    b = static_cast<int>(blockIdx.z) / p.nsplit;
+    split = static_cast<int>(blockIdx.z) - b * p.nsplit;
+  }
 
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;   // between consecutive rows of q/o
   const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;  // between consecutive rows of k/v
-  const T* qg = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
-  const T* kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
-  const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
-  T* og = static_cast<T*>(p.o) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
-  float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  int Sq, Sk, band_lo, band_hi, band_masked;
+  const T* qg;
+  const T* kg;
+  const T* vg;
+  T* og;
+  float* lseg;
+  if constexpr (MODE == kFwdVarlen) {
+    // Sequence b (clamped: cu_seqlens live on the device and are not trusted).
+    const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
+    const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
+    Sq = rq.len;
+    Sk = rk.len;
+    if (q0 >= Sq) return;  // the whole CTA: past this sequence's rows
+    const IntBand bd = int_band(Sq, Sk, p.causal, p.bottom_right, p.window_left, p.window_right);
+    band_lo = bd.lo;
+    band_hi = bd.hi;
+    band_masked = bd.masked;
+    qg = static_cast<const T*>(p.q) + (static_cast<int64_t>(rq.start) * p.heads_q + h) * D;
+    og = static_cast<T*>(p.o) + (static_cast<int64_t>(rq.start) * p.heads_q + h) * D;
+    kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(rk.start) * p.heads_kv + hk) * D;
+    vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(rk.start) * p.heads_kv + hk) * D;
+    lseg = p.lse + static_cast<int64_t>(h) * p.seqlen_q + rq.start;  // lse [Hq, Tq]
+  } else {
+    Sq = p.seqlen_q;
+    if constexpr (kPaged) {
+      // Keys of batch b: seqused_k[b], clamped to what the table can hold.
+      const int used = p.seqused_k[b];
+      Sk = used < 0 ? 0 : (used > p.seqlen_k ? p.seqlen_k : used);
+      const IntBand bd = int_band(Sq, Sk, p.causal, p.bottom_right, p.window_left, p.window_right);
+      band_lo = bd.lo;
+      band_hi = bd.hi;
+      band_masked = bd.masked;
+    } else {
+      Sk = p.seqlen_k;
+      band_lo = p.band_lo;
+      band_hi = p.band_hi;
+      band_masked = p.masked;
+    }
+    qg = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+    if constexpr (kPaged) {
+      kg = static_cast<const T*>(p.k) + static_cast<int64_t>(hk) * D;  // + physical row * kv_stride
+      vg = static_cast<const T*>(p.v) + static_cast<int64_t>(hk) * D;
+    } else {
+      kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+      vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+    }
+    og = static_cast<T*>(p.o) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+    lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  }
+  const int* table_row = nullptr;
+  if constexpr (kPaged) table_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks;
+  ExtrasView<T> xv;
+  if constexpr (kExtras) xv.init(p.x, b, h, Sq, Sk);
 
   // Keys this block needs: [kv_begin, kv_end) (the band of rows q0 .. q_last).
   const int q_last = min(q0 + BR, Sq) - 1;
-  const long long kv_begin_ll = max(0LL, static_cast<long long>(q0) + p.band_lo);
-  const long long kv_end_ll = min(static_cast<long long>(Sk), static_cast<long long>(q_last) + p.band_hi + 1);
+  const long long kv_begin_ll = max(0LL, static_cast<long long>(q0) + band_lo);
+  const long long kv_end_ll = min(static_cast<long long>(Sk), static_cast<long long>(q_last) + band_hi + 1);
   const int kv_begin = static_cast<int>(min(kv_begin_ll, static_cast<long long>(Sk)));
   const int kv_end = static_cast<int>(max(kv_end_ll, 0LL));
-  const int n_first = kv_begin / BC;
-  const int n_blocks = kv_end > kv_begin ? (kv_end + BC - 1) / BC : 0;  // one past the last block
+  int n_first = kv_begin / BC;
+  int n_blocks = kv_end > kv_begin ? (kv_end + BC - 1) / BC : 0;  // one past the last block
+  bool any_block = n_blocks > 0;
+  if constexpr (kPaged) {
+    if (p.nsplit > 1) {  // this CTA's chunk of the key blocks
+      const BlockRange r = split_blocks(n_first, n_blocks, p.nsplit, split);
+      n_first = r.lo;
+      n_blocks = r.hi;
+      any_block = r.hi > r.lo;
+    }
+  }
   const bool capped = p.softcap > 0.f;
-  // With softcap the capped scores already include the scale.
-  const float sl2 = capped ? kLog2e : p.scale_log2;
-  const float lse_mul = capped ? 1.f : p.scale;
+  // With softcap the capped scores already include the scale. The extras
+  // variant turns scores into log2 units before the softmax (multiplier 1).
+  const float s_mul = capped ? kLog2e : p.scale_log2;
+  const float sl2 = kExtras ? 1.f : s_mul;
+  const float lse_mul = kExtras ? 0.6931471805599453f : (capped ? 1.f : p.scale);
 
   float acc_o[kDT][4];
 #pragma unroll
@@ -112,17 +269,32 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
 
   const int wrow0 = warp * 16;  // warp's first row inside the tile
 
-  if (n_blocks > 0) {
+  if (any_block) {
     load_tile_async<T, BR, D, NT>(sQ, LD, qg, q_stride, q0, Sq);
-    load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, (n_blocks - 1) * BC, Sk);
+    if constexpr (kPaged) {
+      int* rows = sRows + ((n_blocks - 1) & 1) * BC;
+      paged_tile_rows<BC>(rows, n_blocks - 1, Sk, table_row, p.block_size, p.num_blocks);
+      __syncthreads();
+      load_tile_rows<T, BC, D, NT>(sK, LD, kg, kv_stride, rows);
+    } else
+      load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, (n_blocks - 1) * BC, Sk);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
 
     for (int n = n_blocks - 1; n >= n_first; --n) {
       const int k0 = n * BC;
-      load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);
+      if constexpr (kPaged)
+        load_tile_rows<T, BC, D, NT>(sV, LD, vg, kv_stride, sRows + (n & 1) * BC);
+      else
+        load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);
       cp_async_commit();
+      // Rows of tile n-1 into the other buffer (its last readers finished before
+      // the previous iteration's final barrier; the barrier below publishes it).
+      if constexpr (kPaged) {
+        if (n > n_first)
+          paged_tile_rows<BC>(sRows + ((n - 1) & 1) * BC, n - 1, Sk, table_row, p.block_size, p.num_blocks);
+      }
 
       // ---- S = Q K^T (16 x BC per warp)
       float s[kNT][4];
@@ -151,23 +323,40 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
           for (int e = 0; e < 4; ++e) s[j][e] = p.softcap * tanhf(s[j][e] * p.cap_in);
       }
 
-      // ---- mask: keys past Sk and keys outside the band (causal / window).
-      // Block [k0, k0+BC) is fully visible to rows [q0, q0+BR) iff
-      // k0 - (q0+BR-1) >= lo and (k0+BC-1) - q0 <= hi.
-      const bool need_mask =
-          (k0 + BC > Sk) ||
-          (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
-      if (need_mask) {
+      if constexpr (kExtras) {
+        // ---- extras: every element; scores -> log2 units (x * s_mul + add * log2e)
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = q0 + wrow0 + g + (e >> 1) * 8;
             const int col = k0 + j * 8 + 2 * t + (e & 1);
-            const int dist = col - row;  // |dist| < 2^30 + BR
-            const bool masked = col >= Sk || dist < p.band_lo || dist > p.band_hi;
-            if (masked) s[j][e] = -INFINITY;
+            const int dist = col - row;
+            float add = 0.f;
+            bool vis = row < Sq && col < Sk && dist >= band_lo && dist <= band_hi;
+            if (vis) vis = xv.term(row, col, add);
+            s[j][e] = vis ? fmaf(s[j][e], s_mul, add * kLog2e) : -INFINITY;
           }
+      } else {
+        // ---- mask: keys past Sk and keys outside the band (causal / window).
+        // Block [k0, k0+BC) is fully visible to rows [q0, q0+BR) iff
+        // k0 - (q0+BR-1) >= lo and (k0+BC-1) - q0 <= hi.
+        const bool need_mask =
+            kPaged || (k0 + BC > Sk) ||
+            (band_masked && (k0 - (q0 + BR - 1) < band_lo || k0 + BC - 1 - q0 > band_hi));
+        if (need_mask) {
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int row = q0 + wrow0 + g + (e >> 1) * 8;
+              const int col = k0 + j * 8 + 2 * t + (e & 1);
+              const int dist = col - row;  // |dist| < 2^30 + BR
+              bool masked = col >= Sk || dist < band_lo || dist > band_hi;
+              if constexpr (kPaged) masked = masked || sRows[(n & 1) * BC + j * 8 + 2 * t + (e & 1)] < 0;
+              if (masked) s[j][e] = -INFINITY;
+            }
+        }
       }
 
       // ---- online softmax (rows g and g+8 of the warp; a quad shares a row)
@@ -203,7 +392,10 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       cp_async_wait<0>();
       __syncthreads();
       if (n > n_first) {
-        load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, k0 - BC, Sk);
+        if constexpr (kPaged)
+          load_tile_rows<T, BC, D, NT>(sK, LD, kg, kv_stride, sRows + ((n - 1) & 1) * BC);
+        else
+          load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, k0 - BC, Sk);
         cp_async_commit();
       }
 
@@ -235,6 +427,25 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
     inv[r] = l > 0.f ? 1.f / l : 0.f;
     lse_val[r] = l > 0.f ? row_max[r] * lse_mul + logf(l) : -INFINITY;
   }
+  if constexpr (kPaged) {
+    if (p.nsplit > 1) {
+      // Split-KV partial: f32 O (normalized by this chunk's l) and its lse.
+      const int64_t prow0 = ((static_cast<int64_t>(split) * p.batch + b) * p.heads_q + h) * Sq;
+      float* op = p.o_part + prow0 * D;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = q0 + wrow0 + g + 8 * r;
+        if (row < Sq) {
+#pragma unroll
+          for (int i = 0; i < kDT; ++i)
+            *reinterpret_cast<float2*>(op + static_cast<int64_t>(row) * D + i * 8 + 2 * t) =
+                make_float2(acc_o[i][2 * r] * inv[r], acc_o[i][2 * r + 1] * inv[r]);
+          if (t == 0) p.lse_part[prow0 + row] = lse_val[r];
+        }
+      }
+      return;
+    }
+  }
   // The warp reads only its own 16 rows of sQ, so it may reuse them as the
   // staging buffer for O without a CTA barrier.
   __syncwarp();
@@ -261,6 +472,69 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       const int row = q0 + wrow0 + g + 8 * r;
       if (row < Sq) lseg[row] = lse_val[r];
     }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Split-KV combine: one warp per (b, h, i) row merges the nsplit partials by
+// log-sum-exp (a partial with lse = -inf contributes nothing; all -inf: o = 0,
+// lse = -inf) into o [B, Sq, Hq, D] (T) and lse [B, Hq, Sq].
+// ---------------------------------------------------------------------------
+template <class T, int D>
+__global__ void __launch_bounds__(256)
+    flash_fwd_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                             T* __restrict__ o, float* __restrict__ lse, int nsplit, int batch, int heads_q,
+                             int seqlen_q) {
+  constexpr int kPer = D / 32;  // elements per lane
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = static_cast<int64_t>(batch) * heads_q * seqlen_q;
+  const int64_t warps_total = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; row < rows;
+       row += warps_total) {
+    // row = (b * Hq + h) * Sq + i
+    const int64_t i = row % seqlen_q;
+    const int64_t bh = row / seqlen_q;
+    const int64_t hh = bh % heads_q;
+    const int64_t bb = bh / heads_q;
+    const LseMerge mg = lse_merge(lse_part + row, rows, nsplit);
+    float acc[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+    if (mg.m != -INFINITY) {
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const float w = lse_merge_weight(mg, lse_part[sp * rows + row]);
+        if (w == 0.f) continue;
+        const float* src = o_part + (sp * rows + row) * D;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w, src[e * 32 + lane], acc[e]);
+      }
+    }
+    T* dst = o + ((bb * seqlen_q + i) * heads_q + hh) * D;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) dst[e * 32 + lane] = from_float<T>(acc[e]);
+    if (lane == 0) lse[row] = mg.lse;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Varlen fill: rows of the packed q that no sequence computes (outside every
+// [cu_q[b], cu_q[b+1]), or past max_seqlen_q inside one) get o = 0 and
+// lse = -inf. One warp per row.
+// ---------------------------------------------------------------------------
+template <class T, int D>
+__global__ void __launch_bounds__(256)
+    flash_fwd_varlen_fill_kernel(const int* __restrict__ cu_q, int batch, int total_q, int max_seqlen_q,
+                                 int heads_q, T* __restrict__ o, float* __restrict__ lse) {
+  constexpr int kEpc = 16 / sizeof(T);
+  const int lane = threadIdx.x & 31;
+  const int64_t warps_total = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; r < total_q;
+       r += warps_total) {
+    if (row_covered(cu_q, batch, total_q, max_seqlen_q, static_cast<int>(r))) continue;
+    const int64_t chunks = static_cast<int64_t>(heads_q) * D / kEpc;
+    uint4* dst = reinterpret_cast<uint4*>(o + r * heads_q * D);
+    for (int64_t c = lane; c < chunks; c += 32) dst[c] = make_uint4(0u, 0u, 0u, 0u);
+    for (int hh = lane; hh < heads_q; hh += 32) lse[static_cast<int64_t>(hh) * total_q + r] = -INFINITY;
   }
 }
 

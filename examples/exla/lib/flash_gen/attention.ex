@@ -27,15 +27,15 @@ defmodule FlashGen.Attention do
   `EXLA.CustomCall` protocol; the implementation below returns an
   `EXLA.CustomCall.Spec` naming the flashgen target, with the typed attributes
   the handler decodes (`causal : i1`, `scale : f32`, `bottom_right : i1`,
-  `window_left : i32`, `window_right : i32`, `softcap : f32`) in the
+  `window_left : i32`, `window_right : i32`, `softcap : f32`, `extras = ""`) in the
   `backend_config` dictionary. EXLA emits the native api_version 4 form, without
   layouts. For `attention(q, k, v, causal: true, scale: 0.125)` on f32 tensors of
   shape `{1, 8, 2, 32}` and its gradient with `do` = `%arg3` (printed here as
   MLIR prints it):
 
   ```mlir
-  %0:2 = stablehlo.custom_call @flashgen_fwd_d32_f32_causal(%arg0, %arg1, %arg2) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x2x8xf32>)
-  %1:3 = stablehlo.custom_call @flashgen_bwd_d32_f32_causal(%arg0, %arg1, %arg2, %0#0, %0#1, %arg3) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x2x8xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>)
+  %0:2 = stablehlo.custom_call @flashgen_fwd_d32_f32_causal(%arg0, %arg1, %arg2) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, extras = "", scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x2x8xf32>)
+  %1:3 = stablehlo.custom_call @flashgen_bwd_d32_f32_causal(%arg0, %arg1, %arg2, %0#0, %0#1, %arg3) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, extras = "", scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x2x8xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>)
   ```
 
   The forward returns `o` and the log-sum-exp `lse[B, Hq, Sq]` (f32); the

@@ -10,7 +10,8 @@ defmodule FlashGen.Attention.Target do
     `flashgen_fwd_d64_bf16_causal`. The same names on CPU ("Host") and CUDA.
   * Attributes: the handlers decode `causal : i1`, `scale : f32`,
     `bottom_right : i1`, `window_left : i32`, `window_right : i32` (sliding
-    window, -1 = unbounded) and `softcap : f32` (0 = off) from the op's
+    window, -1 = unbounded), `softcap : f32` (0 = off) and `extras` (a string
+    naming optional extra operands; "" here: this example passes none) from the op's
     `backend_config` dictionary (the native, api_version 4 form). Every one must
     be present and the types must match exactly: an untyped float would be
     parsed as f64 and refused by the handler.
@@ -24,7 +25,8 @@ defmodule FlashGen.Attention.Target do
 
       iex> FlashGen.Attention.Target.backend_config(true, 0.125, false)
       [{"causal", "true"}, {"scale", "0x3E000000 : f32"}, {"bottom_right", "false"},
-       {"window_left", "-1 : i32"}, {"window_right", "-1 : i32"}, {"softcap", "0x00000000 : f32"}]
+       {"window_left", "-1 : i32"}, {"window_right", "-1 : i32"}, {"softcap", "0x00000000 : f32"},
+       {"extras", "\"\""}]
   """
 
   @head_dims [32, 64, 96, 128, 160, 192, 224, 256]
@@ -59,7 +61,8 @@ defmodule FlashGen.Attention.Target do
       {"bottom_right", to_string(bottom_right)},
       {"window_left", "#{left} : i32"},
       {"window_right", "#{right} : i32"},
-      {"softcap", f32_literal(softcap)}
+      {"softcap", f32_literal(softcap)},
+      {"extras", ~s("")}
     ]
   end
 

@@ -1,0 +1,349 @@
+"""The extra operands of a site (README "Variants"): ALiBi slopes, an additive bias, a boolean
+mask, segment ids.
+
+While it walks the scores, the matcher records what is added to them or masks them
+(flashgen.rewrite.patterns):
+
+  ConstBias   a compile-time additive bias (its large negative / -inf entries are recorded as
+              masks; this is the finite rest)
+  ValueBias   an additive bias computed at run time: a value of the function, walked back through
+              layout ops to its most compact form, times a constant factor
+  ValueMask   a boolean conjunct of a select's predicate known only at run time
+  SegmentIds  a conjunct ``ids_a == ids_b`` of two run-time integer tensors, one along the
+              query axis, one along the key axis (packed sequences)
+
+Once the kernel roles are known, ``resolve`` turns them into the kernel's operands:
+
+  * the constant biases are summed in the kernel's [1|B, 1|Hq, Sq, Sk] form. If, on every
+    visible entry, the sum equals -slope_h·|i + off - j| up to a per-row constant (softmax
+    ignores those) it becomes ``alibi`` with f32 [Hq] (or [B, Hq]) slopes; if it is a
+    per-row constant only, it is dropped; otherwise it is a constant ``bias`` operand;
+  * run-time biases become ``bias`` (added together with a constant bias that is no ALiBi);
+  * run-time masks, segment ids that do not fit [B, Sq] / [B, Sk], and constant masks that are
+    no causal/window band become one ``mask`` (their AND);
+  * one segment-id pair becomes ``segment_ids`` (i32).
+
+Nothing here touches the module: ``resolve`` returns recipes that ``emit`` (called by the
+pattern's rewrite) turns into ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+from math import prod
+from typing import Optional
+
+import numpy as np
+from jaxlib.mlir import ir
+
+from flashgen.rewrite import adapters
+from flashgen.rewrite import layout as L
+from flashgen.rewrite.errors import Reject
+from flashgen.rewrite.fold import Const
+
+ALIBI_RTOL = 1e-5          # |fit error| <= ALIBI_RTOL * max(1, max |bias|) on visible entries
+
+
+@dataclasses.dataclass
+class ConstBias:
+    const: Const
+    layout: tuple
+    factor: float          # sign of a subtract, constant multiplies on the way
+    at_scale: float        # the scores' accumulated scale where it was added
+
+
+@dataclasses.dataclass
+class ValueBias:
+    value: ir.Value
+    layout: tuple
+    factor: float
+    at_scale: float
+
+
+@dataclasses.dataclass
+class ValueMask:
+    value: ir.Value
+    layout: tuple
+    negate: bool = False
+
+
+@dataclasses.dataclass
+class SegmentIds:
+    a: tuple               # (value, layout)
+    b: tuple
+    fallback: Optional[ValueMask]   # the comparison itself, as a plain mask
+
+
+def layouts(items) -> list:
+    """Every layout the items use (for the site's common refinement)."""
+    out = []
+    for it in items:
+        if isinstance(it, SegmentIds):
+            out += [it.a[1], it.b[1]]
+            if it.fallback is not None:
+                out.append(it.fallback.layout)
+        else:
+            out.append(it.layout)
+    return out
+
+
+@dataclasses.dataclass
+class Resolved:
+    names: tuple                      # canonical order: alibi, bias, mask, segment_ids
+    recipes: list                     # per name: what emit() builds
+    bottom_right: bool
+    notes: list
+    describe: list                    # per name: a short text for the report
+    kernel_q: tuple = ()              # the kernel's q dims (pieces), for emit()
+    k_free: tuple = ()
+
+
+def _groups(kernel_q, k_free):
+    b, s, h, _ = kernel_q
+    return [(tuple(b), False), (tuple(h), False), (tuple(s), True), (tuple(k_free), True)]
+
+
+def _fit(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise Reject(f"an extra operand cannot be laid out as the kernel's: {e}") from None
+
+
+def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_scale: float,
+            causal: bool, bottom_right: bool, window, kernel_dtype: str) -> Resolved:
+    """Kernel operands for the recorded extras. ``const_masks``: the (Const visible, layout,
+    how) of constant masks that are no causal/window band (ANDed into the mask operand)."""
+    groups = _groups(kernel_q, k_free)
+    b_pieces, q_seq, hq, _ = kernel_q
+    sq = prod(p[2] for p in q_seq)
+    sk = prod(p[2] for p in k_free)
+    nb = prod(p[2] for p in b_pieces)
+    nh = prod(p[2] for p in hq)
+    notes, recipes, names, describe = [], {}, [], {}
+    from flashgen.rewrite import masks as M
+    visible = M.visible(sq, sk, causal, bottom_right, window)[None, None]
+    const_mask = None
+    for const, lay, _ in const_masks:
+        cm = _fit(adapters.np_to_kernel, const.array.astype(bool), L.refine(lay, cuts), groups)
+        const_mask = cm if const_mask is None else (const_mask & cm)
+    if const_mask is not None:
+        if not const_mask.any(axis=-1).all():
+            raise Reject("the mask leaves rows with no visible key")
+        if const_mask.all():
+            const_mask = None
+        else:
+            visible = visible & const_mask
+
+    # ---- constant biases: ALiBi, dropped, or a constant operand
+    bias_parts = []
+    if const_biases:
+        total = None
+        for cb in const_biases:
+            arr = cb.const.array.astype(np.float64) * (cb.factor * final_scale / cb.at_scale)
+            k = _fit(adapters.np_to_kernel, arr, L.refine(cb.layout, cuts), groups)
+            total = k if total is None else total + k
+        vis = np.broadcast_to(visible, np.broadcast_shapes(visible.shape, total.shape))
+        total = np.broadcast_to(total, vis.shape)
+        if not np.all(np.isfinite(total[vis])):
+            raise Reject("the constant bias has non-finite entries where the scores are visible")
+        aligned = causal or tuple(window) != (-1, -1)
+        offsets = [sk - sq if bottom_right else 0] if aligned else sorted({0, sk - sq},
+                                                                           key=abs)
+        fit = alibi_fit(total, vis, offsets)
+        if fit is not None and not np.any(fit[0]):
+            notes.append("the constant bias is constant along each row (softmax ignores it): "
+                         "dropped")
+        elif fit is not None:
+            slopes, off = fit
+            if not aligned and off != 0:
+                bottom_right = True
+            slopes = np.broadcast_to(slopes, (slopes.shape[0], nh))
+            if slopes.shape[0] == 1 or np.all(slopes == slopes[:1]):
+                slopes = slopes[0]
+            else:
+                slopes = np.broadcast_to(slopes, (nb, nh))
+            slopes = np.ascontiguousarray(slopes, dtype=np.float32)
+            names.append("alibi")
+            recipes["alibi"] = ("const", slopes)
+            describe["alibi"] = f"alibi slopes {list(slopes.shape)} (constant)"
+        else:
+            compact = _compact(np.where(vis, total, 0.0))
+            bias_parts.append(("const", compact))
+
+    # ---- run-time biases
+    for it in items:
+        if isinstance(it, ValueBias):
+            _fit(adapters.target_recipe, L.refine(it.layout, cuts), groups)
+            bias_parts.append(("value", it.value, L.refine(it.layout, cuts),
+                               it.factor * final_scale / it.at_scale))
+    if bias_parts:
+        names.append("bias")
+        shape = _common_shape([_part_shape(p, groups) for p in bias_parts])
+        single = len(bias_parts) == 1 and bias_parts[0][0] == "value" and \
+            bias_parts[0][3] == 1.0
+        elt = str(bias_parts[0][1].type.element_type) if single else "f32"
+        if elt not in ("f32", kernel_dtype):
+            elt = "f32"
+        recipes["bias"] = ("bias", bias_parts, shape, elt)
+        kinds = sorted({"constant" if p[0] == "const" else "runtime" for p in bias_parts})
+        describe["bias"] = f"bias {_shape_text(shape)} {elt} ({' + '.join(kinds)})"
+
+    # ---- masks and segment ids
+    mask_parts = []
+    if const_mask is not None:
+        mask_parts.append(("const", _compact(const_mask)))
+    segments = None
+    for it in items:
+        if isinstance(it, ValueMask):
+            _fit(adapters.target_recipe, L.refine(it.layout, cuts), groups)
+            mask_parts.append(("value", it.value, L.refine(it.layout, cuts), it.negate))
+        elif isinstance(it, SegmentIds):
+            sides = None if segments is not None else _segment_sides(it, cuts, kernel_q, k_free)
+            if sides is not None:
+                segments = sides
+                continue
+            if it.fallback is None:
+                raise Reject("the segment-id comparison is computed inside a called function")
+            fb = it.fallback
+            _fit(adapters.target_recipe, L.refine(fb.layout, cuts), groups)
+            mask_parts.append(("value", fb.value, L.refine(fb.layout, cuts), fb.negate))
+    if mask_parts:
+        names.append("mask")
+        shape = _common_shape([_part_shape(p, groups) for p in mask_parts])
+        recipes["mask"] = ("mask", mask_parts, shape)
+        kinds = sorted({"constant" if p[0] == "const" else "runtime" for p in mask_parts})
+        describe["mask"] = f"mask {_shape_text(shape)} ({' & '.join(kinds)})"
+        if any(p[0] == "value" for p in mask_parts):
+            notes.append("a query row whose keys are all masked at run time outputs 0 "
+                         "(the original program gives the mean of V, or NaN)")
+    if segments is not None:
+        notes.append("segment ids: a run-time comparison of ids along the queries and the keys")
+        names.append("segment_ids")
+        recipes["segment_ids"] = ("segment_ids",) + segments
+        describe["segment_ids"] = f"segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
+    return Resolved(tuple(names), [recipes[n] for n in names], bottom_right, notes,
+                    [describe[n] for n in names], tuple(kernel_q), tuple(k_free))
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """Shrink the batch/head dims of a kernel-form array to 1 where it is constant along them."""
+    for ax in (0, 1):
+        if a.shape[ax] > 1 and np.all(a == np.take(a, [0], axis=ax)):
+            a = np.take(a, [0], axis=ax)
+    return np.ascontiguousarray(a)
+
+
+def _part_shape(part, groups):
+    if part[0] == "const":
+        return tuple(part[1].shape)
+    _, _, _, _, final = adapters.target_recipe(part[2], groups)
+    return tuple(final)
+
+
+def _common_shape(shapes):
+    return tuple(max(s[i] for s in shapes) for i in range(4))
+
+
+def _shape_text(shape) -> str:
+    return "[" + ",".join(str(x) for x in shape) + "]"
+
+
+def _segment_sides(it: SegmentIds, cuts, kernel_q, k_free):
+    """((q value, layout), (kv value, layout)) when one side varies along batch and the query
+    sequence only and the other along batch and the keys only; else None."""
+    b_pieces, q_seq, _, _ = kernel_q
+    q_ok = set(b_pieces) | set(q_seq)
+    k_ok = set(b_pieces) | set(k_free)
+    a = (it.a[0], L.refine(it.a[1], cuts))
+    b = (it.b[0], L.refine(it.b[1], cuts))
+    for q, k in ((a, b), (b, a)):
+        qp, kp = set(L.pieces(q[1])), set(L.pieces(k[1]))
+        if qp <= q_ok and kp <= k_ok and (qp & set(q_seq) or not q_seq) and kp & set(k_free):
+            return q, k
+    return None
+
+
+def alibi_fit(F: np.ndarray, V: np.ndarray, offsets):
+    """(slopes [nb, nh], offset) such that F == -slope·|i + offset - j| + a per-row constant on
+    every entry where V holds (F [nb, nh, Sq, Sk], V bool of the same shape), or None."""
+    nb, nh, sq, sk = F.shape
+    if not V.any():
+        return None
+    tol = ALIBI_RTOL * max(1.0, float(np.abs(F[V]).max()))
+    n = np.maximum(V.sum(-1, keepdims=True), 1)
+    for off in offsets:
+        D = np.abs(np.arange(sq)[:, None] + off - np.arange(sk)[None, :]).astype(np.float64)
+        D = np.broadcast_to(D, F.shape)
+        Fc = np.where(V, F - np.where(V, F, 0.0).sum(-1, keepdims=True) / n, 0.0)
+        Dc = np.where(V, D - np.where(V, D, 0.0).sum(-1, keepdims=True) / n, 0.0)
+        num = (Fc * Dc).sum((-1, -2))
+        den = (Dc * Dc).sum((-1, -2))
+        slopes = np.where(den > 0, -num / np.where(den > 0, den, 1.0), 0.0)
+        resid = Fc + slopes[..., None, None] * Dc
+        if np.all(np.abs(resid) <= tol):
+            # an f32 slope must still fit
+            s32 = slopes.astype(np.float32).astype(np.float64)
+            if np.all(np.abs(Fc + s32[..., None, None] * Dc) <= tol):
+                return s32, off
+    return None
+
+
+# ----------------------------------------------------------------------------- emission
+def emit(resolved: Resolved, kernel_dtype, created) -> list:
+    """The extra operands (ir.Values, in ``resolved.names`` order); ops go to ``created``."""
+    out = []
+    f32 = ir.F32Type.get()
+    i1 = ir.IntegerType.get_signless(1)
+    i32 = ir.IntegerType.get_signless(32)
+    for name, recipe in zip(resolved.names, resolved.recipes):
+        if name == "alibi":
+            out.append(adapters.constant(recipe[1], f32, created))
+        elif name == "bias":
+            _, parts, shape, elt = recipe
+            elt_t = ir.Type.parse(elt)
+            acc = None
+            for part in parts:
+                if part[0] == "const":
+                    x = adapters.constant(part[1].astype(np.float32), f32, created)
+                else:
+                    _, value, lay, factor = part
+                    x = adapters.to_kernel(value, lay, _groups_of(resolved), created)
+                    if factor != 1.0:
+                        if str(x.type.element_type) != "f32":
+                            x = adapters.convert(x, f32, created)
+                        c = adapters.constant(np.full(list(x.type.shape), factor, np.float32),
+                                              f32, created)
+                        x = adapters.binary("multiply", x, c, created)
+                if str(x.type.element_type) != elt:
+                    x = adapters.convert(x, elt_t, created)
+                x = adapters.broadcast_to(x, shape, created)
+                acc = x if acc is None else adapters.binary("add", acc, x, created)
+            out.append(acc)
+        elif name == "mask":
+            _, parts, shape = recipe
+            acc = None
+            for part in parts:
+                if part[0] == "const":
+                    x = adapters.constant(part[1], i1, created)
+                else:
+                    _, value, lay, negate = part
+                    if negate:
+                        value = adapters.logical_not(value, created)
+                    x = adapters.to_kernel(value, lay, _groups_of(resolved), created)
+                x = adapters.broadcast_to(x, shape, created)
+                acc = x if acc is None else adapters.binary("and", acc, x, created)
+            out.append(acc)
+        else:
+            _, (qv, ql), (kv, kl) = recipe
+            b_pieces, q_seq, _, _ = resolved.kernel_q
+            for v, lay, seq in ((qv, ql, q_seq), (kv, kl, resolved.k_free)):
+                x = adapters.to_kernel(v, lay, [(tuple(b_pieces), True), (tuple(seq), True)],
+                                       created)
+                if str(x.type.element_type) != "i32":
+                    x = adapters.convert(x, i32, created)
+                out.append(x)
+    return out
+
+
+def _groups_of(resolved: Resolved):
+    return _groups(resolved.kernel_q, resolved.k_free)

@@ -1,0 +1,26 @@
+"""The standalone C++ tests under tests/cpp, compiled with the host's C++ compiler and run:
+test_flash_cpu.cc (the CPU kernels, every variant, against a double reference, with NaN-poisoned
+outputs) and test_cuda_index.cc (the host-compilable index arithmetic of the CUDA variants)."""
+import pathlib
+import subprocess
+
+import pytest
+
+from flashgen import toolchain
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("source,flags", [
+    ("test_flash_cpu.cc", ["-O3", "-march=native", "-pthread"]),
+    ("test_flash_cpu.cc", ["-O3", "-march=native", "-pthread", "-DFLASHGEN_CPU_NO_BF16_DOT"]),
+    ("test_cuda_index.cc", ["-O2"]),
+])
+def test_cpp(tmp_path, source, flags):
+    exe = tmp_path / "t"
+    cxx = toolchain.cxx()
+    build = subprocess.run([cxx, "-std=c++17", *flags, f"-I{ROOT / 'csrc'}", str(ROOT / "tests" / "cpp" / source),
+                            "-o", str(exe)], capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout[-4000:], run.stderr[-4000:])
