@@ -145,7 +145,8 @@ def test_mask_in_the_false_branch_and_window(kernels):
     inputs[3][..., :] = False
     inputs[3][0, ..., 5] = True   # one masked key in the first example
     site, result = _same(text, inputs)
-    assert site.extras == ["mask"] and site.causal and list(site.window) == [3, -1]
+    # a key-padding mask travels as segment ids (q id 1, kv id = not m)
+    assert site.extras == ["segment_ids"] and site.causal and list(site.window) == [3, -1]
     assert "stablehlo.not" in result.text()
 
 
@@ -157,7 +158,7 @@ def test_two_sites_share_a_mask_argument(kernels):
     text = _export(f, *_qkv(), ((B, 1, 1, T), "bool"))
     result = fr.rewrite(text)
     assert len(result.rewritten) == 2 and not result.rejected
-    assert all(s.extras == ["mask"] for s in result.rewritten)
+    assert all(s.extras == ["segment_ids"] for s in result.rewritten)  # key padding
     original, rewritten = modules.load(text), modules.load(result.to_bytes())
     params, _ = execute.signature(original)
     inputs = execute.random_inputs(params, seed=2)
@@ -194,10 +195,12 @@ def test_legacy_attrs_carry_extras():
 def test_explain_names_the_extras():
     def f(q, k, v, m):
         return jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True)
-    result = fr.rewrite(_export(f, *_qkv(), ((B, 1, 1, T), "bool")))
+    result = fr.rewrite(_export(f, *_qkv(), ((B, 1, T, T), "bool")))
     text = result.report().explain()
     assert "extras: mask [2,1,8,8] (runtime)" in text
     assert result.report().to_json()["sites"][0]["extras"] == ["mask"]
+    padding = fr.rewrite(_export(f, *_qkv(), ((B, 1, 1, T), "bool")))
+    assert "key padding as segment ids [2,8] / [2,8] i32 (runtime)" in padding.report().explain()
 
 
 CALLEE_MASK = """\

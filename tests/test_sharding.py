@@ -154,6 +154,39 @@ if CHILD:
         for g, r in zip(grads, ref[2]):
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
+    @pytest.mark.parametrize("bias_shape", [(B, HQ, S, S), (1, HQ, S, S), (B, 1, S, S)])
+    def test_extras_follow_the_batch_and_head_split(rng, mesh, bias_shape):
+        """Bias (+dbias), ALiBi slopes and segment ids are split like q: no collectives. (A bias
+        broadcast over batch or heads keeps that dim whole in the backward, whose dbias sums
+        over it: there the backward gathers, the forward still does not.)"""
+        q, k, v = _qkv(rng)
+        w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+        bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
+        slopes = jnp.asarray(rng.uniform(0.1, 0.5, (HQ,)), jnp.float32)
+        seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), axis=1), jnp.int32)
+
+        def loss(q, k, v, w, bias, seg):
+            o = flash_attention(q, k, v, bias, alibi_slopes=slopes, q_segment_ids=seg,
+                                kv_segment_ids=seg, causal=True)
+            return jnp.sum(o * w), o
+        step = jax.value_and_grad(loss, (0, 1, 2, 4), has_aux=True)
+        qs_, kvs_, _ = attention_shardings(mesh, q.shape, k.shape, batch="data", heads="model")
+        bias_spec = P("data" if bias_shape[0] > 1 else None, "model" if bias_shape[1] > 1 else None)
+        args = [jax.device_put(q, qs_), jax.device_put(k, kvs_), jax.device_put(v, kvs_),
+                jax.device_put(w, qs_), jax.device_put(bias, NamedSharding(mesh, bias_spec)),
+                jax.device_put(seg, NamedSharding(mesh, P("data")))]
+        compiled = jax.jit(step).lower(*args).compile()
+        hlo = compiled.as_text()
+        if bias_shape[:2] == (B, HQ):
+            _no_data_movement(hlo)
+        fwd = jax.jit(lambda *a: loss(*a)[1]).lower(*args).compile().as_text()
+        assert not _collectives(fwd), _collectives(fwd)
+        (l, o), grads = compiled(*args)
+        (l0, o0), grads0 = jax.jit(step)(q, k, v, w, bias, seg)
+        np.testing.assert_allclose(o, o0, rtol=1e-6, atol=1e-6)
+        for g, g0 in zip(grads, grads0):
+            np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-5)
+
     def test_gspmd_partitioner_splits_the_same_way(rng, mesh):
         q, k, v = _qkv(rng)
         w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)

@@ -243,6 +243,28 @@ inline ffi::Error check_varlen_dims(const char* target, Dims cu_q, Dims cu_k, in
   return ffi::Error::Success();
 }
 
+// Shapes of the varlen operands: rank-3 packed operands q [Tq, Hq, D], k / v [Tk, Hkv, D] and cu_seqlens [B + 1].
+inline ffi::ErrorOr<AttentionShape> varlen_shape(const char* target, int64_t head_dim, Dims q, Dims k, Dims v,
+                                                 Dims cu_q, Dims cu_k) {
+  auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
+  const char* names[3] = {"q", "k", "v"};
+  Dims all[3] = {q, k, v};
+  for (int i = 0; i < 3; ++i) {
+    if (all[i].size() != 3)
+      return fail(std::string(names[i]) + " must be rank 3 [total_tokens, heads, head_dim], got " +
+                  dims_str(all[i]));
+    if (all[i][2] != head_dim)
+      return fail(std::string(names[i]) + " head_dim is " + std::to_string(all[i][2]) +
+                  " but this kernel is specialized for " + std::to_string(head_dim));
+  }
+  if (v[0] != k[0] || v[1] != k[1]) return fail("k and v shapes differ: k " + dims_str(k) + ", v " + dims_str(v));
+  if (k[1] <= 0 || q[1] % k[1] != 0)
+    return fail("kv heads (" + std::to_string(k[1]) + ") must divide q heads (" + std::to_string(q[1]) + ")");
+  int64_t batch = 0;
+  if (auto e = check_varlen_dims(target, cu_q, cu_k, &batch); e.failure()) return ffi::Unexpected<ffi::Error>(e);
+  return AttentionShape{batch, q[0], k[0], q[1], k[1], head_dim};
+}
+
 // Host-side check of cu_seqlens values: cu[0] == 0, non-decreasing, cu[B] <= total,
 // each length <= max_len.
 inline ffi::Error check_cu_seqlens(const char* target, const char* name, const int32_t* cu, int64_t batch,

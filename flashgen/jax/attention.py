@@ -208,11 +208,36 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
     q, k, v = query, key, value
     _check(q, k, v, scale)
     extras, ex = _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_ids)
+    fold = not extras and _foldable_decode(q, k.shape[2], causal, bottom_right, window)
+    if fold:
+        q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False
     spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
     q, k, v, *ex = sharding.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
     if return_lse:
-        return _attention_lse(q, k, v, tuple(ex), spec, scale, attrs)
-    return _attention(q, k, v, tuple(ex), spec, scale, attrs)
+        o, lse = _attention_lse(q, k, v, tuple(ex), spec, scale, attrs)
+        return (_unfold_group(o, query.shape[2]), lse.reshape(lse.shape[0], -1, 1)) if fold else (o, lse)
+    o = _attention(q, k, v, tuple(ex), spec, scale, attrs)
+    return _unfold_group(o, query.shape[2]) if fold else o
+
+
+# One-token decode with GQA: the G query heads of a kv head sit at the same (last) position and
+# see the same keys, so they run as G query rows of that kv head — K/V are read once per kv
+# head instead of G times. Non-causal: with one query, a bottom-right causal mask hides nothing.
+def _foldable_decode(q, kv_heads, causal, bottom_right, window) -> bool:
+    hq = q.shape[2]
+    return (q.shape[1] == 1 and kv_heads > 0 and hq % kv_heads == 0 and hq > kv_heads
+            and normalize_window(window) == (-1, -1) and (not causal or bottom_right))
+
+
+def _fold_group(q, kv_heads):
+    """[B, 1, Hkv·G, D] -> [B, G, Hkv, D] (row i of kv head g is q head g·G + i)."""
+    b, _, hq, d = q.shape
+    return q.reshape(b, kv_heads, hq // kv_heads, d).swapaxes(1, 2)
+
+
+def _unfold_group(o, heads):
+    """[B, G, Hkv, D] -> [B, 1, Hkv·G, D]; the lse [B, Hkv, G] is [B, Hq, 1] by reshape."""
+    return o.swapaxes(1, 2).reshape(o.shape[0], 1, heads, o.shape[3])
 
 
 def _broadcast_4d(x, name: str, b: int, h: int, sq: int, sk: int, dtypes):
@@ -450,8 +475,14 @@ def flash_attention_paged(q, k_cache, v_cache, block_table, seqused_k, *, causal
             raise TypeError(f"{name} must be integers, got {jnp.asarray(x).dtype}")
     # The dense checks (dtype, head dim, kv heads, scale) on a [B, block_size, Hkv, D] view.
     kv_view = jax.ShapeDtypeStruct((b, *k_cache.shape[1:]), k_cache.dtype)
+    hq = q.shape[2]
+    fold = _foldable_decode(q, k_cache.shape[2], causal, bottom_right, window)
+    if fold:
+        q, causal, bottom_right = _fold_group(q, k_cache.shape[2]), False, False
     spec, scale, attrs = _prepare(q, kv_view, kv_view, bool(causal), scale, bottom_right, window,
                                   softcap, check_shardings=False)
     o, lse = _attention_paged(q, k_cache, v_cache, jnp.asarray(block_table, jnp.int32),
                               jnp.asarray(seqused_k, jnp.int32), spec, scale, attrs[:3])
+    if fold:
+        o, lse = _unfold_group(o, hq), lse.reshape(b, hq, 1)
     return (o, lse) if return_lse else o

@@ -251,6 +251,74 @@ def _shardings_for(direction, plan):
     return [qs, kvs, kvs, qs, lses, qs], [qs, kvs, kvs]
 
 
+def _plan_for(direction, base, shapes, extras):
+    """_plan, except that a backward with a bias broadcast over batch or heads keeps that dim
+    whole: its dbias sums over it, which per-device calls cannot do."""
+    if direction == "bwd" and "bias" in extras and base is not None and base.is_tiled():
+        bias = shapes[6 + _bias_operand(extras)]
+        whole = [dim for dim, n in ((BATCH, bias[0]), (HEADS, bias[1])) if n == 1]
+        if whole:
+            base = _replicate_dims(base, whole)
+    return _plan(base, shapes[0], shapes[1])
+
+
+def _bias_operand(extras) -> int:
+    """Index of the bias among the extra operands."""
+    return 1 if extras[0] == "alibi" else 0
+
+
+def _extra_shardings(qs, shapes, extras):
+    """Shardings of the extra operands that follow q's batch/head tiling `qs`: ALiBi slopes
+    [Hq] / [B, Hq], bias and mask [1|B, 1|Hq, Sq, Sk], segment ids [B, S]. A dim of size 1
+    (broadcast) is not split; factors an operand lacks become replication. None when q's
+    sharding has subgroups other than replication (the call then runs whole)."""
+    xc = _xc()
+    if not extras:
+        return []
+    if qs.is_replicated():
+        return [xc.HloSharding.replicate()] * len(shapes)
+    if list(qs.subgroup_types()) and not qs.replicate_on_last_tile_dim():
+        return None
+    dims = list(qs.tile_assignment_dimensions())
+    devices = np.asarray(qs.tile_assignment_devices()).reshape(dims)
+    # devices[b, s, h, d, (replica)]: keep the batch and head axes, fold the rest.
+    devices = devices.reshape(dims[BATCH], dims[SEQ_Q], dims[HEADS], dims[HEAD_DIM], -1)
+    devices = devices.transpose(0, 2, 1, 3, 4).reshape(dims[BATCH], dims[HEADS], -1)
+
+    def sharding(roles, shape):
+        """roles: per dim 'b', 'h' or None; split b/h where the dim has that size."""
+        keep = [i for i, (role, n) in enumerate(zip(roles, shape)) if role and n > 1]
+        axes = {"b": 0, "h": 1}
+        used = [axes[roles[i]] for i in keep]
+        dropped = [a for a in (0, 1) if a not in used]
+        arr = devices.transpose(used + dropped + [2])
+        tiles = [arr.shape[k] for k in range(len(used))]
+        if all(t == 1 for t in tiles):
+            return xc.HloSharding.replicate()
+        full = [1] * len(shape)
+        for k, i in enumerate(keep):
+            full[i] = tiles[k]
+        op = xc.OpSharding()
+        op.type = xc.OpSharding.Type.OTHER
+        rep = int(np.prod(arr.shape[len(used):]))
+        op.tile_assignment_dimensions = full + ([rep] if rep > 1 else [])
+        op.tile_assignment_devices = [int(x) for x in arr.reshape(-1)]
+        if rep > 1:
+            op.replicate_on_last_tile_dim = True
+        return xc.HloSharding.from_proto(op)
+
+    out, it = [], iter(shapes)
+    for e in extras:
+        if e == "alibi":
+            shape = next(it)
+            out.append(sharding(("h",) if len(shape) == 1 else ("b", "h"), shape))
+        elif e in ("bias", "mask"):
+            out.append(sharding(("b", "h", None, None), next(it)))
+        else:
+            out += [sharding(("b", None), next(it)), sharding(("b", None), next(it))]
+    return out
+
+
 def _base_sharding(arg_shardings, result_sharding=None):
     """The sharding to follow: q's, else o's/dO's, else the first result's."""
     candidates = [arg_shardings[0]] + ([arg_shardings[3], arg_shardings[5]]
@@ -273,14 +341,18 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
         operand_sh = [xc.HloSharding.manual()] * len(shapes)
         result_sh = [xc.HloSharding.manual()] * len(result_shape.tuple_shapes())
         local = shapes
-    elif extra["extras"]:
-        # Bias, mask, ALiBi and segment-id operands are not split yet: the call runs whole.
-        operand_sh = [xc.HloSharding.replicate()] * len(shapes)
-        result_sh = [xc.HloSharding.replicate()] * len(result_shape.tuple_shapes())
-        local = shapes
     else:
-        plan = _plan(_base_sharding(arg_shardings, result_sharding), shapes[0], shapes[1])
+        plan = _plan_for(direction, _base_sharding(arg_shardings, result_sharding), shapes,
+                         extra["extras"])
         operand_sh, result_sh = _shardings_for(direction, plan)
+        extra_sh = _extra_shardings(plan[0], shapes[len(operand_sh):], extra["extras"])
+        if extra_sh is None:  # a tiling the extras cannot follow: the call runs whole
+            plan = (xc.HloSharding.replicate(),) * 3
+            operand_sh, result_sh = _shardings_for(direction, plan)
+            extra_sh = [plan[0]] * (len(shapes) - len(operand_sh))
+        operand_sh = operand_sh + extra_sh
+        if direction == "bwd" and "bias" in extra["extras"]:
+            result_sh = result_sh + [extra_sh[_bias_operand(extra["extras"])]]
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
     module = _local_module(spec, direction, local, elements, scale, bottom_right, extra)
     return module, operand_sh, xc.HloSharding.tuple_sharding(result_shape, result_sh)
@@ -294,9 +366,16 @@ def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_
             return None
         shapes = [tuple(s.dimensions()) for s in arg_shapes]
         direction = parse_target_name(name)[0]
-        if len(shapes) != (3 if direction == "fwd" else 6):  # extras: the call runs whole
-            return None
-        _, result_sh = _shardings_for(direction, _plan(base, shapes[0], shapes[1]))
+        extras = _parse_call(name, backend_string)[4]["extras"]
+        plan = _plan_for(direction, base, shapes, extras)
+        _, result_sh = _shardings_for(direction, plan)
+        nfixed = 3 if direction == "fwd" else 6
+        if len(shapes) > nfixed:  # extras; the backward's dbias follows the bias
+            extra_sh = _extra_shardings(plan[0], shapes[nfixed:], extras)
+            if extra_sh is None:
+                return None
+            if direction == "bwd" and "bias" in extras:
+                result_sh = result_sh + [extra_sh[_bias_operand(extras)]]
         return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
     except Exception:  # noqa: BLE001 - fall back to XLA's default (replicated) choice
         return None

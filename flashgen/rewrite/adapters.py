@@ -152,8 +152,13 @@ def constant(array: np.ndarray, elt, created) -> ir.Value:
     t = ir.RankedTensorType.get(list(array.shape), elt)
     if array.size and (array == array.reshape(-1)[0]).all():
         x = array.reshape(-1)[0]
-        attr = ir.DenseElementsAttr.get_splat(t, ir.BoolAttr.get(bool(x)) if array.dtype == np.bool_
-                                              else ir.FloatAttr.get(elt, float(x)))
+        if array.dtype == np.bool_:
+            scalar = ir.BoolAttr.get(bool(x))
+        elif np.issubdtype(array.dtype, np.integer):
+            scalar = ir.IntegerAttr.get(elt, int(x))
+        else:
+            scalar = ir.FloatAttr.get(elt, float(x))
+        attr = ir.DenseElementsAttr.get_splat(t, scalar)
     else:
         attr = ir.DenseElementsAttr.get(array, type=t)
     op = stablehlo.ConstantOp(attr)

@@ -207,6 +207,13 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
             fb = it.fallback
             _fit(adapters.target_recipe, L.refine(fb.layout, cuts), groups)
             mask_parts.append(("value", fb.value, L.refine(fb.layout, cuts), fb.negate))
+    padding = None
+    if segments is None and len(mask_parts) == 1 and mask_parts[0][0] == "value":
+        _, value, lay, negate = mask_parts[0]
+        if set(L.pieces(lay)) <= set(b_pieces) | set(k_free):
+            # A key-padding mask ("key j is real"): segment ids with q id 1 and kv id = the
+            # mask, O(B·Sk) instead of a [B, 1, Sq, Sk] operand; fully padded key blocks skip.
+            padding, mask_parts = (value, lay, negate), []
     if mask_parts:
         names.append("mask")
         shape = _common_shape([_part_shape(p, groups) for p in mask_parts])
@@ -221,6 +228,12 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
         names.append("segment_ids")
         recipes["segment_ids"] = ("segment_ids",) + segments
         describe["segment_ids"] = f"segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
+    elif padding is not None:
+        notes.append("a key-padding mask, passed as segment ids (q id 1, kv id = the mask); a "
+                     "query row whose keys are all padding outputs 0")
+        names.append("segment_ids")
+        recipes["segment_ids"] = ("padding",) + padding
+        describe["segment_ids"] = f"key padding as segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
     return Resolved(tuple(names), [recipes[n] for n in names], bottom_right, notes,
                     [describe[n] for n in names], tuple(kernel_q), tuple(k_free))
 
@@ -333,6 +346,16 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
                 x = adapters.broadcast_to(x, shape, created)
                 acc = x if acc is None else adapters.binary("and", acc, x, created)
             out.append(acc)
+        elif recipe[0] == "padding":
+            _, value, lay, negate = recipe
+            b_pieces, q_seq, _, _ = resolved.kernel_q
+            if negate:
+                value = adapters.logical_not(value, created)
+            kv = adapters.to_kernel(value, lay, [(tuple(b_pieces), True), (tuple(resolved.k_free), True)],
+                                    created)
+            kv = adapters.convert(kv, i32, created)
+            q_ids = np.ones((kv.type.shape[0], prod(p[2] for p in q_seq)), np.int32)
+            out += [adapters.constant(q_ids, i32, created), kv]
         else:
             _, (qv, ql), (kv, kl) = recipe
             b_pieces, q_seq, _, _ = resolved.kernel_q

@@ -813,7 +813,7 @@ def _():
 
 
 @case("jnn_key_padding_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
-      extras=["mask"])
+      extras=["segment_ids"])
 def _():
     # a key padding mask [B, 1, 1, T] ANDed with is_causal: causal stays an attribute
     jax, _, _ = _jax()
@@ -831,7 +831,7 @@ def _():
 
 
 @case("jnn_bias_mask_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
-      extras=["bias", "mask"])
+      extras=["bias", "segment_ids"])
 def _():
     jax, _, _ = _jax()
     return export_fn(lambda q, k, v, b, m: jax.nn.dot_product_attention(
@@ -857,7 +857,7 @@ def _():
                      *qkv(hkv=2), spec((B, H, T, T), "bool"))
 
 
-@case("jnn_decode_padding", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+@case("jnn_decode_padding", rewritten=1, targets=[tname(32, "f32", False)], extras=["segment_ids"])
 def _():
     # one query row against a padded KV cache
     jax, _, _ = _jax()
@@ -1082,7 +1082,7 @@ def _():
 
 
 @case("scan_layers_padding_mask", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
-      extras=["mask"])
+      extras=["segment_ids"])
 def _():
     # lax.scan over layers with one key padding mask: the mask enters the while body as a
     # loop-carried value and is passed from there
@@ -1131,7 +1131,7 @@ module @EXLA.padding {
 
 
 @case("exla_padding_mask", rewritten=1, targets=[tname(32, "f32", False)], scale=0.125,
-      extras=["mask"])
+      extras=["segment_ids"])
 def _():
     # EXLA-style: the attention outlined into a private function that takes the padding mask
     return _Text(EXLA_PADDING)

@@ -136,38 +136,24 @@ ffi::Error bwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::
   return ffi::Error::Success();
 }
 
-// Shapes of the packed varlen operands q [Tq, Hq, D], k, v [Tk, Hkv, D] and the
-// cu_seqlens (values included: CPU buffers are host memory). Returns
-// {B, Tq, Tk, Hq, Hkv, D}.
-inline ffi::ErrorOr<AttentionShape> varlen_shape(const char* target, int64_t head_dim, Dims q, Dims k, Dims v,
-                                                 const ffi::Buffer<ffi::S32>& cu_q,
-                                                 const ffi::Buffer<ffi::S32>& cu_k, int32_t max_seqlen_q,
-                                                 int32_t max_seqlen_k) {
-  auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
-  const char* names[3] = {"q", "k", "v"};
-  Dims all[3] = {q, k, v};
-  for (int i = 0; i < 3; ++i) {
-    if (all[i].size() != 3)
-      return fail(std::string(names[i]) + " must be rank 3 [total_tokens, heads, head_dim], got " +
-                  dims_str(all[i]));
-    if (all[i][2] != head_dim)
-      return fail(std::string(names[i]) + " head_dim is " + std::to_string(all[i][2]) +
-                  " but this kernel is specialized for " + std::to_string(head_dim));
-  }
-  if (v[0] != k[0] || v[1] != k[1]) return fail("k and v shapes differ: k " + dims_str(k) + ", v " + dims_str(v));
-  if (k[1] <= 0 || q[1] % k[1] != 0)
-    return fail("kv heads (" + std::to_string(k[1]) + ") must divide q heads (" + std::to_string(q[1]) + ")");
-  int64_t batch = 0;
-  if (auto e = check_varlen_dims(target, cu_q.dimensions(), cu_k.dimensions(), &batch); e.failure())
-    return ffi::Unexpected<ffi::Error>(e);
+// varlen_shape (ffi_common.h) plus the values of cu_seqlens and max_seqlen:
+// CPU buffers are host memory. Returns {B, Tq, Tk, Hq, Hkv, D}.
+inline ffi::ErrorOr<AttentionShape> checked_varlen_shape(const char* target, int64_t head_dim, Dims q, Dims k,
+                                                         Dims v, const ffi::Buffer<ffi::S32>& cu_q,
+                                                         const ffi::Buffer<ffi::S32>& cu_k, int32_t max_seqlen_q,
+                                                         int32_t max_seqlen_k) {
+  auto shape = varlen_shape(target, head_dim, q, k, v, cu_q.dimensions(), cu_k.dimensions());
+  if (shape.has_error()) return shape;
+  const int64_t batch = shape.value().batch;
   if (max_seqlen_q < 0 || max_seqlen_k < 0)
-    return fail("max_seqlen_q / max_seqlen_k must be >= 0, got (" + std::to_string(max_seqlen_q) + ", " +
-                std::to_string(max_seqlen_k) + ")");
+    return ffi::Unexpected<ffi::Error>(invalid(target, "max_seqlen_q / max_seqlen_k must be >= 0, got (" +
+                                                           std::to_string(max_seqlen_q) + ", " +
+                                                           std::to_string(max_seqlen_k) + ")"));
   if (auto e = check_cu_seqlens(target, "cu_seqlens_q", cu_q.typed_data(), batch, q[0], max_seqlen_q); e.failure())
     return ffi::Unexpected<ffi::Error>(e);
   if (auto e = check_cu_seqlens(target, "cu_seqlens_k", cu_k.typed_data(), batch, k[0], max_seqlen_k); e.failure())
     return ffi::Unexpected<ffi::Error>(e);
-  return AttentionShape{batch, q[0], k[0], q[1], k[1], head_dim};
+  return shape;
 }
 
 template <ffi::DataType T, int D, bool Causal>
@@ -176,8 +162,8 @@ ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
                       ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
                       bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
                       int32_t max_seqlen_q, int32_t max_seqlen_k) {
-  auto shape = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k, max_seqlen_q,
-                            max_seqlen_k);
+  auto shape = checked_varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
+                                    max_seqlen_q, max_seqlen_k);
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
@@ -200,8 +186,8 @@ ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
                       ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal, float scale, bool bottom_right,
                       int32_t window_left, int32_t window_right, float softcap, int32_t max_seqlen_q,
                       int32_t max_seqlen_k) {
-  auto shape = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k, max_seqlen_q,
-                            max_seqlen_k);
+  auto shape = checked_varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
+                                    max_seqlen_q, max_seqlen_k);
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};

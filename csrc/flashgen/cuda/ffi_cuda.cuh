@@ -176,28 +176,6 @@ inline ffi::Error alloc_scratch(const char* target, ffi::ScratchAllocator& scrat
 
 inline size_t round_up256(size_t x) { return (x + 255) / 256 * 256; }
 
-// Rank-3 packed operands q [Tq, Hq, D], k / v [Tk, Hkv, D] and cu_seqlens [B + 1].
-inline ffi::ErrorOr<AttentionShape> varlen_shape(const char* target, int64_t head_dim, Dims q, Dims k, Dims v,
-                                                 Dims cu_q, Dims cu_k) {
-  auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
-  const char* names[3] = {"q", "k", "v"};
-  Dims all[3] = {q, k, v};
-  for (int i = 0; i < 3; ++i) {
-    if (all[i].size() != 3)
-      return fail(std::string(names[i]) + " must be rank 3 [total_tokens, heads, head_dim], got " +
-                  dims_str(all[i]));
-    if (all[i][2] != head_dim)
-      return fail(std::string(names[i]) + " head_dim is " + std::to_string(all[i][2]) +
-                  " but this kernel is specialized for " + std::to_string(head_dim));
-  }
-  if (v[0] != k[0] || v[1] != k[1]) return fail("k and v shapes differ: k " + dims_str(k) + ", v " + dims_str(v));
-  if (k[1] <= 0 || q[1] % k[1] != 0)
-    return fail("kv heads (" + std::to_string(k[1]) + ") must divide q heads (" + std::to_string(q[1]) + ")");
-  int64_t batch = 0;
-  if (auto e = check_varlen_dims(target, cu_q, cu_k, &batch); e.failure()) return ffi::Unexpected<ffi::Error>(e);
-  return AttentionShape{batch, q[0], k[0], q[1], k[1], head_dim};
-}
-
 inline ffi::Error check_max_seqlen(const char* target, int32_t max_seqlen_q, int32_t max_seqlen_k) {
   if (max_seqlen_q < 0 || max_seqlen_k < 0)
     return invalid(target, "max_seqlen_q / max_seqlen_k must be >= 0, got (" + std::to_string(max_seqlen_q) + ", " +
