@@ -146,10 +146,7 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
         _expect(operands[first + 1], "cu_seqlens_k", [list(cu.shape)], i32)
         if direction == "fwd_varlen":
             return [q, lse]
-        fixed = {"o": q, "lse": lse, "do": q}
-        for x, n in zip(operands[3:6], names[3:6]):
-            if x.type != fixed[n]:
-                raise ValueError(f"{n} has type {x.type}, expected {fixed[n]}")
+        _check_saved(operands, q, lse)
         return [q, k, v]
     b, sq = q.shape[0], q.shape[1]
     lse = ir.RankedTensorType.get([b, hq, sq], f32)
@@ -165,11 +162,15 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     dbias = _check_extras(extras, operands[nfixed:], b, sq, sk, hq, str(q.element_type))
     if direction == "fwd":
         return [q, lse]
-    expected = {"o": q, "lse": lse, "do": q}
-    for x, n in zip(operands[3:6], names[3:6]):
-        if x.type != expected[n]:
-            raise ValueError(f"{n} has type {x.type}, expected {expected[n]}")
+    _check_saved(operands, q, lse)
     return [q, k, v, *dbias]
+
+
+def _check_saved(operands, q: ir.Type, lse: ir.Type) -> None:
+    """A backward's o, lse, do (operands 3..5) have the forward's result types."""
+    for x, n, want in zip(operands[3:6], ("o", "lse", "do"), (q, lse, q)):
+        if x.type != want:
+            raise ValueError(f"{n} has type {x.type}, expected {want}")
 
 
 def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:

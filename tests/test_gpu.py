@@ -121,11 +121,12 @@ def test_mixed_program_on_xla_stream(rng):
 @pytest.mark.skipif(not shutil.which("compute-sanitizer"), reason="compute-sanitizer not installed")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer(tool, tmp_path):
-    """One spec per kernel family (fwd, bwd; f16/bf16 and f32; causal and not; GQA, tails)."""
+    """One spec per kernel family (fwd, bwd; f16/bf16 and f32; causal and not; GQA, tails), and
+    the variants: extras with dbias, varlen, paged decode."""
     script = tmp_path / "run.py"
     script.write_text(
         "import numpy as np, jax, jax.numpy as jnp\n"
-        "from flashgen.jax import flash_attention\n"
+        "from flashgen.jax import flash_attention, flash_attention_paged, flash_attention_varlen\n"
         "rng = np.random.default_rng()\n"
         "for dt, d, c in [(jnp.bfloat16, 64, True), (jnp.float16, 128, False), (jnp.float32, 32, True)]:\n"
         "    q = jnp.asarray(rng.standard_normal((1, 77, 4, d)), dt)\n"
@@ -133,6 +134,21 @@ def test_compute_sanitizer(tool, tmp_path):
         "    v = jnp.asarray(rng.standard_normal((1, 131, 2, d)), dt)\n"
         "    g = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=c).astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)\n"
         "    jax.block_until_ready(g)\n"
+        "    # issue 8: extras (+dbias), varlen with padding rows, paged decode with split-KV\n"
+        "    bias = jnp.asarray(rng.standard_normal((1, 4, 77, 131)), dt)\n"
+        "    seg = jnp.asarray(np.sort(rng.integers(0, 3, (1, 77))), jnp.int32)\n"
+        "    kseg = jnp.asarray(np.sort(rng.integers(0, 3, (1, 131))), jnp.int32)\n"
+        "    f = lambda q, k, v, b: flash_attention(q, k, v, b, alibi_slopes=jnp.ones(4), q_segment_ids=seg,\n"
+        "                                           kv_segment_ids=kseg, causal=c).astype(jnp.float32).sum()\n"
+        "    jax.block_until_ready(jax.grad(f, (0, 1, 2, 3))(q, k, v, bias))\n"
+        "    cu = jnp.asarray([0, 5, 5, 60], jnp.int32)\n"
+        "    fv = lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 55, 55, causal=c).astype(jnp.float32).sum()\n"
+        "    jax.block_until_ready(jax.grad(fv, (0, 1, 2))(q[0], k[0, :77], v[0, :77]))\n"
+        "    kc = jnp.asarray(rng.standard_normal((40, 16, 2, d)), dt)\n"
+        "    table = jnp.asarray(rng.permutation(40)[:36].reshape(2, 18), jnp.int32)\n"
+        "    o = flash_attention_paged(q[:, :1].repeat(2, 0), kc, kc, table, jnp.asarray([280, 3], jnp.int32),\n"
+        "                              causal=True, bottom_right=True)\n"
+        "    jax.block_until_ready(o)\n"
         "print('done')\n")
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     out = subprocess.run(["compute-sanitizer", f"--tool={tool}", "--target-processes=all",

@@ -935,24 +935,7 @@ inline void interleave_rows(const Rows& rows, int64_t j0, int64_t n, uint32_t* d
 }
 template <int D>
 inline void interleave_row_pairs(const bf16* src, int64_t ld, int64_t n, uint32_t* dst) {
-  static_assert(D % 32 == 0, "D multiple of 32");
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
-  for (int64_t jp = 0; 2 * jp < n; ++jp) {
-    const bf16* r0 = src + 2 * jp * ld;
-    const bf16* r1 = r0 + ld;
-    const bool has1 = 2 * jp + 1 < n;
-    uint32_t* out = dst + jp * D;
-    for (int d = 0; d < D; d += 32) {
-      const __m512i a = _mm512_loadu_si512(r0 + d);
-      const __m512i b = has1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, il, b));
-      _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, ih, b));
-    }
-  }
+  interleave_rows<D>([src, ld](int64_t j) { return src + j * ld; }, 0, n, dst);
 }
 // Dense rows: exactly the strided form.
 template <int D>
