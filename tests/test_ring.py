@@ -104,6 +104,35 @@ if CHILD:
         for g, r in zip(grads, ref_g):
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
+    @pytest.mark.parametrize("n, w", [(4, 16), (4, 5), (8, 8), (8, 0)])
+    def test_causal_sliding_window_is_one_hop(rng, n, w):
+        """causal + window (w <= block): one kernel call on [K_{i-1}; K_i], dk/dv one hop back."""
+        from jax.sharding import PartitionSpec as P
+        q, k, v, x = _inputs(rng)
+        mesh, spec = _mesh(n), P(None, "seq")
+        ring = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", causal=True,
+                                                            window=(w, -1)),
+                             mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * x))
+        step = jax.jit(jax.value_and_grad(loss(ring), (0, 1, 2)))
+        moves = re.findall(r"= (\([^()]*\)|\S+) (all-gather|all-to-all|collective-permute)(?:-start)?\(",
+                           step.lower(q, k, v).compile().as_text())
+        assert moves and all(op == "collective-permute" for _, op in moves), moves
+        val, grads = step(q, k, v)
+        ref_o, _, ref_g = reference.attention(q, k, v, causal=True, window=(w, -1), do=x)
+        np.testing.assert_allclose(jax.jit(ring)(q, k, v), ref_o, rtol=2e-5, atol=2e-5)
+        for g, r in zip(grads, ref_g):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+    def test_ring_window_limits_are_errors(rng):
+        q, k, v, _ = _inputs(rng)
+        for kw in (dict(causal=False, window=(4, 4)), dict(causal=True, window=(17, -1)),
+                   dict(causal=True, window=(4, 3))):
+            with pytest.raises(ValueError, match="sliding window only with causal"):
+                jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", **kw),
+                              mesh=_mesh(4), in_specs=(P(None, "seq"),) * 3,
+                              out_specs=P(None, "seq"))(q, k, v)
+
     def test_ring_cross_attention_with_more_keys_than_queries(rng):
         q, k, v, w = _inputs(rng, sq=32, sk=64, hq=4, hkv=1)
         ring = _ring_fn(_mesh(4), "seq", False)
