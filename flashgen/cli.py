@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from flashgen.errors import FlashgenError, UsageError
-from flashgen.spec import DTYPES, HEAD_DIMS, TARGETS, KernelSpec
+from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, TARGETS, KernelSpec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +49,7 @@ def cmd_build(args) -> int:
     print(lib.path)
     print(f"manifest: {lib.manifest_path}", file=sys.stderr)
     for s in specs:
-        print(f"  {s.target_name('fwd')}, {s.target_name('bwd')}", file=sys.stderr)
+        print("  " + ", ".join(s.target_name(d) for d in DIRECTIONS), file=sys.stderr)
     return 0
 
 
@@ -59,7 +59,7 @@ def cmd_emit(args) -> int:
     module = attention_module(spec, batch=args.batch, seq_q=args.seq_q, seq_k=args.seq_k or args.seq_q,
                               heads=args.heads, kv_heads=args.kv_heads, scale=args.scale,
                               bottom_right=args.bottom_right, window=(args.window_left, args.window_right),
-                              softcap=args.softcap, legacy_attrs=args.legacy_attrs)
+                              softcap=args.softcap, extras=args.extras, legacy_attrs=args.legacy_attrs)
     if args.module:
         print(module)
     else:
@@ -106,6 +106,8 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--window-right", type=int, default=-1,
                    help="sliding window: keys visible to the right of the diagonal (-1 = unbounded)")
     e.add_argument("--softcap", type=float, default=0.0, help="logit softcap c·tanh(x/c) (0 = off)")
+    e.add_argument("--extras", default="",
+                   help="extra operands, comma-separated: alibi,bias,mask,segment_ids (README 'Variants')")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seq-q", type=int, required=True)
     e.add_argument("--seq-k", type=int, help="default: --seq-q")

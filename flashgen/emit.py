@@ -227,24 +227,33 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
 def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, heads: int,
                      kv_heads: int | None = None, scale: float | None = None,
                      bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0,
-                     legacy_attrs: bool = False) -> ir.Module:
-    """A complete module whose public @main(q, k, v) returns the forward (o, lse)."""
+                     extras=(), legacy_attrs: bool = False) -> ir.Module:
+    """A complete module whose public @main(q, k, v, *extras) returns the forward (o, lse).
+    Extras take their full shapes: alibi_slopes [Hq] f32, bias [B,Hq,Sq,Sk] f32, mask
+    [B,Hq,Sq,Sk] i1, q/kv_segment_ids [B,Sq] / [B,Sk] i32."""
     kv_heads = heads if kv_heads is None else kv_heads
     scale = 1.0 / np.sqrt(spec.head_dim) if scale is None else scale
+    extras = normalize_extras(extras)
     with new_context(), ir.Location.unknown():
         module = ir.Module.create()
         elt = ir.Type.parse(_MLIR_DTYPES[spec.dtype])
         q_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim], elt)
         kv_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
         lse_t = ir.RankedTensorType.get([batch, heads, seq_q], ir.F32Type.get())
+        full = [batch, heads, seq_q, seq_k]
+        extra_types = {"alibi": [([heads], "f32")], "bias": [(full, "f32")], "mask": [(full, "i1")],
+                       "segment_ids": [([batch, seq_q], "i32"), ([batch, seq_k], "i32")]}
+        extra_t = [ir.RankedTensorType.get(shape, ir.Type.parse(t))
+                   for e in extras for shape, t in extra_types[e]]
         with ir.InsertionPoint(module.body):
-            main = func.FuncOp("main", ir.FunctionType.get([q_t, kv_t, kv_t], [q_t, lse_t]))
+            main = func.FuncOp("main", ir.FunctionType.get([q_t, kv_t, kv_t, *extra_t], [q_t, lse_t]))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
             block = main.add_entry_block()
             with ir.InsertionPoint(block):
                 results = emit_custom_call(spec, "fwd", list(block.arguments), scale=scale,
                                            bottom_right=bottom_right, window=window,
-                                           softcap=softcap, legacy_attrs=legacy_attrs)
+                                           softcap=softcap, extras=extras,
+                                           legacy_attrs=legacy_attrs)
                 func.ReturnOp(results)
         if not module.operation.verify():
             raise RuntimeError("flashgen emitted an invalid module")  # a flashgen bug, not user error

@@ -92,3 +92,15 @@ def test_attribute_schemas_are_what_the_handlers_bind():
     assert set(ATTRIBUTES["fwd"]) == set(ATTRIBUTES["bwd"]) == base | {"extras"}
     assert set(ATTRIBUTES["fwd_varlen"]) == base | {"max_seqlen_q", "max_seqlen_k"}
     assert set(ATTRIBUTES["fwd_paged"]) == base
+
+
+def test_cli_emit_with_extras():
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "flashgen", "emit", "--hdim", "32", "--dtype", "f32", "--seq-q", "8",
+            "--heads", "2", "--module"]
+    out = subprocess.run(args + ["--extras", "alibi,mask"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert 'extras = "alibi,mask"' in out.stdout and "tensor<2xf32>, %arg4: tensor<1x2x8x8xi1>" in out.stdout
+    bad = subprocess.run(args + ["--extras", "relative"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown extras" in bad.stderr and "Traceback" not in bad.stderr
