@@ -28,3 +28,12 @@ def test_rewrite_python_api_example():
                          capture_output=True, text=True).stdout
     err = float(out.strip().splitlines()[-1].split("=")[-1])
     assert "flashgen_fwd_d64_f32_causal" in out and err < 1e-5
+
+
+def test_paged_decode_example(tmp_path):
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "examples" / "paged_decode.py"), "--lengths", "37,5,70",
+                    "--steps", "3", "--json", str(out)], check=True, env=env, capture_output=True, text=True)
+    r = json.loads(out.read_text())
+    assert r["ok"] and r["prefill"] < 1e-4 and r["decode"] < 1e-4
