@@ -38,6 +38,7 @@
 #include <cmath>
 #include <thread>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -694,8 +695,15 @@ static std::vector<int32_t> packed_ids(int64_t n, int parts, int empty, std::mt1
   return ids;
 }
 
+// The raw bytes of an array (for bit-for-bit comparisons).
+template <typename T>
+static std::string raw_bytes(const std::vector<T>& x) {
+  return std::string(reinterpret_cast<const char*>(x.data()), x.size() * sizeof(T));
+}
+
+// bits (optional): receives the raw bytes of o, lse, dq, dk, dv and dbias.
 template <typename T, int D>
-static void run_variant(const VCase& c, int nt, std::mt19937_64& rng) {
+static void run_variant(const VCase& c, int nt, std::mt19937_64& rng, std::vector<std::string>* bits = nullptr) {
   const int64_t B = c.B, Sq = c.Sq, Sk = c.Sk, Hq = c.Hq, Hkv = c.Hkv;
   AttentionShape s{B, Sq, Sk, Hq, Hkv, D};
   AttentionAttrs a{float(1.0 / std::sqrt(double(D))), c.causal, c.br, c.wl, c.wr, c.softcap};
@@ -797,6 +805,9 @@ static void run_variant(const VCase& c, int nt, std::mt19937_64& rng) {
   fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, x, nt, nullptr, c.kv_splits);
   fc::attention_bwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(), dk.data(),
                           dv.data(), s, a, x, nt);
+  if (bits != nullptr)
+    *bits = {raw_bytes(o), raw_bytes(lse), raw_bytes(dq), raw_bytes(dk), raw_bytes(dv),
+             c.bias == 1 ? raw_bytes(dbiasf) : raw_bytes(dbiast)};
 
   p.q = to_double(q), p.k = to_double(k), p.v = to_double(v), p.dout = to_double(dout), p.o = to_double(o);
   RefOut r;
@@ -1074,6 +1085,68 @@ static void run_variants_type(std::mt19937_64& rng) {
   }
 }
 
+// Determinism: the same inputs (same rng seed) through the forward and the
+// backward with 1, 2, 3 and 7 threads, twice each, must give bit-identical o,
+// lse, dq, dk, dv and dbias (besides passing the accuracy checks of
+// run_variant). Broadcast biases whose dbias slots are shared by several
+// (batch entry, kv head) pairs, and one that is not ([B,H]: there dq's key
+// chunking follows num_threads, so dq is compared between runs with the same
+// num_threads only). Then the machine's thread count (FLASHGEN_CPU_THREADS,
+// which sets the shared-slot key chunking) is varied too: dbias, dk and dv
+// must still be bit-identical (dq may differ in its last bits: its per-chunk
+// partial sums are grouped differently).
+//                 name                          B   Sq   Sk  Hq Hkv causal br   wl  wr cap al bi bb bh inf mk mb mh sg split
+static const VCase kDetCases[] = {
+    {"det bias f32 [1,1] causal",                2, 130, 300, 4, 2, true,  false, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
+    {"det bias f32 [1,H] (B=3)",                 3, 100, 260, 4, 2, false, false, -1, -1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1},
+    {"det bias T [B,1] GQA mask",                2,  90, 330, 4, 2, false, false, -1, -1, 0, 0, 2, 1, 0, 0, 1, 1, 0, 0, 1},
+    {"det bias T [1,1] window softcap MQA",      3, 120, 250, 4, 1, false, true,  60, 30, 5, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1},
+    {"det bias f32 [1,H] segments",              2, 150, 200, 2, 2, true,  true,  -1, -1, 0, 1, 1, 0, 1, 0, 0, 0, 0, 1, 1},
+    {"det bias f32 [B,H] (not shared)",          2,  70, 200, 4, 2, false, false, -1, -1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1},
+};
+
+template <typename T, int D>
+static void test_determinism() {
+  static const char* kNames[6] = {"o", "lse", "dq", "dk", "dv", "dbias"};
+  const char* env = std::getenv("FLASHGEN_CPU_THREADS");
+  const std::string saved = env != nullptr ? env : "";
+  for (const VCase& c : kDetCases) {
+    const bool shared = !(c.bias_b && c.bias_h);
+    std::vector<std::string> first, same_nt, cur;
+    std::string bad;
+    int runs = 0;
+    for (int nt : {1, 2, 3, 7})
+      for (int rep = 0; rep < 2; ++rep, ++runs) {
+        std::mt19937_64 rng(1234);
+        run_variant<T, D>(c, nt, rng, runs == 0 ? &first : rep == 0 ? &same_nt : &cur);
+        if (runs == 0) same_nt = first;
+        if (rep == 0) continue;
+        for (size_t f = 0; f < first.size(); ++f)
+          if (cur[f] != same_nt[f] || (cur[f] != first[f] && (shared || f != 2)))
+            bad += std::string(" ") + kNames[f] + "(nt=" + std::to_string(nt) + ")";
+      }
+    check(bad.empty(), std::string("determinism ") + Traits<T>::name() + " " + c.name + ": " +
+                           std::to_string(runs) + " runs, nt 1/2/3/7, bit-identical o lse dq dk dv dbias" +
+                           (shared ? "" : " (dq: per nt)") + (bad.empty() ? "" : " | differ:" + bad));
+    // Other machine thread counts: the key chunking changes; dbias, dk, dv must not.
+    bad.clear();
+    for (const char* hw : {"1", "3", "8"}) {
+      setenv("FLASHGEN_CPU_THREADS", hw, 1);
+      std::mt19937_64 rng(1234);
+      run_variant<T, D>(c, 3, rng, &cur);
+      for (size_t f = 3; f < first.size(); ++f)
+        if (cur[f] != first[f]) bad += std::string(" ") + kNames[f] + "(hw=" + hw + ")";
+    }
+    if (env != nullptr)
+      setenv("FLASHGEN_CPU_THREADS", saved.c_str(), 1);
+    else
+      unsetenv("FLASHGEN_CPU_THREADS");
+    check(bad.empty(), std::string("determinism ") + Traits<T>::name() + " " + c.name +
+                           ": FLASHGEN_CPU_THREADS 1/3/8, bit-identical dk dv dbias" +
+                           (bad.empty() ? "" : " | differ:" + bad));
+  }
+}
+
 static void test_split_plan() {
   // The paged decode case "auto" below: one row block per head (4), 8000 keys, 8 threads.
   const flashgen::AttentionShape s{1, 1, 8000, 4, 1, 64};
@@ -1091,6 +1164,9 @@ static void run_all_variants(std::mt19937_64& rng) {
   run_variants_type<float>(rng);
   run_variants_type<fc::bf16>(rng);
   run_variants_type<fc::f16>(rng);
+  test_determinism<float, 64>();
+  test_determinism<fc::bf16, 64>();
+  test_determinism<fc::f16, 128>();
   const char* names[3] = {"f32", "bf16", "f16"};
   for (int f = 0; f < 3; ++f)
     for (int t = 0; t < 3; ++t) {

@@ -27,7 +27,8 @@
 //       dS = scale * P o (dP - Drow), dV += P^T dO, dK += dS^T Q, dQ += dS K.
 //   dQ accumulates in fp32: in dq itself (T = float and one chunk per kv head)
 //   or in a [chunks][B][Sq][Hq][D] buffer reduced at the end; every accumulator
-//   region belongs to exactly one work item, so there are no races.
+//   region belongs to exactly one work item and is summed in a fixed order, so
+//   there are no races and every gradient is the same on every run.
 //
 //
 // Variants (README "Variants"; attention.h ScoreExtras / VarlenArgs / PagedArgs):
@@ -38,10 +39,12 @@
 //   pair) is added to the base-2 scores after scale, softcap and the band mask.
 //   Backward: the same terms per query row, along the key lanes; dS' = P o (dP -
 //   Drow) is dbias's share, dS = dS' * scale (* (1 - tanh^2) with softcap).
-//   dbias accumulates in fp32 (dbias itself when f32): an item (batch, kv head)
-//   that owns its slots writes them directly; slots shared by several items
-//   (bias broadcast over the batch or over kv-head groups) are zeroed first and
-//   receive per-item [Sq][BK] tiles under striped locks. Key blocks whose
+//   dbias accumulates in fp32 (dbias itself when f32), each element in one
+//   work item and in a fixed order (bit-reproducible, no locks): an item
+//   (batch, kv head, key chunk) that owns its slots writes them directly; when
+//   slots are shared (bias broadcast over the batch or over kv-head groups),
+//   the items are (group of pairs sharing slots, key chunk), running the
+//   group's (batch, kv head) pairs in order for each key block. Key blocks whose
 //   segment-id range is disjoint from the q block's are skipped; everything
 //   else is masked per element. Without extras the code path is the one above.
 //   Packed varlen: every work item is a (sequence, head, q block) forward or
@@ -988,8 +991,7 @@ struct HeadExtras {
   const bool* mask = nullptr;     // element (i, j) at i * ld + j
   const int32_t* qseg = nullptr;  // [Sq]
   const int32_t* kseg = nullptr;  // [Sk]
-  float* dbias = nullptr;         // fp32 accumulator, element (i, j) at i * db_ld + j - db_col0
-  int64_t db_ld = 0, db_col0 = 0;
+  float* dbias = nullptr;         // fp32 accumulator, element (i, j) at i * ld + j
   int64_t ld = 0;                 // Sk
 };
 
@@ -1006,7 +1008,6 @@ inline HeadExtras head_extras(const ScoreExtras& x, int64_t b, int64_t h, int64_
     e.bias = x.bias_type == ElemType::F32 ? static_cast<const void*>(static_cast<const float*>(x.bias) + off)
                                           : static_cast<const void*>(static_cast<const uint16_t*>(x.bias) + off);
     if (dbacc != nullptr) e.dbias = dbacc + off;
-    e.db_ld = Sk;
   }
   if (x.mask != nullptr) e.mask = x.mask + b * x.mask_stride_b + h * x.mask_stride_h;
   if (x.q_segment_ids != nullptr) {
@@ -1453,7 +1454,7 @@ __attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const
     }
     cx = splat(kLog2e);
   }
-  float* dbr = e.dbias != nullptr ? e.dbias + i * e.db_ld + (k0 - e.db_col0) : nullptr;
+  float* dbr = e.dbias != nullptr ? e.dbias + i * e.ld + k0 : nullptr;
   for (int64_t t = 0; t < nkp; t += W) {
     const vi idx = iota + splat_i(static_cast<int32_t>(t));
     vf pv = exp2v(vfma(loadv(prow + t), cx, Lv) + loadv(xrow + t));
@@ -1491,20 +1492,14 @@ struct BwdProblem {
   int64_t Sq = 0, Sk = 0;
 };
 
-struct NoFlush {
-  void operator()(int64_t, int64_t, int64_t) const {}
-};
-
 // Key block kb of kv head hk: writes its dK, dV rows and adds its dQ terms to
 // the dq accumulator rows of the group's q heads. x, b: the dense targets'
-// extras and batch entry. With a bias, dS goes to the fp32 dbias accumulator
-// dbacc (bias layout), or, when dbpriv is set, to the private tile dbpriv
-// [Sq][BK] (columns of this key block), after each q head h of which
-// flush(h, r0, r1) runs: rows [r0, r1) of the tile may be nonzero.
-template <typename T, int D, typename Flush = NoFlush>
+// extras and batch entry. With a bias, dS' is added to the fp32 dbias
+// accumulator dbacc (bias layout), q head by q head (ascending), q block by q
+// block (ascending).
+template <typename T, int D>
 void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const AttentionAttrs& a, int64_t hk, int64_t kb,
-               const ScoreExtras* x, int64_t b, float* dbacc, float* ws, float* dbpriv = nullptr,
-               const Flush& flush = Flush()) {
+               const ScoreExtras* x, int64_t b, float* dbacc, float* ws) {
   constexpr int BQ = kBwdBq, BK = kBwdBk;
 #if FLASHGEN_CPU_BF16_DOT
   constexpr bool BF = std::is_same<T, bf16>::value;
@@ -1584,11 +1579,6 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
     const int64_t h = hk * G + g;
     HeadExtras e;
     if (x != nullptr) e = head_extras(*x, b, h, Sq, Sk, dbacc);
-    if (dbpriv != nullptr && e.bias != nullptr) {
-      e.dbias = dbpriv;
-      e.db_ld = BK;
-      e.db_col0 = k0;
-    }
     for (int64_t qb = qstart / BQ; qb < qbend; ++qb) {
       const int64_t q0 = qb * BQ;
       const int64_t nq = std::min<int64_t>(BQ, Sq - q0);
@@ -1689,7 +1679,6 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         gemm<float, true>(nq, D, nk, dS, BK, 1, Kp, ldk, dq_rows, ldq);  // dQ += dS K
       }
     }
-    if (dbpriv != nullptr) flush(h, qstart, qend);
   }
   for (int64_t j = 0; j < nk; ++j) {
     store_from_f32<T>(dKa + j * D, pr.dk + ((k0 + j) * Hkv + hk) * D, D, 1.0f);
@@ -1934,21 +1923,23 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
                Workers* workers) {
   const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   const int64_t G = Hq / Hkv;
-  const int nthreads =
-      threads_for(num_threads, 10.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(std::max(Sq, Sk))) * D);
+  const double bwd_flops = 10.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(std::max(Sq, Sk))) * D;
+  const int nthreads = threads_for(num_threads, bwd_flops);
   const int light_threads = threads_for(nthreads, 8.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * D);
 
   AlignedFloats lse2(size_t(B * Hq * Sq)), Drow(size_t(B * Hq * Sq));
   bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
 
-  // dbias: fp32 accumulator (dbias itself when f32). When no two items
-  // (batch entry, kv head) share a dbias slot, each owns its slots and writes
-  // them directly (zeroing each key block's columns first). When the bias
-  // broadcasts over the batch or over kv-head groups, the accumulator is zeroed
-  // first and each item adds dS in a private [Sq][BK] tile per (q head, key
-  // block), flushed into the shared accumulator under a lock striped by
-  // (slot, key block): race-free, but the order of those additions (and so the
-  // last bits of dbias) may vary from run to run.
+  // dbias: fp32 accumulator (dbias itself when f32), bias layout. When no two
+  // (batch entry, kv head) pairs share a dbias slot, the work items are
+  // (batch entry, kv head, key chunk) and each owns its slots' columns of its
+  // key blocks: it zeroes them, then adds dS' into them directly. When the
+  // bias broadcasts over the batch or over kv-head groups ("shared slots"),
+  // the pairs that share slots form a group and the items are (group, key
+  // chunk): per key block, the item zeroes the group's slot columns, then runs
+  // the group's pairs in a fixed order (batch entry, then kv head). Every dbias
+  // element is accumulated by one item in one order, whatever the threads: no
+  // locks, and bit-reproducible.
   const bool has_db = x != nullptr && x->bias != nullptr && x->dbias != nullptr;
   const int64_t sb = has_db ? x->bias_stride_b : 0, sh = has_db ? x->bias_stride_h : 0;
   const bool db_shared = has_db && ((sb == 0 && B > 1) || (sh == 0 && Hkv > 1));
@@ -1956,28 +1947,50 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   const bool db_direct = has_db && x->bias_type == ElemType::F32;
   AlignedFloats dbbuf(has_db && !db_direct ? db_elems : 0);
   float* dbacc = !has_db ? nullptr : db_direct ? static_cast<float*>(x->dbias) : dbbuf.p;
-  constexpr int kStripes = 64;
-  std::mutex stripes[kStripes];
-  if (db_shared) {
-    const int64_t per = 16384, nitems = (int64_t(db_elems) + per - 1) / per;
-    parallel_for(
-        nitems, light_threads,
-        [&](int64_t it, int) {
-          const int64_t e0 = it * per, len = std::min<int64_t>(per, int64_t(db_elems) - e0);
-          std::memset(dbacc + e0, 0, sizeof(float) * size_t(len));
-        },
-        workers);
-  }
 
-  // Split each (batch, kv head)'s key blocks into interleaved chunks when there
-  // are too few of them to keep the threads busy.
+  // Split each (batch, kv head)'s (or each shared-slot group's) key blocks into
+  // interleaved chunks when there are too few of them to keep the threads
+  // busy; dq then accumulates per chunk and the chunks are summed in order at
+  // the end. With shared slots the chunk count follows the threads of the
+  // machine (default_num_threads()), not num_threads, so dq too is the same
+  // for every num_threads.
   const int64_t nkb = (Sk + kBwdBk - 1) / kBwdBk;
-  const int64_t nbh = B * Hkv;
-  const int64_t nchunks = pick_chunks(nbh, nkb, nthreads);
+  const int64_t gB = db_shared && sb != 0 ? B : 1, gH = db_shared && sh != 0 ? Hkv : 1;  // groups: gB x gH
+  const int64_t pB = db_shared ? B / gB : 1, pH = db_shared ? Hkv / gH : 1;              // pairs per group
+  const int64_t nbh = db_shared ? gB * gH : B * Hkv;
+  const int64_t nchunks = pick_chunks(nbh, nkb, db_shared ? threads_for(default_num_threads(), bwd_flops) : nthreads);
   const bool direct = std::is_same<T, float>::value && nchunks == 1;
   const size_t dq_elems = size_t(B * Sq * Hq * D);
   AlignedFloats dqbuf(direct ? 0 : dq_elems * nchunks);
   float* dqacc = direct ? reinterpret_cast<float*>(dq) : dqbuf.p;
+
+  auto problem = [&](int64_t b, float* slab) {
+    BwdProblem<T> p;
+    p.q = q + b * Sq * Hq * D;
+    p.dout = dout + b * Sq * Hq * D;
+    p.k = k + b * Sk * Hkv * D;
+    p.v = v + b * Sk * Hkv * D;
+    p.dk = dk + b * Sk * Hkv * D;
+    p.dv = dv + b * Sk * Hkv * D;
+    p.dqacc = slab + b * Sq * Hq * D;
+    p.lse2 = lse2.p + b * Hq * Sq;
+    p.Drow = Drow.p + b * Hq * Sq;
+    p.lse_hs = Sq;
+    p.Sq = Sq;
+    p.Sk = Sk;
+    return p;
+  };
+  auto zero_dq = [&](float* slab, int64_t b, int64_t hk) {
+    for (int64_t i = 0; i < Sq; ++i)
+      std::memset(slab + ((b * Sq + i) * Hq + hk * G) * D, 0, sizeof(float) * size_t(G * D));
+  };
+  // Zeroes columns [k0, k0 + nk) of the slots of batch entry b, q heads [h0, h1).
+  auto zero_db = [&](int64_t b, int64_t h0, int64_t h1, int64_t k0, int64_t nk) {
+    for (int64_t h = h0; h < h1; ++h) {
+      float* base = dbacc + b * sb + h * sh + k0;
+      for (int64_t i = 0; i < Sq; ++i) std::memset(base + i * Sk, 0, sizeof(float) * size_t(nk));
+    }
+  };
 
   const int64_t n = nbh * nchunks;
   const int nt = static_cast<int>(std::min<int64_t>(nthreads, n));
@@ -1985,52 +1998,32 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
       n, nt,
       [&](int64_t item, int) {
         const int64_t c = item % nchunks, bh = item / nchunks;
-        const int64_t b = bh / Hkv, hk = bh % Hkv;
         float* slab = dqacc + c * dq_elems;
-        for (int64_t i = 0; i < Sq; ++i)
-          std::memset(slab + ((b * Sq + i) * Hq + hk * G) * D, 0, sizeof(float) * size_t(G * D));
         float* ws = thread_workspace(bwd_ws_floats<D>());
-        BwdProblem<T> p;
-        p.q = q + b * Sq * Hq * D;
-        p.dout = dout + b * Sq * Hq * D;
-        p.k = k + b * Sk * Hkv * D;
-        p.v = v + b * Sk * Hkv * D;
-        p.dk = dk + b * Sk * Hkv * D;
-        p.dv = dv + b * Sk * Hkv * D;
-        p.dqacc = slab + b * Sq * Hq * D;
-        p.lse2 = lse2.p + b * Hq * Sq;
-        p.Drow = Drow.p + b * Hq * Sq;
-        p.lse_hs = Sq;
-        p.Sq = Sq;
-        p.Sk = Sk;
-        AlignedFloats priv(db_shared ? size_t(Sq) * kBwdBk : 0);
-        if (db_shared) std::memset(priv.p, 0, sizeof(float) * size_t(Sq) * kBwdBk);
+        if (db_shared) {
+          // Group (gb, gh): batch entries [b0, b0 + pB) x kv heads [h0, h0 + pH).
+          const int64_t b0 = (bh / gH) * pB, h0 = (bh % gH) * pH;
+          for (int64_t b = b0; b < b0 + pB; ++b)
+            for (int64_t hk = h0; hk < h0 + pH; ++hk) zero_dq(slab, b, hk);
+          for (int64_t kb = c; kb < nkb; kb += nchunks) {
+            const int64_t k0 = kb * kBwdBk, nk = std::min<int64_t>(kBwdBk, Sk - k0);
+            // The group's slots: batch entry b0 (sb != 0) or 0, q heads of [h0, h0 + pH) (sh != 0) or head 0.
+            zero_db(b0, h0 * G, sh ? (h0 + pH) * G : 1, k0, nk);
+            for (int64_t b = b0; b < b0 + pB; ++b) {
+              const BwdProblem<T> p = problem(b, slab);
+              for (int64_t hk = h0; hk < h0 + pH; ++hk) bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
+            }
+          }
+          return;
+        }
+        const int64_t b = bh / Hkv, hk = bh % Hkv;
+        zero_dq(slab, b, hk);
+        const BwdProblem<T> p = problem(b, slab);
         for (int64_t kb = c; kb < nkb; kb += nchunks) {
           const int64_t k0 = kb * kBwdBk, nk = std::min<int64_t>(kBwdBk, Sk - k0);
-          if (db_shared) {
-            // Adds rows [r0, r1) of the tile to q head h's slot and zeroes them.
-            auto flush = [&](int64_t h, int64_t r0, int64_t r1) {
-              const int64_t slot = b * sb + h * sh;
-              float* dst = dbacc + slot + k0;
-              std::lock_guard<std::mutex> lock(stripes[size_t((slot / std::max<int64_t>(1, Sq * Sk) * nkb + kb) %
-                                                              kStripes)]);
-              for (int64_t i = r0; i < r1; ++i) {
-                float* t = priv.p + i * kBwdBk;
-                for (int64_t j = 0; j < nk; ++j) dst[i * Sk + j] += t[j];
-                std::memset(t, 0, sizeof(float) * size_t(nk));
-              }
-            };
-            bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws, priv.p, flush);
-          } else {
-            if (dbacc != nullptr) {
-              // This item owns the slots of (b, heads of hk): zero the block's columns.
-              for (int64_t h = hk * G; h < (sh ? (hk + 1) * G : hk * G + 1); ++h) {
-                float* base = dbacc + b * sb + h * sh + k0;
-                for (int64_t i = 0; i < Sq; ++i) std::memset(base + i * Sk, 0, sizeof(float) * size_t(nk));
-              }
-            }
-            bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
-          }
+          // This item owns the slots of (b, heads of hk): zero the block's columns.
+          if (dbacc != nullptr) zero_db(b, hk * G, sh ? (hk + 1) * G : hk * G + 1, k0, nk);
+          bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
         }
       },
       workers);
