@@ -107,7 +107,7 @@ def _check_extras(extras, operands, b, sq, sk, hq, q_elt: str) -> list[ir.Type]:
 
 
 def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
-                 extras=()) -> list[ir.Type]:
+                 extras=(), dbias: bool = True) -> list[ir.Type]:
     """Check operand types against the spec (README "KernelSpec and the custom calls");
     return the call's result types."""
     extras = normalize_extras(extras)
@@ -159,11 +159,11 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
         raise ValueError(f"mismatched shapes: q {q}, k {k}, v {v}")
     sk = k.shape[1]
     nfixed = 3 if direction == "fwd" else 6
-    dbias = _check_extras(extras, operands[nfixed:], b, sq, sk, hq, str(q.element_type))
+    dbias_type = _check_extras(extras, operands[nfixed:], b, sq, sk, hq, str(q.element_type))
     if direction == "fwd":
         return [q, lse]
     _check_saved(operands, q, lse)
-    return [q, k, v, *dbias]
+    return [q, k, v, *(dbias_type if dbias else [])]
 
 
 def _check_saved(operands, q: ir.Type, lse: ir.Type) -> None:
@@ -184,7 +184,7 @@ def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:
 
 def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value], *,
                      scale: float, bottom_right: bool = False, window=(-1, -1),
-                     softcap: float = 0.0, extras=(), max_seqlen=None,
+                     softcap: float = 0.0, extras=(), max_seqlen=None, dbias: bool = True,
                      legacy_attrs: bool = False,
                      sharding_rule: bool = True,
                      loc: ir.Location | None = None, ip: ir.InsertionPoint | None = None
@@ -194,7 +194,8 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
 
     `direction` is one of spec.DIRECTIONS; dense calls take the operands that `extras`
     names after the fixed ones (README "Variants"), varlen calls need
-    `max_seqlen=(max_seqlen_q, max_seqlen_k)`.
+    `max_seqlen=(max_seqlen_q, max_seqlen_k)`. A dense backward with a bias returns dbias
+    unless `dbias=False` (then the kernel does no dbias work).
 
     Must be called inside an active MLIR context with the stablehlo dialect
     loaded; `ip`/`loc` default to the current insertion point and location.
@@ -202,7 +203,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     an `sdy.sharding_rule` so SPMD partitioning splits it over batch and heads
     (flashgen/jax/sharding.py); it changes nothing on one device.
     """
-    types = result_types(spec, direction, operands, extras)
+    types = result_types(spec, direction, operands, extras, dbias)
     attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap, extras,
                                  direction, max_seqlen)
     name = spec.target_name(direction)
@@ -220,7 +221,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
         from flashgen.jax.sharding import context_has_sdy, sharding_rule_attr
         if context_has_sdy(op.context):
             op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
-                direction, [list(x.type.shape) for x in operands], normalize_extras(extras))
+                direction, [list(x.type.shape) for x in operands], normalize_extras(extras), dbias)
     return list(op.results)
 
 

@@ -190,7 +190,7 @@ SIGNATURES = {
     },
     "bwd": {
         "operands": ["q", "k", "v", "o", "lse:f32", "do", "*extras"],
-        "results": ["dq", "dk", "dv", "dbias (iff extras has bias)"],
+        "results": ["dq", "dk", "dv", "dbias (optional, only with extras bias)"],
     },
     "fwd_varlen": {
         "operands": ["q[Tq,Hq,D]", "k[Tk,Hkv,D]", "v[Tk,Hkv,D]", "cu_seqlens_q[B+1]:i32",

@@ -389,3 +389,22 @@ def test_one_token_gqa_decode_folds_heads_exactly(rng, causal, bottom_right):
     np.testing.assert_allclose(np.asarray(lse), rlse, rtol=1e-5, atol=1e-5)
     for g, r in zip(vjp((do, jnp.zeros_like(lse))), rg):
         assert _rel(g, r) < 1e-4
+
+
+def test_fixed_bias_costs_no_dbias(rng):
+    """A bias that is not differentiated: the backward call has no dbias result (no dbias
+    work); differentiating the bias brings it back. Gradients are the same either way."""
+    q, k, v, do = _qkv(rng, "f32", 2, 33, 33, 2, 2, 32)
+    bias = jnp.asarray(rng.standard_normal((1, 2, 33, 33)), jnp.float32)
+    f = lambda q, b: jnp.sum(flash_attention(q, k, v, b, causal=True) * do)
+
+    def bwd_results(argnums):
+        text = jax.jit(jax.grad(f, argnums)).lower(q, bias).as_text()
+        (line,) = [l for l in text.splitlines() if "flashgen_bwd_d32_f32_causal" in l]
+        return line.split("->")[-1].count("tensor<")
+    assert bwd_results(0) == 3 and bwd_results(1) == 4 and bwd_results((0, 1)) == 4
+    dq_fixed = jax.grad(f, 0)(q, bias)
+    dq, dbias = jax.grad(f, (0, 1))(q, bias)
+    np.testing.assert_array_equal(dq_fixed, dq)
+    ref = reference.attention(q, k, v, causal=True, bias=bias, do=do)[2]
+    assert _rel(dq, ref[0]) < 1e-4 and _rel(dbias, ref[3]) < 1e-4

@@ -144,9 +144,9 @@ inline ffi::Error broadcast_strides(const char* target, const char* name, Dims d
 }
 
 // Decodes the operands `extras` names from `args` (exactly those, in order) and
-// checks their types and shapes. `dbias` (backward): the results after dq, dk, dv,
-// which must be exactly one buffer like the bias iff extras has bias; null in the
-// forward.
+// checks their types and shapes. `dbias` (backward): the results after dq, dk, dv:
+// with a bias, none (the bias is not differentiated: no dbias work) or one buffer
+// like the bias; without, none. Null in the forward.
 inline ffi::ErrorOr<ScoreExtras> decode_extras(const char* target, std::string_view extras,
                                                const ffi::RemainingArgs& args, const AttentionShape& s,
                                                ffi::DataType q_type, const ffi::RemainingRets* dbias) {
@@ -213,10 +213,10 @@ inline ffi::ErrorOr<ScoreExtras> decode_extras(const char* target, std::string_v
     x.kv_segment_ids = static_cast<const int32_t*>(bk.value().untyped_data());
   }
   if (dbias != nullptr) {
-    if (dbias->size() != (n.bias ? 1u : 0u))
-      return fail(std::string("the backward returns dq, dk, dv") + (n.bias ? " and dbias" : "") + " but the call has " +
-                  std::to_string(3 + dbias->size()) + " results");
-    if (n.bias) {
+    if (dbias->size() > (n.bias ? 1u : 0u))
+      return fail(std::string("the backward returns dq, dk, dv") + (n.bias ? " and optionally dbias" : "") +
+                  " but the call has " + std::to_string(3 + dbias->size()) + " results");
+    if (n.bias && dbias->size() == 1) {
       auto r = dbias->get<ffi::AnyBuffer>(0);
       if (r.has_error()) return fail("dbias is not a buffer");
       ffi::AnyBuffer db = *r.value();

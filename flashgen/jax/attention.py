@@ -78,78 +78,67 @@ def _fold_vmap(call, fold: bool = True):
 
 @functools.cache
 def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1, -1), softcap=0.0,
-                  extras=()):
+                  extras=(), dbias: bool = True):
     # The FFI calls, carrying the batch/head sharding rule (flashgen/jax/sharding.py).
     # Extra operands (bias, masks, ...) follow the fixed ones; they may broadcast over the
-    # batch, so a vmap maps the call instead of folding it into the batch.
+    # batch, so a vmap maps the call instead of folding it into the batch. With a bias, the
+    # backward returns dbias unless `dbias` is False.
     attrs = dict(scale=scale, bottom_right=bottom_right, window=window, softcap=softcap, extras=extras)
 
     def fwd(q, k, v, *extra):
         return sharding.kernel_call(spec, "fwd", (q, k, v, *extra), **attrs)
 
     def bwd(q, k, v, o, lse, do, *extra):
-        return sharding.kernel_call(spec, "bwd", (q, k, v, o, lse, do, *extra), **attrs)
+        return sharding.kernel_call(spec, "bwd", (q, k, v, o, lse, do, *extra), dbias=dbias, **attrs)
 
     return _fold_vmap(fwd, not extras), _fold_vmap(bwd, not extras)
 
 
 # `mask` = (bottom_right, window, softcap, extras): the runtime attributes besides scale;
 # `ex` = the extra operands that `extras` names (README "Variants"). Only a bias has a
-# gradient; ALiBi slopes, masks and segment ids get none.
-def _extra_cotangents(mask, ex, dbias):
-    extras = mask[3]
+# gradient (None: a symbolic zero); ALiBi slopes, masks and segment ids get none.
+def _extra_cotangents(mask, dbias):
     cts = []
-    for name in extras:
-        cts += [dbias[0]] if name == "bias" else [None] * len(EXTRAS[name])
+    for name in mask[3]:
+        cts += [dbias[0] if dbias else None] if name == "bias" else [None] * len(EXTRAS[name])
     return tuple(cts)
 
 
+def _bias_index(mask) -> int:
+    return 1 if mask[3][0] == "alibi" else 0
+
+
+# (o, lse), differentiable in both, with symbolic zeros: a bias that is not being
+# differentiated (not perturbed) costs no dbias work in the backward, and an lse nobody
+# uses costs nothing. d lse_i / d s_ij = p_ij, so an lse cotangent adds p_ij * dlse_i to
+# dS. The backward kernel computes dS = p * (dP - Dsum) with dP = dO v^T and Dsum =
+# rowsum(dO * o); one more call of it with v' = e_0 (every key's value is the first unit
+# vector), o' = 0 and dO'_i = dlse_i * e_0 gives dP - Dsum = dlse_i, i.e. exactly the lse
+# term of dq, dk (and dbias; its dv is dropped). That second call runs only when the lse
+# cotangent is not a symbolic zero.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q, k, v, ex, spec, scale, mask):
-    return _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)[0]
-
-
-def _attention_fwd(q, k, v, ex, spec, scale, mask):
-    o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
-    return o, (q, k, v, ex, o, lse)
-
-
-def _attention_bwd(spec, scale, mask, res, do):
-    q, k, v, ex, o, lse = res
-    dq, dk, dv, *dbias = _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do, *ex)
-    return dq, dk, dv, _extra_cotangents(mask, ex, dbias)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-# return_lse=True: (o, lse), differentiable in both. d lse_i / d s_ij = p_ij, so an lse
-# cotangent adds p_ij * dlse_i to dS. The backward kernel computes dS = p * (dP - Dsum)
-# with dP = dO v^T and Dsum = rowsum(dO * o); one more call of it with v' = e_0 (every
-# key's value is the first unit vector), o' = 0 and dO'_i = dlse_i * e_0 gives
-# dP - Dsum = dlse_i, i.e. exactly the lse term of dq, dk (and dbias; its dv is dropped).
-# That second call runs only when the lse cotangent is not a symbolic zero.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention_lse(q, k, v, ex, spec, scale, mask):
     return _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
 
 
-def _attention_lse_fwd(q, k, v, ex, spec, scale, mask):
+def _attention_fwd(q, k, v, ex, spec, scale, mask):
+    with_dbias = "bias" in mask[3] and ex[_bias_index(mask)].perturbed
     q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros wraps the primals
     ex = tuple(x.value for x in ex)
     o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
-    return (o, lse), (q, k, v, ex, o, lse)
+    # The flag travels as pytree structure (residual leaves must be arrays): () or None.
+    return (o, lse), (q, k, v, ex, o, lse, () if with_dbias else None)
 
 
-def _attention_lse_bwd(spec, scale, mask, res, cts):
-    q, k, v, ex, o, lse = res
+def _attention_bwd(spec, scale, mask, res, cts):
+    q, k, v, ex, o, lse, flag = res
+    with_dbias = flag is not None
     do, dlse = cts
     zero = jax.custom_derivatives.SymbolicZero
-    bwd = _kernel_calls(spec, scale, *mask)[1]
-    has_bias = "bias" in mask[3]
+    bwd = _kernel_calls(spec, scale, *mask, dbias=with_dbias)[1]
     if isinstance(do, zero):
         dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-        dbias = [jnp.zeros_like(ex[_bias_index(mask)])] if has_bias else []
+        dbias = [jnp.zeros_like(ex[_bias_index(mask)])] if with_dbias else []
     else:
         dq, dk, dv, *dbias = bwd(q, k, v, o, lse, do, *ex)
     if not isinstance(dlse, zero):
@@ -159,14 +148,10 @@ def _attention_lse_bwd(spec, scale, mask, res, cts):
         dq1, dk1, _, *dbias1 = bwd(q, k, v1, jnp.zeros_like(o), lse, do1, *ex)
         dq, dk = dq + dq1, dk + dk1
         dbias = [a + b for a, b in zip(dbias, dbias1)]
-    return dq, dk, dv, _extra_cotangents(mask, ex, dbias)
+    return dq, dk, dv, _extra_cotangents(mask, dbias)
 
 
-def _bias_index(mask) -> int:
-    return 1 if mask[3][0] == "alibi" else 0
-
-
-_attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd, symbolic_zeros=True)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
@@ -213,11 +198,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
         q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False
     spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
     q, k, v, *ex = sharding.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
-    if return_lse:
-        o, lse = _attention_lse(q, k, v, tuple(ex), spec, scale, attrs)
-        return (_unfold_group(o, query.shape[2]), lse.reshape(lse.shape[0], -1, 1)) if fold else (o, lse)
-    o = _attention(q, k, v, tuple(ex), spec, scale, attrs)
-    return _unfold_group(o, query.shape[2]) if fold else o
+    o, lse = _attention(q, k, v, tuple(ex), spec, scale, attrs)
+    if fold:
+        o, lse = _unfold_group(o, query.shape[2]), lse.reshape(lse.shape[0], -1, 1)
+    return (o, lse) if return_lse else o
 
 
 # One-token decode with GQA: the G query heads of a kv head sit at the same (last) position and

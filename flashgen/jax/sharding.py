@@ -52,7 +52,7 @@ BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 # --------------------------------------------------------------------------------------
 # The Shardy rule (MLIR attributes only; flashgen.emit uses it too).
 
-def _rule_mappings(direction: str, shapes, extras=()):
+def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
     """Factor names per operand and result, and the factor sizes. A tuple is a compound
     dimension (major first); a broadcast (size-1) dimension gets a factor of its own, u0, u1..."""
     q_shape, kv_shape = shapes[0], shapes[1]
@@ -101,14 +101,16 @@ def _rule_mappings(direction: str, shapes, extras=()):
     if direction == "fwd":
         return fixed + extra, [q, lse], sizes
     if direction == "bwd":
-        return fixed + extra, [q, kv, kv] + dbias, sizes
+        return fixed + extra, [q, kv, kv] + (dbias if with_dbias else []), sizes
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
-def sharding_rule_attr(direction: str, shapes, extras=()) -> ir.Attribute:
+def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = True) -> ir.Attribute:
     """The ``#sdy.op_sharding_rule`` of one flashgen call (inside an MLIR context with sdy);
-    `shapes` are the operands' shapes, in call order."""
-    operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras)
+    `shapes` are the operands' shapes, in call order; `with_dbias`: a backward with a bias
+    returns dbias."""
+    operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras,
+                                              with_dbias)
     order = ("b", "s", "g", "h", "d", "t", "c", "n", "p", "m") + tuple(
         sorted(f for f in sizes if f.startswith("u")))
     used = [f for f in order
@@ -251,10 +253,10 @@ def _shardings_for(direction, plan):
     return [qs, kvs, kvs, qs, lses, qs], [qs, kvs, kvs]
 
 
-def _plan_for(direction, base, shapes, extras):
-    """_plan, except that a backward with a bias broadcast over batch or heads keeps that dim
-    whole: its dbias sums over it, which per-device calls cannot do."""
-    if direction == "bwd" and "bias" in extras and base is not None and base.is_tiled():
+def _plan_for(direction, base, shapes, extras, with_dbias):
+    """_plan, except that a backward returning the dbias of a bias broadcast over batch or
+    heads keeps that dim whole: dbias sums over it, which per-device calls cannot do."""
+    if with_dbias and base is not None and base.is_tiled():
         bias = shapes[6 + _bias_operand(extras)]
         whole = [dim for dim, n in ((BATCH, bias[0]), (HEADS, bias[1])) if n == 1]
         if whole:
@@ -336,6 +338,9 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
     spec, direction, scale, bottom_right, extra = _parse_call(name, backend_string)
     shapes = [tuple(s.dimensions()) for s in arg_shapes]
     elements = [str(np.dtype(s.numpy_dtype())) for s in arg_shapes]
+    with_dbias = direction == "bwd" and len(result_shape.tuple_shapes()) == 4
+    if direction == "bwd":
+        extra["dbias"] = with_dbias
     if any(s is not None and s.is_manual() for s in arg_shardings):
         # Inside a fully manual region the call already sees local shapes.
         operand_sh = [xc.HloSharding.manual()] * len(shapes)
@@ -343,7 +348,7 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
         local = shapes
     else:
         plan = _plan_for(direction, _base_sharding(arg_shardings, result_sharding), shapes,
-                         extra["extras"])
+                         extra["extras"], with_dbias)
         operand_sh, result_sh = _shardings_for(direction, plan)
         extra_sh = _extra_shardings(plan[0], shapes[len(operand_sh):], extra["extras"])
         if extra_sh is None:  # a tiling the extras cannot follow: the call runs whole
@@ -351,7 +356,7 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
             operand_sh, result_sh = _shardings_for(direction, plan)
             extra_sh = [plan[0]] * (len(shapes) - len(operand_sh))
         operand_sh = operand_sh + extra_sh
-        if direction == "bwd" and "bias" in extra["extras"]:
+        if with_dbias:
             result_sh = result_sh + [extra_sh[_bias_operand(extra["extras"])]]
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
     module = _local_module(spec, direction, local, elements, scale, bottom_right, extra)
@@ -367,14 +372,15 @@ def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_
         shapes = [tuple(s.dimensions()) for s in arg_shapes]
         direction = parse_target_name(name)[0]
         extras = _parse_call(name, backend_string)[4]["extras"]
-        plan = _plan_for(direction, base, shapes, extras)
+        with_dbias = direction == "bwd" and len(result_shape.tuple_shapes()) == 4
+        plan = _plan_for(direction, base, shapes, extras, with_dbias)
         _, result_sh = _shardings_for(direction, plan)
         nfixed = 3 if direction == "fwd" else 6
         if len(shapes) > nfixed:  # extras; the backward's dbias follows the bias
             extra_sh = _extra_shardings(plan[0], shapes[nfixed:], extras)
             if extra_sh is None:
                 return None
-            if direction == "bwd" and "bias" in extras:
+            if with_dbias:
                 result_sh = result_sh + [extra_sh[_bias_operand(extras)]]
         return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
     except Exception:  # noqa: BLE001 - fall back to XLA's default (replicated) choice
@@ -419,10 +425,10 @@ _kernel_p = Primitive("flashgen_kernel")
 _kernel_p.multiple_results = True
 
 
-def _abstract_eval(*avals, target, direction, attrs):
+def _abstract_eval(*avals, target, direction, attrs, dbias):
     q = avals[0]
     if direction.startswith("bwd"):
-        dbias = [avals[6 + _extra_position(attrs, "bias")]] if "bias" in _extras_of(attrs) else []
+        dbias = [avals[6 + _extra_position(attrs, "bias")]] if dbias else []
         return [a.update(weak_type=False) for a in [*avals[:3], *dbias]]
     if direction == "fwd_varlen":
         lse = q.update(shape=(q.shape[1], q.shape[0]), dtype=jnp.float32, weak_type=False)
@@ -453,18 +459,18 @@ def _fully_manual(ctx) -> bool:
     return bool(manual) and mesh is not None and set(manual) == set(mesh.axis_names)
 
 
-def _lowering(ctx, *args, target, direction, attrs):
+def _lowering(ctx, *args, target, direction, attrs, dbias):
     extra = {}
     if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx):
         extra["sdy.sharding_rule"] = sharding_rule_attr(
-            direction, [a.shape for a in ctx.avals_in], _extras_of(attrs))
+            direction, [a.shape for a in ctx.avals_in], _extras_of(attrs), dbias)
     rule = jax.ffi.ffi_lowering(target, extra_attributes=extra or None)
     return rule(ctx, *args, **dict(attrs))
 
 
-@functools.partial(jax.jit, static_argnames=("target", "direction", "attrs"))
-def _apply(*args, target, direction, attrs):
-    return _kernel_p.bind(*args, target=target, direction=direction, attrs=attrs)
+@functools.partial(jax.jit, static_argnames=("target", "direction", "attrs", "dbias"))
+def _apply(*args, target, direction, attrs, dbias):
+    return _kernel_p.bind(*args, target=target, direction=direction, attrs=attrs, dbias=dbias)
 
 
 _kernel_p.def_abstract_eval(_abstract_eval)
@@ -489,10 +495,12 @@ def match_varying(*operands):
 
 
 def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool,
-                window=(-1, -1), softcap: float = 0.0, extras=(), max_seqlen=None):
+                window=(-1, -1), softcap: float = 0.0, extras=(), max_seqlen=None,
+                dbias: bool = True):
     """Bind one flashgen kernel (`direction` one of spec.DIRECTIONS; operands as README
     "KernelSpec and the custom calls" lists them, the dense ones followed by the operands
-    `extras` names). Passes every attribute of spec.ATTRIBUTES[direction] with its exact type."""
+    `extras` names; a dense backward with a bias also returns dbias unless `dbias=False`).
+    Passes every attribute of spec.ATTRIBUTES[direction] with its exact type."""
     register_partitioners()
     operands = match_varying(*operands)
     left, right = window
@@ -503,8 +511,9 @@ def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bot
         attrs.append(("extras", ",".join(normalize_extras(extras))))
     elif direction.endswith("varlen"):
         attrs += [("max_seqlen_k", np.int32(max_seqlen[1])), ("max_seqlen_q", np.int32(max_seqlen[0]))]
+    with_dbias = bool(dbias) and direction == "bwd" and "bias" in normalize_extras(extras)
     return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),
-                                direction=direction, attrs=tuple(sorted(attrs))))
+                                direction=direction, attrs=tuple(sorted(attrs)), dbias=with_dbias))
 
 
 # --------------------------------------------------------------------------------------
