@@ -187,6 +187,41 @@ if CHILD:
         for g, g0 in zip(grads, grads0):
             np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-5)
 
+    def test_varlen_splits_heads_and_paged_splits_batch_and_heads(rng, mesh):
+        """Packed varlen calls run on local heads (tokens and cu_seqlens whole), paged calls
+        on local batch and heads (caches split by kv head): no collectives, exact."""
+        from flashgen.jax import flash_attention_paged, flash_attention_varlen
+        t = 64
+        q, k, v = (jnp.asarray(rng.standard_normal((t, h, D)), jnp.float32) for h in (HQ, HKV, HKV))
+        cu = jnp.asarray([0, 20, 20, 64], jnp.int32)
+        f = lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 44, 44, causal=True)
+        step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2)))
+        hs = NamedSharding(mesh, P(None, "model", None))
+        args = [jax.device_put(x, hs) for x in (q, k, v)]
+        compiled = step.lower(*args).compile()
+        _no_data_movement(compiled.as_text())
+        (l, g), (l0, g0) = compiled(*args), step(q, k, v)
+        np.testing.assert_allclose(l, l0, rtol=1e-6)
+        for a, b in zip(g, g0):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+            assert a.sharding.spec == P(None, "model", None)
+
+        nb, bs = 12, 16
+        kc, vc = (jnp.asarray(rng.standard_normal((nb, bs, HKV, D)), jnp.float32) for _ in "kv")
+        qp = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+        table = jnp.asarray(rng.permutation(nb)[:B * 3].reshape(B, 3), jnp.int32)
+        used = jnp.asarray([40, 3, 48, 0], jnp.int32)
+        fp = jax.jit(lambda q, kc, vc, t, u: flash_attention_paged(q, kc, vc, t, u, causal=True,
+                                                                   bottom_right=True))
+        pargs = [jax.device_put(qp, NamedSharding(mesh, P("data", None, "model", None))),
+                 jax.device_put(kc, NamedSharding(mesh, P(None, None, "model", None))),
+                 jax.device_put(vc, NamedSharding(mesh, P(None, None, "model", None))),
+                 jax.device_put(table, NamedSharding(mesh, P("data"))),
+                 jax.device_put(used, NamedSharding(mesh, P("data")))]
+        compiled = fp.lower(*pargs).compile()
+        assert not _collectives(compiled.as_text()), _collectives(compiled.as_text())
+        np.testing.assert_allclose(compiled(*pargs), fp(qp, kc, vc, table, used), rtol=1e-6, atol=1e-6)
+
     def test_gspmd_partitioner_splits_the_same_way(rng, mesh):
         q, k, v = _qkv(rng)
         w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)

@@ -143,8 +143,6 @@ def context_has_sdy(context: ir.Context | None = None) -> bool:
 # --------------------------------------------------------------------------------------
 # XLA custom-call partitioners (HloSharding arithmetic; called by the SPMD partitioner).
 
-# Partitioners serve the dense targets; varlen and paged calls (whose token or cache-block
-# layout is data) keep XLA's default for custom calls: operands replicated.
 _registered = False
 _register_lock = threading.Lock()
 
@@ -216,6 +214,9 @@ def _parse_call(name: str, backend_string: bytes):
             "softcap": ir.FloatAttr(attrs["softcap"]).value if "softcap" in attrs else 0.0,
             "extras": normalize_extras(ir.StringAttr(attrs["extras"]).value if "extras" in attrs else ""),
         }
+        if "max_seqlen_q" in attrs:
+            extra["max_seqlen"] = tuple(ir.IntegerAttr(attrs[n]).value
+                                        for n in ("max_seqlen_q", "max_seqlen_k"))
     return KernelSpec(hd, dtype, causal, "cpu"), direction, scale, bool(bottom_right), extra
 
 
@@ -269,6 +270,45 @@ def _bias_operand(extras) -> int:
     return 1 if extras[0] == "alibi" else 0
 
 
+def _batch_head_devices(qs, batch_dim, head_dim):
+    """q's tile assignment as devices[b, h, rest] (batch_dim None: q has no batch axis), the
+    rest being replicas; None when q's sharding has subgroups other than replication. q's
+    other dims must already be untiled."""
+    if list(qs.subgroup_types()) and not qs.replicate_on_last_tile_dim():
+        return None
+    dims = list(qs.tile_assignment_dimensions())
+    devices = np.asarray(qs.tile_assignment_devices()).reshape(dims)
+    order = ([batch_dim] if batch_dim is not None else []) + [head_dim]
+    devices = devices.transpose(order + [i for i in range(len(dims)) if i not in order])
+    if batch_dim is None:
+        devices = devices[None]
+    return devices.reshape(devices.shape[0], devices.shape[1], -1)
+
+
+def _follow(devices, roles, shape):
+    """The sharding of a tensor whose dims have roles 'b' (batch), 'h' (heads) or None, split as
+    devices[b, h, rest] splits q: b/h where the dim is not of size 1; a factor the tensor
+    lacks, and the rest, become replication."""
+    xc = _xc()
+    keep = [i for i, (role, n) in enumerate(zip(roles, shape)) if role and n > 1]
+    used = [{"b": 0, "h": 1}[roles[i]] for i in keep]
+    arr = devices.transpose(used + [a for a in (0, 1) if a not in used] + [2])
+    tiles = [arr.shape[k] for k in range(len(used))]
+    if all(t == 1 for t in tiles):
+        return xc.HloSharding.replicate()
+    full = [1] * len(shape)
+    for k, i in enumerate(keep):
+        full[i] = tiles[k]
+    op = xc.OpSharding()
+    op.type = xc.OpSharding.Type.OTHER
+    rep = int(np.prod(arr.shape[len(used):]))
+    op.tile_assignment_dimensions = full + ([rep] if rep > 1 else [])
+    op.tile_assignment_devices = [int(x) for x in arr.reshape(-1)]
+    if rep > 1:
+        op.replicate_on_last_tile_dim = True
+    return xc.HloSharding.from_proto(op)
+
+
 def _extra_shardings(qs, shapes, extras):
     """Shardings of the extra operands that follow q's batch/head tiling `qs`: ALiBi slopes
     [Hq] / [B, Hq], bias and mask [1|B, 1|Hq, Sq, Sk], segment ids [B, S]. A dim of size 1
@@ -279,46 +319,53 @@ def _extra_shardings(qs, shapes, extras):
         return []
     if qs.is_replicated():
         return [xc.HloSharding.replicate()] * len(shapes)
-    if list(qs.subgroup_types()) and not qs.replicate_on_last_tile_dim():
+    devices = _batch_head_devices(qs, BATCH, HEADS)
+    if devices is None:
         return None
-    dims = list(qs.tile_assignment_dimensions())
-    devices = np.asarray(qs.tile_assignment_devices()).reshape(dims)
-    # devices[b, s, h, d, (replica)]: keep the batch and head axes, fold the rest.
-    devices = devices.reshape(dims[BATCH], dims[SEQ_Q], dims[HEADS], dims[HEAD_DIM], -1)
-    devices = devices.transpose(0, 2, 1, 3, 4).reshape(dims[BATCH], dims[HEADS], -1)
-
-    def sharding(roles, shape):
-        """roles: per dim 'b', 'h' or None; split b/h where the dim has that size."""
-        keep = [i for i, (role, n) in enumerate(zip(roles, shape)) if role and n > 1]
-        axes = {"b": 0, "h": 1}
-        used = [axes[roles[i]] for i in keep]
-        dropped = [a for a in (0, 1) if a not in used]
-        arr = devices.transpose(used + dropped + [2])
-        tiles = [arr.shape[k] for k in range(len(used))]
-        if all(t == 1 for t in tiles):
-            return xc.HloSharding.replicate()
-        full = [1] * len(shape)
-        for k, i in enumerate(keep):
-            full[i] = tiles[k]
-        op = xc.OpSharding()
-        op.type = xc.OpSharding.Type.OTHER
-        rep = int(np.prod(arr.shape[len(used):]))
-        op.tile_assignment_dimensions = full + ([rep] if rep > 1 else [])
-        op.tile_assignment_devices = [int(x) for x in arr.reshape(-1)]
-        if rep > 1:
-            op.replicate_on_last_tile_dim = True
-        return xc.HloSharding.from_proto(op)
-
     out, it = [], iter(shapes)
     for e in extras:
         if e == "alibi":
             shape = next(it)
-            out.append(sharding(("h",) if len(shape) == 1 else ("b", "h"), shape))
+            out.append(_follow(devices, ("h",) if len(shape) == 1 else ("b", "h"), shape))
         elif e in ("bias", "mask"):
-            out.append(sharding(("b", "h", None, None), next(it)))
+            out.append(_follow(devices, ("b", "h", None, None), next(it)))
         else:
-            out += [sharding(("b", None), next(it)), sharding(("b", None), next(it))]
+            out += [_follow(devices, ("b", None), next(it)), _follow(devices, ("b", None), next(it))]
     return out
+
+
+def _packed_shardings(direction, base, shapes):
+    """(operand, result) shardings of a varlen call (heads split; the packed tokens and
+    cu_seqlens stay whole: sequence boundaries are data) or a paged call (batch and heads
+    split; the caches split by kv head only, their blocks are addressed by global ids)."""
+    xc = _xc()
+    rep = xc.HloSharding.replicate()
+    paged = direction == "fwd_paged"
+    n_results = 2 if direction.startswith("fwd") else 3
+    whole = ([rep] * len(shapes), [rep] * n_results)
+    if base is None or not base.is_tiled() or base.is_replicated():
+        return whole
+    q_shape, hkv = shapes[0], shapes[1][-2]
+    batch_dim, head_dim = (0, 2) if paged else (None, 1)
+    base = _replicate_dims(base, [d for d in range(len(q_shape)) if d not in (batch_dim, head_dim)])
+    if q_shape[head_dim] % base.tile_assignment_dimensions()[head_dim] or \
+            hkv % base.tile_assignment_dimensions()[head_dim]:
+        base = _replicate_dims(base, [head_dim])
+    if paged and q_shape[0] % base.tile_assignment_dimensions()[0]:
+        base = _replicate_dims(base, [0])
+    devices = None if base.is_replicated() else _batch_head_devices(base, batch_dim, head_dim)
+    if devices is None:
+        return whole
+    f = functools.partial(_follow, devices)
+    if paged:
+        q, cache = f(("b", None, "h", None), q_shape), f((None, None, "h", None), shapes[1])
+        lse = f(("b", "h", None), (q_shape[0], q_shape[2], q_shape[1]))
+        return [q, cache, cache, f(("b", None), shapes[3]), f(("b",), shapes[4])], [q, lse]
+    q, kv = f((None, "h", None), q_shape), f((None, "h", None), shapes[1])
+    lse = f(("h", None), (q_shape[1], q_shape[0]))
+    if direction == "fwd_varlen":
+        return [q, kv, kv, rep, rep], [q, lse]
+    return [q, kv, kv, q, lse, q, rep, rep], [q, kv, kv]
 
 
 def _base_sharding(arg_shardings, result_sharding=None):
@@ -346,6 +393,10 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
         operand_sh = [xc.HloSharding.manual()] * len(shapes)
         result_sh = [xc.HloSharding.manual()] * len(result_shape.tuple_shapes())
         local = shapes
+    elif direction not in ("fwd", "bwd"):
+        operand_sh, result_sh = _packed_shardings(direction, _base_sharding(arg_shardings, result_sharding),
+                                                  shapes)
+        local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
     else:
         plan = _plan_for(direction, _base_sharding(arg_shardings, result_sharding), shapes,
                          extra["extras"], with_dbias)
@@ -371,6 +422,9 @@ def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_
             return None
         shapes = [tuple(s.dimensions()) for s in arg_shapes]
         direction = parse_target_name(name)[0]
+        if direction not in ("fwd", "bwd"):
+            result_sh = _packed_shardings(direction, base, shapes)[1]
+            return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
         extras = _parse_call(name, backend_string)[4]["extras"]
         with_dbias = direction == "bwd" and len(result_shape.tuple_shapes()) == 4
         plan = _plan_for(direction, base, shapes, extras, with_dbias)
@@ -403,7 +457,7 @@ def register_partitioners() -> None:
         if _registered:
             return
         xc = _xc()
-        for name in all_target_names(("fwd", "bwd")):
+        for name in all_target_names():
             callbacks = dict(prop_user_sharding=_propagate_user_sharding,
                              partition=functools.partial(_partition, name),
                              infer_sharding_from_operands=functools.partial(_infer_from_operands, name),
