@@ -16,7 +16,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func, stablehlo
 
 from flashgen.mlir_context import new_context
-from flashgen.spec import (EXTRAS, KernelSpec, normalize_dtype, normalize_extras,
+from flashgen.spec import (EXTRAS, PACKED_EXTRAS, KernelSpec, normalize_dtype, normalize_extras,
                            normalize_softcap, normalize_window)
 
 _MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
@@ -31,7 +31,7 @@ def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
                          window=(-1, -1), softcap: float = 0.0, extras=(),
                          direction: str = "fwd", max_seqlen=None) -> ir.DictAttr:
     """The typed attribute dictionary a flashgen handler decodes (spec.ATTRIBUTES[direction]):
-    the six base attributes, plus `extras` (dense) or max_seqlen_q/_k (varlen)."""
+    the six base attributes and `extras`, plus max_seqlen_q/_k for varlen."""
     scale = float(np.float32(scale))
     if not (scale > 0 and np.isfinite(scale)):
         raise ValueError(f"scale must be a finite positive number, got {scale}")
@@ -46,9 +46,8 @@ def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
         "window_right": ir.IntegerAttr.get(i32, right),
         "softcap": ir.FloatAttr.get(ir.F32Type.get(), softcap),
     }
-    if direction in ("fwd", "bwd"):
-        attrs["extras"] = ir.StringAttr.get(",".join(normalize_extras(extras)))
-    elif direction in ("fwd_varlen", "bwd_varlen"):
+    attrs["extras"] = ir.StringAttr.get(",".join(normalize_extras(extras)))
+    if direction in ("fwd_varlen", "bwd_varlen"):
         if max_seqlen is None:
             raise ValueError("varlen calls need max_seqlen=(max_seqlen_q, max_seqlen_k)")
         for name, x in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlen):
@@ -111,8 +110,9 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     """Check operand types against the spec (README "KernelSpec and the custom calls");
     return the call's result types."""
     extras = normalize_extras(extras)
-    if extras and direction not in ("fwd", "bwd"):
-        raise ValueError(f"{spec.target_name(direction)} takes no extras (dense targets only)")
+    if direction not in ("fwd", "bwd") and not set(extras) <= set(PACKED_EXTRAS):
+        raise ValueError(f"{spec.target_name(direction)} takes only the extras "
+                         f"{', '.join(PACKED_EXTRAS)}, got {', '.join(extras)}")
     names = _operand_names(direction, extras)
     if len(operands) != len(names):
         raise ValueError(f"{spec.target_name(direction)} takes {len(names)} operands "
@@ -144,6 +144,7 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
             raise ValueError(f"cu_seqlens_q must be [batch + 1], got {cu}")
         _expect(operands[first], "cu_seqlens_q", [list(cu.shape)], i32)
         _expect(operands[first + 1], "cu_seqlens_k", [list(cu.shape)], i32)
+        _check_extras(extras, operands[first + 2:], cu.shape[0] - 1, 0, 0, hq, str(q.element_type))
         if direction == "fwd_varlen":
             return [q, lse]
         _check_saved(operands, q, lse)
@@ -154,6 +155,7 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
         bt = _tensor(operands[3], "block_table", 2, f"[batch={b}, max_blocks]")
         _expect(operands[3], "block_table", [[b, bt.shape[1]]], i32)
         _expect(operands[4], "seqused_k", [[b]], i32)
+        _check_extras(extras, operands[5:], b, sq, 0, hq, str(q.element_type))
         return [q, lse]
     if k.shape[0] != b:
         raise ValueError(f"mismatched shapes: q {q}, k {k}, v {v}")

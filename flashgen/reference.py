@@ -95,6 +95,14 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     return o, lse, (dq, fold(dk), fold(dv)) + grads
 
 
+def _per_sequence(kw, b):
+    """kw for sequence b: [B, H] ALiBi slopes become that sequence's [H]."""
+    slopes = kw.get("alibi_slopes")
+    if slopes is not None and np.ndim(slopes) == 2:
+        return {**kw, "alibi_slopes": np.asarray(slopes)[b]}
+    return kw
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, do=None, **kw):
     """Packed reference: q [Tq,Hq,D], k/v [Tk,Hkv,D]; each sequence through attention().
     Returns o [Tq,Hq,D], lse [Hq,Tq] (and (dq, dk, dv) with `do`); rows outside every
@@ -107,10 +115,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, do=None, **kw):
         qs = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
         ks = slice(int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1]))
         args = [x[None, s] for x, s in ((q, qs), (k, ks), (v, ks))]
+        kb = _per_sequence(kw, b)
         if do is None:
-            ob, lb = attention(*args, **kw)
+            ob, lb = attention(*args, **kb)
         else:
-            ob, lb, (dqb, dkb, dvb) = attention(*args, do=np.asarray(do, np.float64)[None, qs], **kw)
+            ob, lb, (dqb, dkb, dvb) = attention(*args, do=np.asarray(do, np.float64)[None, qs], **kb)
             dq[qs], dk[ks], dv[ks] = dqb[0], dkb[0], dvb[0]
         o[qs], lse[:, qs] = ob[0], lb[0]
     return (o, lse) if do is None else (o, lse, (dq, dk, dv))
@@ -127,6 +136,6 @@ def attention_paged(q, k_cache, v_cache, block_table, seqused_k, **kw):
         rows = [int(block_table[b, j // bs]) for j in range(n)]
         k = np.stack([k_cache[r, j % bs] for j, r in enumerate(rows)]) if n else k_cache[:0, 0]
         v = np.stack([v_cache[r, j % bs] for j, r in enumerate(rows)]) if n else v_cache[:0, 0]
-        ob, lb = attention(q[b:b + 1], k[None], v[None], **kw)
+        ob, lb = attention(q[b:b + 1], k[None], v[None], **_per_sequence(kw, b))
         o[b], lse[b] = ob[0], lb[0]
     return o, lse

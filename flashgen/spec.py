@@ -114,15 +114,18 @@ class KernelSpec:
 #   softcap: 0 = off; scaled scores x -> softcap * tanh(x / softcap)
 BASE_ATTRIBUTES = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
                    "window_left": "i32", "window_right": "i32", "softcap": "f32"}
-# Dense targets also take `extras`: the optional operands after the fixed ones, by name.
+# Every target also takes `extras`: the optional operands after the fixed ones, by name
+# (varlen and paged targets: only "alibi").
 ATTRIBUTE_SCHEMA = {**BASE_ATTRIBUTES, "extras": "string"}
-# Per direction: dense (fwd, bwd) add `extras`; varlen adds the length bounds; paged adds nothing.
+# Per direction: varlen adds the length bounds.
 ATTRIBUTES = {
     "fwd": ATTRIBUTE_SCHEMA, "bwd": ATTRIBUTE_SCHEMA,
-    "fwd_varlen": {**BASE_ATTRIBUTES, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
-    "bwd_varlen": {**BASE_ATTRIBUTES, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
-    "fwd_paged": BASE_ATTRIBUTES,
+    "fwd_varlen": {**ATTRIBUTE_SCHEMA, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
+    "bwd_varlen": {**ATTRIBUTE_SCHEMA, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
+    "fwd_paged": ATTRIBUTE_SCHEMA,
 }
+# The extras a varlen or paged target takes.
+PACKED_EXTRAS = ("alibi",)
 
 # The optional operands of the dense targets, in the order they follow the fixed operands
 # (README "Variants"): name -> the operands it adds.
@@ -194,16 +197,17 @@ SIGNATURES = {
     },
     "fwd_varlen": {
         "operands": ["q[Tq,Hq,D]", "k[Tk,Hkv,D]", "v[Tk,Hkv,D]", "cu_seqlens_q[B+1]:i32",
-                     "cu_seqlens_k[B+1]:i32"],
+                     "cu_seqlens_k[B+1]:i32", "*extras"],
         "results": ["o[Tq,Hq,D]", "lse[Hq,Tq]:f32"],
     },
     "bwd_varlen": {
-        "operands": ["q", "k", "v", "o", "lse:f32", "do", "cu_seqlens_q:i32", "cu_seqlens_k:i32"],
+        "operands": ["q", "k", "v", "o", "lse:f32", "do", "cu_seqlens_q:i32", "cu_seqlens_k:i32",
+                     "*extras"],
         "results": ["dq", "dk", "dv"],
     },
     "fwd_paged": {
         "operands": ["q[B,Sq,Hq,D]", "k_cache[NB,BS,Hkv,D]", "v_cache[NB,BS,Hkv,D]",
-                     "block_table[B,MB]:i32", "seqused_k[B]:i32"],
+                     "block_table[B,MB]:i32", "seqused_k[B]:i32", "*extras"],
         "results": ["o[B,Sq,Hq,D]", "lse[B,Hq,Sq]:f32"],
     },
 }

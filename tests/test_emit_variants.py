@@ -60,8 +60,15 @@ def test_varlen_and_paged_calls():
     assert results == ["tensor<100x8x64xbf16>", "tensor<8x100xf32>"]
     text, results = _emit([Q, "tensor<30x16x2x64xbf16>", "tensor<30x16x2x64xbf16>", "tensor<2x7xi32>",
                            "tensor<2xi32>"], "fwd_paged", bottom_right=True)
-    assert "flashgen_fwd_paged_d64_bf16_causal" in text and "extras" not in text
+    assert "flashgen_fwd_paged_d64_bf16_causal" in text and 'extras = ""' in text
     assert results == [Q, LSE]
+    text, _ = _emit([Q, "tensor<30x16x2x64xbf16>", "tensor<30x16x2x64xbf16>", "tensor<2x7xi32>",
+                     "tensor<2xi32>", "tensor<2x8xf32>"], "fwd_paged", extras="alibi")
+    assert 'extras = "alibi"' in text
+    text, _ = _emit(["tensor<100x8x64xbf16>", "tensor<120x2x64xbf16>", "tensor<120x2x64xbf16>",
+                     "tensor<5xi32>", "tensor<5xi32>", "tensor<4x8xf32>"], "fwd_varlen",
+                    max_seqlen=(40, 50), extras="alibi")
+    assert 'extras = "alibi"' in text
 
 
 @pytest.mark.parametrize("types,direction,kw,match", [
@@ -79,6 +86,11 @@ def test_varlen_and_paged_calls():
     (["tensor<100x8x64xbf16>", "tensor<120x2x64xbf16>", "tensor<120x2x64xbf16>", "tensor<5xi32>",
       "tensor<5xi32>"], "fwd_varlen", {}, "max_seqlen"),
     ([Q, KV, KV, "tensor<3x7xi32>", "tensor<2xi32>"], "fwd_paged", {}, "block_table has type"),
+    ([Q, KV, KV, "tensor<2x7xi32>", "tensor<2xi32>", "tensor<1x8x16x24xf32>"], "fwd_paged",
+     {"extras": "bias"}, "takes only the extras alibi"),
+    (["tensor<100x8x64xbf16>", "tensor<120x2x64xbf16>", "tensor<120x2x64xbf16>", "tensor<5xi32>",
+      "tensor<5xi32>", "tensor<5x8xf32>"], "fwd_varlen", {"max_seqlen": (4, 4), "extras": "alibi"},
+     "alibi_slopes has type"),
 ])
 def test_bad_operands_are_refused_in_python(types, direction, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -90,8 +102,8 @@ def test_attribute_schemas_are_what_the_handlers_bind():
     assert set(ATTRIBUTES) == set(DIRECTIONS)
     base = {"causal", "scale", "bottom_right", "window_left", "window_right", "softcap"}
     assert set(ATTRIBUTES["fwd"]) == set(ATTRIBUTES["bwd"]) == base | {"extras"}
-    assert set(ATTRIBUTES["fwd_varlen"]) == base | {"max_seqlen_q", "max_seqlen_k"}
-    assert set(ATTRIBUTES["fwd_paged"]) == base
+    assert set(ATTRIBUTES["fwd_varlen"]) == base | {"extras", "max_seqlen_q", "max_seqlen_k"}
+    assert set(ATTRIBUTES["fwd_paged"]) == base | {"extras"}
 
 
 def test_cli_emit_with_extras():

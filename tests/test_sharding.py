@@ -189,12 +189,15 @@ if CHILD:
 
     def test_varlen_splits_heads_and_paged_splits_batch_and_heads(rng, mesh):
         """Packed varlen calls run on local heads (tokens and cu_seqlens whole), paged calls
-        on local batch and heads (caches split by kv head): no collectives, exact."""
+        on local batch and heads (caches split by kv head), ALiBi slopes split by head: no
+        collectives, exact."""
         from flashgen.jax import flash_attention_paged, flash_attention_varlen
         t = 64
         q, k, v = (jnp.asarray(rng.standard_normal((t, h, D)), jnp.float32) for h in (HQ, HKV, HKV))
         cu = jnp.asarray([0, 20, 20, 64], jnp.int32)
-        f = lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 44, 44, causal=True)
+        slopes = jnp.asarray(rng.uniform(0.05, 0.5, (HQ,)), jnp.float32)
+        f = lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 44, 44, causal=True,
+                                                   alibi_slopes=slopes)
         step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2)))
         hs = NamedSharding(mesh, P(None, "model", None))
         args = [jax.device_put(x, hs) for x in (q, k, v)]
@@ -212,7 +215,8 @@ if CHILD:
         table = jnp.asarray(rng.permutation(nb)[:B * 3].reshape(B, 3), jnp.int32)
         used = jnp.asarray([40, 3, 48, 0], jnp.int32)
         fp = jax.jit(lambda q, kc, vc, t, u: flash_attention_paged(q, kc, vc, t, u, causal=True,
-                                                                   bottom_right=True))
+                                                                   bottom_right=True,
+                                                                   alibi_slopes=slopes))
         pargs = [jax.device_put(qp, NamedSharding(mesh, P("data", None, "model", None))),
                  jax.device_put(kc, NamedSharding(mesh, P(None, None, "model", None))),
                  jax.device_put(vc, NamedSharding(mesh, P(None, None, "model", None))),

@@ -408,3 +408,29 @@ def test_fixed_bias_costs_no_dbias(rng):
     np.testing.assert_array_equal(dq_fixed, dq)
     ref = reference.attention(q, k, v, causal=True, bias=bias, do=do)[2]
     assert _rel(dq, ref[0]) < 1e-4 and _rel(dbias, ref[3]) < 1e-4
+
+
+@pytest.mark.parametrize("causal,bottom_right,per_batch", [(True, False, False), (True, True, True),
+                                                          (False, True, False)])
+def test_varlen_alibi(rng, causal, bottom_right, per_batch):
+    lens_q, lens_k = [5, 0, 70, 33], [9, 3, 70, 40]
+    q, k, v, do, cu_q, cu_k = _packed(rng, lens_q, lens_k, 4, 2, 32, "f32", pad_q=2)
+    slopes = rng.uniform(0.05, 0.5, (4, 4) if per_batch else (4,)).astype(np.float32)
+    kw = dict(causal=causal, bottom_right=bottom_right, alibi_slopes=slopes)
+    f = jax.jit(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, 70, 70, **kw))
+    o, vjp = jax.vjp(f, q, k, v)
+    ro, _, rg = reference.attention_varlen(q, k, v, cu_q, cu_k, do=do, **kw)
+    assert _rel(o, ro) < 2e-5
+    for g, r in zip(vjp(do), rg):
+        assert _rel(g, r) < 1e-4
+
+
+@pytest.mark.parametrize("sq,per_batch", [(1, False), (1, True), (5, False)])
+def test_paged_alibi(rng, sq, per_batch):
+    q, kc, vc, table, used = _paged(rng, 2, sq, 8, 2, 64, "f32", 16, [300, 41])
+    slopes = rng.uniform(0.05, 0.5, (2, 8) if per_batch else (8,)).astype(np.float32)
+    kw = dict(causal=True, bottom_right=True, alibi_slopes=slopes)
+    o, lse = flash_attention_paged(q, kc, vc, table, used, return_lse=True, **kw)
+    ro, rlse = reference.attention_paged(q, np.asarray(kc), np.asarray(vc), table, used, **kw)
+    assert _rel(o, ro) < 2e-5
+    np.testing.assert_allclose(np.asarray(lse), rlse, rtol=1e-5, atol=1e-5)

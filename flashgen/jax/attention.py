@@ -248,13 +248,7 @@ def _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_id
     sk = k.shape[1]
     out = {}
     if alibi_slopes is not None:
-        a = jnp.asarray(alibi_slopes)
-        if a.shape not in ((hq,), (b, hq)):
-            raise ValueError(f"alibi_slopes must be [heads]={[hq]} or [batch, heads]={[b, hq]}, "
-                             f"got shape {a.shape}")
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(f"alibi_slopes must be floating point, got {a.dtype}")
-        out["alibi"] = (a.astype(jnp.float32),)
+        out["alibi"] = (_alibi_operand(alibi_slopes, b, hq),)
     if bias is not None:
         bias_dtypes = {jnp.dtype(jnp.float32), jnp.dtype(q.dtype)}
         out["bias"] = (_broadcast_4d(bias, "bias", b, hq, sq, sk, bias_dtypes),)
@@ -283,6 +277,17 @@ def _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_id
         out["segment_ids"] = (qs.astype(jnp.int32), ks.astype(jnp.int32))
     extras = tuple(n for n in EXTRAS if n in out)
     return extras, [x for n in extras for x in out[n]]
+
+
+def _alibi_operand(alibi_slopes, batch: int, heads: int):
+    """ALiBi slopes as the kernels take them: f32 [heads] or [batch, heads]."""
+    a = jnp.asarray(alibi_slopes)
+    if a.shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must be [heads]={[heads]} or [batch, heads]={[batch, heads]}, "
+                         f"got shape {a.shape}")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"alibi_slopes must be floating point, got {a.dtype}")
+    return a.astype(jnp.float32)
 
 
 def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0, extras=(),
@@ -334,50 +339,46 @@ def _check_lengths(name: str, cu, max_seqlen) -> int:
     return int(max_seqlen)
 
 
-def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap):
+def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap, extras):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if np.ndim(x) != 3:
             raise ValueError(f"{name} must be rank 3 [total_tokens, heads, head_dim] (packed), "
                              f"got shape {np.shape(x)}")
     # Reuse the dense checks on [1, T, H, D] views (dtype, head dim, kv heads, scale).
-    spec, scale, attrs = _prepare(*(jax.ShapeDtypeStruct((1, *x.shape), x.dtype) for x in (q, k, v)),
-                                  causal, scale, bottom_right, window, softcap, check_shardings=False)
-    return spec, scale, attrs[:3]
+    return _prepare(*(jax.ShapeDtypeStruct((1, *x.shape), x.dtype) for x in (q, k, v)),
+                    causal, scale, bottom_right, window, softcap, extras, check_shardings=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention_varlen(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen):
-    return _varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen)
+# attrs = (bottom_right, window, softcap, extras); `ex` = the extra operands (ALiBi slopes),
+# constants of the backward.
+def _varlen_call(direction, operands, spec, scale, attrs, max_seqlen):
+    bottom_right, window, softcap, extras = attrs
+    return sharding.kernel_call(spec, direction, operands, scale=scale, bottom_right=bottom_right,
+                                window=window, softcap=softcap, extras=extras, max_seqlen=max_seqlen)
 
 
-def _varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen):
-    bottom_right, window, softcap = attrs
-    return sharding.kernel_call(spec, "fwd_varlen", (q, k, v, cu_q, cu_k), scale=scale,
-                                bottom_right=bottom_right, window=window, softcap=softcap,
-                                max_seqlen=max_seqlen)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention_varlen(q, k, v, cu_q, cu_k, ex, spec, scale, attrs, max_seqlen):
+    return _varlen_call("fwd_varlen", (q, k, v, cu_q, cu_k, *ex), spec, scale, attrs, max_seqlen)
 
 
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen):
-    o, lse = _varlen_fwd(q, k, v, cu_q, cu_k, spec, scale, attrs, max_seqlen)
-    return (o, lse), (q, k, v, cu_q, cu_k, o, lse)
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, ex, spec, scale, attrs, max_seqlen):
+    o, lse = _attention_varlen(q, k, v, cu_q, cu_k, ex, spec, scale, attrs, max_seqlen)
+    return (o, lse), (q, k, v, cu_q, cu_k, ex, o, lse)
 
 
 def _attention_varlen_bwd(spec, scale, attrs, max_seqlen, res, cts):
-    q, k, v, cu_q, cu_k, o, lse = res
+    q, k, v, cu_q, cu_k, ex, o, lse = res
     do, dlse = cts
-    bottom_right, window, softcap = attrs
-    dq, dk, dv = sharding.kernel_call(spec, "bwd_varlen", (q, k, v, o, lse, do, cu_q, cu_k),
-                                      scale=scale, bottom_right=bottom_right, window=window,
-                                      softcap=softcap, max_seqlen=max_seqlen)
-    # An lse cotangent (return_lse=True) is folded in as in _attention_lse_bwd: the
-    # backward with v' = e_0, o' = 0, dO' = dlse · e_0 yields exactly its dq, dk share.
+    bwd = lambda v, o, do: _varlen_call("bwd_varlen", (q, k, v, o, lse, do, cu_q, cu_k, *ex),
+                                        spec, scale, attrs, max_seqlen)
+    dq, dk, dv = bwd(v, o, do)
+    # An lse cotangent (return_lse=True) is folded in as in _attention_bwd: the backward
+    # with v' = e_0, o' = 0, dO' = dlse · e_0 yields exactly its dq, dk share.
     e0 = jnp.zeros(q.shape[2], q.dtype).at[0].set(1)
     do1 = jnp.swapaxes(dlse, 0, 1)[..., None].astype(q.dtype) * e0
-    dq1, dk1, _ = sharding.kernel_call(
-        spec, "bwd_varlen", (q, k, jnp.broadcast_to(e0, v.shape), jnp.zeros_like(o), lse, do1,
-                             cu_q, cu_k),
-        scale=scale, bottom_right=bottom_right, window=window, softcap=softcap, max_seqlen=max_seqlen)
-    return dq + dq1, dk + dk1, dv, None, None
+    dq1, dk1, _ = bwd(jnp.broadcast_to(e0, v.shape), jnp.zeros_like(o), do1)
+    return dq + dq1, dk + dk1, dv, None, None, (None,) * len(ex)
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
@@ -386,15 +387,16 @@ _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                            max_seqlen_k: int, *, causal: bool = False, scale: float | None = None,
                            bottom_right: bool = False, window: tuple[int, int] = (-1, -1),
-                           softcap: float = 0.0, return_lse: bool = False):
+                           softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False):
     """Attention over a packed batch of variable-length sequences (flash_attn_varlen_func).
 
     q [total_q, heads, head_dim], k, v [total_k, kv_heads, head_dim]; sequence b is q rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys cu_seqlens_k[b]:cu_seqlens_k[b+1]
     (int32 [batch + 1], starting at 0, non-decreasing; may be traced). max_seqlen_q/_k are
     Python ints bounding the lengths (they size the GPU launch). Each sequence is an
-    independent attention with its own lengths: causal, bottom_right, window and softcap
-    act per sequence. Rows past cu_seqlens_q[-1] and empty sequences give o = 0.
+    independent attention with its own lengths: causal, bottom_right, window, softcap and
+    ALiBi (alibi_slopes [heads] or [batch, heads], offset as causal per sequence) act per
+    sequence. Rows past cu_seqlens_q[-1] and empty sequences give o = 0.
     Returns o [total_q, heads, head_dim] (and lse [heads, total_q] with return_lse=True);
     differentiable in q, k, v.
     """
@@ -405,18 +407,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          f"got {cu_q.shape} and {cu_k.shape}")
-    spec, scale, attrs = _varlen_spec(q, k, v, bool(causal), scale, bottom_right, window, softcap)
-    o, lse = _attention_varlen(q, k, v, cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), spec,
+    ex = () if alibi_slopes is None else (_alibi_operand(alibi_slopes, cu_q.shape[0] - 1, q.shape[1]),)
+    spec, scale, attrs = _varlen_spec(q, k, v, bool(causal), scale, bottom_right, window, softcap,
+                                      ("alibi",) if ex else ())
+    o, lse = _attention_varlen(q, k, v, cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), ex, spec,
                                scale, attrs, max_seqlen)
     return (o, lse) if return_lse else o
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention_paged(q, k_cache, v_cache, block_table, seqused_k, spec, scale, attrs):
-    bottom_right, window, softcap = attrs
-    return sharding.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k),
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention_paged(q, k_cache, v_cache, block_table, seqused_k, ex, spec, scale, attrs):
+    bottom_right, window, softcap, extras = attrs
+    return sharding.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k, *ex),
                                 scale=scale, bottom_right=bottom_right, window=window,
-                                softcap=softcap)
+                                softcap=softcap, extras=extras)
 
 
 def _attention_paged_fwd(*args):
@@ -434,13 +438,14 @@ _attention_paged.defvjp(_attention_paged_fwd, _attention_paged_bwd)
 def flash_attention_paged(q, k_cache, v_cache, block_table, seqused_k, *, causal: bool = False,
                           scale: float | None = None, bottom_right: bool = False,
                           window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                          return_lse: bool = False):
+                          alibi_slopes=None, return_lse: bool = False):
     """Attention of q against a paged KV cache (vLLM's layout); forward only.
 
     q [batch, seq_q, heads, head_dim]; k_cache, v_cache [num_blocks, block_size, kv_heads,
     head_dim]; block_table int32 [batch, max_blocks]; seqused_k int32 [batch]. Key j of
     batch b (j < seqused_k[b]) is row j % block_size of block block_table[b, j // block_size].
     For decoding, where q holds the last seq_q tokens, use causal=True, bottom_right=True.
+    alibi_slopes ([heads] or [batch, heads]) adds ALiBi with the same per-batch alignment.
     Decode with few sequences splits the keys over workers (split-KV). Returns o (and lse
     [batch, heads, seq_q] with return_lse=True).
     """
@@ -460,13 +465,15 @@ def flash_attention_paged(q, k_cache, v_cache, block_table, seqused_k, *, causal
     # The dense checks (dtype, head dim, kv heads, scale) on a [B, block_size, Hkv, D] view.
     kv_view = jax.ShapeDtypeStruct((b, *k_cache.shape[1:]), k_cache.dtype)
     hq = q.shape[2]
-    fold = _foldable_decode(q, k_cache.shape[2], causal, bottom_right, window)
+    ex = () if alibi_slopes is None else (_alibi_operand(alibi_slopes, b, hq),)
+    # (ALiBi slopes differ per q head: folded rows would share their kv head's slope.)
+    fold = not ex and _foldable_decode(q, k_cache.shape[2], causal, bottom_right, window)
     if fold:
         q, causal, bottom_right = _fold_group(q, k_cache.shape[2]), False, False
     spec, scale, attrs = _prepare(q, kv_view, kv_view, bool(causal), scale, bottom_right, window,
-                                  softcap, check_shardings=False)
+                                  softcap, ("alibi",) if ex else (), check_shardings=False)
     o, lse = _attention_paged(q, k_cache, v_cache, jnp.asarray(block_table, jnp.int32),
-                              jnp.asarray(seqused_k, jnp.int32), spec, scale, attrs[:3])
+                              jnp.asarray(seqused_k, jnp.int32), ex, spec, scale, attrs)
     if fold:
         o, lse = _unfold_group(o, hq), lse.reshape(b, hq, 1)
     return (o, lse) if return_lse else o

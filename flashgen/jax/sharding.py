@@ -64,11 +64,17 @@ def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
     sizes = {"g": kv_heads, "h": heads // kv_heads, "d": int(q_shape[-1])}
     if direction in ("fwd_varlen", "bwd_varlen"):
         # Packed tokens: only heads are parallel (a token's sequence is data, cu_seqlens).
-        sizes.update(s=int(q_shape[0]), t=int(kv_shape[0]), c=int(shapes[-1][0]))
+        nfixed = 5 if direction == "fwd_varlen" else 8
+        sizes.update(s=int(q_shape[0]), t=int(kv_shape[0]), c=int(shapes[nfixed - 1][0]))
         q, kv, lse, cu = ("s", qh, "d"), ("t", "g", "d"), (qh, "s"), ("c",)
+        if len(shapes) > nfixed:  # ALiBi slopes [Hq] or [B, Hq]: B (= c - 1) stays whole
+            sizes["e"] = int(shapes[nfixed][0])
+            alibi = [(qh,) if len(shapes[nfixed]) == 1 else ("e", qh)]
+        else:
+            alibi = []
         if direction == "fwd_varlen":
-            return [q, kv, kv, cu, cu], [q, lse], sizes
-        return [q, kv, kv, q, lse, q, cu, cu], [q, kv, kv], sizes
+            return [q, kv, kv, cu, cu, *alibi], [q, lse], sizes
+        return [q, kv, kv, q, lse, q, cu, cu, *alibi], [q, kv, kv], sizes
     b, sq = int(q_shape[0]), int(q_shape[1])
     sizes.update(b=b, s=sq)
     q, lse = ("b", "s", qh, "d"), ("b", qh, "s")
@@ -77,7 +83,8 @@ def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
         # along blocks; batch and kv heads are parallel.
         sizes.update(n=int(kv_shape[0]), p=int(kv_shape[1]), m=int(shapes[3][1]))
         cache = ("n", "p", "g", "d")
-        return [q, cache, cache, ("b", "m"), ("b",)], [q, lse], sizes
+        alibi = [((qh,) if len(shapes[5]) == 1 else ("b", qh))] if len(shapes) > 5 else []
+        return [q, cache, cache, ("b", "m"), ("b",), *alibi], [q, lse], sizes
     sizes["t"] = int(kv_shape[1])
     kv = ("b", "t", "g", "d")
     fixed = [q, kv, kv] if direction == "fwd" else [q, kv, kv, q, lse, q]
@@ -111,7 +118,7 @@ def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = Tru
     returns dbias."""
     operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras,
                                               with_dbias)
-    order = ("b", "s", "g", "h", "d", "t", "c", "n", "p", "m") + tuple(
+    order = ("b", "s", "g", "h", "d", "t", "c", "e", "n", "p", "m") + tuple(
         sorted(f for f in sizes if f.startswith("u")))
     used = [f for f in order
             if any(f in (dim if isinstance(dim, tuple) else (dim,))
@@ -128,7 +135,7 @@ def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = Tru
         factor_sizes=[sizes[f] for f in used],
         operand_mappings=[tensor(m) for m in operands],
         result_mappings=[tensor(m) for m in results],
-        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h", "c", "n", "p", "m")
+        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h", "c", "e", "n", "p", "m")
                                         if f in index),
         is_custom=True)
 
@@ -357,15 +364,18 @@ def _packed_shardings(direction, base, shapes):
     if devices is None:
         return whole
     f = functools.partial(_follow, devices)
+    nfixed = {"fwd_paged": 5, "fwd_varlen": 5, "bwd_varlen": 8}[direction]
+    # ALiBi slopes [Hq] or [B, Hq] follow the heads (and, for paged calls, the batch).
+    alibi = [f(("h",) if len(x) == 1 else ("b" if paged else None, "h"), x) for x in shapes[nfixed:]]
     if paged:
         q, cache = f(("b", None, "h", None), q_shape), f((None, None, "h", None), shapes[1])
         lse = f(("b", "h", None), (q_shape[0], q_shape[2], q_shape[1]))
-        return [q, cache, cache, f(("b", None), shapes[3]), f(("b",), shapes[4])], [q, lse]
+        return [q, cache, cache, f(("b", None), shapes[3]), f(("b",), shapes[4]), *alibi], [q, lse]
     q, kv = f((None, "h", None), q_shape), f((None, "h", None), shapes[1])
     lse = f(("h", None), (q_shape[1], q_shape[0]))
     if direction == "fwd_varlen":
-        return [q, kv, kv, rep, rep], [q, lse]
-    return [q, kv, kv, q, lse, q, rep, rep], [q, kv, kv]
+        return [q, kv, kv, rep, rep, *alibi], [q, lse]
+    return [q, kv, kv, q, lse, q, rep, rep, *alibi], [q, kv, kv]
 
 
 def _base_sharding(arg_shardings, result_sharding=None):
@@ -561,9 +571,8 @@ def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bot
     attrs = [("bottom_right", bool(bottom_right)), ("causal", spec.causal),
              ("scale", np.float32(scale)), ("softcap", np.float32(softcap)),
              ("window_left", np.int32(left)), ("window_right", np.int32(right))]
-    if direction in ("fwd", "bwd"):
-        attrs.append(("extras", ",".join(normalize_extras(extras))))
-    elif direction.endswith("varlen"):
+    attrs.append(("extras", ",".join(normalize_extras(extras))))
+    if direction.endswith("varlen"):
         attrs += [("max_seqlen_k", np.int32(max_seqlen[1])), ("max_seqlen_q", np.int32(max_seqlen[0]))]
     with_dbias = bool(dbias) and direction == "bwd" and "bias" in normalize_extras(extras)
     return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),

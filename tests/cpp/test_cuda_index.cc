@@ -1,7 +1,8 @@
 // Host-side test of the pure index arithmetic of the CUDA variants
 // (csrc/flashgen/cuda/extras.cuh): per-sequence visible band, clamped
-// cu_seqlens ranges, the varlen grid/fill row coverage, split-KV chunking and
-// the log-sum-exp merge of split partials. No GPU needed:
+// cu_seqlens ranges, the varlen grid/fill row coverage, split-KV chunking,
+// the log-sum-exp merge of split partials and the per-sequence ALiBi offset
+// and term of the varlen / paged kernels. No GPU needed:
 //
 //   g++ -std=c++17 -O2 -I/work/main/csrc tests/cpp/test_cuda_index.cc -o /tmp/t && /tmp/t
 //
@@ -211,11 +212,149 @@ static void test_lse_merge() {
   std::printf("lse_merge: %d cases\n", cases);
 }
 
+// ALiBi of the varlen / paged kernels: per-sequence offset from the clamped
+// lengths (varlen: seq_range; paged: paged_seqlen_k), the term
+// -slope * |i + off - j| against a double reference, the int range at the
+// 2^30 limits, and split-KV with ALiBi in log2 units (the kernels' lse_mul
+// = ln 2) merged by lse_merge against the natural-log reference lse.
+static double alibi_ref(double slope, int64_t i, int64_t off, int64_t j) {
+  return -slope * std::fabs(static_cast<double>(i + off - j));
+}
+
+static void test_alibi() {
+  std::mt19937 rng(4242);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  int cases = 0;
+  // Varlen: every sequence's offset uses its own clamped lengths.
+  for (int iter = 0; iter < 2000; ++iter) {
+    const int batch = 1 + static_cast<int>(rng() % 6);
+    const bool valid = iter % 4 != 0;
+    std::vector<int32_t> cu_q(batch + 1), cu_k(batch + 1);
+    int tq, tk;
+    if (valid) {
+      cu_q[0] = cu_k[0] = 0;
+      for (int b = 0; b < batch; ++b) {
+        cu_q[b + 1] = cu_q[b] + static_cast<int>(rng() % 9);
+        cu_k[b + 1] = cu_k[b] + static_cast<int>(rng() % 12);
+      }
+      tq = cu_q[batch];
+      tk = cu_k[batch];
+    } else {
+      for (auto& c : cu_q) c = static_cast<int>(rng() % 41) - 10;
+      for (auto& c : cu_k) c = static_cast<int>(rng() % 41) - 10;
+      tq = static_cast<int>(rng() % 20);
+      tk = static_cast<int>(rng() % 20);
+    }
+    const int max_q = iter % 5 == 0 ? static_cast<int>(rng() % 4) : 1 << 20;
+    const int max_k = iter % 7 == 0 ? static_cast<int>(rng() % 4) : 1 << 20;
+    for (int b = 0; b < batch; ++b) {
+      const SeqRange rq = seq_range(cu_q[b], cu_q[b + 1], tq, max_q);
+      const SeqRange rk = seq_range(cu_k[b], cu_k[b + 1], tk, max_k);
+      const float slope = ud(rng);
+      for (int br = 0; br < 2; ++br) {
+        const int off = alibi_offset(rq.len, rk.len, br);
+        CHECK(off == (br ? rk.len - rq.len : 0), "offset b=%d br=%d", b, br);
+        // Bottom-right causal: the diagonal key j = i + off is the band's edge and has term 0.
+        const IntBand band = int_band(rq.len, rk.len, true, br, -1, -1);
+        CHECK(band.hi == off, "band hi %d != alibi offset %d", band.hi, off);
+        for (int i = 0; i < rq.len; ++i)
+          for (int j = 0; j < rk.len; ++j) {
+            const float got = alibi_term(-slope, i, off, j);
+            const double want = alibi_ref(slope, i, off, j);
+            CHECK(std::fabs(got - want) <= 1e-6 * (1.0 + std::fabs(want)), "term i=%d j=%d off=%d: %g vs %g", i,
+                  j, off, got, want);
+            if (j == i + off) CHECK(got == 0.f, "diagonal term %g", got);
+          }
+        ++cases;
+      }
+    }
+  }
+  // Paged: Sq from q, Sk = clamped seqused_k[b].
+  for (int used : {-5, 0, 1, 7, 64, 65, 1000})
+    for (int max_keys : {0, 1, 64, 256})
+      for (int sq : {1, 4, 9}) {
+        const int sk = paged_seqlen_k(used, max_keys);
+        CHECK(sk == std::max(0, std::min(used, max_keys)), "paged sk %d", sk);
+        CHECK(alibi_offset(sq, sk, 1) == sk - sq && alibi_offset(sq, sk, 0) == 0, "paged offset");
+        ++cases;
+      }
+  // The 2^30 limits: i + off - j stays inside int and the term is exact enough.
+  {
+    const int lim = 1 << 30;
+    struct Case { int sq, sk, i, j; };
+    const Case cs[] = {{1, lim, 0, 0}, {1, lim, 0, lim - 1}, {lim, 1, lim - 1, 0}, {lim, 1, 0, 0},
+                       {lim, lim, 0, lim - 1}, {lim, lim, lim - 1, 0}};
+    for (const Case& c : cs)
+      for (int br = 0; br < 2; ++br) {
+        const int off = alibi_offset(c.sq, c.sk, br);
+        const double want = alibi_ref(0.5, c.i, off, c.j);
+        const float got = alibi_term(-0.5f, c.i, off, c.j);
+        CHECK(std::fabs(got - want) <= 1e-6 * std::fabs(want) + 1e-6, "limit sq=%d sk=%d i=%d j=%d br=%d: %g vs %g",
+              c.sq, c.sk, c.i, c.j, br, got, want);
+        ++cases;
+      }
+  }
+  // Split-KV + ALiBi on one row, as the paged kernel computes it: scores in
+  // log2 units x*scale*log2e + alibi_term(-slope*log2e, ...), per chunk
+  // m = max, l = sum exp2(score - m), lse = m * ln2 + log(l); merged by
+  // lse_merge against the natural-log reference.
+  {
+    constexpr double kL2e = 1.4426950408889634;
+    std::normal_distribution<double> nd(0.0, 2.0);
+    for (int iter = 0; iter < 2000; ++iter) {
+      const int bc = 4;
+      const int sk = static_cast<int>(rng() % 40);
+      const int sq = 1 + static_cast<int>(rng() % 4);
+      const int i = static_cast<int>(rng() % sq);
+      const bool br = rng() % 2;
+      const int off = alibi_offset(sq, sk, br);
+      const float slope = ud(rng) * 2.f, scale = 0.125f + ud(rng);
+      std::vector<float> s(sk);
+      for (auto& x : s) x = static_cast<float>(nd(rng));
+      // Reference (causal bottom-right or none; the row may see nothing).
+      double mref = -INFINITY;
+      std::vector<double> sc(sk);
+      std::vector<bool> vis(sk);
+      for (int j = 0; j < sk; ++j) {
+        vis[j] = !br || j <= i + off;
+        sc[j] = scale * s[j] + alibi_ref(slope, i, off, j);
+        if (vis[j]) mref = std::max(mref, sc[j]);
+      }
+      double lref = 0.0;
+      for (int j = 0; j < sk; ++j)
+        if (vis[j]) lref += std::exp(sc[j] - mref);
+      const double lse_ref = lref > 0 ? mref + std::log(lref) : -INFINITY;
+      const int nblocks = (sk + bc - 1) / bc;
+      const int ns = 1 + static_cast<int>(rng() % 6);
+      std::vector<float> part(ns);
+      const float neg_l2 = -slope * static_cast<float>(kL2e), s_mul = scale * static_cast<float>(kL2e);
+      for (int sp = 0; sp < ns; ++sp) {
+        const BlockRange r = split_blocks(0, nblocks, ns, sp);
+        float m = -INFINITY, l = 0.f;
+        for (int j = r.lo * bc; j < std::min(r.hi * bc, sk); ++j)
+          if (vis[j]) m = std::max(m, std::fma(s[j], s_mul, alibi_term(neg_l2, i, off, j)));
+        for (int j = r.lo * bc; j < std::min(r.hi * bc, sk); ++j)
+          if (vis[j]) l += std::exp2(std::fma(s[j], s_mul, alibi_term(neg_l2, i, off, j)) - m);
+        part[sp] = l > 0.f ? m * 0.6931471805599453f + std::log(l) : -INFINITY;
+      }
+      const LseMerge mg = lse_merge(part.data(), 1, ns);
+      if (lse_ref == -INFINITY)
+        CHECK(mg.lse == -INFINITY, "lse %g, want -inf", mg.lse);
+      else
+        CHECK(std::fabs(mg.lse - lse_ref) <= 1e-4 * (1.0 + std::fabs(lse_ref)), "split alibi lse %g vs %g", mg.lse,
+              lse_ref);
+      ++cases;
+    }
+  }
+  std::printf("alibi offset / term / split: %d cases\n", cases);
+}
+
 int main() {
   test_int_band();
   test_seq_range_and_coverage();
   test_split_blocks();
   test_lse_merge();
+  test_alibi();
   if (g_failures) {
     std::printf("%d FAILURES\n", g_failures);
     return 1;

@@ -26,7 +26,8 @@
 // causal / window / softcap / GQA; packed varlen forward + backward (empty
 // sequences, Sq != Sk, both alignments, padding rows); paged KV (shuffled block
 // tables whose unused entries are out of range, seqused_k < capacity and 0,
-// block sizes 16, 48 and 256) and split-KV decode (no split, auto, forced).
+// block sizes 16, 48 and 256) and split-KV decode (no split, auto, forced);
+// ALiBi ([H] and [B, H] slopes) in varlen (fwd + bwd) and paged (incl. split-KV).
 // Also checks the scalar bf16/f16 conversions against an exact reference, the
 // 32-bit transpose, and parallel_for on the own pool and on Workers whose
 // helpers start late, run inline, or never start.
@@ -643,6 +644,7 @@ struct VarSummary {
 };
 static VarSummary g_var[3][3];  // [family: extras, varlen, paged][dtype]
 static const char* kFamilies[3] = {"extras", "varlen", "paged"};
+static VarSummary g_alibi[2][3];  // the ALiBi cases of [varlen, paged][dtype] (also in g_var)
 
 template <typename T>
 static std::vector<double> to_double(const std::vector<T>& x) {
@@ -878,7 +880,22 @@ struct LCase {
   bool causal, br;
   int wl, wr;
   float softcap;
+  int alibi = 0;  // 0 none, 1 [Hq], 2 [B, Hq]
 };
+
+// n random ALiBi slopes (the dense variants' distribution).
+static std::vector<float> random_slopes(int64_t n, std::mt19937_64& rng) {
+  std::vector<float> al(static_cast<size_t>(n));
+  for (auto& e : al) e = std::ldexp(1.0f, -int(1 + rng() % 4)) * (0.5f + 0.5f * float(rng() % 1000) / 1000.0f);
+  return al;
+}
+
+// The slopes of problem b (Hq values) from slopes [Hq] (alibi == 1) or [B, Hq] (alibi == 2).
+static std::vector<double> slopes_of(const std::vector<float>& al, int alibi, int64_t b, int64_t Hq) {
+  if (!alibi) return {};
+  const size_t o = alibi == 2 ? size_t(b * Hq) : 0;
+  return std::vector<double>(al.begin() + o, al.begin() + o + size_t(Hq));
+}
 
 template <typename T, int D>
 static void run_varlen(const LCase& c, int nt, std::mt19937_64& rng) {
@@ -900,9 +917,20 @@ static void run_varlen(const LCase& c, int nt, std::mt19937_64& rng) {
       dv(nk, Traits<T>::nan());
   std::vector<float> lse(nl, std::numeric_limits<float>::quiet_NaN());
   const flashgen::VarlenArgs va{cq.data(), ck.data(), mq, mk};
-  fc::attention_fwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, va, a, nt);
-  fc::attention_bwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
-                                 dk.data(), dv.data(), s, va, a, nt);
+  std::vector<float> al;
+  flashgen::ScoreExtras x;
+  if (c.alibi) {
+    al = random_slopes(c.alibi == 2 ? B * Hq : Hq, rng);
+    x.alibi = al.data();
+    x.alibi_stride_b = c.alibi == 2 ? Hq : 0;
+    fc::attention_fwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, va, a, x, nt);
+    fc::attention_bwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
+                                   dk.data(), dv.data(), s, va, a, x, nt);
+  } else {
+    fc::attention_fwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, va, a, nt);
+    fc::attention_bwd_varlen<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
+                                   dk.data(), dv.data(), s, va, a, nt);
+  }
 
   // Reference: each sequence as a dense problem; rows outside every sequence stay 0 / -inf.
   const std::vector<double> dq_ = to_double(q), dk_ = to_double(k), dv_ = to_double(v), ddo = to_double(dout),
@@ -915,6 +943,7 @@ static void run_varlen(const LCase& c, int nt, std::mt19937_64& rng) {
     Prob p;
     p.B = 1, p.Sq = c.lq[size_t(b)], p.Sk = c.lk[size_t(b)], p.Hq = Hq, p.Hkv = Hkv, p.D = D;
     p.scale = a.scale, p.softcap = c.softcap, p.causal = c.causal, p.br = c.br, p.wl = c.wl, p.wr = c.wr;
+    p.alibi = slopes_of(al, c.alibi, b, Hq);
     const size_t q0 = size_t(cq[size_t(b)] * Hq * D), qn = size_t(p.Sq * Hq * D);
     const size_t k0 = size_t(ck[size_t(b)] * Hkv * D), kn = size_t(p.Sk * Hkv * D);
     p.q.assign(dq_.begin() + q0, dq_.begin() + q0 + qn);
@@ -949,10 +978,10 @@ static void run_varlen(const LCase& c, int nt, std::mt19937_64& rng) {
     lens += (b ? "," : "") + std::to_string(c.lq[size_t(b)]) + "/" + std::to_string(c.lk[size_t(b)]);
   char buf[640];
   std::snprintf(buf, sizeof buf,
-                "varlen %-4s D=%-3d %-22s q/k lens [%s] pad %d/%d Hq=%lld Hkv=%lld c=%d br=%d w=(%d,%d) cap=%g "
-                "nt=%d | o=%.2e lse=%.2e dq=%.2e dk=%.2e dv=%.2e | worst err/tol %.2f",
+                "varlen %-4s D=%-3d %-30s q/k lens [%s] pad %d/%d Hq=%lld Hkv=%lld c=%d br=%d w=(%d,%d) cap=%g "
+                "alibi=%d nt=%d | o=%.2e lse=%.2e dq=%.2e dk=%.2e dv=%.2e | worst err/tol %.2f",
                 Traits<T>::name(), D, c.name, lens.c_str(), c.pad_q, c.pad_k, (long long)Hq, (long long)Hkv,
-                int(c.causal), int(c.br), c.wl, c.wr, double(c.softcap), nt, eo.max_abs, el.max_abs, edq.max_abs,
+                int(c.causal), int(c.br), c.wl, c.wr, double(c.softcap), c.alibi, nt, eo.max_abs, el.max_abs, edq.max_abs,
                 edk.max_abs, edv.max_abs,
                 std::max({eo.worst_ratio, el.worst_ratio, edq.worst_ratio, edk.worst_ratio, edv.worst_ratio}));
   check(ok, buf);
@@ -960,6 +989,12 @@ static void run_varlen(const LCase& c, int nt, std::mt19937_64& rng) {
   sm.o = std::max(sm.o, eo.max_abs), sm.lse = std::max(sm.lse, el.max_abs), sm.dq = std::max(sm.dq, edq.max_abs);
   sm.dk = std::max(sm.dk, edk.max_abs), sm.dv = std::max(sm.dv, edv.max_abs);
   sm.cases++;
+  if (c.alibi) {
+    VarSummary& sa = g_alibi[0][type_index<T>()];
+    sa.o = std::max(sa.o, eo.max_abs), sa.lse = std::max(sa.lse, el.max_abs), sa.dq = std::max(sa.dq, edq.max_abs);
+    sa.dk = std::max(sa.dk, edk.max_abs), sa.dv = std::max(sa.dv, edv.max_abs);
+    sa.cases++;
+  }
 }
 
 static const LCase kLCases[] = {
@@ -968,6 +1003,12 @@ static const LCase kLCases[] = {
     {"non-causal", {33, 1, 0, 200}, {1, 17, 0, 150}, 7, 0, 2, 2, false, false, -1, -1, 0},
     {"window softcap", {70, 129}, {90, 129}, 1, 1, 2, 1, false, true, 16, 8, 4},
     {"all empty", {0, 0}, {0, 4}, 3, 2, 2, 1, true, false, -1, -1, 0},
+    {"alibi[H] causal top-left", {5, 0, 130, 64, 1, 9}, {7, 3, 100, 64, 0, 9}, 3, 5, 2, 1, true, false, -1, -1, 0, 1},
+    {"alibi[B,H] causal bottom-right", {5, 0, 70, 1, 20}, {7, 3, 100, 0, 150}, 0, 2, 4, 2, true, true, -1, -1, 0, 2},
+    {"alibi[B,H] non-causal br", {33, 1, 0, 90}, {1, 17, 0, 40}, 7, 0, 2, 2, false, true, -1, -1, 0, 2},
+    {"alibi[H] non-causal", {40, 0, 65}, {60, 5, 30}, 2, 1, 4, 1, false, false, -1, -1, 0, 1},
+    {"alibi[B,H] window softcap br", {70, 50}, {90, 129}, 1, 1, 2, 1, false, true, 16, 8, 4, 2},
+    {"alibi[H] all empty", {0, 0}, {0, 4}, 3, 2, 2, 1, false, true, -1, -1, 0, 1},
 };
 
 // Paged KV forward.
@@ -980,6 +1021,7 @@ struct PCase {
   int wl;
   float softcap;
   int nt, kv_splits;
+  int alibi = 0;  // 0 none, 1 [Hq], 2 [B, Hq]
 };
 
 template <typename T, int D>
@@ -1001,8 +1043,18 @@ static void run_paged(const PCase& c, std::mt19937_64& rng) {
   AttentionShape s{B, Sq, MB * BS, Hq, Hkv, D};
   AttentionAttrs a{float(1.0 / std::sqrt(double(D))), c.causal, c.br, c.wl, -1, c.softcap};
   const flashgen::PagedArgs pa{table.data(), used.data(), NB, BS, MB};
-  fc::attention_fwd_paged<T, D>(q.data(), kc.data(), vc.data(), o.data(), lse.data(), s, pa, a, c.nt, nullptr,
-                                c.kv_splits);
+  std::vector<float> al;
+  if (c.alibi) {
+    al = random_slopes(c.alibi == 2 ? B * Hq : Hq, rng);
+    flashgen::ScoreExtras x;
+    x.alibi = al.data();
+    x.alibi_stride_b = c.alibi == 2 ? Hq : 0;
+    fc::attention_fwd_paged<T, D>(q.data(), kc.data(), vc.data(), o.data(), lse.data(), s, pa, a, x, c.nt, nullptr,
+                                  c.kv_splits);
+  } else {
+    fc::attention_fwd_paged<T, D>(q.data(), kc.data(), vc.data(), o.data(), lse.data(), s, pa, a, c.nt, nullptr,
+                                  c.kv_splits);
+  }
 
   const std::vector<double> qd = to_double(q), kd = to_double(kc), vd = to_double(vc);
   RefOut all;
@@ -1011,6 +1063,7 @@ static void run_paged(const PCase& c, std::mt19937_64& rng) {
     Prob p;
     p.B = 1, p.Sq = Sq, p.Sk = used[size_t(b)], p.Hq = Hq, p.Hkv = Hkv, p.D = D;
     p.scale = a.scale, p.softcap = c.softcap, p.causal = c.causal, p.br = c.br, p.wl = c.wl;
+    p.alibi = slopes_of(al, c.alibi, b, Hq);
     const size_t q0 = size_t(b * Sq * Hq * D), qn = size_t(Sq * Hq * D);
     p.q.assign(qd.begin() + q0, qd.begin() + q0 + qn);
     for (int64_t j = 0; j < p.Sk; ++j) {
@@ -1032,15 +1085,20 @@ static void run_paged(const PCase& c, std::mt19937_64& rng) {
   for (int64_t b = 0; b < B; ++b) us += (b ? "," : "") + std::to_string(used[size_t(b)]);
   char buf[640];
   std::snprintf(buf, sizeof buf,
-                "paged  %-4s D=%-3d %-26s Sq=%lld Hq=%lld Hkv=%lld BS=%lld NB=%lld MB=%lld seqused [%s] c=%d br=%d "
-                "wl=%d cap=%g nt=%d splits=%d | o=%.2e lse=%.2e | worst err/tol %.2f",
+                "paged  %-4s D=%-3d %-30s Sq=%lld Hq=%lld Hkv=%lld BS=%lld NB=%lld MB=%lld seqused [%s] c=%d br=%d "
+                "wl=%d cap=%g alibi=%d nt=%d splits=%d | o=%.2e lse=%.2e | worst err/tol %.2f",
                 Traits<T>::name(), D, c.name, (long long)Sq, (long long)Hq, (long long)Hkv, (long long)BS,
-                (long long)NB, (long long)MB, us.c_str(), int(c.causal), int(c.br), c.wl, double(c.softcap), c.nt,
+                (long long)NB, (long long)MB, us.c_str(), int(c.causal), int(c.br), c.wl, double(c.softcap), c.alibi, c.nt,
                 c.kv_splits, eo.max_abs, el.max_abs, std::max(eo.worst_ratio, el.worst_ratio));
   check(eo.ok && el.ok, buf);
   VarSummary& sm = g_var[2][type_index<T>()];
   sm.o = std::max(sm.o, eo.max_abs), sm.lse = std::max(sm.lse, el.max_abs);
   sm.cases++;
+  if (c.alibi) {
+    VarSummary& sa = g_alibi[1][type_index<T>()];
+    sa.o = std::max(sa.o, eo.max_abs), sa.lse = std::max(sa.lse, el.max_abs);
+    sa.cases++;
+  }
 }
 
 static const PCase kPCases[] = {
@@ -1055,6 +1113,13 @@ static const PCase kPCases[] = {
     {"split-KV decode, auto",        1, 4, 1,  16, 520, {8000},      510, true,  true,  -1, 0, 8, 0},
     {"split-KV decode, 7 splits",    1, 4, 1,  16, 520, {8000},      510, true,  true,  -1, 0, 8, 7},
     {"split-KV, short seq + empty",  2, 2, 2,  16, 100, {900, 0, 50}, 60, true,  true,  -1, 0, 8, 5},
+    {"alibi[H] decode split-KV x4",  1, 4, 1,  16, 100, {900, 0, 50}, 60, true,  true,  -1, 0, 4, 4, 1},
+    {"alibi[B,H] decode auto split", 1, 4, 2,  16, 520, {8000},      510, true,  true,  -1, 0, 8, 0, 2},
+    {"alibi[B,H] decode no split",   1, 4, 2,  16, 260, {37, 4000},  255, true,  true,  -1, 0, 2, 1, 2},
+    {"alibi[B,H] prefill br",       20, 2, 1,  16,  40, {100, 5, 250}, 17, true, true,  -1, 0, 2, 0, 2},
+    {"alibi[H] Sq=7 split-KV x3",    7, 2, 2,  16, 100, {900, 30},    60, true,  true,  -1, 0, 2, 3, 1},
+    {"alibi[H] non-causal br BS=48", 3, 4, 1,  48,  30, {1, 200, 333}, 8, false, true,  -1, 0, 3, 0, 1},
+    {"alibi[B,H] window softcap",    9, 2, 1,  48,  30, {77, 300, 9},  8, true,  true,  40, 5, 2, 0, 2},
 };
 
 template <typename T>
@@ -1173,6 +1238,12 @@ static void run_all_variants(std::mt19937_64& rng) {
       const VarSummary& v = g_var[f][t];
       std::printf("max abs err %-6s %-4s (%2d cases): o %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e  dbias %.2e\n",
                   kFamilies[f], names[t], v.cases, v.o, v.lse, v.dq, v.dk, v.dv, v.db);
+    }
+  for (int f = 0; f < 2; ++f)
+    for (int t = 0; t < 3; ++t) {
+      const VarSummary& v = g_alibi[f][t];
+      std::printf("max abs err alibi %-6s %-4s (%2d cases): o %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e\n",
+                  kFamilies[f + 1], names[t], v.cases, v.o, v.lse, v.dq, v.dk, v.dv);
     }
 }
 

@@ -156,25 +156,43 @@ inline ffi::ErrorOr<AttentionShape> checked_varlen_shape(const char* target, int
   return shape;
 }
 
+// The `extras` of the varlen / paged targets: "" or "alibi" (alibi_slopes f32
+// [Hq] or [B, Hq], B = the number of sequences / batch entries in s.batch).
+// Anything else the dense targets accept is rejected.
+inline ffi::ErrorOr<ScoreExtras> decode_alibi_extras(const char* target, std::string_view extras,
+                                                     const ffi::RemainingArgs& args, const AttentionShape& s,
+                                                     ffi::DataType q_type) {
+  auto names = parse_extras(target, extras);
+  if (names.has_error()) return ffi::Unexpected<ffi::Error>(names.error());
+  const ExtraNames n = names.value();
+  if (n.bias || n.mask || n.segment_ids)
+    return ffi::Unexpected<ffi::Error>(
+        invalid(target, "varlen/paged calls take only the alibi extra, got extras=\"" + std::string(extras) + "\""));
+  return decode_extras(target, extras, args, s, q_type, nullptr);
+}
+
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k,
                       ffi::Buffer<T> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
-                      ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
-                      bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
-                      int32_t max_seqlen_q, int32_t max_seqlen_k) {
+                      ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse,
+                      bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
+                      float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
   auto shape = checked_varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
                                     max_seqlen_q, max_seqlen_k);
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
+  auto xs = decode_alibi_extras(target, extras, extra_args, s, T);
+  if (xs.has_error()) return xs.error();
+  const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
   poison(o, lse);
   const VarlenArgs va{cu_q.typed_data(), cu_k.typed_data(), max_seqlen_q, max_seqlen_k};
   with_threads(pool, [&](int threads, Workers* workers) {
     attention_fwd_varlen<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, va, attrs,
-                                                       threads, workers);
+                                                       x, threads, workers);
   });
   return ffi::Error::Success();
 }
@@ -182,16 +200,19 @@ ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k,
                       ffi::Buffer<T> v, ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout,
-                      ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::ResultBuffer<T> dq,
-                      ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal, float scale, bool bottom_right,
-                      int32_t window_left, int32_t window_right, float softcap, int32_t max_seqlen_q,
-                      int32_t max_seqlen_k) {
+                      ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::RemainingArgs extra_args,
+                      ffi::ResultBuffer<T> dq, ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal,
+                      float scale, bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
+                      int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
   auto shape = checked_varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
                                     max_seqlen_q, max_seqlen_k);
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
+  auto xs = decode_alibi_extras(target, extras, extra_args, s, T);
+  if (xs.has_error()) return xs.error();
+  const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o.dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse.dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
   if (auto e = expect_dims(target, "do", dout.dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
@@ -202,7 +223,8 @@ ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
   const VarlenArgs va{cu_q.typed_data(), cu_k.typed_data(), max_seqlen_q, max_seqlen_k};
   with_threads(pool, [&](int threads, Workers* workers) {
     attention_bwd_varlen<typename Storage<T>::type, D>(in(q), in(k), in(v), in(o), lse.typed_data(), in(dout),
-                                                       out(dq), out(dk), out(dv), s, va, attrs, threads, workers);
+                                                       out(dq), out(dk), out(dv), s, va, attrs, x, threads,
+                                                       workers);
   });
   return ffi::Error::Success();
 }
@@ -210,8 +232,9 @@ ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd_paged(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k_cache,
                      ffi::Buffer<T> v_cache, ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seqused_k,
-                     ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
-                     bool bottom_right, int32_t window_left, int32_t window_right, float softcap) {
+                     ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse,
+                     bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
+                     float softcap, std::string_view extras) {
   const Dims qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   if (qd.size() != 4)
     return invalid(target, "q must be rank 4 [batch, seq, heads, head_dim], got " + dims_str(qd));
@@ -250,15 +273,18 @@ ffi::Error fwd_paged(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q,
     }
   }
   const AttentionShape s{B, qd[1], MB * BS, qd[2], kd[2], D};
+  auto xs = decode_alibi_extras(target, extras, extra_args, s, T);
+  if (xs.has_error()) return xs.error();
+  const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {B, s.seqlen_q, s.heads_q, D}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {B, s.heads_q, s.seqlen_q}); e.failure()) return e;
   poison(o, lse);
   const PagedArgs pa{table, used, NB, BS, MB};
   with_threads(pool, [&](int threads, Workers* workers) {
     attention_fwd_paged<typename Storage<T>::type, D>(in(q), in(k_cache), in(v_cache), out(o), lse->typed_data(), s,
-                                                      pa, attrs, threads, workers);
+                                                      pa, attrs, x, threads, workers);
   });
   return ffi::Error::Success();
 }

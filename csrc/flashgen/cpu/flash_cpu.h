@@ -53,6 +53,10 @@
 //   o = 0, lse = -inf and zero gradients.
 //   Paged KV (forward): key rows come through a row accessor (block table) into
 //   the same contiguous block buffers; batch entry b has seqused_k[b] keys.
+//   Varlen and paged take ALiBi only (the slopes of ScoreExtras; per sequence /
+//   batch entry b, with that problem's own Sq, Sk for the offset); it goes
+//   through the same extras path as the dense targets (a constant in the
+//   backward: no slope gradient).
 //   Split-KV (dense and paged forward): when there are fewer row blocks than
 //   useful threads, each row block's keys are split into ranges processed by
 //   different items, each writing fp32 partial (o, lse); a log-sum-exp merge
@@ -1850,6 +1854,15 @@ inline SplitPlan plan_splits(int64_t items, int64_t max_keys, int want, int forc
   return sp;
 }
 
+// The extras varlen / paged honor: ALiBi only (null when absent).
+inline const ScoreExtras* alibi_only(const ScoreExtras& x, ScoreExtras* keep) {
+  if (x.alibi == nullptr) return nullptr;
+  *keep = ScoreExtras{};
+  keep->alibi = x.alibi;
+  keep->alibi_stride_b = x.alibi_stride_b;
+  return keep;
+}
+
 // Dense forward (extras optional) and paged forward share this driver: `run`
 // is called as run(b, h, qb, FwdProblem&) with q / o / lse / extras of (b, h)
 // to fill in the kv rows and call fwd_item; Sk_of(b) gives the problem's keys.
@@ -2100,10 +2113,11 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* 
 // seqused_k[b] keys (alignment uses that length). s.seqlen_k is unused.
 // Preconditions (the handler checks them): 0 <= seqused_k[b] <= max_blocks *
 // block_size and every block id a used key reaches is in [0, num_blocks).
+// x: only its ALiBi slopes are used (slope(b, h); offset from seqused_k[b]).
 template <typename T, int D>
 void attention_fwd_paged(const T* q, const T* k_cache, const T* v_cache, T* o, float* lse, const AttentionShape& s,
-                         const PagedArgs& pa, const AttentionAttrs& a, int num_threads, Workers* workers = nullptr,
-                         int kv_splits = 0) {
+                         const PagedArgs& pa, const AttentionAttrs& a, const ScoreExtras& x, int num_threads,
+                         Workers* workers = nullptr, int kv_splits = 0) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
   static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
@@ -2112,6 +2126,8 @@ void attention_fwd_paged(const T* q, const T* k_cache, const T* v_cache, T* o, f
   if (B <= 0 || Hq <= 0 || Hkv <= 0 || Sq <= 0) return;
   if (s.head_dim != D || Hq % Hkv != 0 || pa.block_size <= 0) return;  // precondition violated
   const int64_t G = Hq / Hkv, BS = pa.block_size, MB = pa.max_blocks;
+  ScoreExtras keep;
+  const ScoreExtras* xa = alibi_only(x, &keep);
   double flops = 0.0;
   for (int64_t b = 0; b < B; ++b) {
     const AttentionShape sb{1, Sq, pa.seqused_k[b], Hq, Hkv, D};
@@ -2123,19 +2139,32 @@ void attention_fwd_paged(const T* q, const T* k_cache, const T* v_cache, T* o, f
       [&](int64_t b, int64_t h, int64_t qb, FwdProblem<T>& p) {
         const int64_t hk = h / G;
         p.q = q + (b * Sq * Hq + h) * D;
+        HeadExtras e;
+        if (xa != nullptr) {
+          e = head_extras(*xa, b, h, Sq, p.Sk, nullptr);
+          p.x = &e;
+        }
         const PagedRows<T> kr{k_cache + hk * D, pa.block_table + b * MB, BS, BS * Hkv * D, Hkv * D};
         const PagedRows<T> vr{v_cache + hk * D, pa.block_table + b * MB, BS, BS * Hkv * D, Hkv * D};
         fwd_item<T, D>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D>()));
       });
 }
 
+template <typename T, int D>
+void attention_fwd_paged(const T* q, const T* k_cache, const T* v_cache, T* o, float* lse, const AttentionShape& s,
+                         const PagedArgs& pa, const AttentionAttrs& a, int num_threads, Workers* workers = nullptr,
+                         int kv_splits = 0) {
+  attention_fwd_paged<T, D>(q, k_cache, v_cache, o, lse, s, pa, a, ScoreExtras{}, num_threads, workers, kv_splits);
+}
+
 // Packed varlen forward (VarlenArgs): q, o [Tq][Hq][D], k, v [Tk][Hkv][D], lse
 // [Hq][Tq], s = {B, Tq, Tk, Hq, Hkv, D}. Rows past cu_seqlens_q[B] get o = 0,
 // lse = -inf. Preconditions (the handler checks them): cu_seqlens start at 0,
-// do not decrease and end within Tq / Tk.
+// do not decrease and end within Tq / Tk. x: only its ALiBi slopes are used
+// (slope(b, h) for sequence b, offset from that sequence's lengths).
 template <typename T, int D>
 void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
-                          const VarlenArgs& va, const AttentionAttrs& a, int num_threads,
+                          const VarlenArgs& va, const AttentionAttrs& a, const ScoreExtras& x, int num_threads,
                           Workers* workers = nullptr) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
@@ -2147,6 +2176,8 @@ void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, 
   const int64_t G = Hq / Hkv;
   const int32_t* cq = va.cu_seqlens_q;
   const int32_t* ck = va.cu_seqlens_k;
+  ScoreExtras keep;
+  const ScoreExtras* xa = alibi_only(x, &keep);
   // Rows outside every sequence.
   const int64_t used = B > 0 ? cq[B] : 0;
   for (int64_t i = used; i < Tq; ++i) {
@@ -2187,6 +2218,11 @@ void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, 
         p.q = q + (int64_t(cq[b]) * Hq + h) * D;
         p.o = o + (int64_t(cq[b]) * Hq + h) * D;
         p.lse = lse + h * Tq + cq[b];
+        HeadExtras e;
+        if (xa != nullptr) {
+          e = head_extras(*xa, b, h, p.Sq, p.Sk, nullptr);
+          p.x = &e;
+        }
         const DenseRows<T> kr{k + (int64_t(ck[b]) * Hkv + hk) * D, Hkv * D};
         const DenseRows<T> vr{v + (int64_t(ck[b]) * Hkv + hk) * D, Hkv * D};
         fwd_item<T, D>(p, kr, vr, Hq, a, bl.second, thread_workspace(fwd_ws_floats<D>()));
@@ -2194,12 +2230,20 @@ void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, 
       workers);
 }
 
+template <typename T, int D>
+void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
+                          const VarlenArgs& va, const AttentionAttrs& a, int num_threads,
+                          Workers* workers = nullptr) {
+  attention_fwd_varlen<T, D>(q, k, v, o, lse, s, va, a, ScoreExtras{}, num_threads, workers);
+}
+
 // Packed varlen backward: q, o, dout, dq [Tq][Hq][D]; k, v, dk, dv [Tk][Hkv][D];
-// lse [Hq][Tq]. Rows outside every sequence get zero gradients.
+// lse [Hq][Tq]. Rows outside every sequence get zero gradients. x: only its
+// ALiBi slopes are used (a constant: no slope gradient).
 template <typename T, int D>
 void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq,
                           T* dk, T* dv, const AttentionShape& s, const VarlenArgs& va, const AttentionAttrs& a,
-                          int num_threads, Workers* workers = nullptr) {
+                          const ScoreExtras& x, int num_threads, Workers* workers = nullptr) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
   static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
@@ -2211,6 +2255,8 @@ void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const 
   const int32_t* cq = va.cu_seqlens_q;
   const int32_t* ck = va.cu_seqlens_k;
   const int64_t used_q = B > 0 ? cq[B] : 0, used_k = B > 0 ? ck[B] : 0;
+  ScoreExtras keep;
+  const ScoreExtras* xa = alibi_only(x, &keep);
   // Keys outside every sequence.
   if (Tk > used_k) {
     std::memset(static_cast<void*>(dk + used_k * Hkv * D), 0, sizeof(T) * size_t((Tk - used_k) * Hkv * D));
@@ -2272,10 +2318,17 @@ void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const 
         float* ws = thread_workspace(bwd_ws_floats<D>());
         const int64_t nkb_b = (p.Sk + kBwdBk - 1) / kBwdBk;
         for (int64_t kb = c; kb < nkb_b; kb += nchunks)
-          bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, nullptr, 0, nullptr, ws);
+          bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, xa, b, nullptr, ws);
       },
       workers);
   if (!direct) reduce_dq<T>(dqacc, nchunks, int64_t(dq_elems), Tq, Hq * D, dq, light_threads, workers);
+}
+
+template <typename T, int D>
+void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq,
+                          T* dk, T* dv, const AttentionShape& s, const VarlenArgs& va, const AttentionAttrs& a,
+                          int num_threads, Workers* workers = nullptr) {
+  attention_bwd_varlen<T, D>(q, k, v, o, lse, dout, dq, dk, dv, s, va, a, ScoreExtras{}, num_threads, workers);
 }
 
 }  // namespace cpu

@@ -36,6 +36,10 @@
 //   kBwdVarlen  packed variable-length batch (blockIdx.z = sequence; clamped
 //               cu_seqlens; key blocks past the sequence exit at once; the
 //               handler zeroes dK/dV first, so uncovered rows read 0).
+//   kBwdVarlenAlibi  kBwdVarlen + ALiBi: the recomputed P^T gets the constant
+//               term -slope(b,h) * |i + off_b - j| (off_b from the sequence's
+//               own lengths; no slope gradient); softcap's u is recovered
+//               after subtracting it. Without ALiBi kBwdVarlen is unchanged.
 #pragma once
 
 #include "flashgen/cuda/common.cuh"
@@ -76,7 +80,7 @@ struct BwdParams {
 struct BwdVarParams : BwdParams {
   // Raw attributes: varlen computes the band per sequence on the device.
   int causal, bottom_right, window_left, window_right;
-  ExtrasParams x;  // kBwdExtras
+  ExtrasParams x;  // kBwdExtras; kBwdVarlenAlibi: alibi / alibi_stride_b only
   // kBwdVarlen: seqlen_q / seqlen_k are the totals Tq / Tk, batch the number of sequences;
   // lse / dsum are [Hq, Tq].
   const int* cu_q;
@@ -84,7 +88,7 @@ struct BwdVarParams : BwdParams {
   int max_seqlen_q, max_seqlen_k;
 };
 
-enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2 };
+enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2, kBwdVarlenAlibi = 3 };
 template <int MODE>
 using BwdParamsT = typename std::conditional<MODE == kBwdDense, BwdParams, BwdVarParams>::type;
 
@@ -211,7 +215,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   const int g = lane >> 2, t = lane & 3;
   const int nblk = blockIdx.x / NSPLIT, split = blockIdx.x % NSPLIT;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  constexpr bool kVarlen = MODE == kBwdVarlen;
+  constexpr bool kVarlen = MODE == kBwdVarlen || MODE == kBwdVarlenAlibi;
+  constexpr bool kAlibi = MODE == kBwdVarlenAlibi;
   // Varlen: sequence b (clamped: cu_seqlens live on the device and are not trusted).
   SeqRange rq{0, 0}, rk{0, 0};
   if constexpr (kVarlen) {
@@ -249,11 +254,18 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   float* dqg = p.dq_acc + q_off;
   ExtrasView<T> xv;
   if constexpr (kExtras) xv.init(p.x, b, h, Sq, Sk);
+  // ALiBi (varlen): -slope * log2(e) and this sequence's offset.
+  float alibi_l2 = 0.f;
+  int alibi_off = 0;
+  if constexpr (kAlibi) {
+    alibi_l2 = -p.x.alibi[b * p.x.alibi_stride_b + h] * kLog2e;
+    alibi_off = alibi_offset(Sq, Sk, p.bottom_right);
+  }
   // The dense variants read the band from the parameters at each use (as the
   // fast path always did); varlen computed it above.
-#define FG_BAND_LO (MODE == kBwdVarlen ? band_lo : p.band_lo)
-#define FG_BAND_HI (MODE == kBwdVarlen ? band_hi : p.band_hi)
-#define FG_BAND_MASKED (MODE == kBwdVarlen ? band_masked : p.masked)
+#define FG_BAND_LO (kVarlen ? band_lo : p.band_lo)
+#define FG_BAND_HI (kVarlen ? band_hi : p.band_hi)
+#define FG_BAND_MASKED (kVarlen ? band_masked : p.masked)
 
   // Query blocks that can see at least one key of this block: rows i with
   // k0 - hi <= i <= k0 + BC - 1 - lo.
@@ -353,7 +365,11 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
               const int qi = c0 + j * 8 + 2 * t + (e & 1);     // tile-local query
               const int kj = k0 + wrow0 + g + (e >> 1) * 8;  // global key
               float pv;
-              if (capped)
+              if constexpr (kAlibi) {
+                // log2 units: x * log2e - slope * log2e * |i + off - j| - lse * log2e
+                const float xl2 = capped ? p.softcap * tanhf(s[j][e] * p.cap_in) * kLog2e : s[j][e] * p.scale_log2;
+                pv = fast_exp2(xl2 + alibi_term(alibi_l2, q0 + qi, alibi_off, kj) - sLse[qi]);
+              } else if (capped)
                 pv = fast_exp2(fmaf(p.softcap * tanhf(s[j][e] * p.cap_in), kLog2e, -sLse[qi]));
               else
                 pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -sLse[qi]));
@@ -413,6 +429,13 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
                   const float u = (__log2f(s[j][e]) + sLse[qi] - xv.add_only(row, kj) * kLog2e) * p.cap_out;
                   ds *= 1.f - u * u;
                 }
+              }
+            } else if constexpr (kAlibi) {
+              if (capped && s[j][e] > 0.f) {
+                const int kj = k0 + wrow0 + g + (e >> 1) * 8;
+                const float a = alibi_term(alibi_l2, q0 + qi, alibi_off, kj);
+                const float u = (__log2f(s[j][e]) + sLse[qi] - a) * p.cap_out;
+                ds *= 1.f - u * u;
               }
             } else if (capped && s[j][e] > 0.f) {
               const float u = (__log2f(s[j][e]) + sLse[qi]) * p.cap_out;

@@ -61,6 +61,26 @@ FLASHGEN_HD SeqRange seq_range(int cu_b, int cu_b1, int total, int max_len) {
   return SeqRange{start, len};
 }
 
+// Paged KV: the keys batch b uses, seqused_k[b] clamped to [0, max_keys]
+// (max_keys = max_blocks * block_size, what its table row can hold).
+FLASHGEN_HD int paged_seqlen_k(int used, int max_keys) {
+  return used < 0 ? 0 : (used > max_keys ? max_keys : used);
+}
+
+// ALiBi of the varlen / paged kernels, per sequence with its own lengths
+// (varlen: the clamped seq_range lengths; paged: Sq and the clamped
+// seqused_k[b]): score(i, j) -= slope * |i + off - j|, off = alibi_offset.
+// For 0 <= i < Sq <= 2^30, 0 <= j < Sk <= 2^30: |i + off| <= 2^30, so
+// i + off - j fits int.
+FLASHGEN_HD int alibi_offset(int seqlen_q, int seqlen_k, int bottom_right) {
+  return bottom_right ? seqlen_k - seqlen_q : 0;
+}
+// neg_slope * |row + off - col| (neg_slope = -slope, times log2(e) in the
+// kernels' log2 units).
+FLASHGEN_HD float alibi_term(float neg_slope, int row, int off, int col) {
+  return neg_slope * fabsf(static_cast<float>(row + off - col));
+}
+
 // Whether packed row r (0 <= r < total) is computed by some sequence (then the
 // attention kernel writes it; otherwise the fill kernel does). Binary search for
 // the last b with clamped cu[b] <= r; exact when cu is non-decreasing.

@@ -3,7 +3,8 @@
 // binds them with XLA_FFI_DEFINE_HANDLER_SYMBOL: cuda_fwd / cuda_bwd (dense,
 // optional `extras` operands; no extras -> the unchanged fast-path kernels),
 // cuda_fwd_varlen / cuda_bwd_varlen (packed batches) and cuda_fwd_paged
-// (paged KV cache with split-KV).
+// (paged KV cache with split-KV); these three take `extras` = "" or "alibi"
+// (decode_alibi_only; "" -> the unchanged varlen / paged kernels).
 //
 // Contract: every operand and result shape and every attribute is validated
 // (ffi_common.h) before anything runs; work is enqueued on the given stream
@@ -183,6 +184,18 @@ inline ffi::Error check_max_seqlen(const char* target, int32_t max_seqlen_q, int
   return ffi::Error::Success();
 }
 
+// The `extras` of the varlen / paged targets: "" or "alibi" only (slopes f32
+// [Hq] or [B, Hq], B = the number of sequences), decoded by decode_extras with
+// s.batch = B and s.heads_q = Hq.
+inline ffi::ErrorOr<ScoreExtras> decode_alibi_only(const char* target, std::string_view extras,
+                                                   const ffi::RemainingArgs& args, const AttentionShape& s,
+                                                   ffi::DataType q_type) {
+  if (!extras.empty() && extras != "alibi")
+    return ffi::Unexpected<ffi::Error>(
+        invalid(target, "varlen/paged calls take only the alibi extra, got extras=\"" + std::string(extras) + "\""));
+  return decode_extras(target, extras, args, s, q_type, nullptr);
+}
+
 // ---------------------------------------------------------------------------
 // forward (dense, dense + extras, varlen, paged) -- the launch
 // ---------------------------------------------------------------------------
@@ -271,9 +284,9 @@ ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, 
 template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                            ffi::Buffer<DT> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
-                           ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale,
-                           bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
-                           int32_t max_seqlen_q, int32_t max_seqlen_k) {
+                           ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse,
+                           bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
+                           float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
 
@@ -281,8 +294,11 @@ ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<
                                cu_k.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
+  auto x_or = decode_alibi_only(target, extras, extra_args, s, DT);
+  if (x_or.has_error()) return x_or.error();
+  const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = check_max_seqlen(target, max_seqlen_q, max_seqlen_k); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.seqlen_q, s.heads_q, s.head_dim}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
@@ -316,7 +332,9 @@ ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<
   p.max_seqlen_k = max_seqlen_k;
   const dim3 grid(static_cast<unsigned>((rows + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  return launch_fwd<T, D, CAUSAL, kFwdVarlen>(target, stream, p, grid);
+  if (x.alibi == nullptr) return launch_fwd<T, D, CAUSAL, kFwdVarlen>(target, stream, p, grid);
+  p.x = extras_params(x, s, bottom_right);  // the kernel reads alibi / alibi_stride_b only
+  return launch_fwd<T, D, CAUSAL, kFwdVarlenAlibi>(target, stream, p, grid);
 }
 
 // ---------------------------------------------------------------------------
@@ -334,9 +352,10 @@ inline ffi::Error sm_count(const char* target, int* sms) {
 template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch,
                           ffi::Buffer<DT> q, ffi::Buffer<DT> k_cache, ffi::Buffer<DT> v_cache,
-                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seqused_k, ffi::ResultBuffer<DT> o,
-                          ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale, bool bottom_right,
-                          int32_t window_left, int32_t window_right, float softcap) {
+                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seqused_k,
+                          ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse,
+                          bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
+                          float softcap, std::string_view extras) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
 
@@ -358,8 +377,11 @@ ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchA
   const int64_t num_blocks = kd[0], block_size = kd[1], max_blocks = td[1];
   const int64_t max_keys = (block_size == 0 || max_blocks == 0) ? 0 : max_blocks * block_size;
   const AttentionShape s{qd[0], qd[1], max_keys, qd[2], kd[2], D};
+  auto x_or = decode_alibi_only(target, extras, extra_args, s, DT);
+  if (x_or.has_error()) return x_or.error();
+  const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure())
     return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
@@ -410,7 +432,12 @@ ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchA
   }
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch * nsplit));
-  if (auto e = launch_fwd<T, D, CAUSAL, kFwdPaged>(target, stream, p, grid); e.failure()) return e;
+  if (x.alibi == nullptr) {
+    if (auto e = launch_fwd<T, D, CAUSAL, kFwdPaged>(target, stream, p, grid); e.failure()) return e;
+  } else {
+    p.x = extras_params(x, s, bottom_right);  // the kernel reads alibi / alibi_stride_b only
+    if (auto e = launch_fwd<T, D, CAUSAL, kFwdPagedAlibi>(target, stream, p, grid); e.failure()) return e;
+  }
   if (nsplit > 1) {
     flash_fwd_combine_kernel<T, D><<<grid_for(s.batch * s.heads_q * s.seqlen_q, 8), 256, 0, stream>>>(
         p.o_part, p.lse_part, static_cast<T*>(o->untyped_data()), lse->typed_data(), nsplit,
@@ -436,8 +463,8 @@ struct BwdBuffers {
 };
 
 // s: the dense shape, or for varlen {B, Tq, Tk, Hq, Hkv, D} (then `varlen` is set
-// and lse / dsum are [Hq, Tq]). x: extras (dense only); dbias / dbias_elems: the
-// dbias result when x has a bias.
+// and lse / dsum are [Hq, Tq]). x: extras (dense; varlen: alibi only, or null);
+// dbias / dbias_elems: the dbias result when x has a bias (dense only).
 template <class T, int D, bool CAUSAL>
 ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdBuffers& buf,
                    const AttentionShape& s, const AttentionAttrs& attrs, const ScoreExtras* x, void* dbias,
@@ -577,7 +604,12 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     };
     ffi::Error err = ffi::Error::Success();
     if (is_varlen) {
-      err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdVarlen>, p);
+      if (x != nullptr && x->alibi != nullptr) {
+        p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
+        err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdVarlenAlibi>, p);
+      } else {
+        err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdVarlen>, p);
+      }
     } else if (x != nullptr && x->any()) {
       p.x = extras_params(*x, s, attrs.bottom_right);
       p.x.dbias_acc = dbias_acc;
@@ -657,17 +689,21 @@ template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error cuda_bwd_varlen(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch,
                            ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o,
                            ffi::Buffer<ffi::F32> lse, ffi::Buffer<DT> dout, ffi::Buffer<ffi::S32> cu_q,
-                           ffi::Buffer<ffi::S32> cu_k, ffi::ResultBuffer<DT> dq, ffi::ResultBuffer<DT> dk,
-                           ffi::ResultBuffer<DT> dv, bool causal, float scale, bool bottom_right, int32_t window_left,
-                           int32_t window_right, float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k) {
+                           ffi::Buffer<ffi::S32> cu_k, ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> dq,
+                           ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv, bool causal, float scale,
+                           bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
+                           int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
   using T = typename ElemOf<DT>::type;
 
   auto shape_or = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q.dimensions(),
                                cu_k.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
+  auto x_or = decode_alibi_only(target, extras, extra_args, s, DT);  // no dbias
+  if (x_or.has_error()) return x_or.error();
+  const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs); e.failure()) return e;
+  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
   if (auto e = check_max_seqlen(target, max_seqlen_q, max_seqlen_k); e.failure()) return e;
   const int64_t Tq = s.seqlen_q, Tk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   if (auto e = expect_dims(target, "o", o.dimensions(), {Tq, Hq, D}); e.failure()) return e;
@@ -682,7 +718,8 @@ ffi::Error cuda_bwd_varlen(const char* target, cudaStream_t stream, ffi::Scratch
   const BwdBuffers buf{q.untyped_data(),   k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
                        lse.typed_data(),   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
                        dv->untyped_data()};
-  return bwd_run<T, D, CAUSAL>(target, stream, scratch, buf, s, attrs, nullptr, nullptr, 0, &va);
+  return bwd_run<T, D, CAUSAL>(target, stream, scratch, buf, s, attrs, x.alibi != nullptr ? &x : nullptr, nullptr,
+                               0, &va);
 }
 
 }  // namespace

@@ -34,6 +34,11 @@
 //               CTA walks one chunk of the key blocks and writes an f32
 //               partial O and its lse to a workspace;
 //               flash_fwd_combine_kernel merges them by log-sum-exp.
+//   kFwdVarlenAlibi / kFwdPagedAlibi  varlen / paged + ALiBi: every visited
+//               block is masked per element and gets -slope(b,h) *
+//               |i + off_b - j| (off_b = bottom_right ? Sk_b - Sq_b : 0, the
+//               sequence's own lengths); scores in log2 units as kFwdExtras.
+//               Without ALiBi the varlen / paged modes above are unchanged.
 #pragma once
 
 #include "flashgen/cuda/common.cuh"
@@ -62,7 +67,7 @@ struct FwdParams {
 struct FwdVarParams : FwdParams {
   // Raw attributes: varlen / paged compute the band per sequence on the device.
   int causal, bottom_right, window_left, window_right;
-  ExtrasParams x;  // kFwdExtras
+  ExtrasParams x;  // kFwdExtras; *Alibi modes: alibi / alibi_stride_b only
   // kFwdVarlen: seqlen_q / seqlen_k are the totals Tq / Tk, batch the number of sequences.
   const int* cu_q;
   const int* cu_k;
@@ -77,7 +82,16 @@ struct FwdVarParams : FwdParams {
   float* lse_part;  // [nsplit, B, Hq, Sq] f32
 };
 
-enum FwdMode : int { kFwdDense = 0, kFwdExtras = 1, kFwdVarlen = 2, kFwdPaged = 3 };
+enum FwdMode : int {
+  kFwdDense = 0,
+  kFwdExtras = 1,
+  kFwdVarlen = 2,
+  kFwdPaged = 3,
+  kFwdVarlenAlibi = 4,  // kFwdVarlen + ALiBi (FwdVarParams::x.alibi)
+  kFwdPagedAlibi = 5,   // kFwdPaged + ALiBi
+};
+__host__ __device__ constexpr bool fwd_is_varlen(int mode) { return mode == kFwdVarlen || mode == kFwdVarlenAlibi; }
+__host__ __device__ constexpr bool fwd_is_paged(int mode) { return mode == kFwdPaged || mode == kFwdPagedAlibi; }
 template <int MODE>
 using FwdParamsT = typename std::conditional<MODE == kFwdDense, FwdParams, FwdVarParams>::type;
 
@@ -142,7 +156,7 @@ FG_DEV void load_tile_rows(T* s, int ld, const T* cache, int64_t row_stride, con
 // Dynamic shared memory of one variant (the paged one adds the per-key flags).
 template <class T, int D, int MODE>
 constexpr size_t fwd_smem_bytes() {
-  return FwdConfig<T, D>::kSmem + (MODE == kFwdPaged ? 2 * FwdConfig<T, D>::BC * sizeof(int) : 0);
+  return FwdConfig<T, D>::kSmem + (fwd_is_paged(MODE) ? 2 * FwdConfig<T, D>::BC * sizeof(int) : 0);
 }
 
 template <class T, int D, bool CAUSAL, int MODE = kFwdDense>
@@ -157,7 +171,11 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   constexpr int kNT = BC / 8;  // S accumulator tiles (8 keys each) per warp
   constexpr int kDT = D / 8;   // O accumulator tiles (8 dims each) per warp
   constexpr bool kExtras = MODE == kFwdExtras;
-  constexpr bool kPaged = MODE == kFwdPaged;
+  constexpr bool kPaged = fwd_is_paged(MODE);
+  constexpr bool kVarlen = fwd_is_varlen(MODE);
+  constexpr bool kAlibi = MODE == kFwdVarlenAlibi || MODE == kFwdPagedAlibi;
+  // Scores in log2 units before the online softmax (multiplier 1).
+  constexpr bool kLog2Units = kExtras || kAlibi;
   static_assert(!kPaged || NT >= BC, "paged_tile_rows needs a thread per key of the tile");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -187,7 +205,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   const T* vg;
   T* og;
   float* lseg;
-  if constexpr (MODE == kFwdVarlen) {
+  if constexpr (kVarlen) {
     // Sequence b (clamped: cu_seqlens live on the device and are not trusted).
     const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
     const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
@@ -207,8 +225,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
     Sq = p.seqlen_q;
     if constexpr (kPaged) {
       // Keys of batch b: seqused_k[b], clamped to what the table can hold.
-      const int used = p.seqused_k[b];
-      Sk = used < 0 ? 0 : (used > p.seqlen_k ? p.seqlen_k : used);
+      Sk = paged_seqlen_k(p.seqused_k[b], p.seqlen_k);
       const IntBand bd = int_band(Sq, Sk, p.causal, p.bottom_right, p.window_left, p.window_right);
       band_lo = bd.lo;
       band_hi = bd.hi;
@@ -234,6 +251,13 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   if constexpr (kPaged) table_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks;
   ExtrasView<T> xv;
   if constexpr (kExtras) xv.init(p.x, b, h, Sq, Sk);
+  // ALiBi (varlen / paged): -slope * log2(e) and this sequence's offset.
+  float alibi_l2 = 0.f;
+  int alibi_off = 0;
+  if constexpr (kAlibi) {
+    alibi_l2 = -p.x.alibi[b * p.x.alibi_stride_b + h] * kLog2e;
+    alibi_off = alibi_offset(Sq, Sk, p.bottom_right);
+  }
 
   // Keys this block needs: [kv_begin, kv_end) (the band of rows q0 .. q_last).
   const int q_last = min(q0 + BR, Sq) - 1;
@@ -253,11 +277,11 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
     }
   }
   const bool capped = p.softcap > 0.f;
-  // With softcap the capped scores already include the scale. The extras
-  // variant turns scores into log2 units before the softmax (multiplier 1).
+  // With softcap the capped scores already include the scale. The extras and
+  // ALiBi variants turn scores into log2 units before the softmax (multiplier 1).
   const float s_mul = capped ? kLog2e : p.scale_log2;
-  const float sl2 = kExtras ? 1.f : s_mul;
-  const float lse_mul = kExtras ? 0.6931471805599453f : (capped ? 1.f : p.scale);
+  const float sl2 = kLog2Units ? 1.f : s_mul;
+  const float lse_mul = kLog2Units ? 0.6931471805599453f : (capped ? 1.f : p.scale);
 
   float acc_o[kDT][4];
 #pragma unroll
@@ -341,8 +365,9 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
         // ---- mask: keys past Sk and keys outside the band (causal / window).
         // Block [k0, k0+BC) is fully visible to rows [q0, q0+BR) iff
         // k0 - (q0+BR-1) >= lo and (k0+BC-1) - q0 <= hi.
+        // ALiBi: every block, visible scores -> log2 units plus the ALiBi term.
         const bool need_mask =
-            kPaged || (k0 + BC > Sk) ||
+            kPaged || kAlibi || (k0 + BC > Sk) ||
             (band_masked && (k0 - (q0 + BR - 1) < band_lo || k0 + BC - 1 - q0 > band_hi));
         if (need_mask) {
 #pragma unroll
@@ -354,7 +379,10 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
               const int dist = col - row;  // |dist| < 2^30 + BR
               bool masked = col >= Sk || dist < band_lo || dist > band_hi;
               if constexpr (kPaged) masked = masked || sRows[(n & 1) * BC + j * 8 + 2 * t + (e & 1)] < 0;
-              if (masked) s[j][e] = -INFINITY;
+              if constexpr (kAlibi)
+                s[j][e] = masked ? -INFINITY : fmaf(s[j][e], s_mul, alibi_term(alibi_l2, row, alibi_off, col));
+              else if (masked)
+                s[j][e] = -INFINITY;
             }
         }
       }
