@@ -233,6 +233,17 @@ inline ffi::ErrorOr<ScoreExtras> decode_extras(const char* target, std::string_v
   return x;
 }
 
+// The `extras` of the varlen and paged targets: "" or "alibi" only (slopes f32
+// [Hq] or [B, Hq]); s.batch is the number of sequences (varlen) or q's batch.
+inline ffi::ErrorOr<ScoreExtras> decode_packed_extras(const char* target, std::string_view extras,
+                                                      const ffi::RemainingArgs& args, const AttentionShape& s,
+                                                      ffi::DataType q_type) {
+  if (!extras.empty() && extras != "alibi")
+    return ffi::Unexpected<ffi::Error>(
+        invalid(target, "varlen/paged calls take only the alibi extra, got extras=\"" + std::string(extras) + "\""));
+  return decode_extras(target, extras, args, s, q_type, nullptr);
+}
+
 // Checks the varlen operands' shapes (not their contents: on a GPU they live in
 // device memory; the CPU handler also checks the values, check_cu_seqlens).
 inline ffi::Error check_varlen_dims(const char* target, Dims cu_q, Dims cu_k, int64_t* batch) {

@@ -156,21 +156,6 @@ inline ffi::ErrorOr<AttentionShape> checked_varlen_shape(const char* target, int
   return shape;
 }
 
-// The `extras` of the varlen / paged targets: "" or "alibi" (alibi_slopes f32
-// [Hq] or [B, Hq], B = the number of sequences / batch entries in s.batch).
-// Anything else the dense targets accept is rejected.
-inline ffi::ErrorOr<ScoreExtras> decode_alibi_extras(const char* target, std::string_view extras,
-                                                     const ffi::RemainingArgs& args, const AttentionShape& s,
-                                                     ffi::DataType q_type) {
-  auto names = parse_extras(target, extras);
-  if (names.has_error()) return ffi::Unexpected<ffi::Error>(names.error());
-  const ExtraNames n = names.value();
-  if (n.bias || n.mask || n.segment_ids)
-    return ffi::Unexpected<ffi::Error>(
-        invalid(target, "varlen/paged calls take only the alibi extra, got extras=\"" + std::string(extras) + "\""));
-  return decode_extras(target, extras, args, s, q_type, nullptr);
-}
-
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k,
                       ffi::Buffer<T> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
@@ -181,7 +166,7 @@ ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
                                     max_seqlen_q, max_seqlen_k);
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
-  auto xs = decode_alibi_extras(target, extras, extra_args, s, T);
+  auto xs = decode_packed_extras(target, extras, extra_args, s, T);
   if (xs.has_error()) return xs.error();
   const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
@@ -208,7 +193,7 @@ ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
                                     max_seqlen_q, max_seqlen_k);
   if (shape.has_error()) return shape.error();
   const AttentionShape& s = shape.value();
-  auto xs = decode_alibi_extras(target, extras, extra_args, s, T);
+  auto xs = decode_packed_extras(target, extras, extra_args, s, T);
   if (xs.has_error()) return xs.error();
   const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
@@ -273,7 +258,7 @@ ffi::Error fwd_paged(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q,
     }
   }
   const AttentionShape s{B, qd[1], MB * BS, qd[2], kd[2], D};
-  auto xs = decode_alibi_extras(target, extras, extra_args, s, T);
+  auto xs = decode_packed_extras(target, extras, extra_args, s, T);
   if (xs.has_error()) return xs.error();
   const ScoreExtras& x = xs.value();
   AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};

@@ -4,7 +4,7 @@
 // optional `extras` operands; no extras -> the unchanged fast-path kernels),
 // cuda_fwd_varlen / cuda_bwd_varlen (packed batches) and cuda_fwd_paged
 // (paged KV cache with split-KV); these three take `extras` = "" or "alibi"
-// (decode_alibi_only; "" -> the unchanged varlen / paged kernels).
+// (decode_packed_extras; "" -> the unchanged varlen / paged kernels).
 //
 // Contract: every operand and result shape and every attribute is validated
 // (ffi_common.h) before anything runs; work is enqueued on the given stream
@@ -184,18 +184,6 @@ inline ffi::Error check_max_seqlen(const char* target, int32_t max_seqlen_q, int
   return ffi::Error::Success();
 }
 
-// The `extras` of the varlen / paged targets: "" or "alibi" only (slopes f32
-// [Hq] or [B, Hq], B = the number of sequences), decoded by decode_extras with
-// s.batch = B and s.heads_q = Hq.
-inline ffi::ErrorOr<ScoreExtras> decode_alibi_only(const char* target, std::string_view extras,
-                                                   const ffi::RemainingArgs& args, const AttentionShape& s,
-                                                   ffi::DataType q_type) {
-  if (!extras.empty() && extras != "alibi")
-    return ffi::Unexpected<ffi::Error>(
-        invalid(target, "varlen/paged calls take only the alibi extra, got extras=\"" + std::string(extras) + "\""));
-  return decode_extras(target, extras, args, s, q_type, nullptr);
-}
-
 // ---------------------------------------------------------------------------
 // forward (dense, dense + extras, varlen, paged) -- the launch
 // ---------------------------------------------------------------------------
@@ -294,7 +282,7 @@ ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<
                                cu_k.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
-  auto x_or = decode_alibi_only(target, extras, extra_args, s, DT);
+  auto x_or = decode_packed_extras(target, extras, extra_args, s, DT);
   if (x_or.has_error()) return x_or.error();
   const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
@@ -377,7 +365,7 @@ ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchA
   const int64_t num_blocks = kd[0], block_size = kd[1], max_blocks = td[1];
   const int64_t max_keys = (block_size == 0 || max_blocks == 0) ? 0 : max_blocks * block_size;
   const AttentionShape s{qd[0], qd[1], max_keys, qd[2], kd[2], D};
-  auto x_or = decode_alibi_only(target, extras, extra_args, s, DT);
+  auto x_or = decode_packed_extras(target, extras, extra_args, s, DT);
   if (x_or.has_error()) return x_or.error();
   const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
@@ -699,7 +687,7 @@ ffi::Error cuda_bwd_varlen(const char* target, cudaStream_t stream, ffi::Scratch
                                cu_k.dimensions());
   if (shape_or.has_error()) return shape_or.error();
   const AttentionShape s = shape_or.value();
-  auto x_or = decode_alibi_only(target, extras, extra_args, s, DT);  // no dbias
+  auto x_or = decode_packed_extras(target, extras, extra_args, s, DT);  // no dbias
   if (x_or.has_error()) return x_or.error();
   const ScoreExtras x = x_or.value();
   const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
