@@ -137,6 +137,12 @@ EXTRAS = {
 }
 
 
+def extra_operand_index(extras, name: str) -> int:
+    """Where extra `name`'s first operand sits among the extra operands of a call whose
+    (normalized) extras are `extras`."""
+    return sum(len(EXTRAS[e]) for e in extras[:extras.index(name)])
+
+
 def normalize_extras(extras) -> tuple[str, ...]:
     """The extras as a tuple in canonical order; ValueError for unknown or repeated names."""
     if extras is None or extras == "":

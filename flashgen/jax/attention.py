@@ -15,8 +15,8 @@ import numpy as np
 
 from flashgen import runtime
 from flashgen.jax import sharding
-from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, normalize_dtype, normalize_softcap,
-                           normalize_window)
+from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, normalize_dtype,
+                           normalize_softcap, normalize_window)
 
 
 def _local_target() -> str:
@@ -104,10 +104,6 @@ def _extra_cotangents(mask, dbias):
     return tuple(cts)
 
 
-def _bias_index(mask) -> int:
-    return 1 if mask[3][0] == "alibi" else 0
-
-
 # (o, lse), differentiable in both, with symbolic zeros: a bias that is not being
 # differentiated (not perturbed) costs no dbias work in the backward, and an lse nobody
 # uses costs nothing. d lse_i / d s_ij = p_ij, so an lse cotangent adds p_ij * dlse_i to
@@ -122,7 +118,7 @@ def _attention(q, k, v, ex, spec, scale, mask):
 
 
 def _attention_fwd(q, k, v, ex, spec, scale, mask):
-    with_dbias = "bias" in mask[3] and ex[_bias_index(mask)].perturbed
+    with_dbias = "bias" in mask[3] and ex[extra_operand_index(mask[3], "bias")].perturbed
     q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros wraps the primals
     ex = tuple(x.value for x in ex)
     o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
@@ -138,7 +134,7 @@ def _attention_bwd(spec, scale, mask, res, cts):
     bwd = _kernel_calls(spec, scale, *mask, dbias=with_dbias)[1]
     if isinstance(do, zero):
         dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-        dbias = [jnp.zeros_like(ex[_bias_index(mask)])] if with_dbias else []
+        dbias = [jnp.zeros_like(ex[extra_operand_index(mask[3], "bias")])] if with_dbias else []
     else:
         dq, dk, dv, *dbias = bwd(q, k, v, o, lse, do, *ex)
     if not isinstance(dlse, zero):

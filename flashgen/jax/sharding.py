@@ -43,8 +43,8 @@ from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
-from flashgen.spec import (DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, normalize_extras,
-                           parse_target_name, target_name)
+from flashgen.spec import (DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, extra_operand_index,
+                           normalize_extras, parse_target_name, target_name)
 
 BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 
@@ -265,16 +265,11 @@ def _plan_for(direction, base, shapes, extras, with_dbias):
     """_plan, except that a backward returning the dbias of a bias broadcast over batch or
     heads keeps that dim whole: dbias sums over it, which per-device calls cannot do."""
     if with_dbias and base is not None and base.is_tiled():
-        bias = shapes[6 + _bias_operand(extras)]
+        bias = shapes[6 + extra_operand_index(extras, "bias")]
         whole = [dim for dim, n in ((BATCH, bias[0]), (HEADS, bias[1])) if n == 1]
         if whole:
             base = _replicate_dims(base, whole)
     return _plan(base, shapes[0], shapes[1])
-
-
-def _bias_operand(extras) -> int:
-    """Index of the bias among the extra operands."""
-    return 1 if extras[0] == "alibi" else 0
 
 
 def _batch_head_devices(qs, batch_dim, head_dim):
@@ -418,7 +413,7 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
             extra_sh = [plan[0]] * (len(shapes) - len(operand_sh))
         operand_sh = operand_sh + extra_sh
         if with_dbias:
-            result_sh = result_sh + [extra_sh[_bias_operand(extra["extras"])]]
+            result_sh = result_sh + [extra_sh[extra_operand_index(extra["extras"], "bias")]]
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
     module = _local_module(spec, direction, local, elements, scale, bottom_right, extra)
     return module, operand_sh, xc.HloSharding.tuple_sharding(result_shape, result_sh)
@@ -445,7 +440,7 @@ def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_
             if extra_sh is None:
                 return None
             if with_dbias:
-                result_sh = result_sh + [extra_sh[_bias_operand(extras)]]
+                result_sh = result_sh + [extra_sh[extra_operand_index(extras, "bias")]]
         return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
     except Exception:  # noqa: BLE001 - fall back to XLA's default (replicated) choice
         return None
@@ -492,7 +487,7 @@ _kernel_p.multiple_results = True
 def _abstract_eval(*avals, target, direction, attrs, dbias):
     q = avals[0]
     if direction.startswith("bwd"):
-        dbias = [avals[6 + _extra_position(attrs, "bias")]] if dbias else []
+        dbias = [avals[6 + extra_operand_index(_extras_of(attrs), "bias")]] if dbias else []
         return [a.update(weak_type=False) for a in [*avals[:3], *dbias]]
     if direction == "fwd_varlen":
         lse = q.update(shape=(q.shape[1], q.shape[0]), dtype=jnp.float32, weak_type=False)
@@ -507,13 +502,6 @@ def _abstract_eval(*avals, target, direction, attrs, dbias):
 
 def _extras_of(attrs) -> tuple[str, ...]:
     return normalize_extras(dict(attrs).get("extras", ""))
-
-
-def _extra_position(attrs, name: str) -> int:
-    """Index of extra `name`'s first operand among the extra operands."""
-    from flashgen.spec import EXTRAS
-    extras = _extras_of(attrs)
-    return sum(len(EXTRAS[e]) for e in extras[:extras.index(name)])
 
 
 def _fully_manual(ctx) -> bool:

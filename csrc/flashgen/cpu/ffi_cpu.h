@@ -156,21 +156,42 @@ inline ffi::ErrorOr<AttentionShape> checked_varlen_shape(const char* target, int
   return shape;
 }
 
+// What both varlen handlers decode and check before their own outputs: the
+// shape (checked_varlen_shape), the extras (decode_packed_extras) and the
+// attributes.
+struct VarlenCall {
+  AttentionShape s;
+  ScoreExtras x;
+  AttentionAttrs attrs;
+};
+
+inline ffi::ErrorOr<VarlenCall> varlen_call(const char* target, int64_t head_dim, bool spec_causal, Dims q,
+                                            Dims k, Dims v, const ffi::Buffer<ffi::S32>& cu_q,
+                                            const ffi::Buffer<ffi::S32>& cu_k, const ffi::RemainingArgs& extra_args,
+                                            ffi::DataType q_type, const AttentionAttrs& attrs,
+                                            int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
+  auto shape = checked_varlen_shape(target, head_dim, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k);
+  if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
+  auto xs = decode_packed_extras(target, extras, extra_args, shape.value(), q_type);
+  if (xs.has_error()) return ffi::Unexpected<ffi::Error>(xs.error());
+  if (auto e = check_attrs(target, spec_causal, attrs, xs.value().alibi != nullptr); e.failure())
+    return ffi::Unexpected<ffi::Error>(e);
+  return VarlenCall{shape.value(), xs.value(), attrs};
+}
+
 template <ffi::DataType T, int D, bool Causal>
 ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k,
                       ffi::Buffer<T> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
                       ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse,
                       bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
                       float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
-  auto shape = checked_varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
-                                    max_seqlen_q, max_seqlen_k);
-  if (shape.has_error()) return shape.error();
-  const AttentionShape& s = shape.value();
-  auto xs = decode_packed_extras(target, extras, extra_args, s, T);
-  if (xs.has_error()) return xs.error();
-  const ScoreExtras& x = xs.value();
-  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
+  auto call = varlen_call(target, D, Causal, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
+                          extra_args, T, {scale, causal, bottom_right, window_left, window_right, softcap},
+                          max_seqlen_q, max_seqlen_k, extras);
+  if (call.has_error()) return call.error();
+  const AttentionShape& s = call.value().s;
+  const ScoreExtras& x = call.value().x;
+  const AttentionAttrs& attrs = call.value().attrs;
   if (auto e = expect_dims(target, "o", o->dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
   poison(o, lse);
@@ -189,15 +210,13 @@ ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
                       ffi::ResultBuffer<T> dq, ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, bool causal,
                       float scale, bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
                       int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
-  auto shape = checked_varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
-                                    max_seqlen_q, max_seqlen_k);
-  if (shape.has_error()) return shape.error();
-  const AttentionShape& s = shape.value();
-  auto xs = decode_packed_extras(target, extras, extra_args, s, T);
-  if (xs.has_error()) return xs.error();
-  const ScoreExtras& x = xs.value();
-  AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, Causal, attrs, x.alibi != nullptr); e.failure()) return e;
+  auto call = varlen_call(target, D, Causal, q.dimensions(), k.dimensions(), v.dimensions(), cu_q, cu_k,
+                          extra_args, T, {scale, causal, bottom_right, window_left, window_right, softcap},
+                          max_seqlen_q, max_seqlen_k, extras);
+  if (call.has_error()) return call.error();
+  const AttentionShape& s = call.value().s;
+  const ScoreExtras& x = call.value().x;
+  const AttentionAttrs& attrs = call.value().attrs;
   if (auto e = expect_dims(target, "o", o.dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;
   if (auto e = expect_dims(target, "lse", lse.dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
   if (auto e = expect_dims(target, "do", dout.dimensions(), {s.seqlen_q, s.heads_q, D}); e.failure()) return e;

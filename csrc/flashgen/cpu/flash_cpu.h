@@ -1188,11 +1188,7 @@ template <typename T, int D, typename Rows>
 void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int64_t Hq, const AttentionAttrs& a,
               int64_t qb, float* ws) {
   constexpr int BQ = kFwdBq, BK = kFwdBk;
-#if FLASHGEN_CPU_BF16_DOT
-  constexpr bool BF = std::is_same<T, bf16>::value;
-#else
-  constexpr bool BF = false;
-#endif
+  constexpr bool BF = kBf16Dot && std::is_same<T, bf16>::value;
   using E = typename std::conditional<BF, uint32_t, float>::type;  // product element: bf16 pair or float
   constexpr int KD = BF ? D / 2 : D;                                 // K steps of Q K^T
   const int64_t Sq = p.Sq, Sk = p.Sk;
@@ -1505,11 +1501,7 @@ template <typename T, int D>
 void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const AttentionAttrs& a, int64_t hk, int64_t kb,
                const ScoreExtras* x, int64_t b, float* dbacc, float* ws) {
   constexpr int BQ = kBwdBq, BK = kBwdBk;
-#if FLASHGEN_CPU_BF16_DOT
-  constexpr bool BF = std::is_same<T, bf16>::value;
-#else
-  constexpr bool BF = false;
-#endif
+  constexpr bool BF = kBf16Dot && std::is_same<T, bf16>::value;
   const int64_t Sq = pr.Sq, Sk = pr.Sk;
   const AttentionShape s{1, Sq, Sk, Hq, Hkv, D};
   const int64_t G = Hq / Hkv;

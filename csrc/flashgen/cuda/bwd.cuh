@@ -255,12 +255,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   ExtrasView<T> xv;
   if constexpr (kExtras) xv.init(p.x, b, h, Sq, Sk);
   // ALiBi (varlen): -slope * log2(e) and this sequence's offset.
-  float alibi_l2 = 0.f;
-  int alibi_off = 0;
-  if constexpr (kAlibi) {
-    alibi_l2 = -p.x.alibi[b * p.x.alibi_stride_b + h] * kLog2e;
-    alibi_off = alibi_offset(Sq, Sk, p.bottom_right);
-  }
+  AlibiRow alibi{0.f, 0};
+  if constexpr (kAlibi) alibi = alibi_row(p.x, b, h, Sq, Sk, p.bottom_right);
   // The dense variants read the band from the parameters at each use (as the
   // fast path always did); varlen computed it above.
 #define FG_BAND_LO (kVarlen ? band_lo : p.band_lo)
@@ -368,7 +364,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
               if constexpr (kAlibi) {
                 // log2 units: x * log2e - slope * log2e * |i + off - j| - lse * log2e
                 const float xl2 = capped ? p.softcap * tanhf(s[j][e] * p.cap_in) * kLog2e : s[j][e] * p.scale_log2;
-                pv = fast_exp2(xl2 + alibi_term(alibi_l2, q0 + qi, alibi_off, kj) - sLse[qi]);
+                pv = fast_exp2(xl2 + alibi_term(alibi.neg_slope_l2, q0 + qi, alibi.off, kj) - sLse[qi]);
               } else if (capped)
                 pv = fast_exp2(fmaf(p.softcap * tanhf(s[j][e] * p.cap_in), kLog2e, -sLse[qi]));
               else
@@ -433,7 +429,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
             } else if constexpr (kAlibi) {
               if (capped && s[j][e] > 0.f) {
                 const int kj = k0 + wrow0 + g + (e >> 1) * 8;
-                const float a = alibi_term(alibi_l2, q0 + qi, alibi_off, kj);
+                const float a = alibi_term(alibi.neg_slope_l2, q0 + qi, alibi.off, kj);
                 const float u = (__log2f(s[j][e]) + sLse[qi] - a) * p.cap_out;
                 ds *= 1.f - u * u;
               }

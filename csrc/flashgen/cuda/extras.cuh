@@ -176,6 +176,16 @@ struct ExtrasParams {
 };
 
 #if defined(__CUDACC__)
+// The ALiBi of one (sequence, head) in the varlen / paged kernels: -slope in
+// log2 units and the sequence's offset (alibi_offset), for alibi_term.
+struct AlibiRow {
+  float neg_slope_l2;
+  int off;
+};
+FG_DEV AlibiRow alibi_row(const ExtrasParams& x, int b, int h, int seqlen_q, int seqlen_k, int bottom_right) {
+  return AlibiRow{-x.alibi[b * x.alibi_stride_b + h] * kLog2e, alibi_offset(seqlen_q, seqlen_k, bottom_right)};
+}
+
 // The extras of one (batch, head), resolved in the kernel prologue.
 template <class T>
 struct ExtrasView {

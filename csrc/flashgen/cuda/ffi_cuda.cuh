@@ -110,6 +110,22 @@ ffi::Error poison_async(const char* target, cudaStream_t stream, Results&... res
   return err;
 }
 
+// The forward's launch preconditions: check_limits, 16-byte aligned q and o
+// (and k, v when there are keys to read), then the poison fill of o and lse.
+template <class O, class L>
+ffi::Error check_fwd_buffers(const char* target, cudaStream_t stream, const AttentionShape& s, const void* q,
+                             const void* k, const void* v, bool has_keys, O& o, L& lse, const char* k_name = "k",
+                             const char* v_name = "v") {
+  if (auto e = check_limits(target, s); e.failure()) return e;
+  if (auto e = check_aligned(target, "q", q); e.failure()) return e;
+  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
+  if (has_keys) {
+    if (auto e = check_aligned(target, k_name, k); e.failure()) return e;
+    if (auto e = check_aligned(target, v_name, v); e.failure()) return e;
+  }
+  return poison_async(target, stream, o, lse);
+}
+
 template <class Kernel>
 ffi::Error set_smem(const char* target, Kernel kernel, size_t bytes) {
   cudaError_t err =
@@ -247,14 +263,10 @@ ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, 
   // Nothing to write when o / lse are empty. (seqlen_k == 0 with rows present
   // is handled by the kernel: o = 0, lse = -inf.)
   if (s.batch == 0 || s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
-  if (auto e = check_limits(target, s); e.failure()) return e;
-  if (auto e = check_aligned(target, "q", q.untyped_data()); e.failure()) return e;
-  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
-  if (s.seqlen_k > 0) {
-    if (auto e = check_aligned(target, "k", k.untyped_data()); e.failure()) return e;
-    if (auto e = check_aligned(target, "v", v.untyped_data()); e.failure()) return e;
-  }
-  if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
+  if (auto e = check_fwd_buffers(target, stream, s, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                                 s.seqlen_k > 0, o, lse);
+      e.failure())
+    return e;
 
   FwdVarParams p;
   fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k.untyped_data(), v.untyped_data(), o->untyped_data(),
@@ -292,14 +304,10 @@ ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<
   if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
 
   if (s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
-  if (auto e = check_limits(target, s); e.failure()) return e;
-  if (auto e = check_aligned(target, "q", q.untyped_data()); e.failure()) return e;
-  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
-  if (s.seqlen_k > 0) {
-    if (auto e = check_aligned(target, "k", k.untyped_data()); e.failure()) return e;
-    if (auto e = check_aligned(target, "v", v.untyped_data()); e.failure()) return e;
-  }
-  if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
+  if (auto e = check_fwd_buffers(target, stream, s, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                                 s.seqlen_k > 0, o, lse);
+      e.failure())
+    return e;
 
   // Rows no sequence computes: o = 0, lse = -inf.
   flash_fwd_varlen_fill_kernel<T, D><<<grid_for(s.seqlen_q, 8), 256, 0, stream>>>(
@@ -380,14 +388,12 @@ ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchA
       num_blocks * block_size > int64_t{0x7fffffff})
     return invalid(target, "paged cache too large: num_blocks * block_size must be < 2^31 and max_blocks * "
                            "block_size <= 2^30, got k_cache " + dims_str(kd) + ", block_table " + dims_str(td));
-  if (auto e = check_limits(target, s); e.failure()) return e;  // max_blocks * block_size <= 2^30
-  if (auto e = check_aligned(target, "q", q.untyped_data()); e.failure()) return e;
-  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
-  if (num_blocks > 0 && block_size > 0) {
-    if (auto e = check_aligned(target, "k_cache", k_cache.untyped_data()); e.failure()) return e;
-    if (auto e = check_aligned(target, "v_cache", v_cache.untyped_data()); e.failure()) return e;
-  }
-  if (auto e = poison_async(target, stream, o, lse); e.failure()) return e;
+  // (check_limits there: max_blocks * block_size <= 2^30)
+  if (auto e = check_fwd_buffers(target, stream, s, q.untyped_data(), k_cache.untyped_data(),
+                                 v_cache.untyped_data(), num_blocks > 0 && block_size > 0, o, lse, "k_cache",
+                                 "v_cache");
+      e.failure())
+    return e;
 
   FwdVarParams p;
   fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),

@@ -252,12 +252,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   ExtrasView<T> xv;
   if constexpr (kExtras) xv.init(p.x, b, h, Sq, Sk);
   // ALiBi (varlen / paged): -slope * log2(e) and this sequence's offset.
-  float alibi_l2 = 0.f;
-  int alibi_off = 0;
-  if constexpr (kAlibi) {
-    alibi_l2 = -p.x.alibi[b * p.x.alibi_stride_b + h] * kLog2e;
-    alibi_off = alibi_offset(Sq, Sk, p.bottom_right);
-  }
+  AlibiRow alibi{0.f, 0};
+  if constexpr (kAlibi) alibi = alibi_row(p.x, b, h, Sq, Sk, p.bottom_right);
 
   // Keys this block needs: [kv_begin, kv_end) (the band of rows q0 .. q_last).
   const int q_last = min(q0 + BR, Sq) - 1;
@@ -380,7 +376,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
               bool masked = col >= Sk || dist < band_lo || dist > band_hi;
               if constexpr (kPaged) masked = masked || sRows[(n & 1) * BC + j * 8 + 2 * t + (e & 1)] < 0;
               if constexpr (kAlibi)
-                s[j][e] = masked ? -INFINITY : fmaf(s[j][e], s_mul, alibi_term(alibi_l2, row, alibi_off, col));
+                s[j][e] = masked ? -INFINITY
+                                 : fmaf(s[j][e], s_mul, alibi_term(alibi.neg_slope_l2, row, alibi.off, col));
               else if (masked)
                 s[j][e] = -INFINITY;
             }
