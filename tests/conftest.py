@@ -17,13 +17,18 @@ def _has_gpu() -> bool:
         return False
 
 
+# Long sweeps (marked `slow`) run only when asked: FLASHGEN_SLOW=1 python3 -m pytest -m slow.
+RUN_SLOW = os.environ.get("FLASHGEN_SLOW") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA jax")
+    skip_gpu = None if _has_gpu() else pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA jax")
+    skip_slow = None if RUN_SLOW else pytest.mark.skip(reason="slow: set FLASHGEN_SLOW=1 to run")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if skip_slow is not None and "slow" in item.keywords:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture
