@@ -114,60 +114,99 @@ _BINARY = {
 }
 
 
+_LEAVES = ("stablehlo.constant", "stablehlo.iota")
+_STRUCTURAL = ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape",
+               "stablehlo.convert", "stablehlo.divide", "stablehlo.remainder",
+               "stablehlo.compare", "stablehlo.select", "stablehlo.clamp", "stablehlo.slice")
+
+
 class Folder:
-    """Memoized evaluator of constant values over a Graph."""
+    """Memoized evaluator of constant values over a Graph.
+
+    The walk keeps its own stack rather than recursing: a model of a few hundred
+    unrolled layers chains thousands of ops, far past Python's recursion limit."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
         self._memo: dict = {}
 
     def fold(self, ref: Ref) -> Const | None:
-        r = self.graph.resolve(ref)
-        key = (r.value, r.ctx)
-        if key not in self._memo:
-            self._memo[key] = None  # cycles (while loops) are not constant
-            try:
-                self._memo[key] = self._eval(r)
-            except (ValueError, TypeError, ArithmeticError, IndexError, KeyError, MemoryError):
-                self._memo[key] = None
-        return self._memo[key]
+        root = self.graph.resolve(ref)
+        root_key = (root.value, root.ctx)
+        if root_key in self._memo:
+            return self._memo[root_key]
+        # frames: [resolved ref, operand refs still to fold, folded operands]
+        stack = [self._enter(root)]
+        while stack:
+            frame = stack[-1]
+            r, deps, done = frame
+            if deps is not None and len(done) < len(deps):
+                d = deps[len(done)]
+                key = (d.value, d.ctx)
+                if key not in self._memo:
+                    stack.append(self._enter(d))
+                    continue
+                c = self._memo[key]
+                if c is None:  # an operand is not constant (or is on a cycle): neither is this
+                    deps = None
+                    frame[1] = None
+                else:
+                    done.append(c)
+                    continue
+            stack.pop()
+            key = (r.value, r.ctx)
+            result = None
+            if deps is not None:
+                try:
+                    result = self._eval(r, done)
+                except (ValueError, TypeError, ArithmeticError, IndexError, KeyError, MemoryError):
+                    result = None
+            self._memo[key] = result
+        return self._memo[root_key]
 
-    def _eval(self, r: Ref) -> Const | None:
+    def _enter(self, r: Ref) -> list:
+        """A new frame for ``r`` (already resolved), marked in progress in the memo so that a
+        cycle (a while loop's carried value) reads as not constant."""
+        self._memo[(r.value, r.ctx)] = None
+        return [r, self._operands(r), []]
+
+    def _operands(self, r: Ref) -> list | None:
+        """The values ``r`` is computed from (resolved), or None when it cannot be constant."""
         v = r.value
         rtype = v.type
         if not isinstance(rtype, ir.RankedTensorType) or not rtype.has_static_shape:
             return None
-        shape = tuple(rtype.shape)
-        dtype = np_dtype(rtype.element_type)
-        if dtype is None:
+        if np_dtype(rtype.element_type) is None:
             return None
         if isinstance(v, ir.BlockArgument):
-            return self._loop_invariant(r)
+            init = self._loop_invariant_init(r)
+            return None if init is None else [self.graph.resolve(init)]
+        name = v.owner.operation.name
+        if name in _LEAVES:
+            return []
+        if name in _UNARY or name in _BINARY or name in _STRUCTURAL:
+            return [self.graph.resolve(Ref(x, r.ctx)) for x in v.owner.operands]
+        return None
+
+    def _eval(self, r: Ref, a: list) -> Const | None:
+        """The value of ``r`` from its folded operands ``a``."""
+        v = r.value
+        rtype = v.type
+        shape = tuple(rtype.shape)
+        dtype = np_dtype(rtype.element_type)
+        if isinstance(v, ir.BlockArgument):
+            return a[0]
         op = v.owner
         name = op.operation.name
-        ops = [Ref(x, r.ctx) for x in op.operands]
         attrs = op.operation.attributes
-
-        def args():
-            out = []
-            for x in ops:
-                c = self.fold(x)
-                if c is None:
-                    return None
-                out.append(c)
-            return out
-
         if name == "stablehlo.constant":
-            a = _dense_to_numpy(attrs["value"], rtype)
-            return None if a is None else Const(a, shape)
+            arr = _dense_to_numpy(attrs["value"], rtype)
+            return None if arr is None else Const(arr, shape)
         if name == "stablehlo.iota":
             dim = ir.IntegerAttr(attrs["iota_dimension"]).value
-            a = np.arange(shape[dim], dtype=dtype).reshape(
+            arr = np.arange(shape[dim], dtype=dtype).reshape(
                 [shape[dim] if i == dim else 1 for i in range(len(shape))])
-            return Const(a, shape)
-        a = args()
-        if a is None:
-            return None
+            return Const(arr, shape)
         if name == "stablehlo.broadcast_in_dim":
             (x,) = a
             dims = list(ir.DenseI64ArrayAttr(attrs["broadcast_dimensions"]))
@@ -232,11 +271,12 @@ class Folder:
             return None
         return Const(a, shape)
 
-    def _loop_invariant(self, r: Ref) -> Const | None:
-        """A while body/cond argument that the body passes through unchanged."""
+    @staticmethod
+    def _loop_invariant_init(r: Ref) -> Ref | None:
+        """The initial value of a while body/cond argument that the body passes through
+        unchanged (so it is that value on every iteration), else None."""
         arg = r.value
-        block = arg.owner
-        holder = block.owner.operation
+        holder = arg.owner.owner.operation
         if holder.name != "stablehlo.while":
             return None
         body = holder.regions[1].blocks[0]
@@ -244,4 +284,4 @@ class Folder:
         i = arg.arg_number
         if ret.operands[i] != body.arguments[i]:
             return None
-        return self.fold(Ref(holder.operands[i], r.ctx))
+        return Ref(holder.operands[i], r.ctx)
