@@ -217,6 +217,7 @@ def cases(args):
 
 def run(args) -> int:
     import jax
+    _json_output(args.json)  # a bad --json path fails now, not after the measurements
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
     plat = jax.default_backend()
@@ -254,11 +255,16 @@ def run(args) -> int:
     return 0
 
 
+def _json_output(path):
+    from flashgen import output_files
+    (out,) = output_files.check([("--json", path)], make_dirs=True)
+    return out
+
+
 def _write_json(path, doc) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
+    out = _json_output(path)
+    if out:
+        out.write(json.dumps(doc, indent=1).encode())
         print(f"wrote {path}", file=sys.stderr)
 
 

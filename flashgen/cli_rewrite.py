@@ -1,11 +1,10 @@
 """The `flashgen rewrite` and `flashgen run` subcommands."""
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
-import tempfile
 
+from flashgen import output_files
 from flashgen.errors import FlashgenError, UsageError
 
 OUTPUT_FORMATS = ("mlir", "mlirbc", "portable", "jax_exported")
@@ -70,6 +69,15 @@ def register(subparsers) -> None:
 def cmd_rewrite(args) -> int:
     from flashgen import rewrite as rw
 
+    # every output location is checked before the (possibly long) rewrite, verify and build
+    out, report_file = output_files.check([("-o", args.output), ("--report", args.report)],
+                                          inputs=[args.input])
+    build_dir = None
+    if args.build is not None:
+        build_dir = args.build or (str(pathlib.Path(out.target).parent) if out else None)
+        if not build_dir:
+            raise UsageError("--build needs a directory when there is no -o OUT")
+        output_files.check_directory("--build", build_dir)
     result = rw.rewrite(args.input, legacy_attrs=args.legacy_attrs)
     report = result.report(input=args.input, output=args.output)
     fmt = args.output_format or result.format
@@ -81,7 +89,7 @@ def cmd_rewrite(args) -> int:
         report.verified = _verify(result, args.seed)
         bad = [row for row in report.verified["outputs"] if not row["ok"]]
         if bad:
-            _write_report(args.report, report)
+            _write_report(report_file, report)
             if args.explain:
                 print(report.explain())
             worst = max(bad, key=lambda row: row["max_error"])
@@ -92,17 +100,13 @@ def cmd_rewrite(args) -> int:
         report.verified = {"outputs": [], "note": "nothing was rewritten"}
 
     data = _encode(result, fmt)
-    if args.build is not None and result.specs:
-        out_dir = args.build or (str(pathlib.Path(args.output).resolve().parent)
-                                 if args.output else None)
-        if not out_dir:
-            raise UsageError("--build needs a directory when there is no -o OUT")
+    if build_dir is not None and result.specs:
         from flashgen.build import build
-        lib = build(result.specs, "cpu", out=out_dir)
+        lib = build(result.specs, "cpu", out=build_dir)
         report.library, report.manifest = str(lib.path), str(lib.manifest_path)
-    if args.output:
-        _atomic_write(args.output, data)
-    _write_report(args.report, report)
+    if out:
+        out.write(data)
+    _write_report(report_file, report)
     if args.explain:
         print(report.explain())
     if not args.quiet:
@@ -159,26 +163,9 @@ def _mixed_masks(inputs):
     return out
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    p = pathlib.Path(path)
-    if p.is_dir():
-        raise UsageError(f"{path} is a directory")
-    parent = p.resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"the output directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_report(path, report) -> None:
-    if path:
-        _atomic_write(path, report.dumps().encode())
+def _write_report(report_file, report) -> None:
+    if report_file:
+        report_file.write(report.dumps().encode())
 
 
 # ------------------------------------------------------------------------------ run
@@ -186,6 +173,8 @@ def cmd_run(args) -> int:
     import numpy as np
     from flashgen import execute
     from flashgen.rewrite import modules
+    (out,) = output_files.check([("--outputs", args.outputs)],
+                                inputs=[p for p in (args.module, args.inputs) if p])
     loaded = modules.load(args.module)
     params, _ = execute.signature(loaded)
     if args.inputs:
@@ -193,8 +182,8 @@ def cmd_run(args) -> int:
     else:
         inputs = execute.random_inputs(params, args.seed)
     outputs = execute.run(loaded, inputs, platform=args.platform)
-    if args.outputs:
-        execute.save_npz(args.outputs, outputs)
+    if out:
+        out.write(execute.npz_bytes(outputs))
     for i, a in enumerate(outputs):
         a = np.asarray(a)
         flat = a.astype(np.float64).ravel() if a.dtype.kind in "fV" or a.dtype.itemsize == 2 \

@@ -265,15 +265,19 @@ def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
     return coerce_inputs([data[n] for n in want], params)
 
 
-def save_npz(path: str, outputs: Sequence[np.ndarray]) -> None:
-    """out0..outM; bf16 is stored as uint16 bit patterns (read back with .view(bfloat16))."""
+def npz_bytes(outputs: Sequence[np.ndarray]) -> bytes:
+    """An .npz of out0..outM; bf16 is stored as uint16 bit patterns (read back with
+    .view(bfloat16))."""
+    import io
     arrays = {}
     for i, a in enumerate(outputs):
         a = np.asarray(a)
         if a.dtype == np.dtype(ml_dtypes.bfloat16):
             a = a.view(np.uint16)
         arrays[f"out{i}"] = a
-    np.savez(path, **arrays)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
 
 
 def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
