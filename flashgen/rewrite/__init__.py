@@ -7,7 +7,8 @@
 
 ``flashgen.rewrite(...)`` (the package called like a function) is the same call.
 Modules: modules (formats), graph (navigation through calls), fold (constant
-evaluation), layout (axis bookkeeping), patterns (match/rewrite), masks (causal /
+evaluation), layout (axis bookkeeping), patterns (match/rewrite, the Plan) built from its
+stages scores, softmax, probabilities and roles (chain: what the stages share), masks (causal /
 window bands), extras (ALiBi, bias, mask and segment-id operands), adapters (layout
 ops), driver (applies the pattern), report (the records).
 """

@@ -1,0 +1,195 @@
+"""What every stage of the attention matcher shares: the state of one match attempt
+(MatchState), the record of a row statistic (Term), and small helpers for reading op
+attributes, types and layouts.
+
+The stages (scores, softmax, probabilities, roles) are mixins of
+flashgen.rewrite.patterns.AttentionPattern; they share ``self.g`` (the Graph) and
+``self.folder`` (the constant Folder) and this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+from flashgen.rewrite import layout as L
+from flashgen.rewrite.errors import Reject
+from flashgen.rewrite.graph import Ref, op_name
+
+LARGE_NEGATIVE = -1e4      # a fill at or below this masks a score out
+MAX_CHAIN = 64             # ops followed along one chain before giving up
+
+FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
+KERNEL_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
+WIDTH = {"f16": 16, "bf16": 16, "f32": 32, "f64": 64}
+LAYOUT_OPS = ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
+              "stablehlo.broadcast_in_dim")
+ELEMENTWISE = {
+    "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply", "stablehlo.divide",
+    "stablehlo.maximum", "stablehlo.minimum", "stablehlo.negate", "stablehlo.abs",
+    "stablehlo.exponential", "stablehlo.log", "stablehlo.sqrt", "stablehlo.rsqrt",
+    "stablehlo.compare", "stablehlo.select", "stablehlo.and", "stablehlo.or", "stablehlo.not",
+    "stablehlo.is_finite", "stablehlo.convert", "stablehlo.clamp", "stablehlo.power",
+    "stablehlo.tanh", "stablehlo.logistic", "stablehlo.sign", "stablehlo.floor",
+}
+RNG_OPS = ("stablehlo.rng_bit_generator", "stablehlo.rng")
+
+
+def ints(attr) -> list[int]:
+    return list(ir.DenseI64ArrayAttr(attr))
+
+
+def elt(ref_or_value) -> str:
+    v = ref_or_value.value if isinstance(ref_or_value, Ref) else ref_or_value
+    return str(v.type.element_type)
+
+
+def shape_of(v) -> tuple:
+    v = v.value if isinstance(v, Ref) else v
+    return tuple(v.type.shape)
+
+
+def reduce_kind(op) -> str | None:
+    """'add', 'maximum', ... for a single-input stablehlo.reduce with a one-op body."""
+    if op_name(op) != "stablehlo.reduce" or len(op.operands) != 2:
+        return None
+    body = op.operation.regions[0].blocks[0]
+    ops = list(body.operations)
+    if len(ops) != 2:
+        return None
+    return ops[0].operation.name.split(".")[-1]
+
+
+@dataclasses.dataclass
+class Term:
+    """A value computed from the site's chain values by elementwise ops and reductions."""
+    layout: tuple             # per dim: pieces, or None where constant (broadcast)
+    full: bool                # depends on a chain value without a reduction over R in between
+    reduces: list             # [(kind, tag of the reduced chain value, reduced pieces)]
+    ops: list                 # op names after the (single) reduction, for the normalizer check
+    tag: str | None = None    # the chain value's tag when only layout ops/converts lead here
+
+
+class MatchState:
+    """Mutable state of one match attempt."""
+
+    def __init__(self):
+        self.ops: set = set()          # (operation, ctx)
+        self.chain: dict = {}          # (value, ctx) -> (layout, tag)
+        self.scale = 1.0
+        self.masks: list = []          # (Const visible, layout, how)
+        self.matched: list = []
+        self.notes: list = []
+        self.guards: list = []         # row-wise predicates of fully-masked-row guards
+        self.probs_layout = None       # the probabilities' layout at the P·V product
+        self.tanh = False              # the scores went through tanh (a softcap's first half)
+        self.softcap = 0.0             # the cap c multiplied onto tanh (0: no softcap)
+        self.biases: list = []         # X.ConstBias: constant additive biases
+        self.extras: list = []         # X.ValueBias | X.ValueMask | X.SegmentIds (run time)
+        self.dot1 = None               # the Q·K product
+
+    def add(self, op, ctx):
+        self.ops.add((op.operation, ctx))
+
+    def record(self, ref: Ref, layout, tag: str):
+        self.chain[(ref.value, ref.ctx)] = (layout, tag)
+
+
+def dot_dims(op):
+    dn = stablehlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
+    return (list(dn.lhs_batching_dimensions), list(dn.rhs_batching_dimensions),
+            list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions))
+
+
+def back_layout(op, layout):
+    """The layout of a layout op's operand given its result's (size-1 dims hold no piece),
+    or None where a reshape mixes axes."""
+    name = op_name(op)
+    if name == "stablehlo.transpose":
+        perm = ints(op.operation.attributes["permutation"])
+        out = [()] * len(perm)
+        for i, pp in enumerate(perm):
+            out[pp] = layout[i]
+        return tuple(out)
+    if name == "stablehlo.reshape":
+        return L.regroup(layout, shape_of(op.operands[0]))
+    dims = ints(op.operation.attributes["broadcast_dimensions"])
+    src, dst = shape_of(op.operands[0]), shape_of(op.result)
+    return tuple(layout[d] if src[i] == dst[d] else () for i, d in enumerate(dims))
+
+
+def layout_step(user, layout, *, what: str):
+    name = op_name(user)
+    if name == "stablehlo.transpose":
+        return L.transpose(layout, ints(user.operation.attributes["permutation"]))
+    if name == "stablehlo.reshape":
+        out = L.regroup(layout, shape_of(user.result))
+        if out is None:
+            raise Reject(f"a reshape of the {what} mixes axes")
+        return out
+    if name == "stablehlo.broadcast_in_dim":
+        dims = ints(user.operation.attributes["broadcast_dimensions"])
+        src, dst = shape_of(user.operands[0]), shape_of(user.result)
+        out = [()] * len(dst)
+        for i, d in enumerate(dims):
+            if src[i] != dst[d]:
+                raise Reject(f"the {what} are broadcast")
+            out[d] = layout[i]
+        for d in range(len(dst)):
+            if d not in dims and dst[d] != 1:
+                raise Reject(f"the {what} are broadcast")
+        return tuple(out)
+    if name == "stablehlo.convert":
+        return layout
+    raise AssertionError(name)
+
+
+def compare_direction(op) -> str:
+    return str(op.operation.attributes["comparison_direction"]).split()[-1].strip(">").upper()
+
+
+def widening(src: str, dst: str) -> bool:
+    """A convert that keeps every value: float to a wider float, integer to a wider integer
+    of the same signedness, i1 to i1."""
+    if src in WIDTH and dst in WIDTH:
+        return WIDTH[src] <= WIDTH[dst] and not (src == "bf16" and dst == "f16")
+    ints = {"i8": 8, "i16": 16, "i32": 32, "i64": 64}
+    if src.lstrip("u") in ints and dst.lstrip("u") in ints:
+        return src.startswith("u") == dst.startswith("u") and \
+            ints[src.lstrip("u")] <= ints[dst.lstrip("u")]
+    return src == dst
+
+
+def merge_layouts(layouts):
+    n = {len(x) for x in layouts}
+    if len(n) != 1:
+        return None
+    out = []
+    for dims in zip(*layouts):
+        fixed = [d for d in dims if d is not None]
+        if not fixed:
+            out.append(None)
+            continue
+        if any(d != fixed[0] for d in fixed[1:]):
+            ref = L.common_refinement(*[(d,) for d in fixed])
+            if ref is None or any(r != ref[0] for r in ref[1:]):
+                return None
+        out.append(fixed[0])
+    return tuple(out)
+
+
+def covered(pieces) -> dict:
+    """label -> product of the sizes of its pieces."""
+    out: dict = {}
+    for label, _, size in pieces:
+        out[label] = out.get(label, 1) * size
+    return out
+
+
+def pieces_text(pieces) -> str:
+    names = sorted({_AXIS_NAMES.get(p[0][0], p[0][0]) + p[0][1:] for p in pieces})
+    return "axes " + ", ".join(names) if names else "no axis"
+
+
+_AXIS_NAMES = {"B": "batch", "L": "lhs-free", "R": "rhs-free", "C": "contracting", "V": "value"}

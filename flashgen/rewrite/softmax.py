@@ -1,0 +1,230 @@
+"""Stage 2: the softmax. Finds exp(x - rowconst) / rowsum over the key axes R, in any
+spelling of the row max, the sum and its reciprocal, and reports R.
+"""
+from __future__ import annotations
+
+from jaxlib.mlir import ir
+
+from flashgen.rewrite import layout as L
+from flashgen.rewrite.chain import (
+    ELEMENTWISE, FLOAT_TYPES, MAX_CHAIN, MatchState, Term, elt, ints, layout_step, merge_layouts,
+    reduce_kind, shape_of,
+)
+from flashgen.rewrite.errors import Reject
+from flashgen.rewrite.graph import Ref, op_name
+
+
+class SoftmaxStage:
+    """Mixin of AttentionPattern: the softmax and its row statistics."""
+
+    def _softmax(self, m: MatchState, x: Ref, x_layout):
+        # the row max may be taken on one view of the scores and subtracted from another
+        # (JAX transposes between the two): follow the non-reduce users through layout ops
+        for _ in range(MAX_CHAIN):
+            users = list(self.g.users(x))
+            if any(op_name(u[0]) in ("stablehlo.subtract", "stablehlo.exponential") for u in users):
+                break
+            views = [u for u in users if op_name(u[0]) in (
+                "stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
+                "stablehlo.broadcast_in_dim")]
+            if len(views) != 1:
+                raise Reject("the row maximum is not subtracted from the scores before the "
+                             "exponential")
+            user, _, ctx = views[0]
+            if op_name(user) == "stablehlo.convert" and elt(user.result) not in FLOAT_TYPES:
+                raise Reject("the scores are converted to a non-float type")
+            x_layout = layout_step(user, x_layout, what="scores")
+            m.add(user, ctx)
+            x = Ref(user.results[0], ctx)
+            m.record(x, x_layout, "scores")
+        subs = [u for u in users if op_name(u[0]) == "stablehlo.subtract" and u[1] == 0]
+        shift = None
+        if subs:
+            # with several (a backward pass also subtracts), take the one by a row-wise value
+            first_error = None
+            for sub, _, ctx in subs:
+                saved = set(m.ops)
+                try:
+                    shift = self._term(m, Ref(sub.operands[1], ctx))
+                except Reject as e:
+                    m.ops, first_error = saved, first_error or e
+                    continue
+                if not shift.full:
+                    break
+                m.ops, shift = saved, None
+            if shift is None:
+                raise first_error or Reject("the value subtracted before the exponential is not "
+                                            "constant along the softmax axis")
+            m.add(sub, ctx)
+            d = Ref(sub.result, ctx)
+            m.record(d, x_layout, "scores")
+            exps = [u for u in self.g.users(d) if op_name(u[0]) == "stablehlo.exponential"]
+            if not exps:
+                raise Reject("the scores minus the row maximum do not go into an exponential")
+        else:
+            exps = [u for u in users if op_name(u[0]) == "stablehlo.exponential"]
+            if not exps:
+                raise Reject("no exponential follows the row maximum")
+            m.notes.append("softmax without max subtraction")
+        exp, _, ctx = exps[0]
+        m.add(exp, ctx)
+        e = Ref(exp.result, ctx)
+        m.record(e, x_layout, "exp")
+        # e and its converts; one of them is divided (or multiplied by the reciprocal)
+        views, candidates = [e], []
+        i = 0
+        while i < len(views):
+            for user, idx, uctx in self.g.users(views[i]):
+                name = op_name(user)
+                if name == "stablehlo.convert" and elt(user.result) in FLOAT_TYPES:
+                    m.add(user, uctx)
+                    r = Ref(user.result, uctx)
+                    m.record(r, x_layout, "exp")
+                    views.append(r)
+                elif name in ("stablehlo.divide", "stablehlo.multiply") and (
+                        idx == 0 or name == "stablehlo.multiply"):
+                    den = Ref(user.operands[1 - idx], uctx)
+                    if (den.value, den.ctx) not in m.chain:
+                        candidates.append((user, den, uctx))
+            i += 1
+        if not candidates:
+            raise Reject("the exponentials are not divided by their row sum (not a softmax)")
+        # with several (a backward pass also multiplies them), take the one by the row sum
+        first_error = None
+        for user, den, uctx in candidates:
+            saved = set(m.ops)
+            try:
+                R = self._normalizer(m, user, den, x_layout)
+            except Reject as e_:
+                m.ops, first_error = saved, first_error or e_
+                continue
+            m.add(user, uctx)
+            break
+        else:
+            raise first_error
+        if shift is not None and (shift.full or not rowwise_ok(shift.layout, x_layout, R)):
+            raise Reject("the value subtracted before the exponential is not constant along "
+                         "the softmax axis")
+        p = Ref(user.result, uctx)
+        m.record(p, x_layout, "probs")
+        return p, x_layout, R
+
+    def _normalizer(self, m: MatchState, user, den: Ref, x_layout):
+        """Check ``user`` (divide or multiply) normalizes by the row sum; return R."""
+        term = self._term(m, den)
+        sums = [r for r in term.reduces if r[0] == "add" and r[1] == "exp"]
+        if len(term.reduces) != 1 or not sums or term.full:
+            raise Reject("the softmax denominator is not the row sum of the exponentials")
+        recip = term.ops.count("reciprocal") % 2
+        if (op_name(user) == "stablehlo.divide") == bool(recip):
+            raise Reject("the softmax denominator is not the row sum of the exponentials")
+        if any(o not in ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                         "stablehlo.transpose", "reciprocal") for o in term.ops):
+            raise Reject("the softmax denominator is modified after the row sum")
+        R = sums[0][2]
+        if not rowwise_ok(term.layout, x_layout, R):
+            raise Reject("the softmax denominator is not broadcast along the summed axis")
+        return R
+
+    def _term(self, m: MatchState, ref: Ref, depth: int = 0) -> Term:
+        """Analyse a value computed from chain values by elementwise ops and reductions."""
+        if depth > 40:
+            raise Reject("the softmax bookkeeping is too deep to analyse")
+        r = self.g.resolve(ref)
+        hit = m.chain.get((r.value, r.ctx))
+        if hit is not None:
+            return Term(hit[0], True, [], [], hit[1])
+        c = self.folder.fold(r)
+        if c is not None:
+            if not c.uniform:
+                raise Reject("the softmax's row statistics use a non-uniform constant")
+            return Term(tuple([None] * len(c.shape)), False, [], [])
+        if isinstance(r.value, ir.BlockArgument):
+            raise Reject("the softmax uses a value from outside the attention site")
+        op = r.value.owner
+        name = op_name(op)
+        m.add(op, r.ctx)
+        if name == "stablehlo.reduce":
+            kind = reduce_kind(op)
+            if kind is None:
+                raise Reject("the softmax uses an unsupported reduction")
+            init = self.folder.fold(Ref(op.operands[1], r.ctx))
+            if init is None:
+                raise Reject("a softmax reduction has a runtime initial value")
+            src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
+            if not src.full:
+                raise Reject("the softmax reduces a row-wise value again")
+            dims = ints(op.operation.attributes["dimensions"])
+            reduced = tuple(p for i in dims for p in (src.layout[i] or ()))
+            if any(src.layout[i] is None for i in dims):
+                raise Reject("the softmax reduces a broadcast axis")
+            if kind == "add" and float(init.scalar()) != 0.0:
+                raise Reject("the softmax sum starts from a nonzero value")
+            tag = src.tag
+            out = tuple(d for i, d in enumerate(src.layout) if i not in dims)
+            return Term(out, False, [(kind, tag, reduced)], [])
+        if name in ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+                    "stablehlo.convert"):
+            src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
+            lay = term_layout_step(op, src.layout)
+            return Term(lay, src.full, src.reduces, src.ops + [name], src.tag)
+        if name in ELEMENTWISE:
+            parts = [self._term(m, Ref(x, r.ctx), depth + 1) for x in op.operands]
+            lay = merge_layouts([t.layout for t in parts])
+            if lay is None:
+                raise Reject("the softmax combines misaligned values")
+            ops = [o for t in parts for o in t.ops]
+            if name == "stablehlo.divide" and not parts[0].reduces and not parts[0].full:
+                ops.append("reciprocal")  # const / x
+            else:
+                ops.append(name)
+            return Term(lay, any(t.full for t in parts), [x for t in parts for x in t.reduces], ops)
+        raise Reject(f"the softmax's row max/sum is computed through {name}, not from the "
+                     "scores alone")
+
+
+def rowwise_ok(term_layout, x_layout, R) -> bool:
+    """term broadcast along every dim that holds a piece of R, equal to x elsewhere."""
+    if len(term_layout) != len(x_layout):
+        return False
+    fixed = [d for d in term_layout if d is not None]
+    refined = L.common_refinement(tuple(fixed), tuple(x_layout), (tuple(R),))
+    if refined is None:
+        return False
+    cuts = L.boundaries([tuple(fixed), tuple(x_layout), (tuple(R),)])
+    r_set = set(L.refine_dim(tuple(R), cuts))
+    for t, xd in zip(term_layout, x_layout):
+        xs = L.refine_dim(xd, cuts)
+        holds_r = any(p in r_set for p in xs)
+        if t is None:
+            continue
+        if holds_r:
+            return False
+        if L.refine_dim(t, cuts) != xs:
+            return False
+    return True
+
+
+def term_layout_step(op, layout):
+    name = op_name(op)
+    if name == "stablehlo.convert":
+        return layout
+    if name == "stablehlo.transpose":
+        return L.transpose(layout, ints(op.operation.attributes["permutation"]))
+    if name == "stablehlo.reshape":
+        dst = shape_of(op.result)
+        src = shape_of(op.operands[0])
+        lay = tuple(() if d is None and n == 1 else d for d, n in zip(layout, src))
+        out = L.regroup(lay, dst)
+        if out is None:
+            raise Reject("a reshape in the softmax mixes axes")
+        return out
+    dims = ints(op.operation.attributes["broadcast_dimensions"])
+    src, dst = shape_of(op.operands[0]), shape_of(op.result)
+    out = [None] * len(dst)
+    for d in range(len(dst)):
+        if dst[d] == 1:
+            out[d] = ()
+    for i, d in enumerate(dims):
+        out[d] = layout[i] if src[i] == dst[d] else None
+    return tuple(out)
