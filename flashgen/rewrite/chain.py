@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
@@ -100,6 +101,20 @@ def dot_dims(op):
     dn = stablehlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
     return (list(dn.lhs_batching_dimensions), list(dn.rhs_batching_dimensions),
             list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions))
+
+
+def constant_factor(folder, op, ctx, *, positive: bool):
+    """For x·c, c·x or x/c with a finite nonzero constant c (positive with ``positive``):
+    (index of x, c, whether x is divided by c), else None."""
+    name = op_name(op)
+    for i in ((0, 1) if name == "stablehlo.multiply" else (1,)):
+        c = folder.fold(Ref(op.operands[i], ctx))
+        if c is None or not c.uniform:
+            continue
+        k = float(c.scalar())
+        if np.isfinite(k) and (k > 0 if positive else k != 0):
+            return 1 - i, k, name == "stablehlo.divide"
+    return None
 
 
 def back_layout(op, layout):

@@ -4,13 +4,12 @@ sources (upcasts, constant scales, head broadcasts of K/V for GQA).
 """
 from __future__ import annotations
 
-import numpy as np
 from jaxlib.mlir import ir
 
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.chain import (
-    FLOAT_TYPES, MAX_CHAIN, WIDTH, MatchState, dot_dims, elt, ints, layout_step, pieces_text,
-    shape_of,
+    FLOAT_TYPES, MAX_CHAIN, WIDTH, MatchState, constant_factor, dot_dims, elt, ints, layout_step,
+    pieces_text, shape_of,
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
@@ -126,18 +125,12 @@ class RolesStage:
                 absent = absent + tuple(lost)
                 continue
             if name in ("stablehlo.multiply", "stablehlo.divide") and scale:
-                found = None
-                for i in ((0, 1) if name == "stablehlo.multiply" else (1,)):
-                    c = self.folder.fold(Ref(op.operands[i], ()))
-                    if c is not None and c.uniform and float(c.scalar()) > 0 and \
-                            np.isfinite(float(c.scalar())):
-                        found = (i, float(c.scalar()))
-                        break
+                found = constant_factor(self.folder, op, (), positive=True)
                 if found is None:
                     break
-                i, s = found
-                factor = factor * s if name == "stablehlo.multiply" else factor / s
-                value = op.operands[1 - i]
+                i, k, divide = found
+                factor = factor / k if divide else factor * k
+                value = op.operands[i]
                 continue
             break
         return value, tuple(layout), factor, tuple(absent)

@@ -11,7 +11,7 @@ from jaxlib.mlir import ir
 from flashgen.rewrite import extras as X
 from flashgen.rewrite.chain import (
     FLOAT_TYPES, LARGE_NEGATIVE, MAX_CHAIN, WIDTH, MatchState, back_layout, compare_direction,
-    elt, layout_step, reduce_kind, widening,
+    constant_factor, elt, layout_step, reduce_kind, widening,
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Const
@@ -274,18 +274,12 @@ class ScoresStage:
                 r = Ref(op.operands[0], r.ctx)
                 continue
             if scale and name in ("stablehlo.multiply", "stablehlo.divide"):
-                found = None
-                for i in ((0, 1) if name == "stablehlo.multiply" else (1,)):
-                    c = self.folder.fold(Ref(op.operands[i], r.ctx))
-                    if c is not None and c.uniform and np.isfinite(float(c.scalar())) and \
-                            float(c.scalar()) != 0:
-                        found = (i, float(c.scalar()))
-                        break
+                found = constant_factor(self.folder, op, r.ctx, positive=False)
                 if found is None:
                     break
-                i, k = found
-                factor = factor * k if name == "stablehlo.multiply" else factor / k
-                r = Ref(op.operands[1 - i], r.ctx)
+                i, k, divide = found
+                factor = factor / k if divide else factor * k
+                r = Ref(op.operands[i], r.ctx)
                 continue
             if scale and name == "stablehlo.negate":
                 factor, r = -factor, Ref(op.operands[0], r.ctx)
