@@ -1,0 +1,328 @@
+"""The SIMT machine: CTAs run one after another, their warps interleaved by a seeded random
+scheduler; each warp steps the lanes that sit at its lowest program counter.
+
+Per-lane program counters: a converged warp keeps one pc (the fast path); a divergent branch gives
+each lane its own, and the lanes at the minimum pc execute together until all live lanes meet
+again (which is where structured control flow reconverges). A warp runs until a barrier, its exit
+or the end of a random quantum, so any interleaving between barriers can occur; the shared-memory
+race detector (memory.py) flags conflicting accesses whatever the interleaving was.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import secrets
+import time
+
+import numpy as np
+
+from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.memory import GlobalMemory, SharedMemory
+from flashgen.emulate.operands import Operands, dtype_of
+from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
+from flashgen.emulate.semantics import compile_instruction, unsupported
+
+# Largest dynamic shared memory per block after cudaFuncSetAttribute opt-in (bytes).
+SMEM_LIMIT = {"sm80": 163 * 1024, "sm90a": 227 * 1024}
+SM_COUNT = {"sm80": 108, "sm90a": 132}
+MAX_THREADS_PER_BLOCK = 1024
+_DEAD = np.iinfo(np.int64).max        # pc of an exited lane
+_ALU, _BRA, _RET, _BAR = range(4)
+
+
+@dataclasses.dataclass
+class LaunchStats:
+    warp_instructions: int = 0
+    seconds: float = 0.0
+    blocks: int = 0
+    seed: int = 0
+    opcode_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class _Registers(dict):
+    """A warp's register file: arrays created (zeroed) on first use."""
+
+    def __init__(self, types):
+        super().__init__()
+        self.types = types
+
+    def __missing__(self, name):
+        r = np.zeros(32, dtype_of(self.types[name]))
+        self[name] = r
+        return r
+
+
+class Warp:
+    def __init__(self, wid, cta, nthreads, block, types):
+        self.wid = wid
+        self.cta = cta
+        self.regs = _Registers(types)
+        linear = wid * 32 + np.arange(32)
+        self.alive = linear < nthreads
+        self.alive_mask = None if self.alive.all() else self.alive.copy()
+        self.pc = 0
+        self.lane_pc = None                  # per-lane pcs while diverged
+        self.at_barrier = False
+        self.done = not self.alive.any()
+        self.cp_open = []                    # issued, uncommitted cp.async copies
+        self.cp_groups = []                  # committed groups, oldest first
+        bx, by, _ = block
+        tid = (linear % bx, (linear // bx) % by, linear // (bx * by))
+        u = np.uint32
+        self.special = {("laneid", 0): np.arange(32, dtype=u), ("warpid", 0): np.full(32, wid, u),
+                        ("nwarpid", 0): np.full(32, 64, u)}
+        for ax in range(3):
+            self.special[("tid", ax)] = tid[ax].astype(u)
+            self.special[("ntid", ax)] = np.full(32, block[ax], u)
+            self.special[("ctaid", ax)] = np.full(32, cta.ctaid[ax], u)
+            self.special[("nctaid", ax)] = np.full(32, cta.grid[ax], u)
+
+
+class _Cta:
+    def __init__(self, ctaid, grid, smem, gmem, params):
+        self.ctaid, self.grid, self.smem, self.gmem, self.params = ctaid, grid, smem, gmem, params
+
+
+def short_name(kernel_name: str) -> str:
+    m = re.search(r"\d+([A-Za-z_]\w*?kernel)(I.*?E)?(?:E|$)", kernel_name)
+    return f"{m.group(1)}<{m.group(2) or ''}>" if m else kernel_name
+
+
+class _Compiled:
+    """A kernel's instructions as (kind, run, guard, negated, target) tuples."""
+
+    def __init__(self, kernel: Kernel):
+        ops = Operands(kernel)
+        self.code = []
+        for ins in kernel.instructions:
+            self.code.append(self._compile(ins, ops, kernel))
+        self.code.append((_RET, None, None, False, None))    # falling off the end exits
+
+    @staticmethod
+    def _compile(ins, ops, kernel):
+        if ins.pred is not None and kernel.registers.get(ins.pred) != "pred":
+            raise EmulationError(f"guard {ins.pred} is not a predicate register: {ins.text}")
+        guard = (ins.pred, ins.pred_negated)
+        if ins.opcode == "bra":
+            if set(ins.mods) - {"uni"} or len(ins.operands) != 1 or not isinstance(ins.operands[0], Label):
+                raise unsupported(ins)
+            target = kernel.labels.get(ins.operands[0].name)
+            if target is None:
+                raise EmulationError(f"branch to unknown label {ins.operands[0].name}")
+            return (_BRA, "uni" in ins.mods, *guard, target)
+        if ins.opcode in ("ret", "exit"):
+            return (_RET, None, *guard, None)
+        if ins.opcode in ("bar", "barrier") and ins.mods in (("sync",), ("cta", "sync"), ("sync", "aligned"),
+                                                              ("cta", "sync", "aligned")):
+            if ins.pred is not None:
+                raise unsupported(ins, "predicated barrier")
+            if not ins.operands or not isinstance(ins.operands[0], Imm) or int(ins.operands[0].text, 0) != 0:
+                raise unsupported(ins, "only barrier 0 (named barriers are not modelled)")
+            count = None
+            if len(ins.operands) > 1:
+                if not isinstance(ins.operands[1], Imm):
+                    raise unsupported(ins, "a thread count in a register")
+                count = int(ins.operands[1].text, 0)
+            return (_BAR, count, *guard, None)
+        return (_ALU, compile_instruction(ins, ops), *guard, None)
+
+
+def compiled(kernel: Kernel) -> _Compiled:
+    if kernel.compiled is None:
+        kernel.compiled = _Compiled(kernel)
+    return kernel.compiled
+
+
+class _Launch:
+    def __init__(self, kernel, code, rng, budget, seed):
+        self.kernel, self.code, self.rng, self.budget, self.seed = kernel, code, rng, budget, seed
+        self.counts = [0] * len(code)
+        self.executed = 0
+
+    def context(self, cta, w, pc) -> str:
+        ins = self.kernel.instructions[pc] if pc < len(self.kernel.instructions) else None
+        where = f"PTX line {ins.line}: {ins.text}" if ins else "end of kernel"
+        return (f"{short_name(self.kernel.name)} block {cta.ctaid} warp {w.wid} pc {pc} ({where}) "
+                f"[schedule seed {self.seed}]")
+
+    def run_cta(self, cta, nthreads, block):
+        warps = [Warp(i, cta, nthreads, block, self.kernel.registers) for i in range(-(-nthreads // 32))]
+        rng = self.rng
+        while True:
+            runnable = [w for w in warps if not w.done and not w.at_barrier]
+            if not runnable:
+                waiting = [w for w in warps if not w.done]
+                if not waiting:
+                    return
+                exited = sum(int((~w.alive).sum()) for w in warps) - (32 * len(warps) - nthreads)
+                if exited:
+                    w = waiting[0]
+                    raise EmulationError(f"{self.context(cta, w, w.pc - 1)}: bar.sync reached after {exited} "
+                                         f"threads of the block exited (the barrier would wait for them)")
+                cta.smem.barrier()
+                for w in waiting:
+                    w.at_barrier = False
+                continue
+            w = runnable[int(rng.integers(len(runnable)))] if len(runnable) > 1 else runnable[0]
+            self.run_warp(w, cta, int(rng.integers(1, 257)), nthreads, block)
+
+    def run_warp(self, w, cta, quantum, nthreads, block):
+        code, counts = self.code, self.counts
+        pc = w.pc
+        try:
+            for _ in range(quantum):
+                lp = w.lane_pc
+                if lp is None:
+                    pc = w.pc
+                    active = w.alive_mask
+                else:
+                    pc = int(lp.min())
+                    active = lp == pc
+                kind, fn, guard, negated, target = code[pc]
+                counts[pc] += 1
+                if guard is None:
+                    exe = active
+                else:
+                    pv = w.regs[guard]
+                    exe = ~pv if negated else pv.copy()
+                    if active is not None:
+                        exe &= active
+                    elif exe.all():
+                        exe = None
+                if kind == _ALU:
+                    if exe is None or exe.any():
+                        fn(w, exe)
+                    self._advance(w, pc, active)
+                elif kind == _BRA:
+                    self._branch(w, pc, active, exe, target, fn)
+                elif kind == _RET:
+                    self._exit(w, pc, active, exe)
+                    if w.done:
+                        return
+                else:   # _BAR
+                    if lp is not None:
+                        raise EmulationError("bar.sync executed by a diverged warp (.aligned requires the "
+                                             "whole warp to reach it together)")
+                    if fn is not None and fn != -(-nthreads // 32) * 32:
+                        raise unsupported(self.kernel.instructions[pc], f"barrier count {fn} is not the "
+                                          f"block's {nthreads} threads")
+                    w.pc = pc + 1
+                    w.at_barrier = True
+                    return
+            self.executed += quantum
+            if self.executed > self.budget:
+                raise EmulationError(f"more than {self.budget} warp-instructions: an infinite loop?")
+        except EmulationError as e:
+            raise EmulationError(f"{self.context(cta, w, pc)}: {e}") from None
+
+    @staticmethod
+    def _advance(w, pc, active):
+        if w.lane_pc is None:
+            w.pc = pc + 1
+        else:
+            w.lane_pc[active] = pc + 1
+            _reconverge(w)
+
+    def _branch(self, w, pc, active, exe, target, uniform):
+        if exe is None:
+            taken_all, taken_none = True, False
+        else:
+            act = w.alive if active is None else active
+            taken_none = not exe.any()
+            taken_all = not taken_none and bool((exe == act).all())
+        if taken_all or taken_none:
+            dest = target if taken_all else pc + 1
+            if w.lane_pc is None:
+                w.pc = dest
+            else:
+                w.lane_pc[active] = dest
+                _reconverge(w)
+            return
+        if uniform:
+            raise EmulationError("bra.uni taken by only some lanes")
+        if w.lane_pc is None:
+            w.lane_pc = np.where(w.alive, pc, _DEAD)
+            act = w.alive
+        else:
+            act = active
+        w.lane_pc[act & ~exe] = pc + 1
+        w.lane_pc[exe] = target
+        _reconverge(w)
+
+    @staticmethod
+    def _exit(w, pc, active, exe):
+        leaving = (w.alive if active is None else active) if exe is None else exe
+        w.alive = w.alive & ~leaving
+        w.done = not w.alive.any()
+        w.alive_mask = None if w.alive.all() else w.alive.copy()
+        if w.done:
+            return
+        if w.lane_pc is None:
+            w.pc = pc + 1
+        else:
+            w.lane_pc[leaving] = _DEAD
+            w.lane_pc[(active & ~leaving)] = pc + 1
+            _reconverge(w)
+
+
+def _reconverge(w):
+    lp = w.lane_pc
+    lo = lp.min()
+    if ((lp == lo) | (lp == _DEAD)).all():
+        w.pc = int(lo)
+        w.lane_pc = None
+
+
+def _param_buffer(kernel: Kernel, params) -> np.ndarray:
+    if len(params) != len(kernel.params):
+        raise EmulationError(f"{short_name(kernel.name)} takes {len(kernel.params)} parameters, got {len(params)}")
+    offs = kernel.param_offsets
+    total = (offs[-1] + kernel.params[-1].size) if kernel.params else 0
+    buf = np.zeros(max(total, 1), np.uint8)
+    for p, off, b in zip(kernel.params, offs, params):
+        if len(b) != p.size:
+            raise EmulationError(f"parameter {p.name} of {short_name(kernel.name)} is {p.size} bytes, got {len(b)}")
+        buf[off:off + p.size] = np.frombuffer(bytes(b), np.uint8)
+    return buf
+
+
+def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, params, memory: GlobalMemory,
+           *, arch: str, seed: int | None = None, race_check: bool = True,
+           max_warp_instructions: int = 200_000_000) -> LaunchStats:
+    """Run one kernel launch to completion; raise EmulationError on anything unsupported or unsafe."""
+    if arch not in SMEM_LIMIT:
+        raise EmulationError(f"unknown arch {arch!r} (expected one of {', '.join(SMEM_LIMIT)})")
+    kernel = module.kernel(kernel_name)
+    grid, block = tuple(int(x) for x in grid), tuple(int(x) for x in block)
+    if len(grid) != 3 or len(block) != 3 or min(grid) < 1 or min(block) < 1:
+        raise EmulationError(f"invalid launch configuration grid={grid} block={block}")
+    nthreads = block[0] * block[1] * block[2]
+    if nthreads > MAX_THREADS_PER_BLOCK:
+        raise EmulationError(f"{nthreads} threads per block exceed {MAX_THREADS_PER_BLOCK}")
+    if kernel.max_threads and nthreads > int(np.prod(kernel.max_threads)):
+        raise EmulationError(f"{nthreads} threads per block exceed the kernel's .maxntid {kernel.max_threads}")
+    _, static, dyn_base = shared_layout(kernel.shared)
+    limit = SMEM_LIMIT[arch]
+    if dynamic_smem < 0 or static + dynamic_smem > limit:
+        raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
+                             f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")
+    code = compiled(kernel).code
+    pbuf = _param_buffer(kernel, params)
+    if seed is None:
+        seed = secrets.randbits(32)
+    run = _Launch(kernel, code, np.random.default_rng(seed), max_warp_instructions, seed)
+    blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+    order = run.rng.permutation(len(blocks))      # blocks of a grid run in no defined order
+    t0 = time.perf_counter()
+    with np.errstate(all="ignore"):               # inactive lanes compute on garbage
+        for i in order:
+            smem = SharedMemory(dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base), race_check)
+            run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf), nthreads, block)
+    stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)
+    for pc, n in enumerate(run.counts):
+        if n:
+            stats.warp_instructions += n
+            form = kernel.instructions[pc].form if pc < len(kernel.instructions) else "exit"
+            stats.opcode_counts[form] += n
+    return stats

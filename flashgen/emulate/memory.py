@@ -1,0 +1,222 @@
+"""Device memory for the emulator.
+
+GlobalMemory: device memory *is* this process's memory. The host registers each range a kernel
+may touch (numpy arrays, the stub runtime's cudaMalloc); every global access must fall inside one
+registered range and be aligned to its width.
+
+SharedMemory: one CTA's shared memory, with the two checks the hardware does not do for us:
+ - cp.async tracking: bytes an issued cp.async has not delivered (no wait_group yet) cannot be
+   read or written;
+ - a race detector: within one barrier epoch (between two bar.sync), a byte written by one warp
+   must not be read or written by another warp, and a byte read by one warp must not be written
+   by another. The verdict does not depend on the warp schedule.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+
+import numpy as np
+
+from flashgen.emulate.errors import EmulationError
+
+
+class GlobalMemory:
+    def __init__(self):
+        self._starts: list[int] = []
+        self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
+        self._starts_np = np.zeros(0, np.int64)
+
+    def add(self, address: int, nbytes: int, name: str) -> None:
+        if address <= 0 or nbytes < 0:
+            raise EmulationError(f"cannot register global range {name!r} at {address:#x} ({nbytes} bytes)")
+        end = address + nbytes
+        i = bisect.bisect_right(self._starts, address)
+        if (i > 0 and self._ranges[i - 1][1] > address) or (i < len(self._ranges) and self._ranges[i][0] < end):
+            raise EmulationError(f"global range {name!r} [{address:#x}, {end:#x}) overlaps a registered one")
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(address))[:nbytes]
+        self._starts.insert(i, address)
+        self._ranges.insert(i, (address, end, name, view))
+        self._starts_np = np.array(self._starts, np.int64)
+
+    def remove(self, address: int) -> None:
+        i = bisect.bisect_left(self._starts, address)
+        if i == len(self._starts) or self._starts[i] != address:
+            raise EmulationError(f"no global range registered at {address:#x}")
+        del self._starts[i]
+        del self._ranges[i]
+        self._starts_np = np.array(self._starts, np.int64)
+
+    def describe(self, address: int) -> str:
+        """The nearest registered range, for error messages."""
+        if not self._ranges:
+            return "no global ranges are registered"
+        i = max(bisect.bisect_right(self._starts, address) - 1, 0)
+        cands = self._ranges[max(i - 1, 0):i + 2]
+        s, e, n, _ = min(cands, key=lambda r: 0 if r[0] <= address < r[1] else min(abs(address - r[0]), abs(address - r[1])))
+        where = (f"{address - s} bytes into" if s <= address < e else
+                 f"{address - e} bytes past the end of" if address >= e else f"{s - address} bytes before")
+        return f"{where} {n!r} [{s:#x}, {e:#x}, {e - s} bytes)"
+
+    def _locate(self, addrs: np.ndarray, nbytes: int, what: str):
+        """-> list of (view, byte offsets, lane selector or None)."""
+        if addrs.size == 0:
+            return []
+        a = addrs.astype(np.int64)
+        bad = a % nbytes != 0 if nbytes in (1, 2, 4, 8, 16) else np.zeros(a.shape, bool)
+        if bad.any():
+            x = int(a[bad][0])
+            raise EmulationError(f"misaligned {what} of {nbytes} bytes at {x:#x} ({self.describe(x)})")
+        idx = np.searchsorted(self._starts_np, a, side="right") - 1
+        lo, hi = int(idx.min()), int(idx.max())
+        parts = []
+        for r in range(lo, hi + 1):
+            sel = None if lo == hi else idx == r
+            aa = a if sel is None else a[sel]
+            if aa.size == 0:
+                continue
+            if r < 0:
+                raise EmulationError(f"out-of-bounds {what} at {int(aa[0]):#x} ({self.describe(int(aa[0]))})")
+            s, e, _, view = self._ranges[r]
+            off = aa - s
+            out = off + nbytes > e - s
+            if out.any():
+                x = int(aa[out][0])
+                raise EmulationError(f"out-of-bounds {what} of {nbytes} bytes at {x:#x} ({self.describe(x)})")
+            parts.append((view, off, sel))
+        return parts
+
+    def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load") -> np.ndarray:
+        """Bytes [len(addrs), nbytes] read at each address."""
+        out = np.empty((addrs.size, nbytes), np.uint8)
+        cols = np.arange(nbytes)
+        for view, off, sel in self._locate(addrs, nbytes, what):
+            data = view[off[:, None] + cols]
+            if sel is None:
+                out[:] = data
+            else:
+                out[sel] = data
+        return out
+
+    def store(self, addrs: np.ndarray, data: np.ndarray, what: str = "global store") -> None:
+        nbytes = data.shape[1]
+        cols = np.arange(nbytes)
+        for view, off, sel in self._locate(addrs, nbytes, what):
+            view[off[:, None] + cols] = data if sel is None else data[sel]
+
+    def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic") -> np.ndarray:
+        """Apply `values` one lane after another (lane order; duplicates accumulate); return old values."""
+        dt = values.dtype
+        n = dt.itemsize
+        old = np.empty_like(values)
+        parts = self._locate(addrs, n, what)
+        for view, off, sel in parts:
+            typed = view[: view.size // n * n].view(dt)
+            elems = off // n
+            vals = values if sel is None else values[sel]
+            if np.unique(elems).size == elems.size:
+                prev = typed[elems].copy()
+                with np.errstate(over="ignore"):
+                    typed[elems] = prev + vals
+            else:
+                prev = np.empty_like(vals)
+                with np.errstate(over="ignore"):
+                    for j, (e, v) in enumerate(zip(elems, vals)):
+                        prev[j] = typed[e]
+                        typed[e] = typed[e] + v
+            if sel is None:
+                old[:] = prev
+            else:
+                old[sel] = prev
+        return old
+
+
+class SharedMemory:
+    NO_WARP = -1
+    MANY_WARPS = -2
+
+    def __init__(self, nbytes: int, race_check: bool):
+        self.data = np.zeros(nbytes, np.uint8)
+        self.size = nbytes
+        self.race_check = race_check
+        self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes
+        self.epoch = 1
+        if race_check:
+            self.w_epoch = np.zeros(nbytes, np.int32)
+            self.w_warp = np.full(nbytes, self.NO_WARP, np.int16)
+            self.r_epoch = np.zeros(nbytes, np.int32)
+            self.r_warp = np.full(nbytes, self.NO_WARP, np.int16)
+
+    def barrier(self) -> None:
+        self.epoch += 1
+
+    def _bytes(self, offs: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+        o = offs.astype(np.int64)
+        if nbytes in (1, 2, 4, 8, 16) and (o % nbytes).any():
+            x = int(o[o % nbytes != 0][0])
+            raise EmulationError(f"misaligned shared {what} of {nbytes} bytes at offset {x}")
+        if (o < 0).any() or (o + nbytes > self.size).any():
+            x = int(o[(o < 0) | (o + nbytes > self.size)][0])
+            raise EmulationError(f"out-of-bounds shared {what} of {nbytes} bytes at offset {x} "
+                                 f"(the CTA has {self.size} bytes of shared memory)")
+        return o[:, None] + np.arange(nbytes)
+
+    def _check_pending(self, idx: np.ndarray, what: str) -> None:
+        if self.pending[idx].any():
+            x = int(idx[self.pending[idx] > 0][0])
+            raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
+                                 f"yet (missing cp.async.wait_group before this access?)")
+
+    def _race_read(self, idx, warp):
+        e = self.epoch
+        wr = (self.w_epoch[idx] == e) & (self.w_warp[idx] != warp)
+        if wr.any():
+            x = int(idx[wr][0])
+            raise EmulationError(f"shared-memory race: warp {warp} reads offset {x}, written by warp "
+                                 f"{int(self.w_warp[x])} with no barrier in between")
+        other = (self.r_epoch[idx] == e) & (self.r_warp[idx] != warp)
+        self.r_warp[idx] = np.where(other, self.MANY_WARPS, warp)
+        self.r_epoch[idx] = e
+
+    def _race_write(self, idx, warp):
+        e = self.epoch
+        ww = (self.w_epoch[idx] == e) & (self.w_warp[idx] != warp)
+        rw = (self.r_epoch[idx] == e) & (self.r_warp[idx] != warp)
+        if ww.any() or rw.any():
+            pos = tuple(np.argwhere(ww | rw)[0])
+            x = int(idx[pos])
+            other, how = (int(self.w_warp[x]), "written") if ww[pos] else (int(self.r_warp[x]), "read")
+            who = "several warps" if other == self.MANY_WARPS else f"warp {other}"
+            raise EmulationError(f"shared-memory race: warp {warp} writes offset {x}, {how} by {who} "
+                                 f"with no barrier in between")
+        self.w_warp[idx] = warp
+        self.w_epoch[idx] = e
+
+    def load(self, offs: np.ndarray, nbytes: int, warp: int, what: str = "load") -> np.ndarray:
+        idx = self._bytes(offs, nbytes, what)
+        self._check_pending(idx, what)
+        if self.race_check:
+            self._race_read(idx, warp)
+        return self.data[idx]
+
+    def store(self, offs: np.ndarray, data: np.ndarray, warp: int, what: str = "store") -> None:
+        idx = self._bytes(offs, data.shape[1], what)
+        self._check_pending(idx, what)
+        if self.race_check:
+            self._race_write(idx, warp)
+        self.data[idx] = data
+
+    def async_issue(self, offs: np.ndarray, nbytes: int, warp: int) -> np.ndarray:
+        """A cp.async targets these bytes: check them like a write, then mark them in flight."""
+        idx = self._bytes(offs, nbytes, "cp.async destination")
+        self._check_pending(idx, "cp.async destination")
+        if self.race_check:
+            self._race_write(idx, warp)
+        self.pending[idx] += 1
+        return idx
+
+    def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int) -> None:
+        self.pending[idx] -= 1
+        if self.race_check:
+            self._race_write(idx, warp)   # the bytes land now: a write in the current epoch
+        self.data[idx] = data

@@ -1,0 +1,197 @@
+"""Compile PTX operands into fast per-warp accessors.
+
+A reader is `f(warp) -> ndarray[32]` holding the operand as the instruction's type; a writer is
+`f(warp, value, mask)` storing a value of that type into a register (mask None = all 32 lanes).
+Registers live in `warp.regs` as numpy arrays of their declared type; a read or write with a type
+of the same width reinterprets the bits (as PTX does), a narrower access truncates, and a write
+of a narrower type into a wider register extends by the type's signedness.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.ptx import TYPE_SIZES, Addr, Imm, Kernel, Reg, RegPair, Special, Sym, Vec, shared_layout
+
+DTYPES = {
+    "pred": np.bool_, "b8": np.uint8, "u8": np.uint8, "s8": np.int8,
+    "b16": np.uint16, "u16": np.uint16, "s16": np.int16, "f16": np.uint16, "bf16": np.uint16,
+    "b32": np.uint32, "u32": np.uint32, "s32": np.int32, "f32": np.float32,
+    "f16x2": np.uint32, "bf16x2": np.uint32, "tf32": np.uint32,
+    "b64": np.uint64, "u64": np.uint64, "s64": np.int64, "f64": np.float64,
+}
+UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def dtype_of(ty: str):
+    try:
+        return DTYPES[ty]
+    except KeyError:
+        raise EmulationError(f"unsupported PTX type .{ty}") from None
+
+
+def immediate(text: str, ty: str):
+    """The numpy scalar an immediate operand denotes for an instruction of type `ty`."""
+    dt = dtype_of(ty)
+    t = text.rstrip("U")
+    neg = t.startswith("-")
+    body = t[1:] if neg or t.startswith("+") else t
+    if body[:2] in ("0f", "0F"):
+        bits = np.array([int(body[2:], 16)], np.uint32)
+        val = bits.view(np.float32)[0]
+        if ty == "f32":
+            return np.float32(-val if neg else val)
+        if ty == "f64":
+            return np.float64(-val if neg else val)
+        if TYPE_SIZES[ty] == 4:
+            return bits.view(dt)[0]
+        raise EmulationError(f"f32 immediate {text} used as .{ty}")
+    if body[:2] in ("0d", "0D"):
+        bits = np.array([int(body[2:], 16)], np.uint64)
+        val = bits.view(np.float64)[0]
+        if ty == "f64":
+            return np.float64(-val if neg else val)
+        if ty == "f32":
+            return np.float32(-val if neg else val)
+        return bits.view(dt)[0]
+    v = int(body, 0) * (-1 if neg else 1)
+    if ty in ("f32", "f64"):
+        return dt(v)
+    if ty == "pred":
+        return np.bool_(v)
+    bits = 8 * TYPE_SIZES[ty]
+    return np.array([v & ((1 << bits) - 1)], UNSIGNED[TYPE_SIZES[ty]]).view(dt)[0]
+
+
+class Operands:
+    """Per-kernel operand compiler: knows the registers, shared symbols and parameters."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self.reg_types = kernel.registers
+        self.shared_addr = shared_layout(kernel.shared)[0]
+        self.param_offset = {p.name: off for p, off in zip(kernel.params, kernel.param_offsets)}
+
+    def reg_type(self, r: Reg) -> str:
+        try:
+            return self.reg_types[r.name]
+        except KeyError:
+            raise EmulationError(f"register {r.name} is not declared") from None
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read(self, op, ty: str):
+        dt = dtype_of(ty)
+        if isinstance(op, Reg):
+            name, rty = op.name, self.reg_type(op)
+            rdt = dtype_of(rty)
+            if rty == "pred" or ty == "pred":
+                if rty != ty:
+                    raise EmulationError(f"predicate {name} read as .{ty}")
+                return lambda w: w.regs[name]
+            rs, ts = np.dtype(rdt).itemsize, np.dtype(dt).itemsize
+            if rdt == dt:
+                return lambda w: w.regs[name]
+            if rs == ts:
+                return lambda w: w.regs[name].view(dt)
+            if ts < rs:
+                ru, tu = UNSIGNED[rs], UNSIGNED[ts]
+                return lambda w: w.regs[name].view(ru).astype(tu).view(dt)
+            raise EmulationError(f"register {name} (.{rty}) read as the wider .{ty}")
+        if isinstance(op, Imm):
+            const = np.full(32, immediate(op.text, ty), dt)
+            const.flags.writeable = False
+            return lambda w: const
+        if isinstance(op, Special):
+            key = (op.name, op.axis)
+            if TYPE_SIZES[ty] == 4:
+                return lambda w: w.special[key].view(dt)
+            return lambda w: w.special[key].astype(dt)
+        if isinstance(op, Sym):
+            return self.symbol_value(op, ty)
+        raise EmulationError(f"operand {op} cannot be read as a value")
+
+    def symbol_value(self, op: Sym, ty: str):
+        """A symbol used as a value is its address: a shared-window offset or a parameter slot."""
+        dt = dtype_of(ty)
+        if op.name in self.shared_addr:
+            const = np.full(32, self.shared_addr[op.name], dt)
+        elif op.name in self.param_offset:
+            const = np.full(32, PARAM_WINDOW + self.param_offset[op.name], dt)
+        else:
+            raise EmulationError(f"unknown symbol {op.name}")
+        const.flags.writeable = False
+        return lambda w: const
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, op, ty: str):
+        if op is None:                       # the `_` sink
+            return lambda w, v, m: None
+        if not isinstance(op, Reg):
+            raise EmulationError(f"cannot write to operand {op}")
+        name, rty = op.name, self.reg_type(op)
+        dt, rdt = dtype_of(ty), dtype_of(rty)
+        if (rty == "pred") != (ty == "pred"):
+            raise EmulationError(f"register {name} (.{rty}) written as .{ty}")
+        rs, ts = np.dtype(rdt).itemsize, np.dtype(dt).itemsize
+        if rdt == dt:
+            conv = None
+        elif rs == ts:
+            def conv(v):
+                return v.view(rdt)
+        elif ts < rs:
+            if ty.startswith("s"):
+                def conv(v):
+                    return v.astype(rdt)         # sign-extends (signed source)
+            else:
+                tu, ru = UNSIGNED[ts], UNSIGNED[rs]
+
+                def conv(v):
+                    return v.view(tu).astype(ru).view(rdt)
+        else:
+            raise EmulationError(f"register {name} (.{rty}) written as the wider .{ty}")
+
+        def write(w, v, m, _conv=conv, _dt=dt):
+            v = np.asarray(v)
+            if v.dtype != _dt:
+                v = v.astype(_dt)
+            if _conv is not None:
+                v = _conv(v)
+            r = w.regs[name]
+            if m is None:
+                r[...] = v
+            else:
+                np.copyto(r, v, where=m)
+        return write
+
+    # -- addresses -----------------------------------------------------------------------------
+    def address(self, op: Addr):
+        """-> f(warp) giving int64 addresses per lane (global: virtual; shared: window offset)."""
+        if not isinstance(op, Addr):
+            raise EmulationError(f"expected an address operand, got {op}")
+        off, base = op.offset, op.base
+        if isinstance(base, Reg):
+            name = base.name
+            if self.reg_type(base) == "pred":
+                raise EmulationError(f"predicate {name} used as an address")
+            return lambda w: w.regs[name].astype(np.int64) + off
+        if isinstance(base, Sym):
+            if base.name in self.shared_addr:
+                const = np.full(32, self.shared_addr[base.name] + off, np.int64)
+            elif base.name in self.param_offset:
+                const = np.full(32, PARAM_WINDOW + self.param_offset[base.name] + off, np.int64)
+            else:
+                raise EmulationError(f"unknown symbol {base.name}")
+            return lambda w: const
+        return lambda w, c=np.full(32, int(immediate(base.text, "s64")) + off, np.int64): c
+
+    def vector(self, op) -> list:
+        """The element operands of `{a, b, ...}` (or a single operand as a 1-list)."""
+        return list(op.items) if isinstance(op, Vec) else [op]
+
+    def pair(self, op) -> tuple:
+        """`d|p` -> (d, p); plain d -> (d, None)."""
+        return (op.first, op.second) if isinstance(op, RegPair) else (op, None)
+
+
+# Parameters live in their own window so that `mov %rd, param` + `ld.param [%rd]` is decodable.
+PARAM_WINDOW = 1 << 48

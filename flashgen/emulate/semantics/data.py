@@ -1,0 +1,153 @@
+"""Data movement inside registers: mov (incl. vector pack/unpack and symbol addresses), cvt, cvta."""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.emulate import numerics
+from flashgen.emulate.operands import UNSIGNED, dtype_of
+from flashgen.emulate.ptx import TYPE_SIZES, Sym, Vec
+from flashgen.emulate.semantics import handles, unsupported
+
+INTS = ("u8", "s8", "u16", "s16", "u32", "s32", "u64", "s64", "b8", "b16", "b32", "b64")
+
+
+@handles("mov")
+def mov(ins, ops):
+    ty = ins.type()
+    d, s = ins.operands
+    if isinstance(d, Vec) or isinstance(s, Vec):
+        # mov.b32 {lo, hi}, r / mov.b32 r, {lo, hi}: little-endian halves (lo = element 0).
+        whole, parts = (s, d.items) if isinstance(d, Vec) else (d, s.items)
+        part_ty = {2: "b8", 4: "b16", 8: "b32"}[TYPE_SIZES[ty]] if len(parts) == 2 else \
+            {4: "b8", 8: "b16"}[TYPE_SIZES[ty]]
+        pdt, wdt = dtype_of(part_ty), dtype_of(ty)
+        n = len(parts)
+        if isinstance(d, Vec):
+            rs = ops.read(whole, ty)
+            writers = [ops.write(p, part_ty) for p in parts]
+
+            def unpack(w, m):
+                v = np.ascontiguousarray(rs(w)).view(pdt).reshape(32, n)
+                for i, wr in enumerate(writers):
+                    wr(w, v[:, i], m)
+            return unpack
+        readers = [ops.read(p, part_ty) for p in parts]
+        wd = ops.write(whole, ty)
+
+        def pack(w, m):
+            v = np.stack([r(w) for r in readers], axis=1)
+            wd(w, v.view(wdt).reshape(32), m)
+        return pack
+    rs = ops.read(s, ty) if not isinstance(s, Sym) else ops.symbol_value(s, ty)
+    wd = ops.write(d, ty)
+    return lambda w, m: wd(w, rs(w), m)
+
+
+@handles("cvta")
+def cvta(ins, ops):
+    # Only global<->generic: our global addresses are the generic ones (identity). Shared/local
+    # generic addressing is not modelled, so those forms fail here.
+    if "global" not in ins.mods:
+        raise unsupported(ins, "generic addressing of non-global spaces")
+    ty = ins.type()
+    d, s = ins.operands
+    rs, wd = ops.read(s, ty), ops.write(d, ty)
+    return lambda w, m: wd(w, rs(w), m)
+
+
+def _float_to_int(x, dt, mode):
+    """cvt.{rni,rzi,rmi,rpi}.int.float: round, saturate to the type's range, NaN -> 0."""
+    x = x.astype(np.float64)
+    r = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}[mode](x)
+    info = np.iinfo(dt)
+    r = np.clip(np.nan_to_num(r, nan=0.0, posinf=info.max, neginf=info.min), info.min, info.max)
+    # float64 cannot hold u64/s64 max exactly; clip above already saturated, cast via int lanes
+    return np.where(r >= float(info.max), info.max, r.astype(dt) if r.size else r).astype(dt)
+
+
+@handles("cvt")
+def cvt(ins, ops):
+    mods = [m for m in ins.mods if m in TYPE_SIZES]
+    if len(mods) != 2:
+        raise unsupported(ins)
+    dty, sty = mods
+    quals = [m for m in ins.mods if m not in TYPE_SIZES]
+    rounding = next((q for q in quals if q in ("rn", "rna", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi")), None)
+    sat = "sat" in quals
+    ftz = "ftz" in quals
+    unknown = [q for q in quals if q not in ("rn", "rna", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi", "sat", "ftz", "relu")]
+    if unknown or "relu" in quals:
+        raise unsupported(ins)
+    ops_ = ins.operands
+    wd = ops.write(ops_[0], dty)
+
+    # two f32 -> packed pair: the first source goes to the upper half (PTX ISA, cvt).
+    if dty in ("bf16x2", "f16x2") and sty == "f32":
+        if rounding != "rn" or sat:
+            raise unsupported(ins)
+        conv = numerics.f32_to_bf16_rn if dty == "bf16x2" else numerics.f32_to_f16_rn
+        ra, rb = ops.read(ops_[1], "f32"), ops.read(ops_[2], "f32")
+
+        def pack(w, m):
+            hi = conv(ra(w)).astype(np.uint32)
+            lo = conv(rb(w)).astype(np.uint32)
+            wd(w, (hi << np.uint32(16)) | lo, m)
+        return pack
+    rs = ops.read(ops_[1], sty)
+    if dty in ("bf16", "f16") and sty == "f32":
+        if rounding != "rn" or sat:
+            raise unsupported(ins)
+        conv = numerics.f32_to_bf16_rn if dty == "bf16" else numerics.f32_to_f16_rn
+        return lambda w, m: wd(w, conv(rs(w)), m)
+    if dty == "f32" and sty in ("bf16", "f16"):
+        if rounding or sat:
+            raise unsupported(ins)
+        conv = numerics.bf16_to_f32 if sty == "bf16" else numerics.f16_to_f32
+        return lambda w, m: wd(w, conv(rs(w)), m)
+    if dty == "tf32" and sty == "f32":
+        if rounding not in ("rna", "rn", "rz") or sat:
+            raise unsupported(ins)
+        return lambda w, m: wd(w, numerics.f32_to_tf32(rs(w), rounding), m)
+    if dty in ("f32", "f64") and sty in ("f32", "f64"):
+        fin = (lambda r: numerics.ftz(r)) if ftz and dty == "f32" else (lambda r: r)
+        if sty == dty:                    # cvt.sat / cvt.rni etc. within f32
+            if rounding in ("rni", "rzi", "rmi", "rpi"):
+                f = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}[rounding]
+            elif rounding is None:
+                f = lambda x: x
+            else:
+                raise unsupported(ins)
+        elif dty == "f32":
+            mode = rounding or "rn"
+            if mode not in ("rn", "rz", "rm", "rp"):
+                raise unsupported(ins)
+            f = lambda x: numerics.round_directed(x, mode)
+        else:
+            f = lambda x: x.astype(np.float64)
+        if sat:
+            g = f
+            f = lambda x: np.where(np.isnan(x), x.dtype.type(0), np.clip(g(x), 0, 1)).astype(x.dtype)
+        return lambda w, m: wd(w, fin(f(rs(w))), m)
+    if dty in ("f32", "f64") and sty in INTS:
+        mode = rounding or "rn"
+        fdt = dtype_of(dty)
+        if mode == "rn":
+            return lambda w, m: wd(w, rs(w).astype(fdt), m)
+        if dty == "f32" and mode in ("rz", "rm", "rp") and TYPE_SIZES[sty] <= 4:
+            return lambda w, m: wd(w, numerics.round_directed(rs(w).astype(np.float64), mode), m)
+        raise unsupported(ins)
+    if dty in INTS and sty in ("f32", "f64"):
+        if rounding not in ("rni", "rzi", "rmi", "rpi"):
+            raise unsupported(ins)
+        idt = dtype_of(dty)
+        return lambda w, m: wd(w, _float_to_int(rs(w), idt, rounding), m)
+    if dty in INTS and sty in INTS:
+        if sat:
+            raise unsupported(ins, "integer saturation")
+        idt = dtype_of(dty)
+        ds, ss = TYPE_SIZES[dty], TYPE_SIZES[sty]
+        if ds <= ss:      # truncate
+            return lambda w, m: wd(w, rs(w).view(UNSIGNED[ss]).astype(UNSIGNED[ds]).view(idt), m)
+        # extend by the source's signedness
+        return lambda w, m: wd(w, rs(w).astype(np.int64 if sty.startswith("s") else np.uint64).astype(idt), m)
+    raise unsupported(ins)

@@ -1,0 +1,193 @@
+"""Memory instructions: ld, st, atom/red, cp.async (param, global and shared spaces).
+
+Lanes that do not execute never touch memory, so their (often garbage) addresses are not checked.
+Generic, local and const spaces are not modelled and fail at compile time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.operands import PARAM_WINDOW, dtype_of
+from flashgen.emulate.ptx import TYPE_SIZES, Reg
+from flashgen.emulate.semantics import handles, unsupported
+
+# Cache and eviction hints change no value.
+_HINTS = {"ca", "cg", "cs", "lu", "cv", "nc", "wb", "wt", "weak"}
+_SPACES = ("param", "global", "shared")
+
+
+def _space(ins) -> str:
+    sp = [m for m in ins.mods if m in _SPACES or m in ("local", "const", "generic")]
+    if len(sp) != 1 or sp[0] not in _SPACES:
+        raise unsupported(ins, "only the param, global and shared spaces are modelled")
+    return sp[0]
+
+
+def _check(ins, allowed):
+    for m in ins.mods:
+        if m in allowed or m in _HINTS or m.startswith(("L1::", "L2::")) or m in TYPE_SIZES:
+            continue
+        raise unsupported(ins, f"modifier .{m}")
+
+
+def _lanes(m):
+    return slice(None) if m is None else m
+
+
+@handles("ld")
+def load(ins, ops):
+    space = _space(ins)
+    _check(ins, set(_SPACES) | {"v2", "v4"})
+    ty = ins.type()
+    dsts = ops.vector(ins.operands[0])
+    n = len(dsts)
+    width = TYPE_SIZES[ty]
+    nbytes = width * n
+    dt = dtype_of(ty)
+    addr = ops.address(ins.operands[1])
+    writers = [ops.write(d, ty) for d in dsts]
+
+    if space == "param":
+        def fetch(w, m):
+            a = addr(w)[_lanes(m)] - PARAM_WINDOW
+            params = w.cta.params
+            if a.size and ((a < 0).any() or (a + nbytes > params.size).any()):
+                raise EmulationError(f"parameter access at offset {int(a[0])} outside the "
+                                     f"{params.size}-byte parameter buffer")
+            return params[a[:, None] + np.arange(nbytes)]
+    elif space == "global":
+        def fetch(w, m):
+            return w.cta.gmem.load(addr(w)[_lanes(m)], nbytes)
+    else:
+        def fetch(w, m):
+            return w.cta.smem.load(addr(w)[_lanes(m)], nbytes, w.wid)
+
+    def run(w, m):
+        raw = fetch(w, m)
+        if m is None:
+            vals = raw.view(dt).reshape(32, n)
+        else:
+            vals = np.zeros((32, n), dt)
+            vals[m] = raw.view(dt).reshape(-1, n)
+        for i, wr in enumerate(writers):
+            wr(w, vals[:, i], m)
+    return run
+
+
+@handles("st")
+def store(ins, ops):
+    space = _space(ins)
+    if space == "param":
+        raise unsupported(ins)
+    _check(ins, set(_SPACES) | {"v2", "v4"})
+    ty = ins.type()
+    srcs = [ops.read(s, ty) for s in ops.vector(ins.operands[1])]
+    dt = dtype_of(ty)
+    addr = ops.address(ins.operands[0])
+
+    def run(w, m):
+        lanes = _lanes(m)
+        data = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1)
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
+        a = addr(w)[lanes]
+        if space == "global":
+            w.cta.gmem.store(a, raw)
+        else:
+            w.cta.smem.store(a, raw, w.wid)
+    return run
+
+
+@handles("atom", "red")
+def atomic(ins, ops):
+    space = _space(ins)
+    if space != "global" or "add" not in ins.mods:
+        raise unsupported(ins, "only global atom/red.add is modelled")
+    _check(ins, {"global", "add", "v2", "v4", "relaxed", "gpu"})
+    ty = ins.type()
+    if ty not in ("f32", "u32", "s32", "u64", "f64"):
+        raise unsupported(ins)
+    dt = dtype_of(ty)
+    if ins.opcode == "atom":
+        dsts, target, val = ops.vector(ins.operands[0]), ins.operands[1], ins.operands[2]
+    else:
+        dsts, (target, val) = None, ins.operands
+    srcs = [ops.read(s, ty) for s in ops.vector(val)]
+    writers = [ops.write(d, ty) for d in dsts] if dsts else None
+    width = TYPE_SIZES[ty]
+    nvec = len(srcs)
+    addr = ops.address(target)
+
+    def run(w, m):
+        lanes = _lanes(m)
+        a = addr(w)[lanes]
+        if nvec > 1 and a.size and (a % (width * nvec)).any():
+            raise EmulationError(f"misaligned vector atomic at {int(a[(a % (width * nvec)) != 0][0]):#x}")
+        # a vector atomic is one atomic per element (PTX ISA: .v2/.v4 add element-wise)
+        addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
+        vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
+        old = w.cta.gmem.atomic_add(addrs, vals)
+        if writers:
+            full = np.zeros((32, nvec), dt)
+            full[lanes] = old.reshape(-1, nvec)
+            for i, wr in enumerate(writers):
+                wr(w, full[:, i], m)
+    return run
+
+
+@handles("cp")
+def cp_async(ins, ops):
+    if ins.mods[:1] != ("async",):
+        raise unsupported(ins)
+    kind = ins.mods[1]
+    if kind == "commit_group":
+        def commit(w, m):
+            w.cp_groups.append(w.cp_open)
+            w.cp_open = []
+        return commit
+    if kind in ("wait_group", "wait_all"):
+        keep = 0 if kind == "wait_all" else int(ins.operands[0].text)
+
+        def wait(w, m):
+            if kind == "wait_all":
+                w.cp_groups.append(w.cp_open)
+                w.cp_open = []
+            while len(w.cp_groups) > keep:
+                for idx, data in w.cp_groups.pop(0):
+                    w.cta.smem.async_deliver(idx, data, w.wid)
+        return wait
+    # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
+    if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:
+        raise unsupported(ins)
+    dst, src, size = ins.operands[:3]
+    n = int(size.text)
+    extra = ins.operands[3] if len(ins.operands) > 3 else None
+    if isinstance(extra, Reg) and ops.reg_type(extra) == "pred":
+        ignore = ops.read(extra, "pred")
+        src_size = lambda w: np.where(ignore(w), 0, n).astype(np.int64)
+    elif extra is not None:
+        rs = ops.read(extra, "u32")
+        src_size = lambda w: rs(w).astype(np.int64)
+    else:
+        src_size = lambda w: np.full(32, n, np.int64)
+    daddr, saddr = ops.address(dst), ops.address(src)
+    def issue(w, m):
+        lanes = _lanes(m)
+        d, s, k = daddr(w)[lanes], saddr(w)[lanes], src_size(w)[lanes]
+        if (k > n).any() or (k < 0).any():
+            raise EmulationError(f"cp.async src-size {int(k.max())} exceeds the copy size {n}")
+        data = np.zeros((d.size, n), np.uint8)
+        # the source is read now (nothing writes it during a kernel); bytes past src-size are zero
+        full = k == n
+        if full.any():
+            data[full] = w.cta.gmem.load(s[full], n, "cp.async source")
+        part = (k > 0) & ~full
+        for i in np.nonzero(part)[0]:
+            data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]))
+        idx = w.cta.smem.async_issue(d, n, w.wid)
+        w.cp_open.append((idx, data))
+    return issue
+
+
+def _load_bytes(w, address: int, k: int) -> np.ndarray:
+    return w.cta.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source")[:, 0]

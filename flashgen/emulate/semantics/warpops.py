@@ -1,0 +1,205 @@
+"""Warp-collective instructions: mma.sync, ldmatrix, shfl.sync, bar.warp.sync.
+
+The fragment tables below say which (row, col) of a matrix each lane's register half holds. They
+are the PTX ISA's figures for mma.m16n8k16 / m16n8k8 and ldmatrix; tests/test_emulator.py checks
+them against CuTe's independently validated layouts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.emulate import numerics
+from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.semantics import handles, require_full_warp, unsupported
+
+LANE = np.arange(32)
+GROUP = LANE >> 2          # "groupID" in the PTX ISA figures
+THREAD = LANE & 3          # "threadID_in_group"
+
+
+# ---- fragment tables: arrays indexed [lane, register, half] -> row / col ------------------------
+def mma_a_table(k: int, atype: str):
+    """A (16 x k) fragment of mma.m16n8k{k}: (row, col) per [lane, reg, element]."""
+    if atype in ("f16", "bf16") and k == 16:
+        reg, half = np.arange(4)[None, :, None], np.arange(2)[None, None, :]
+        row = GROUP[:, None, None] + 8 * (reg & 1)
+        col = 2 * THREAD[:, None, None] + half + 8 * (reg >> 1)
+    elif atype == "tf32" and k == 8:
+        reg, half = np.arange(4)[None, :, None], np.zeros((1, 1, 1), int)
+        row = GROUP[:, None, None] + 8 * (reg & 1)
+        col = THREAD[:, None, None] + 4 * (reg >> 1) + half
+    else:
+        raise EmulationError(f"no A fragment table for m16n8k{k}.{atype}")
+    return np.broadcast_arrays(row, col)
+
+
+def mma_b_table(k: int, btype: str):
+    """B (k x 8) fragment: (k index, n index) per [lane, reg, element]."""
+    if btype in ("f16", "bf16") and k == 16:
+        reg, half = np.arange(2)[None, :, None], np.arange(2)[None, None, :]
+        kk = 2 * THREAD[:, None, None] + half + 8 * reg
+    elif btype == "tf32" and k == 8:
+        reg, half = np.arange(2)[None, :, None], np.zeros((1, 1, 1), int)
+        kk = THREAD[:, None, None] + 4 * reg + half
+    else:
+        raise EmulationError(f"no B fragment table for m16n8k{k}.{btype}")
+    n = GROUP[:, None, None] + 0 * kk
+    return np.broadcast_arrays(kk, n)
+
+
+def mma_c_table():
+    """C/D (16 x 8, f32) fragment: (row, col) per [lane, reg]."""
+    reg = np.arange(4)[None, :]
+    return np.broadcast_arrays(GROUP[:, None] + 8 * (reg >> 1), 2 * THREAD[:, None] + (reg & 1))
+
+
+def ldmatrix_table(trans: bool):
+    """ldmatrix .m8n8 .b16: element h of register j of a lane comes from (row, col) of matrix j."""
+    half = np.arange(2)[None, :]
+    if trans:
+        return np.broadcast_arrays(2 * THREAD[:, None] + half, GROUP[:, None] + 0 * half)
+    return np.broadcast_arrays(GROUP[:, None] + 0 * half, 2 * THREAD[:, None] + half)
+
+
+def _decode(atype):
+    if atype == "bf16":
+        return lambda bits: numerics.bf16_to_f32(bits).astype(np.float64)
+    if atype == "f16":
+        return lambda bits: numerics.f16_to_f32(bits).astype(np.float64)
+    # tf32: the tensor core reads the top 19 bits of the f32 pattern
+    return lambda bits: (bits & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+@handles("mma")
+def mma(ins, ops):
+    mods = ins.mods
+    # mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+    shape = next((m for m in mods if m.startswith("m")), None)
+    if (mods[:2] != ("sync", "aligned") or shape not in ("m16n8k16", "m16n8k8") or
+            mods[3:5] != ("row", "col") or len(mods) != 9 or mods[5] != "f32" or mods[8] != "f32"):
+        raise unsupported(ins)
+    atype, btype = mods[6], mods[7]
+    if atype != btype or atype not in ("f16", "bf16", "tf32"):
+        raise unsupported(ins)
+    k = int(shape.split("k")[1])
+    ar, ac = mma_a_table(k, atype)
+    br, bc = mma_b_table(k, btype)
+    cr, cc = mma_c_table()
+    a_flat, b_flat, c_flat = (ar * k + ac).reshape(-1), (br * 8 + bc).reshape(-1), (cr * 8 + cc).reshape(-1)
+    if np.unique(a_flat).size != 16 * k or np.unique(b_flat).size != 8 * k:
+        raise EmulationError("fragment table does not cover the matrix")
+    D, A, B, C = (ops.vector(x) for x in ins.operands)
+    packed = atype != "tf32"
+    ra = [ops.read(x, "b32") for x in A]
+    rb = [ops.read(x, "b32") for x in B]
+    rc = [ops.read(x, "f32") for x in C]
+    wd = [ops.write(x, "f32") for x in D]
+    dec = _decode(atype)
+
+    def halves(regs, w):
+        v = np.stack([r(w) for r in regs], axis=1)            # [32, nreg] u32
+        if packed:
+            v = v.view(np.uint16).reshape(32, len(regs), 2)    # little-endian: element 0 = low half
+        return dec(v).reshape(-1)
+
+    def run(w, m):
+        require_full_warp(w, m, ins)
+        a = np.empty(16 * k)
+        a[a_flat] = halves(ra, w)
+        b = np.empty(8 * k)
+        b[b_flat] = halves(rb, w)
+        c = np.empty(128)
+        c[c_flat] = np.stack([r(w) for r in rc], axis=1).reshape(-1)
+        d = (a.reshape(16, k) @ b.reshape(k, 8) + c.reshape(16, 8)).astype(np.float32).reshape(-1)
+        out = d[c_flat].reshape(32, 4)
+        for i, wr in enumerate(wd):
+            wr(w, out[:, i], None)
+    return run
+
+
+@handles("ldmatrix")
+def ldmatrix(ins, ops):
+    mods = ins.mods
+    nmat = next((int(m[1:]) for m in mods if m in ("x1", "x2", "x4")), None)
+    known = {"sync", "aligned", "m8n8", "x1", "x2", "x4", "trans", "shared", "b16"}
+    if nmat is None or set(mods) - known or "m8n8" not in mods or "b16" not in mods:
+        raise unsupported(ins)
+    rows, cols = ldmatrix_table("trans" in mods)
+    dsts = [ops.write(d, "b32") for d in ops.vector(ins.operands[0])]
+    if len(dsts) != nmat:
+        raise unsupported(ins, "register count does not match .x")
+    addr = ops.address(ins.operands[1])
+    nrows = 8 * nmat
+
+    def run(w, m):
+        require_full_warp(w, m, ins)
+        # lane i supplies the address of row i % 8 of matrix i // 8
+        raw = w.cta.smem.load(addr(w)[:nrows], 16, w.wid, "ldmatrix").view(np.uint16)   # [8*nmat, 8]
+        for j, wr in enumerate(dsts):
+            mat = raw[8 * j:8 * j + 8]
+            v = mat[rows, cols]                    # [32, 2] b16
+            wr(w, np.ascontiguousarray(v).view(np.uint32).reshape(32), None)
+    return run
+
+
+def _member_lanes(w, mask_reader, m, ins):
+    """The lanes named by membermask must be exactly the executing lanes."""
+    mask = mask_reader(w)
+    if (mask != mask[0]).any():
+        raise EmulationError(f"{ins.form}: lanes disagree on membermask")
+    bits = (int(mask[0]) >> LANE) & 1
+    members = bits.astype(bool)
+    executing = np.ones(32, bool) if m is None else m
+    if (members != executing).any():
+        raise EmulationError(f"{ins.form} with membermask {int(mask[0]):#x} executed by lanes "
+                             f"{int(np.packbits(executing[::-1]).view('>u4')[0]):#x}")
+    return members
+
+
+@handles("shfl")
+def shfl(ins, ops):
+    mods = ins.mods
+    if mods[:1] != ("sync",) or len(mods) != 3 or mods[2] != "b32" or mods[1] not in ("up", "down", "bfly", "idx"):
+        raise unsupported(ins)
+    mode = mods[1]
+    dst, a, b, c, mask = ins.operands
+    d, p = ops.pair(dst)
+    wd, wp = ops.write(d, "b32"), (ops.write(p, "pred") if p is not None else None)
+    ra, rb, rc, rmask = ops.read(a, "b32"), ops.read(b, "u32"), ops.read(c, "u32"), ops.read(mask, "u32")
+
+    def run(w, m):
+        members = _member_lanes(w, rmask, m, ins)
+        bval = (rb(w) & 0x1F).astype(np.int64)
+        cval = rc(w).astype(np.int64)
+        seg = (cval >> 8) & 0x1F
+        clamp = cval & 0x1F
+        max_lane = (LANE & seg) | (clamp & ~seg)
+        min_lane = LANE & seg
+        if mode == "up":
+            j = LANE - bval
+            ok = j >= max_lane
+        elif mode == "down":
+            j = LANE + bval
+            ok = j <= max_lane
+        elif mode == "bfly":
+            j = LANE ^ bval
+            ok = j <= max_lane
+        else:
+            j = min_lane | (bval & ~seg)
+            ok = j <= max_lane
+        j = np.where(ok, j, LANE)
+        if (~members[j] & members).any():
+            raise EmulationError(f"{ins.form} reads a lane outside membermask (undefined result)")
+        wd(w, ra(w)[j], m)
+        if wp is not None:
+            wp(w, ok, m)
+    return run
+
+
+@handles("bar")
+def bar_warp(ins, ops):
+    # bar.sync (the CTA barrier) is the machine's; here only bar.warp.sync membermask.
+    if ins.mods != ("warp", "sync"):
+        raise unsupported(ins)
+    rmask = ops.read(ins.operands[0], "u32")
+    return lambda w, m: _member_lanes(w, rmask, m, ins)

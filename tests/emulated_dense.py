@@ -1,0 +1,80 @@
+"""Direct emulator launches of the dense CUDA kernels with hand-packed parameters.
+
+For the emulator's own tests and the mutation suite only: the real host path (the FFI handlers
+filling these structs) is tested in test_cuda_emulated.py. The struct layouts below mirror
+csrc/flashgen/cuda/fwd.cuh FwdParams; the size is checked against the kernel's PTX parameter.
+"""
+from __future__ import annotations
+
+import functools
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from flashgen.codegen import render_spec
+from flashgen.emulate import GlobalMemory, PtxModule, launch
+from flashgen.emulate.nvcc import compile_ptx
+from flashgen.spec import KernelSpec
+
+NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+_BAND_LIMIT = (1 << 30) + 1
+_LOG2E = np.float32(1.4426950408889634)
+
+
+@functools.lru_cache(maxsize=None)
+def spec_module(head_dim: int, dtype: str, causal: bool, arch: str = "sm80") -> PtxModule:
+    spec = KernelSpec(head_dim, dtype, causal, arch)
+    return PtxModule.parse(compile_ptx(render_spec(spec).text, arch, name=render_spec(spec).name))
+
+
+def module_from_csrc(csrc_dir: str, head_dim: int, dtype: str, causal: bool, arch: str = "sm80") -> PtxModule:
+    """The spec compiled against another copy of csrc/ (e.g. a mutated one)."""
+    spec = KernelSpec(head_dim, dtype, causal, arch)
+    src = render_spec(spec)
+    return PtxModule.parse(compile_ptx(src.text, arch, include_first=csrc_dir, name=src.name))
+
+
+def kernel_name(module: PtxModule, base: str, mode: int | None = None) -> str:
+    """The mangled entry of `base` (e.g. flash_fwd_kernel) and template MODE (last int argument)."""
+    names = [n for n in module.kernels if f"{len(base)}{base}I" in n
+             and (mode is None or f"Li{mode}EE" in n.split(base)[1])]
+    if len(names) != 1:
+        raise LookupError(f"{len(names)} entries match {base} mode {mode}")
+    return names[0]
+
+
+def fwd_config(dtype: str, head_dim: int):
+    """(threads, BR, BC, LD) of FwdConfig<T, D> in fwd.cuh."""
+    f32 = dtype == "f32"
+    warps = 4 if f32 else 8
+    bc = (64 if head_dim <= 128 else 32) if f32 else 64
+    return warps * 32, warps * 16, bc, head_dim + 16 // (4 if f32 else 2)
+
+
+def run_dense_forward(module: PtxModule, q, k, v, *, causal: bool, dtype: str, arch: str = "sm80",
+                      seed: int | None = None, race_check: bool = True):
+    """o, lse (float64) and the LaunchStats of flash_fwd_kernel<.., kFwdDense> on inputs q/k/v."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    dt = NP_DTYPES[dtype]
+    q, k, v = (np.ascontiguousarray(x, dt) for x in (q, k, v))
+    o = np.full(q.shape, np.nan, dt)
+    lse = np.full((b, hq, sq), np.nan, np.float32)
+    mem = GlobalMemory()
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+        mem.add(a.ctypes.data, a.nbytes, name)
+    scale = np.float32(1 / np.sqrt(d))
+    lo, hi = (-_BAND_LIMIT, 0) if causal else (-_BAND_LIMIT, _BAND_LIMIT)
+    params = struct.pack("<5Q6i3i4f", q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data,
+                         lse.ctypes.data, b, sq, sk, hq, hkv, hq // hkv, lo, hi, int(causal), scale,
+                         np.float32(scale * _LOG2E), 0.0, 0.0)
+    name = kernel_name(module, "flash_fwd_kernel", 0)
+    kparam = module.kernels[name].params[0]
+    params = params.ljust(kparam.size, b"\0")
+    assert len(params) == kparam.size == 96, "FwdParams changed: update emulated_dense.py"
+    threads, br, bc, ld = fwd_config(dtype, d)
+    smem = (br + 2 * bc) * ld * np.dtype(dt).itemsize
+    stats = launch(module, name, (-(-sq // br), hq, b), (threads, 1, 1), smem, [params], mem, arch=arch,
+                   seed=seed, race_check=race_check)
+    return o.astype(np.float64), lse.astype(np.float64), stats
