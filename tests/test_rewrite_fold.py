@@ -51,3 +51,101 @@ def test_deep_chain_from_an_argument_is_not_constant():
         assert folder.fold(Ref(_result_of_main(m))) is None
         # every value on the chain is now known not constant, and a second query is memoized
         assert folder.fold(Ref(_result_of_main(m))) is None
+
+
+# ----------------------------------------------------------------------------- library spellings
+def _fold_exported(fn):
+    """Fold the result of ``fn`` (no arguments) as exported by jax, and jax's own value."""
+    import jax
+    exp = jax.export.export(jax.jit(fn), platforms=["cpu"])()
+    ctx, m = _module(exp.mlir_module())
+    with ctx:
+        c = Folder(Graph(m)).fold(Ref(_result_of_main(m)))
+    return c, np.asarray(fn())
+
+
+def _cases():
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    s = 12
+    pos = lambda: jnp.arange(s, dtype=jnp.int32)  # noqa: E731
+
+    def carried_out():
+        # a while result that the body passes through unchanged is its initial value
+        p, _ = lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0], c[1] + 1), (pos(), 0))
+        return p[:, None] - p[None, :]
+
+    return {
+        "cumsum": lambda: jnp.cumsum((pos() % 3 == 0).astype(jnp.int32)),
+        "cummax_2d": lambda: lax.cummax(jnp.sin(pos().reshape(3, 4).astype(jnp.float32)), axis=1),
+        "gather_positions": lambda: jnp.take(pos() * 7 % 5, (pos()[::-1] + 2) % s),
+        "gather_2d": lambda: (pos().reshape(3, 4) * 3)[jnp.array([2, 0, 1]), 1:3],
+        "gather_batched": lambda: jnp.take_along_axis(
+            pos().reshape(3, 4), jnp.array([[3, 0], [1, 1], [2, 0]]), axis=1),
+        "concatenate": lambda: jnp.concatenate(
+            [jnp.broadcast_to(pos()[:1], (1, 4)), pos().reshape(3, 4)], axis=0),
+        "pad_interior": lambda: lax.pad(pos().reshape(3, 4), -1, [(1, 2, 1), (-1, 0, 2)]),
+        "dynamic_slice": lambda: lax.dynamic_slice(pos().reshape(3, 4), (jnp.int32(2), 1), (2, 2)),
+        "reduce_max_sum": lambda: jnp.max(pos().reshape(3, 4), axis=0) + pos().reshape(3, 4).sum(1)[0],
+        "reduce_all": lambda: jnp.all(pos().reshape(3, 4) < 10, axis=1),
+        "min_of_converted_masks": lambda: jnp.minimum(
+            (pos()[:, None] >= pos()[None, :]).astype(jnp.int32),
+            (pos()[None, :] < 9).astype(jnp.int32)),
+        "while_result": carried_out,
+    }
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_folds_library_spellings_like_jax(name):
+    c, expected = _fold_exported(_cases()[name])
+    assert c is not None, f"{name} did not fold"
+    assert c.full().dtype == expected.dtype
+    # numpy's and XLA's sin may differ in the last bit; integers and booleans compare exactly
+    np.testing.assert_allclose(c.full(), expected, rtol=1e-6)
+
+
+def test_folds_a_loop_invariant_carry_inside_a_scan_body():
+    """jax hoists the position iota out of a lax.scan body and carries it unchanged: the mask
+    computed from it inside the body is constant."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    s = 12
+
+    def f(x):
+        def body(c, _):
+            p, acc = c
+            return (p, acc + jnp.where(p[:, None] >= p[None, :], x, 0)), None
+        (_, acc), _ = lax.scan(body, (jnp.arange(s), jnp.zeros((s, s))), None, length=2)
+        return acc
+
+    exp = jax.export.export(jax.jit(f), platforms=["cpu"])(jax.ShapeDtypeStruct((s, s), np.float32))
+    ctx, m = _module(exp.mlir_module())
+    with ctx:
+        g = Graph(m)
+        whiles = []
+        main = g.funcs["main"]
+        main.walk(lambda op: whiles.append(op) or ir.WalkResult.ADVANCE
+                  if op.name == "stablehlo.while" else ir.WalkResult.ADVANCE)
+        (loop,) = whiles
+        call = next(op for op in loop.regions[1].blocks[0].operations
+                    if op.operation.name == "func.call")
+        body = g.callee(call)
+        found = []
+        body.walk(lambda op: found.append(op) or ir.WalkResult.ADVANCE
+                  if op.name in ("stablehlo.compare", "stablehlo.add") else ir.WalkResult.ADVANCE)
+        (cmp,) = [op for op in found if op.name == "stablehlo.compare"]
+        (acc,) = [op for op in found if op.name == "stablehlo.add"]
+        folder = Folder(g)
+        pred = folder.fold(Ref(cmp.result, (call.operation,)))
+        assert pred is not None
+        np.testing.assert_array_equal(pred.full(), np.arange(s)[:, None] >= np.arange(s)[None, :])
+        # the accumulated carry changes every iteration: never constant
+        assert folder.fold(Ref(acc.result, (call.operation,))) is None
+        assert folder.fold(Ref(loop.results[len(loop.results) - 1])) is None

@@ -104,6 +104,7 @@ _UNARY = {
     "stablehlo.sign": np.sign, "stablehlo.not": lambda x: np.logical_not(x) if x.dtype == bool else np.invert(x),
     "stablehlo.is_finite": np.isfinite, "stablehlo.tanh": np.tanh,
     "stablehlo.logistic": lambda x: 1 / (1 + np.exp(-x)),
+    "stablehlo.sine": np.sin, "stablehlo.cosine": np.cos,
 }
 _BINARY = {
     "stablehlo.add": np.add, "stablehlo.subtract": np.subtract, "stablehlo.multiply": np.multiply,
@@ -117,7 +118,15 @@ _BINARY = {
 _LEAVES = ("stablehlo.constant", "stablehlo.iota")
 _STRUCTURAL = ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape",
                "stablehlo.convert", "stablehlo.divide", "stablehlo.remainder",
-               "stablehlo.compare", "stablehlo.select", "stablehlo.clamp", "stablehlo.slice")
+               "stablehlo.compare", "stablehlo.select", "stablehlo.clamp", "stablehlo.slice",
+               "stablehlo.concatenate", "stablehlo.pad", "stablehlo.reverse", "stablehlo.dynamic_slice",
+               "stablehlo.gather", "stablehlo.reduce", "stablehlo.reduce_window")
+# the reductions whose body is one of these ops on its two arguments: (ufunc, for booleans)
+_REDUCERS = {
+    "stablehlo.add": (np.add, np.logical_or), "stablehlo.multiply": (np.multiply, np.logical_and),
+    "stablehlo.maximum": (np.maximum, np.logical_or), "stablehlo.minimum": (np.minimum, np.logical_and),
+    "stablehlo.and": (np.bitwise_and, np.logical_and), "stablehlo.or": (np.bitwise_or, np.logical_or),
+}
 
 
 class Folder:
@@ -181,11 +190,18 @@ class Folder:
         if isinstance(v, ir.BlockArgument):
             init = self._loop_invariant_init(r)
             return None if init is None else [self.graph.resolve(init)]
-        name = v.owner.operation.name
+        op = v.owner
+        name = op.operation.name
         if name in _LEAVES:
             return []
+        if name == "stablehlo.while":
+            init = self._loop_invariant_init(r)
+            return None if init is None else [self.graph.resolve(init)]
+        if name in ("stablehlo.reduce", "stablehlo.reduce_window") and (
+                len(op.operands) != 2 or _reducer(op) is None):
+            return None
         if name in _UNARY or name in _BINARY or name in _STRUCTURAL:
-            return [self.graph.resolve(Ref(x, r.ctx)) for x in v.owner.operands]
+            return [self.graph.resolve(Ref(x, r.ctx)) for x in op.operands]
         return None
 
     def _eval(self, r: Ref, a: list) -> Const | None:
@@ -194,9 +210,9 @@ class Folder:
         rtype = v.type
         shape = tuple(rtype.shape)
         dtype = np_dtype(rtype.element_type)
-        if isinstance(v, ir.BlockArgument):
-            return a[0]
-        op = v.owner
+        op = None if isinstance(v, ir.BlockArgument) else v.owner
+        if op is None or op.operation.name == "stablehlo.while":
+            return a[0]  # a loop-invariant carry: its initial value
         name = op.operation.name
         attrs = op.operation.attributes
         if name == "stablehlo.constant":
@@ -263,7 +279,36 @@ class Folder:
             idx = tuple(slice(0, 1) if x.shape[i] == 1 else slice(start[i], limit[i], step[i])
                         for i in range(x.ndim))
             return Const(x[idx], shape)
+        if name == "stablehlo.reverse":
+            dims = [d for d in ir.DenseI64ArrayAttr(attrs["dimensions"]) if a[0].array.shape[d] > 1]
+            return Const(np.flip(a[0].array, dims) if dims else a[0].array, shape)
+        if name == "stablehlo.concatenate":
+            return self._sized_full(_concatenate(a, _int_attr(attrs["dimension"]), shape), shape)
+        if name == "stablehlo.pad":
+            return self._sized_full(_pad(a[0], a[1], attrs, shape), shape)
+        if name == "stablehlo.dynamic_slice":
+            sizes = list(ir.DenseI64ArrayAttr(attrs["slice_sizes"]))
+            x = a[0]
+            starts = [int(np.clip(c.scalar(), 0, n - k)) for c, n, k in zip(a[1:], x.shape, sizes)]
+            idx = tuple(slice(0, 1) if x.array.shape[i] == 1 else slice(s, s + k)
+                        for i, (s, k) in enumerate(zip(starts, sizes)))
+            return Const(x.array[idx], shape)
+        if name == "stablehlo.gather":
+            return self._sized_full(_gather(a[0], a[1], attrs, shape), shape)
+        if name == "stablehlo.reduce":
+            dims = list(ir.DenseI64ArrayAttr(attrs["dimensions"]))
+            return self._sized_full(np.asarray(_reduce(op, a[0], a[1], dims)).astype(dtype), shape)
+        if name == "stablehlo.reduce_window":
+            out = _reduce_window(op, a[0], a[1], attrs, shape)
+            return None if out is None else self._sized_full(out.astype(dtype), shape)
         return None
+
+    @staticmethod
+    def _sized_full(a: np.ndarray | None, shape) -> Const | None:
+        """A dense result, kept compact; None when it is too large to hold."""
+        if a is None or a.size > MAX_ELEMENTS:
+            return None
+        return compact(a, shape)
 
     @staticmethod
     def _sized(a: np.ndarray, shape) -> Const | None:
@@ -273,15 +318,166 @@ class Folder:
 
     @staticmethod
     def _loop_invariant_init(r: Ref) -> Ref | None:
-        """The initial value of a while body/cond argument that the body passes through
-        unchanged (so it is that value on every iteration), else None."""
-        arg = r.value
-        holder = arg.owner.owner.operation
+        """The initial value of a while body/cond argument, or of a while result, that the
+        body passes through unchanged (so it is that value on every iteration), else None."""
+        v = r.value
+        if isinstance(v, ir.BlockArgument):
+            holder, i = v.owner.owner.operation, v.arg_number
+        else:
+            holder, i = v.owner.operation, v.result_number
         if holder.name != "stablehlo.while":
             return None
         body = holder.regions[1].blocks[0]
         ret = body.operations[len(body.operations) - 1]
-        i = arg.arg_number
         if ret.operands[i] != body.arguments[i]:
             return None
         return Ref(holder.operands[i], r.ctx)
+
+
+def _int_attr(attr) -> int:
+    return ir.IntegerAttr(attr).value
+
+
+def _checked_full(c: Const) -> np.ndarray:
+    """The dense value of a compact operand, refused (ValueError: not foldable) when large."""
+    if np.prod(c.shape, dtype=np.int64) > MAX_ELEMENTS:
+        raise ValueError("too large to fold")
+    return c.full()
+
+
+def _reducer(op):
+    """(ufunc, boolean ufunc) of a reduce/reduce_window whose body applies one elementwise
+    op to its two arguments and returns it (jax's cumsum, sum, max...), else None."""
+    body = op.regions[0].blocks[0]
+    ops = list(body.operations)
+    if len(ops) != 2 or ops[0].operation.name not in _REDUCERS:
+        return None
+    args = list(body.arguments)
+    if sorted([hash(x) for x in ops[0].operands]) != sorted(hash(x) for x in args) \
+            or ops[1].operands[0] != ops[0].result:
+        return None
+    return _REDUCERS[ops[0].operation.name]
+
+
+def _ufunc(op, x: np.ndarray):
+    f, f_bool = _reducer(op)
+    return f_bool if x.dtype == np.bool_ else f
+
+
+def _concatenate(parts: list, dim: int, shape) -> np.ndarray:
+    arrays = []
+    for c in parts:
+        full = list(shape)
+        full[dim] = c.shape[dim]
+        arrays.append(np.broadcast_to(c.array, full) if np.prod(full) <= MAX_ELEMENTS
+                      else _checked_full(c))
+    return np.concatenate(arrays, axis=dim)
+
+
+def _pad(x: Const, value: Const, attrs, shape) -> np.ndarray:
+    low = list(ir.DenseI64ArrayAttr(attrs["edge_padding_low"]))
+    high = list(ir.DenseI64ArrayAttr(attrs["edge_padding_high"]))
+    interior = list(ir.DenseI64ArrayAttr(attrs["interior_padding"]))
+    src = _checked_full(x)
+    # interior padding first, then edges; negative edges cut
+    grown = [n + max(n - 1, 0) * k + max(lo, 0) + max(hi, 0)
+             for n, k, lo, hi in zip(src.shape, interior, low, high)]
+    if np.prod(grown, dtype=np.int64) > MAX_ELEMENTS:
+        raise ValueError("too large to fold")
+    out = np.full(grown, value.scalar(), dtype=src.dtype)
+    out[tuple(slice(max(lo, 0), max(lo, 0) + (n - 1) * (k + 1) + 1 if n else max(lo, 0), k + 1)
+              for n, k, lo in zip(src.shape, interior, low))] = src
+    cut = tuple(slice(-lo if lo < 0 else 0, g + hi if hi < 0 else g)
+                for lo, hi, g in zip(low, high, grown))
+    out = out[cut]
+    assert out.shape == tuple(shape)
+    return out
+
+
+def _gather(x: Const, indices: Const, attrs, shape) -> np.ndarray:
+    """stablehlo.gather on numpy arrays (the general form: batching dims included)."""
+    from jaxlib.mlir.dialects import stablehlo
+
+    dn = stablehlo.GatherDimensionNumbers(attrs["dimension_numbers"])
+    sizes = list(ir.DenseI64ArrayAttr(attrs["slice_sizes"]))
+    operand = x.array  # compact dims read index 0 whatever the start: no need to expand
+    idx = _checked_full(indices).astype(np.int64)
+    ivd = dn.index_vector_dim
+    if ivd == idx.ndim:
+        idx = idx[..., None]
+    else:
+        idx = np.moveaxis(idx, ivd, -1)
+    batch_shape = idx.shape[:-1]
+    n_batch = len(batch_shape)
+    offset_src = [d for d in range(len(x.shape)) if d not in dn.collapsed_slice_dims
+                  and d not in dn.operand_batching_dims]
+    # for each operand dim: a start (over the batch dims) plus an offset (over offset dims)
+    grids = []
+    for d in range(len(x.shape)):
+        start = np.zeros(batch_shape, np.int64)
+        if d in dn.start_index_map:
+            k = list(dn.start_index_map).index(d)
+            start = np.clip(idx[..., k], 0, x.shape[d] - sizes[d])
+        elif d in dn.operand_batching_dims:
+            bd = dn.start_indices_batching_dims[list(dn.operand_batching_dims).index(d)]
+            bd = bd if bd < ivd else bd - 1
+            start = np.broadcast_to(np.arange(batch_shape[bd]).reshape(
+                [-1 if i == bd else 1 for i in range(n_batch)]), batch_shape)
+        start = start.reshape(batch_shape + (1,) * len(offset_src))
+        if d in offset_src:
+            j = offset_src.index(d)
+            off = np.arange(sizes[d]).reshape([1] * n_batch + [-1 if i == j else 1
+                                                               for i in range(len(offset_src))])
+            start = start + off
+        if operand.shape[d] == 1:
+            start = np.zeros_like(start)
+        grids.append(start)
+    out = operand[tuple(grids)]  # [batch..., offsets...]
+    # the result places offset dims at offset_dims, batch dims elsewhere in order
+    offset_dims = list(dn.offset_dims)
+    batch_pos = [i for i in range(len(shape)) if i not in offset_dims]
+    order = [0] * len(shape)
+    for i, pos in enumerate(batch_pos):
+        order[pos] = i
+    for j, pos in enumerate(offset_dims):
+        order[pos] = n_batch + j
+    return np.transpose(np.broadcast_to(out, batch_shape + tuple(
+        sizes[d] for d in offset_src)), order)
+
+
+def _reduce(op, x: Const, init: Const, dims: list) -> np.ndarray:
+    f = _ufunc(op, x.array)
+    arr = _checked_full(x)
+    return f(f.reduce(arr, axis=tuple(dims)), init.scalar())
+
+
+def _reduce_window(op, x: Const, init: Const, attrs, shape) -> np.ndarray | None:
+    """stablehlo.reduce_window without dilations (jax's cumsum/cumprod/cummax, pooling)."""
+    n = len(x.shape)
+    window = list(ir.DenseI64ArrayAttr(attrs["window_dimensions"]))
+
+    def ints(key, default):
+        return list(ir.DenseI64ArrayAttr(attrs[key])) if key in attrs else [default] * n
+
+    strides = ints("window_strides", 1)
+    if ints("base_dilations", 1) != [1] * n or ints("window_dilations", 1) != [1] * n:
+        return None
+    padding = (np.array(ir.DenseIntElementsAttr(attrs["padding"])).reshape(n, 2).tolist()
+               if "padding" in attrs else [[0, 0]] * n)
+    f = _ufunc(op, x.array)
+    arr = _checked_full(x)
+    if any(lo < 0 or hi < 0 for lo, hi in padding):
+        return None
+    arr = np.pad(arr, padding, constant_values=init.scalar())
+    # one dimension at a time: a box window is separable for these associative reducers
+    for d in range(n):
+        if window[d] == 1 and strides[d] == 1:
+            continue
+        if arr.size * window[d] > 4 * MAX_ELEMENTS:
+            raise ValueError("too large to fold")
+        view = np.lib.stride_tricks.sliding_window_view(arr, window[d], axis=d)
+        arr = f.reduce(view, axis=-1)[tuple(slice(None, None, strides[d]) if i == d
+                                            else slice(None) for i in range(n))]
+    out = f(arr, init.scalar())  # each window's reduction starts from the init value
+    assert out.shape == tuple(shape)
+    return out
