@@ -78,3 +78,67 @@ def run_dense_forward(module: PtxModule, q, k, v, *, causal: bool, dtype: str, a
     stats = launch(module, name, (-(-sq // br), hq, b), (threads, 1, 1), smem, [params], mem, arch=arch,
                    seed=seed, race_check=race_check)
     return o.astype(np.float64), lse.astype(np.float64), stats
+
+
+def bwd_config(dtype: str, head_dim: int):
+    """(threads, BC, NSPLIT, smem bytes) of BwdConfig<T, D> in bwd.cuh."""
+    f32 = dtype == "f32"
+    warps = (4 if head_dim <= 192 else 2) if f32 else 4
+    bc, br = warps * 16, (32 if f32 else 64)
+    pad = 16 // (4 if f32 else 2)
+    ld, lds = head_dim + pad, br + pad
+    esz = 4 if f32 else 2
+    smem = (2 * bc + 2 * br) * ld * esz + bc * lds * esz + 2 * br * 4
+    return warps * 32, bc, (2 if head_dim > 128 else 1), smem
+
+
+def run_dense_backward(module: PtxModule, q, k, v, do, *, causal: bool, dtype: str, arch: str = "sm80",
+                       seed: int | None = None):
+    """dq, dk, dv (float64) from the pre / main / convert kernels (bf16/f16, heads_q == heads_kv).
+
+    o and lse come from the float64 reference (rounded like the forward's outputs), so the
+    backward is checked on its own.
+    """
+    from flashgen import reference
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    dt = NP_DTYPES[dtype]
+    assert dtype != "f32" and k.shape[2] == h
+    q, k, v, do = (np.ascontiguousarray(x, dt) for x in (q, k, v, do))
+    ro, rlse = reference.attention(q, k, v, causal=causal)[:2]
+    o = ro.astype(dt)
+    lse = np.ascontiguousarray(rlse, np.float32)
+    dsum = np.full((b, h, sq), np.nan, np.float32)
+    dq_acc = np.zeros((b, sq, h, d), np.float32)
+    dq, dk, dv = (np.full(x.shape, np.nan, dt) for x in (q, k, v))
+    mem = GlobalMemory()
+    arrays = dict(q=q, k=k, v=v, do=do, o=o, lse=lse, dsum=dsum, dq_acc=dq_acc, dq=dq, dk=dk, dv=dv)
+    for name, a in arrays.items():
+        mem.add(a.ctypes.data, a.nbytes, name)
+    total = []
+    rows = b * sq * h
+    cpr = d * 2 // 16
+    lanes = 32 if cpr >= 32 else 16 if cpr >= 16 else 8 if cpr >= 8 else 4
+    pre = kernel_name(module, "flash_bwd_pre_kernel")
+    total.append(launch(module, pre, (-(-rows // (256 // lanes)), 1, 1), (256, 1, 1), 0,
+                        [struct.pack("<Q", o.ctypes.data), struct.pack("<Q", do.ctypes.data),
+                         struct.pack("<Q", dsum.ctypes.data), struct.pack("<q", rows), struct.pack("<i", sq),
+                         struct.pack("<i", h)], mem, arch=arch, seed=seed))
+    scale = np.float32(1 / np.sqrt(d))
+    lo, hi = (-_BAND_LIMIT, 0) if causal else (-_BAND_LIMIT, _BAND_LIMIT)
+    params = struct.pack("<11Q9i5fi", q.ctypes.data, k.ctypes.data, v.ctypes.data, do.ctypes.data, lse.ctypes.data,
+                         dsum.ctypes.data, dq_acc.ctypes.data, 0, 0, dk.ctypes.data, dv.ctypes.data,
+                         b, sq, sk, h, h, 1, lo, hi, int(causal), scale, np.float32(scale * _LOG2E), 0.0, 0.0, 0.0, 0)
+    name = kernel_name(module, "flash_bwd_kernel", 0)
+    size = module.kernels[name].params[0].size
+    params = params.ljust(size, b"\0")
+    assert len(params) == size == 152, "BwdParams changed: update emulated_dense.py"
+    threads, bc, nsplit, smem = bwd_config(dtype, d)
+    total.append(launch(module, name, (-(-sk // bc) * nsplit, h, b), (threads, 1, 1), smem, [params], mem,
+                        arch=arch, seed=seed))
+    n = dq_acc.size
+    conv = kernel_name(module, "flash_bwd_convert_kernel")
+    total.append(launch(module, conv, (max(1, -(-(n // 4) // 256)), 1, 1), (256, 1, 1), 0,
+                        [struct.pack("<Q", dq_acc.ctypes.data), struct.pack("<Q", dq.ctypes.data),
+                         struct.pack("<q", n)], mem, arch=arch, seed=seed))
+    return (dq.astype(np.float64), dk.astype(np.float64), dv.astype(np.float64)), total
