@@ -85,8 +85,26 @@ class _Cta:
 
 
 def short_name(kernel_name: str) -> str:
-    m = re.search(r"\d+([A-Za-z_]\w*?kernel)(I.*?E)?(?:E|$)", kernel_name)
-    return f"{m.group(1)}<{m.group(2) or ''}>" if m else kernel_name
+    """A readable kernel name: the last `<len><identifier>` of an Itanium-mangled name that ends in
+    "kernel" (else the last), plus the start of its template arguments."""
+    names, pos, digits = [], 0, re.compile(r"\d+")
+    while pos < len(kernel_name):
+        m = digits.match(kernel_name, pos)
+        if m is None:
+            pos += 1
+            continue
+        n, start = int(m.group()), m.end()
+        ident = kernel_name[start:start + n]
+        if n and len(ident) == n and re.fullmatch(r"[A-Za-z_]\w*", ident):
+            names.append((ident, start + n))
+            pos = start + n
+        else:
+            pos = m.end()
+    if not names:
+        return kernel_name
+    ident, end = next((x for x in reversed(names) if x[0].endswith("kernel")), names[-1])
+    args = kernel_name[end:end + 40]
+    return f"{ident}[{args}]" if args.startswith("I") else ident
 
 
 class _Compiled:
