@@ -132,8 +132,10 @@ class GlobalMemory:
 
 
 class SharedMemory:
-    NO_WARP = -1
-    MANY_WARPS = -2
+    """Race bookkeeping: per byte, a stamp `epoch * 256 + warp` of its last writer and of its
+    readers in the current epoch (warp MANY when several warps read it). Stamps of older epochs
+    are smaller than `epoch * 256`, so "accessed in this epoch by another warp" is two compares."""
+    MANY = 255
 
     def __init__(self, nbytes: int, race_check: bool):
         self.data = np.zeros(nbytes, np.uint8)
@@ -142,55 +144,60 @@ class SharedMemory:
         self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes
         self.epoch = 1
         if race_check:
-            self.w_epoch = np.zeros(nbytes, np.int32)
-            self.w_warp = np.full(nbytes, self.NO_WARP, np.int16)
-            self.r_epoch = np.zeros(nbytes, np.int32)
-            self.r_warp = np.full(nbytes, self.NO_WARP, np.int16)
+            self.w_stamp = np.zeros(nbytes, np.int64)
+            self.r_stamp = np.zeros(nbytes, np.int64)
 
     def barrier(self) -> None:
         self.epoch += 1
 
     def _bytes(self, offs: np.ndarray, nbytes: int, what: str) -> np.ndarray:
-        o = offs.astype(np.int64)
-        if nbytes in (1, 2, 4, 8, 16) and (o % nbytes).any():
+        o = offs.astype(np.int64, copy=False)
+        if o.size == 0:
+            return o.reshape(0, nbytes)
+        if nbytes in (1, 2, 4, 8, 16) and (o & (nbytes - 1)).any():
             x = int(o[o % nbytes != 0][0])
             raise EmulationError(f"misaligned shared {what} of {nbytes} bytes at offset {x}")
-        if (o < 0).any() or (o + nbytes > self.size).any():
+        if o.min() < 0 or o.max() + nbytes > self.size:
             x = int(o[(o < 0) | (o + nbytes > self.size)][0])
             raise EmulationError(f"out-of-bounds shared {what} of {nbytes} bytes at offset {x} "
                                  f"(the CTA has {self.size} bytes of shared memory)")
         return o[:, None] + np.arange(nbytes)
 
     def _check_pending(self, idx: np.ndarray, what: str) -> None:
-        if self.pending[idx].any():
-            x = int(idx[self.pending[idx] > 0][0])
+        p = self.pending[idx]
+        if p.any():
+            x = int(idx[p > 0][0])
             raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
                                  f"yet (missing cp.async.wait_group before this access?)")
 
+    def _race(self, x: int, warp: int, stamp: int, verb: str, how: str) -> EmulationError:
+        other = stamp & 255
+        who = "several warps" if other == self.MANY else f"warp {other}"
+        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x}, {how} by {who} "
+                              f"with no barrier in between")
+
     def _race_read(self, idx, warp):
-        e = self.epoch
-        wr = (self.w_epoch[idx] == e) & (self.w_warp[idx] != warp)
-        if wr.any():
-            x = int(idx[wr][0])
-            raise EmulationError(f"shared-memory race: warp {warp} reads offset {x}, written by warp "
-                                 f"{int(self.w_warp[x])} with no barrier in between")
-        other = (self.r_epoch[idx] == e) & (self.r_warp[idx] != warp)
-        self.r_warp[idx] = np.where(other, self.MANY_WARPS, warp)
-        self.r_epoch[idx] = e
+        base = self.epoch << 8
+        mine = base | warp
+        ws = self.w_stamp[idx]
+        bad = (ws >= base) & (ws != mine)
+        if bad.any():
+            pos = tuple(np.argwhere(bad)[0])
+            raise self._race(int(idx[pos]), warp, int(ws[pos]), "reads", "written")
+        rs = self.r_stamp[idx]
+        self.r_stamp[idx] = np.where((rs >= base) & (rs != mine), base | self.MANY, mine)
 
     def _race_write(self, idx, warp):
-        e = self.epoch
-        ww = (self.w_epoch[idx] == e) & (self.w_warp[idx] != warp)
-        rw = (self.r_epoch[idx] == e) & (self.r_warp[idx] != warp)
+        base = self.epoch << 8
+        mine = base | warp
+        ws, rs = self.w_stamp[idx], self.r_stamp[idx]
+        ww = (ws >= base) & (ws != mine)
+        rw = (rs >= base) & (rs != mine)
         if ww.any() or rw.any():
             pos = tuple(np.argwhere(ww | rw)[0])
-            x = int(idx[pos])
-            other, how = (int(self.w_warp[x]), "written") if ww[pos] else (int(self.r_warp[x]), "read")
-            who = "several warps" if other == self.MANY_WARPS else f"warp {other}"
-            raise EmulationError(f"shared-memory race: warp {warp} writes offset {x}, {how} by {who} "
-                                 f"with no barrier in between")
-        self.w_warp[idx] = warp
-        self.w_epoch[idx] = e
+            stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
+            raise self._race(int(idx[pos]), warp, stamp, "writes", how)
+        self.w_stamp[idx] = mine
 
     def load(self, offs: np.ndarray, nbytes: int, warp: int, what: str = "load") -> np.ndarray:
         idx = self._bytes(offs, nbytes, what)

@@ -150,6 +150,15 @@ class Operands:
         else:
             raise EmulationError(f"register {name} (.{rty}) written as the wider .{ty}")
 
+        if conv is None:
+            # Same type: numpy's assignment does the (wrapping / rounding) cast to the register.
+            def write_same(w, v, m):
+                if m is None:
+                    w.regs[name][...] = v
+                else:
+                    np.copyto(w.regs[name], v, where=m, casting="unsafe")
+            return write_same
+
         def write(w, v, m, _conv=conv, _dt=dt):
             v = np.asarray(v)
             if v.dtype != _dt:
@@ -160,7 +169,7 @@ class Operands:
             if m is None:
                 r[...] = v
             else:
-                np.copyto(r, v, where=m)
+                np.copyto(r, v, where=m, casting="unsafe")
         return write
 
     # -- addresses -----------------------------------------------------------------------------

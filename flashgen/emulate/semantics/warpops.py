@@ -61,13 +61,21 @@ def ldmatrix_table(trans: bool):
     return np.broadcast_arrays(GROUP[:, None] + 0 * half, 2 * THREAD[:, None] + half)
 
 
-def _decode(atype):
+def _decoder(atype, nreg):
+    """u32 registers [32, nreg] -> their elements [32 * nreg * per_reg] as floats."""
     if atype == "bf16":
-        return lambda bits: numerics.bf16_to_f32(bits).astype(np.float64)
-    if atype == "f16":
-        return lambda bits: numerics.f16_to_f32(bits).astype(np.float64)
-    # tf32: the tensor core reads the top 19 bits of the f32 pattern
-    return lambda bits: (bits & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+        def dec(bits):     # element 0 = low half; a bf16 is the top half of an f32
+            out = np.empty((32, nreg, 2), np.uint32)
+            out[..., 0] = bits << np.uint32(16)
+            out[..., 1] = bits & np.uint32(0xFFFF0000)
+            return out.view(np.float32).reshape(-1)
+    elif atype == "f16":
+        def dec(bits):
+            return bits.view(np.float16).reshape(-1)
+    else:
+        def dec(bits):     # tf32: the tensor core reads the top 19 bits of the f32 pattern
+            return (bits & np.uint32(0xFFFFE000)).view(np.float32).reshape(-1)
+    return dec
 
 
 @handles("mma")
@@ -88,30 +96,29 @@ def mma(ins, ops):
     a_flat, b_flat, c_flat = (ar * k + ac).reshape(-1), (br * 8 + bc).reshape(-1), (cr * 8 + cc).reshape(-1)
     if np.unique(a_flat).size != 16 * k or np.unique(b_flat).size != 8 * k:
         raise EmulationError("fragment table does not cover the matrix")
+    # gathers: matrix element p comes from fragment element perm[p]
+    a_perm, b_perm, c_perm = np.argsort(a_flat), np.argsort(b_flat), np.argsort(c_flat)
     D, A, B, C = (ops.vector(x) for x in ins.operands)
-    packed = atype != "tf32"
     ra = [ops.read(x, "b32") for x in A]
     rb = [ops.read(x, "b32") for x in B]
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
-    dec = _decode(atype)
-
-    def halves(regs, w):
-        v = np.stack([r(w) for r in regs], axis=1)            # [32, nreg] u32
-        if packed:
-            v = v.view(np.uint16).reshape(32, len(regs), 2)    # little-endian: element 0 = low half
-        return dec(v).reshape(-1)
+    dec_a, dec_b = _decoder(atype, len(A)), _decoder(btype, len(B))
+    abits, bbits, cvals = np.empty((32, len(A)), np.uint32), np.empty((32, len(B)), np.uint32), np.empty((32, 4), np.float32)
 
     def run(w, m):
         require_full_warp(w, m, ins)
-        a = np.empty(16 * k)
-        a[a_flat] = halves(ra, w)
-        b = np.empty(8 * k)
-        b[b_flat] = halves(rb, w)
-        c = np.empty(128)
-        c[c_flat] = np.stack([r(w) for r in rc], axis=1).reshape(-1)
-        d = (a.reshape(16, k) @ b.reshape(k, 8) + c.reshape(16, 8)).astype(np.float32).reshape(-1)
-        out = d[c_flat].reshape(32, 4)
+        for i, r in enumerate(ra):
+            abits[:, i] = r(w)
+        for i, r in enumerate(rb):
+            bbits[:, i] = r(w)
+        for i, r in enumerate(rc):
+            cvals[:, i] = r(w)
+        a = dec_a(abits)[a_perm].reshape(16, k).astype(np.float64)
+        b = dec_b(bbits)[b_perm].reshape(k, 8).astype(np.float64)
+        # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
+        d = (a @ b + cvals.reshape(-1)[c_perm].reshape(16, 8)).reshape(-1)[c_flat].astype(np.float32)
+        out = d.reshape(32, 4)
         for i, wr in enumerate(wd):
             wr(w, out[:, i], None)
     return run
@@ -135,10 +142,10 @@ def ldmatrix(ins, ops):
         require_full_warp(w, m, ins)
         # lane i supplies the address of row i % 8 of matrix i // 8
         raw = w.cta.smem.load(addr(w)[:nrows], 16, w.wid, "ldmatrix").view(np.uint16)   # [8*nmat, 8]
+        v = raw.reshape(nmat, 8, 8)[:, rows, cols]                                         # [nmat, 32, 2]
+        regs = np.ascontiguousarray(v).view(np.uint32).reshape(nmat, 32)
         for j, wr in enumerate(dsts):
-            mat = raw[8 * j:8 * j + 8]
-            v = mat[rows, cols]                    # [32, 2] b16
-            wr(w, np.ascontiguousarray(v).view(np.uint32).reshape(32), None)
+            wr(w, regs[j], None)
     return run
 
 
