@@ -87,6 +87,12 @@ def micro():
     return PtxModule.parse(compile_ptx(MICRO, "sm80"))
 
 
+@pytest.fixture(scope="module")
+def micro_sm90():
+    from flashgen.emulate.nvcc import compile_ptx
+    return PtxModule.parse(compile_ptx(MICRO, "sm90a"))
+
+
 def run(module, name, args, grid=(1, 1, 1), block=(32, 1, 1), smem=0, arch="sm80", **kw):
     """Launch `name` with numpy arrays (registered as device memory, passed as pointers) and
     Python scalars (packed by the parameter's PTX type)."""
@@ -226,6 +232,20 @@ def test_atomic_add_is_a_chain_per_address(micro, rng):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+def test_pair_atomics_sum_exactly_per_address(micro, micro_sm90, rng, arch):
+    module = micro if arch == "sm80" else micro_sm90
+    vector_form = "atom.global.add.v2.f32" in " ".join(i.text for i in module.kernel("atomic_add_pairs").instructions)
+    assert vector_form == (arch == "sm90a")
+    n = 200
+    a = rng.integers(-8, 8, (n, 2)).astype(np.float32)      # small integers: any order sums exactly
+    idx = rng.integers(0, 3, n).astype(np.int32)
+    acc = np.zeros((3, 2), np.float32)
+    run(module, "atomic_add_pairs", [a, idx, acc, n], grid=(4, 1, 1), block=(64, 1, 1), arch=arch)
+    assert (acc == np.array([a[idx == s].sum(0) for s in range(3)])).all()
+
+
+@needs_nvcc
 def test_ldmatrix_mma_bf16(micro, rng):
     a = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
     bt = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)      # B^T: [n][k]
@@ -328,6 +348,12 @@ def test_dynamic_shared_memory_limit_per_arch(micro):
         run(micro, "dynamic_smem", [out], block=(64, 1, 1), smem=128, arch="sm80")
 
 
+@needs_nvcc
+def test_instruction_budget_stops_an_endless_kernel(micro):
+    with pytest.raises(EmulationError, match=r"spin.*more than 5000 warp-instructions"):
+        run(micro, "spin", [np.zeros(1, np.int32)], max_warp_instructions=5000)
+
+
 # ---------------------------------------------------------------------------------------------
 # A real kernel end to end (the handlers' path is tested in test_cuda_emulated.py)
 # ---------------------------------------------------------------------------------------------
@@ -345,3 +371,21 @@ def test_dense_forward_bf16_causal_matches_float64(rng):
     assert np.abs(lse - rlse).max() < 1e-4
     assert stats.warp_instructions > 1000
     assert stats.opcode_counts["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0
+
+
+@needs_nvcc
+def test_every_instruction_of_a_spec_has_a_handler():
+    """Static coverage: every entry of a built spec (dense, extras, varlen, paged, split-KV
+    combine, backward pre/main/convert) compiles, i.e. has no unimplemented opcode or form."""
+    from emulated_dense import spec_module
+    from flashgen.emulate.machine import compiled
+    module = spec_module(64, "bf16", True)
+    forms = set()
+    for kernel in module.kernels.values():
+        compiled(kernel)
+        forms.update(ins.form for ins in kernel.instructions)
+    names = " ".join(module.kernels)
+    for entry in ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_pre_kernel", "flash_bwd_convert_kernel",
+                  "flash_fwd_combine_kernel", "flash_fwd_varlen_fill_kernel"):
+        assert entry in names
+    assert len(module.kernels) >= 14 and len(forms) > 100

@@ -188,8 +188,10 @@ class _Launch:
     def run_warp(self, w, cta, quantum, nthreads, block):
         code, counts = self.code, self.counts
         pc = w.pc
+        steps = 0
         try:
-            for _ in range(quantum):
+            while steps < quantum:
+                steps += 1
                 lp = w.lane_pc
                 if lp is None:
                     pc = w.pc
@@ -211,7 +213,11 @@ class _Launch:
                 if kind == _ALU:
                     if exe is None or exe.any():
                         fn(w, exe)
-                    self._advance(w, pc, active)
+                    if lp is None:
+                        w.pc = pc + 1
+                    else:
+                        lp[active] = pc + 1
+                        _reconverge(w)
                 elif kind == _BRA:
                     self._branch(w, pc, active, exe, target, fn)
                 elif kind == _RET:
@@ -228,19 +234,13 @@ class _Launch:
                     w.pc = pc + 1
                     w.at_barrier = True
                     return
-            self.executed += quantum
-            if self.executed > self.budget:
-                raise EmulationError(f"more than {self.budget} warp-instructions: an infinite loop?")
         except EmulationError as e:
             raise EmulationError(f"{self.context(cta, w, pc)}: {e}") from None
-
-    @staticmethod
-    def _advance(w, pc, active):
-        if w.lane_pc is None:
-            w.pc = pc + 1
-        else:
-            w.lane_pc[active] = pc + 1
-            _reconverge(w)
+        finally:
+            self.executed += steps
+        if self.executed > self.budget:
+            raise EmulationError(f"{self.context(cta, w, pc)}: more than {self.budget} warp-instructions "
+                                 f"in one launch (an infinite loop?)")
 
     def _branch(self, w, pc, active, exe, target, uniform):
         if exe is None:

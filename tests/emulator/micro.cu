@@ -118,3 +118,21 @@ extern "C" __global__ void divergent_loop(const int* trips, float* out) {
   }
   out[threadIdx.x] = acc;
 }
+// The backward's dQ accumulation: a float2 atomic on sm_90 (atom.global.v2.f32.add), two scalar
+// atomics before.
+extern "C" __global__ void atomic_add_pairs(const float2* a, const int* idx, float* acc, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float* dst = acc + 2 * idx[i];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), a[i]);
+#else
+  atomicAdd(dst, a[i].x);
+  atomicAdd(dst + 1, a[i].y);
+#endif
+}
+// Never terminates: the launch's instruction budget must stop it.
+extern "C" __global__ void spin(volatile int* flag) {
+  while (*flag == 0) {
+  }
+}

@@ -12,8 +12,10 @@ from flashgen.emulate.operands import PARAM_WINDOW, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
 from flashgen.emulate.semantics import handles, unsupported
 
-# Cache and eviction hints change no value.
-_HINTS = {"ca", "cg", "cs", "lu", "cv", "nc", "wb", "wt", "weak"}
+# Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
+# more than the emulator gives every access (each one completes, in program order, before the next).
+_HINTS = {"ca", "cg", "cs", "lu", "cv", "nc", "wb", "wt", "weak", "volatile", "relaxed", "acquire", "release",
+          "cta", "gpu", "sys"}
 _SPACES = ("param", "global", "shared")
 
 
@@ -103,7 +105,7 @@ def atomic(ins, ops):
     space = _space(ins)
     if space != "global" or "add" not in ins.mods:
         raise unsupported(ins, "only global atom/red.add is modelled")
-    _check(ins, {"global", "add", "v2", "v4", "relaxed", "gpu"})
+    _check(ins, {"global", "add", "v2", "v4"})
     ty = ins.type()
     if ty not in ("f32", "u32", "s32", "u64", "f64"):
         raise unsupported(ins)
