@@ -1,48 +1,35 @@
-"""Build a set of KernelSpecs into one shared library, through a content cache.
+"""Build a set of KernelSpecs into one shared library, through the content cache (cache.py).
 
-Cache layout (root: $FLASHGEN_CACHE_DIR, else $XDG_CACHE_HOME/flashgen, else
-~/.cache/flashgen):
-
-    objects/<key>.o          one compiled source; key = its text, compiler,
-                             compiler version, flags, csrc/ and FFI headers
-    libs/<key>/              one library: lib*.so, manifest.json, src/
-    locks/<key>.lock         fcntl locks so that concurrent builds of the
-                             same thing compile it once
-
-Entries appear atomically (os.replace of a finished file or directory), so
-a crash or a concurrent reader never sees a half-written entry.
+Keys are computed without running any compiler: a library's key covers its rendered sources,
+flags, the compiler the environment asks for (CXX/NVCC), the FFI headers, Python and the host
+ISA, so a cached hit -- and a host that only runs shipped kernels -- needs no compiler. An
+object's key adds the compiler's version (compiling needs the compiler anyway).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import shutil
-import tempfile
 import time
 from typing import Callable, Iterable
 
-from flashgen import codegen, resources, toolchain
+from flashgen import cache, codegen, resources, toolchain
+from flashgen.cache import MANIFEST
 from flashgen.spec import ATTRIBUTES, SIGNATURES, KernelSpec
 from flashgen.errors import BuildError
 
 __all__ = ["build", "Library", "BuildError", "cache_root", "resolve_target"]
 
-MANIFEST = "manifest.json"
 Progress = Callable[[str], None]
-
-
-def cache_root() -> pathlib.Path:
-    env = os.environ.get("FLASHGEN_CACHE_DIR")
-    if env:
-        return pathlib.Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache") / "flashgen"
+log = logging.getLogger("flashgen.build")
+cache_root = cache.root
+# Seconds between "still compiling" lines during a cold compile.
+HEARTBEAT_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +55,6 @@ def resolve_target(target: str | None) -> tuple[str, str]:
     return "cpu", "auto: no supported NVIDIA GPU found, using the CPU backend"
 
 
-@contextlib.contextmanager
-def _locked(root: pathlib.Path, key: str):
-    locks = root / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{key}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _digest(*parts: object) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -91,44 +66,49 @@ def _digest(*parts: object) -> str:
 @dataclasses.dataclass(frozen=True)
 class _Job:
     source: codegen.Source
-    compiler: str
+    compiler: str              # "cxx" or "nvcc" (toolchain.compiler)
     flags: tuple[str, ...]
-    key: str
+    key: str                   # everything but the compiler's version
 
 
 def _job(source: codegen.Source, target: str, env_key: dict) -> _Job:
     if source.name == "python_face.cc":
-        compiler, flags, extra = toolchain.cxx(), toolchain.python_face_flags(), toolchain.python_identity()
+        compiler, flags, extra = "cxx", toolchain.python_face_flags(), toolchain.python_identity()
     elif source.language == "cuda":
-        compiler, flags, extra = toolchain.nvcc(), toolchain.cuda_compile_flags(target), None
+        compiler, flags, extra = "nvcc", toolchain.cuda_compile_flags(target), None
     else:
-        compiler = toolchain.cxx()
-        flags, extra = toolchain.cpu_compile_flags(), toolchain.host_isa()
-    key = _digest(source.text, source.language, compiler, toolchain.compiler_version(compiler),
+        compiler, flags, extra = "cxx", toolchain.cpu_compile_flags(), toolchain.host_isa()
+    key = _digest(source.text, source.language, toolchain.requested(compiler),
                   flags, extra, env_key)
     return _Job(source, compiler, tuple(flags), key)
 
 
-def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path) -> tuple[pathlib.Path, bool]:
+def _object_key(job: _Job) -> str:
+    return _digest(job.key, toolchain.compiler_version(toolchain.compiler(job.compiler).exe))
+
+
+def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path,
+             group: toolchain.ProcessGroup) -> tuple[pathlib.Path, bool]:
     """Compile one source into the object cache; returns (object, was_cached)."""
-    obj = root / "objects" / f"{job.key}.o"
-    if obj.exists():
+    key = _object_key(job)
+    obj = cache.lookup_object(root, key)
+    if obj:
         return obj, True
-    with _locked(root, job.key):
-        if obj.exists():
+    with cache.locked(root, key):
+        obj = cache.lookup_object(root, key)
+        if obj:
             return obj, True
-        obj.parent.mkdir(parents=True, exist_ok=True)
-        src = src_dir / job.source.name
-        fd, tmp = tempfile.mkstemp(dir=obj.parent, suffix=".o.tmp")
-        os.close(fd)
+        tmp = cache.temp_path(root / "objects", key, ".o")
         try:
-            toolchain.run([job.compiler, *job.flags, "-c", str(src), "-o", tmp],
-                          f"compiling {job.source.name}")
-            os.replace(tmp, obj)
+            compiler = toolchain.compiler(job.compiler)
+            toolchain.run([*compiler.command, *job.flags, "-c", str(src_dir / job.source.name),
+                           "-o", str(tmp)], f"compiling {job.source.name}", group)
+            try:
+                return cache.store_object(root, key, tmp), False
+            except cache.CorruptEntry as e:
+                raise BuildError(f"compiling {job.source.name}: {e}") from None
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return obj, False
+            tmp.unlink(missing_ok=True)
 
 
 def _library_info(specs: list[KernelSpec], target: str) -> dict:
@@ -153,10 +133,13 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     pybind11 module for jax.ffi.register_ffi_target), "exla" (static
     XLA_FFI_REGISTER_HANDLER registration on load, no Python), "c" (plain C
     symbols only). Returns the cached Library; with `out`, the library and its
-    manifest are also copied there.
+    manifest are also copied there. `progress` receives one line per step of a
+    cold build (default: the "flashgen.build" logger at INFO).
     """
     if host not in HOSTS:
         raise ValueError(f"unsupported host {host!r}: choose one of {', '.join(HOSTS)}")
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     specs = [specs] if isinstance(specs, KernelSpec) else list(specs)
     if not specs:
         raise ValueError("build needs at least one KernelSpec")
@@ -167,10 +150,12 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
         raise ValueError(f"one library serves one target; got specs for {sorted(targets)}")
     (target,) = targets
     specs = sorted(set(specs))
-    say = progress or (lambda _msg: None)
+    say = progress or log.info
 
     t0 = time.perf_counter()
-    root = cache_root()
+    root = cache.root()
+    for stale in cache.clean_stale(root):
+        log.debug("removed %s (left by an interrupted build)", stale)
     ffi = toolchain.ffi_headers()
     env_key = {"csrc": resources.tree_digest(resources.csrc_dir()), "ffi": ffi["sha256"],
                "jaxlib": ffi["jaxlib"]}
@@ -183,34 +168,51 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     module_name = f"_flashgen_{target}_{_digest([j.key for j in compile_jobs])[:16]}"
     if host == "python":
         compile_jobs.append(_job(codegen.render_python_face(module_name), target, env_key))
-    linker = toolchain.nvcc() if target != "cpu" else toolchain.cxx()
+    linker = "nvcc" if target != "cpu" else "cxx"
     link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
-    lib_key = _digest([j.key for j in compile_jobs], linker, toolchain.compiler_version(linker),
-                      link_flags)
+    lib_key = _digest([j.key for j in compile_jobs], toolchain.requested(linker),
+                      link_flags, host)
     lib_dir = root / "libs" / lib_key
     lib_name = f"{module_name}.so"
 
-    def finish(hit: bool) -> Library:
-        manifest = json.loads((lib_dir / MANIFEST).read_text())
+    def finish(manifest: dict, hit: bool) -> Library:
         lib = Library(lib_dir / lib_name, lib_dir / MANIFEST, manifest, hit)
         if out is not None:
             lib = _export(lib, pathlib.Path(out))
         return lib
 
-    if (lib_dir / MANIFEST).exists():
-        say(f"cache hit: {lib_dir / lib_name}")
-        return finish(True)
-    with _locked(root, lib_key):
-        if (lib_dir / MANIFEST).exists():
-            return finish(True)
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=_mkdir(root / "libs")))
+    def cached() -> dict | None:
+        if not lib_dir.exists():
+            return None
         try:
-            src_dir = _mkdir(staging / "src")
+            return cache.verify_library(lib_dir)
+        except cache.CorruptEntry as e:
+            log.warning("cache entry %s is damaged (%s); rebuilding it", lib_dir, e)
+            return None
+
+    manifest = cached()
+    if manifest:
+        log.debug("cache hit: %s", lib_dir / lib_name)
+        return finish(manifest, True)
+    with cache.locked(root, lib_key):
+        manifest = cached()
+        if manifest:
+            return finish(manifest, True)
+        cache.discard(lib_dir)  # a damaged entry (absent: nothing to do)
+        staging = cache.staging_dir(root / "libs", lib_key)
+        try:
+            src_dir = staging / "src"
+            src_dir.mkdir()
             for j in compile_jobs:
                 (src_dir / j.source.name).write_text(j.source.text)
-            objects = _compile_all(compile_jobs, root, src_dir, jobs, say)
-            toolchain.run([linker, *link_flags, *map(str, objects), "-o", str(staging / lib_name)],
-                          f"linking {lib_name}")
+            say(f"compiling {', '.join(s.stem for s in specs)} for {target} "
+                f"({len(compile_jobs)} sources; first use of this build, cached afterwards)")
+            with toolchain.ProcessGroup() as group:
+                objects = _compile_all(compile_jobs, root, src_dir, jobs, say, group)
+                link = toolchain.compiler(linker)
+                toolchain.run([*link.command, *link_flags, *map(str, objects), "-o",
+                               str(staging / lib_name)], f"linking {lib_name}", group)
+            compilers = {toolchain.compiler(c) for c in {j.compiler for j in compile_jobs} | {linker}}
             manifest = {
                 "flashgen_library": lib_name,
                 **info,
@@ -221,53 +223,73 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "python": toolchain.python_identity() if host == "python" else None,
                 "python_module": module_name if host == "python" else None,
                 "undefined_symbols": ["XLA_FFI_GetApi"] if host == "exla" else [],
-                "compilers": {os.path.basename(c): toolchain.compiler_version(c)
-                              for c in {j.compiler for j in compile_jobs} | {linker}},
+                "compilers": {c.name: toolchain.compiler_version(c.exe) for c in compilers},
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},
+                "objects": {j.source.name: o.stem for j, o in zip(compile_jobs, objects)},
                 "host_isa": toolchain.host_isa() if target == "cpu" else None,
                 "ffi_headers": {k: v for k, v in ffi.items() if k != "include_dir"},
                 "cache_key": lib_key,
+                "files": {lib_name: cache.file_record(staging / lib_name)},
                 "build_seconds": round(time.perf_counter() - t0, 3),
             }
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            (staging / MANIFEST).write_text(cache.seal(manifest))
             os.replace(staging, lib_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     say(f"built {lib_dir / lib_name} in {time.perf_counter() - t0:.1f}s")
-    return finish(False)
-
-
-def _mkdir(p: pathlib.Path) -> pathlib.Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+    return finish(cache.verify_library(lib_dir), False)
 
 
 def _compile_all(compile_jobs: list[_Job], root: pathlib.Path, src_dir: pathlib.Path,
-                 jobs: int | None, say: Progress) -> list[pathlib.Path]:
+                 jobs: int | None, say: Progress, group: toolchain.ProcessGroup) -> list[pathlib.Path]:
+    """Compile in parallel, reporting each finished source and, every HEARTBEAT_SECONDS, which
+    are still compiling: a cold compile takes seconds to minutes and must not look hung."""
     n = len(compile_jobs)
     workers = max(1, min(jobs or os.cpu_count() or 1, n))
-    objects: dict[str, pathlib.Path] = {}
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        started = {pool.submit(_timed_compile, j, root, src_dir): j for j in compile_jobs}
-        for done, fut in enumerate(concurrent.futures.as_completed(started), 1):
-            job = started[fut]
-            obj, hit, seconds = fut.result()
-            objects[job.key] = obj
-            say(f"[{done}/{n}] {job.source.name}: " + ("cached" if hit else f"compiled in {seconds:.1f}s"))
+    objects: dict[str, pathlib.Path] = {}  # job key -> object
+    started: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def compile_one(job: _Job):
+        started[job.source.name] = time.perf_counter()
+        return _compile(job, root, src_dir, group)
+
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
+        pending = {pool.submit(compile_one, j): j for j in compile_jobs}
+        done_count = 0
+        while pending:
+            done, _ = concurrent.futures.wait(pending, timeout=HEARTBEAT_SECONDS,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            if not done:
+                running = [j.source.name for j in pending.values() if j.source.name in started]
+                say(f"still compiling {', '.join(running) or '...'} "
+                    f"({time.perf_counter() - t0:.0f}s elapsed)")
+            for fut in done:
+                job = pending.pop(fut)
+                obj, hit = fut.result()
+                objects[job.key] = obj
+                done_count += 1
+                seconds = time.perf_counter() - started[job.source.name]
+                say(f"[{done_count}/{n}] {job.source.name}: "
+                    + ("cached" if hit else f"compiled in {seconds:.1f}s"))
+    except BaseException:
+        group.close()  # stop the compiles still running instead of waiting for them
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return [objects[j.key] for j in compile_jobs]
 
 
-def _timed_compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path):
-    t = time.perf_counter()
-    obj, hit = _compile(job, root, src_dir)
-    return obj, hit, time.perf_counter() - t
-
-
 def _export(lib: Library, out: pathlib.Path) -> Library:
+    """Copy the library and its manifest into `out` (files get the umask's modes: a library
+    shipped to another user stays readable)."""
     out.mkdir(parents=True, exist_ok=True)
     for src, name in ((lib.path, lib.path.name), (lib.manifest_path, MANIFEST)):
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-")
-        os.close(fd)
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, out / name)
+        tmp = cache.temp_path(out, "export")
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, out / name)
+        finally:
+            tmp.unlink(missing_ok=True)
     return dataclasses.replace(lib, path=out / lib.path.name, manifest_path=out / MANIFEST)

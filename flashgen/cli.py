@@ -6,6 +6,8 @@ Errors print as one line on stderr: exit 2 for usage, 1 for failures;
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from flashgen.errors import FlashgenError, UsageError
@@ -22,6 +24,16 @@ def _csv_ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _csv(text: str) -> list[str]:
@@ -44,8 +56,9 @@ def cmd_build(args) -> int:
     target, why = resolve_target(args.target)
     specs = [KernelSpec(d, t, c, target) for d in args.hdim for t in args.dtype for c in _causal_values(args)]
     print(f"target: {target} ({why})", file=sys.stderr)
-    progress = (lambda m: print(m, file=sys.stderr)) if len(specs) > 1 or args.verbose else None
-    lib = build(specs, out=args.out, jobs=args.jobs, host=args.host, progress=progress)
+    if args.verbose:
+        logging.getLogger("flashgen").setLevel(logging.DEBUG)
+    lib = build(specs, out=args.out, jobs=args.jobs, host=args.host)
     print(lib.path)
     print(f"manifest: {lib.manifest_path}", file=sys.stderr)
     for s in specs:
@@ -78,6 +91,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="flashgen", description="FlashAttention kernels generated per spec, "
                                              "called from StableHLO.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     b = sub.add_parser("build", help="render and compile kernels into a cached shared library")
@@ -89,11 +103,11 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="auto", choices=["auto", *TARGETS],
                    help="auto: the local GPU's arch, else cpu")
     b.add_argument("--out", help="also copy the library and manifest.json into this directory")
-    b.add_argument("-j", "--jobs", type=int, help="parallel compiles (default: CPU count)")
+    b.add_argument("-j", "--jobs", type=_positive_int, help="parallel compiles (default: CPU count)")
     b.add_argument("--for", dest="host", choices=["python", "exla", "c"], default="python",
                    help="python: pybind11 face for JAX (default); exla: static handler registration "
                         "on load (EXLA.NIF.load_dylib), no Python; c: plain C symbols only")
-    b.add_argument("-v", "--verbose", action="store_true")
+    b.add_argument("-v", "--verbose", action="store_true", help="also report cache hits")
     b.set_defaults(func=cmd_build)
 
     e = sub.add_parser("emit", help="print the stablehlo.custom_call (or a whole module) for a spec")
@@ -134,7 +148,7 @@ def make_parser() -> argparse.ArgumentParser:
 def _plugin_modules():
     """Subcommands that live beside their subsystem (rewrite/run, bench)."""
     import importlib
-    for name in ("flashgen.cli_rewrite", "flashgen.bench"):
+    for name in ("flashgen.cli_rewrite", "flashgen.cli_cache", "flashgen.bench"):
         try:
             yield importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -142,8 +156,31 @@ def _plugin_modules():
                 raise
 
 
+def _version() -> str:
+    from importlib import metadata
+    from flashgen import __version__
+    try:
+        jax = f"jax {metadata.version('jax')}, jaxlib {metadata.version('jaxlib')}"
+    except metadata.PackageNotFoundError:
+        jax = "jax not installed"
+    return f"flashgen {__version__} ({jax}, Python {sys.version.split()[0]})"
+
+
+def _quiet_runtime_logs() -> None:
+    """XLA prints INFO lines (device counts) on every start; a user who wants them sets
+    TF_CPP_MIN_LOG_LEVEL=0. Progress of flashgen's own builds goes to stderr."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("flashgen: %(message)s"))
+    logger = logging.getLogger("flashgen")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _quiet_runtime_logs()
     debug = "--debug" in argv
     try:
         args = make_parser().parse_args(argv)

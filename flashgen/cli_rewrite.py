@@ -62,6 +62,10 @@ def register(subparsers) -> None:
     u.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
                    help="where to run (default cpu)")
     u.add_argument("--seed", type=int, default=0, help="seed for random inputs without --inputs")
+    u.add_argument("--library", metavar="DIR",
+                   help="take the flashgen kernels from this built library (a directory with "
+                        "manifest.json, e.g. from flashgen build --out or rewrite --build) "
+                        "instead of building them: no compiler needed")
     u.set_defaults(func=cmd_run)
 
 
@@ -181,7 +185,7 @@ def cmd_run(args) -> int:
         inputs = execute.load_npz(args.inputs, params)
     else:
         inputs = execute.random_inputs(params, args.seed)
-    outputs = execute.run(loaded, inputs, platform=args.platform)
+    outputs = execute.run(loaded, inputs, platform=args.platform, library=args.library)
     if out:
         out.write(execute.npz_bytes(outputs))
     for i, a in enumerate(outputs):

@@ -140,6 +140,22 @@ def register_targets(source, platform: str = "cpu") -> list:
     return specs
 
 
+def register_library(source, library, platform: str = "cpu") -> list[str]:
+    """Register a shipped library (its directory, manifest or .so) and check that it provides
+    every flashgen target the module calls: a host that runs prebuilt kernels needs no compiler."""
+    from flashgen import runtime
+    names = runtime.load(library)
+    lib_platform = runtime.library_platform(library)
+    if lib_platform != platform:
+        raise UsageError(f"the library {library} was built for {lib_platform}, not {platform}")
+    missing = sorted(set(flashgen_targets(source)) - set(names))
+    if missing:
+        raise LoadError(f"the library {library} does not provide {', '.join(missing)} "
+                        f"(it has {', '.join(sorted(set(names))) or 'no targets'}); build the "
+                        f"module's kernels into it (flashgen rewrite --build DIR)")
+    return names
+
+
 def coerce_inputs(arrays: Sequence[np.ndarray], params: Sequence[TensorType]) -> list[np.ndarray]:
     """Check count and shapes; reinterpret 2-byte bf16 carriers; cast within a kind."""
     if len(arrays) != len(params):
@@ -163,8 +179,11 @@ def coerce_inputs(arrays: Sequence[np.ndarray], params: Sequence[TensorType]) ->
 
 
 def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
-        register: bool = True) -> list[np.ndarray]:
-    """Execute @main on ``inputs``; returns numpy outputs in @main's result order."""
+        register: bool = True, library=None) -> list[np.ndarray]:
+    """Execute @main on ``inputs``; returns numpy outputs in @main's result order.
+
+    The flashgen kernels the module calls come from ``library`` (a built library's directory,
+    manifest or .so; no compiler needed) or else are built through the cache (``register``)."""
     import jax
     if platform not in PLATFORMS:
         raise UsageError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
@@ -175,7 +194,9 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
         device = jax.devices(platform)[0]
     except RuntimeError:
         raise FlashgenError(f"no {platform} device is available to JAX") from None
-    if register:
+    if library is not None:
+        register_library(loaded, library, platform)
+    elif register:
         register_targets(loaded, platform)
     exp = _exported(loaded, params, results, platform)
     full = _full_inputs(exp, arrays)

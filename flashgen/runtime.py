@@ -1,18 +1,20 @@
 """Load built libraries and register their handlers with JAX.
 
 A library is found by its .so, its manifest.json or the directory holding
-both. Registration goes through the library's pybind11 face: each handler
-arrives as a PyCapsule for jax.ffi.register_ffi_target.
+both, and is verified against the manifest's records before it is loaded.
+Registration goes through the library's pybind11 face: each handler arrives
+as a PyCapsule for jax.ffi.register_ffi_target.
 """
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import json
 import pathlib
 import threading
 
-from flashgen.build import MANIFEST, build
+from flashgen import cache
+from flashgen.build import build
+from flashgen.cache import MANIFEST
 from flashgen.errors import LoadError
 from flashgen.spec import DIRECTIONS, KernelSpec
 
@@ -22,21 +24,24 @@ _loaded_modules: dict[str, object] = {}
 
 
 def _resolve(path: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """The library and its manifest, both verified against the manifest's records: a file that
+    is truncated or altered must never reach dlopen (it crashes the process, or worse)."""
     p = pathlib.Path(path)
-    if p.is_dir():
-        p = p / MANIFEST
     if not p.exists():
         raise LoadError(f"no such library or manifest: {path}")
-    if p.suffix == ".json":
-        try:
-            manifest = json.loads(p.read_text())
-            lib = p.parent / manifest["flashgen_library"]
-        except (ValueError, KeyError) as e:
-            raise LoadError(f"{p} is not a flashgen manifest: {e}") from e
-        return lib, manifest
-    manifest_path = p.parent / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    return p, manifest
+    directory = p if p.is_dir() else p.parent
+    if not (directory / MANIFEST).exists():
+        raise LoadError(f"no {MANIFEST} beside {p}: flashgen loads only libraries it can verify "
+                        f"(ship the library with its manifest, e.g. flashgen build --out DIR)")
+    try:
+        manifest = cache.verify_library(directory)
+    except cache.CorruptEntry as e:
+        raise LoadError(f"refusing to load the library in {directory}: {e}; rebuild it or copy "
+                        f"it again") from None
+    lib = directory / manifest["flashgen_library"]
+    if p.is_file() and p.suffix != ".json" and p.resolve() != lib.resolve():
+        raise LoadError(f"{p} is not the library its {MANIFEST} describes ({lib.name})")
+    return lib, manifest
 
 
 def _python_face(lib: pathlib.Path):
@@ -60,7 +65,7 @@ def load(path: str | pathlib.Path) -> list[str]:
     import jax
 
     lib, manifest = _resolve(path)
-    if manifest and not manifest.get("python_face", True):
+    if not manifest.get("python_face"):
         raise LoadError(f"{lib} was built without its Python face (e.g. for EXLA); rebuild for Python")
     module = _python_face(lib)
     names = []
@@ -71,6 +76,11 @@ def load(path: str | pathlib.Path) -> list[str]:
                 _registered[(name, platform)] = str(lib)
             names.append(name)
     return names
+
+
+def library_platform(path: str | pathlib.Path) -> str:
+    """The JAX platform ("cpu", "cuda") a built library's handlers run on."""
+    return _resolve(path)[1]["platform"]
 
 
 def ensure(specs: list[KernelSpec]) -> None:

@@ -7,10 +7,12 @@ key and the manifest can record it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,38 +28,84 @@ CUDA_ARCH_FLAGS = {
 }
 
 
-def _which(env_var: str, names: tuple[str, ...], extra: tuple[str, ...] = ()) -> str | None:
-    explicit = os.environ.get(env_var)
-    if explicit:
-        found = shutil.which(explicit)
-        if not found:
-            raise BuildError(f"{env_var}={explicit!r} is not an executable")
-        return found
-    for name in names:
-        found = shutil.which(name)
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """A compiler as CXX/NVCC name it: launchers (ccache, sccache, distcc), which run the compiler
+    and change nothing it produces, then the compiler, then options that were part of the setting."""
+    launcher: tuple[str, ...]
+    exe: str                     # the compiler itself, resolved on PATH
+    options: tuple[str, ...]
+
+    @property
+    def command(self) -> list[str]:
+        return [*self.launcher, self.exe, *self.options]
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.exe)
+
+
+_COMPILERS = {
+    # kind: env var, names looked up on PATH, fallback paths, what to say when none is found
+    "cxx": ("CXX", ("c++", "g++", "clang++"), (),
+            "no C++ compiler found: install g++ (or clang++) or set CXX"),
+    "nvcc": ("NVCC", ("nvcc",), ("/usr/local/cuda/bin/nvcc",),
+             "nvcc not found: install the CUDA toolkit, put nvcc on PATH or set NVCC "
+             "(or build for --target cpu)"),
+}
+
+
+def requested(kind: str) -> str:
+    """The "cxx"/"nvcc" compiler the environment asks for, without looking for it: what the cache
+    keys on, so that finding a cached library needs no compiler. An unset variable counts as the
+    conventional name (c++, nvcc). A launcher is left out (it changes nothing in the output); so
+    is the version (an upgraded compiler does not invalidate what the old one built; the manifest
+    records which compiler built it)."""
+    env_var, names, _, _ = _COMPILERS[kind]
+    words = _words(env_var) or [names[0]]
+    return shlex.join(words[_compiler_index(words):])
+
+
+def _compiler_index(words: list[str]) -> int:
+    # The compiler is the last word before the first option; words before it are launchers:
+    # "ccache g++", "g++ -m64", "env CCACHE_DIR=/x ccache clang++ -I /opt/inc".
+    first_option = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))
+    return max(first_option - 1, 0)
+
+
+def _words(env_var: str) -> list[str]:
+    try:
+        return shlex.split(os.environ.get(env_var, ""))
+    except ValueError as e:
+        raise BuildError(f"{env_var}={os.environ[env_var]!r} cannot be parsed: {e}") from None
+
+
+@functools.cache
+def compiler(kind: str) -> Compiler:
+    """The "cxx" or "nvcc" compiler with its launcher; BuildError when there is none."""
+    env_var, names, extra, missing = _COMPILERS[kind]
+    words = _words(env_var)
+    if words:
+        i = _compiler_index(words)
+        launcher, exe, options = words[:i], words[i], words[i + 1:]
+        for w in ([launcher[0]] if launcher else []) + [exe]:
+            if not shutil.which(w):
+                what = "" if len(words) == 1 else f": {w!r}"
+                raise BuildError(f"{env_var}={os.environ[env_var]!r}{what} is not an executable")
+        return Compiler(tuple(launcher), shutil.which(exe), tuple(options))
+    for found in [shutil.which(n) for n in names] + [p for p in extra if os.access(p, os.X_OK)]:
         if found:
-            return found
-    for path in extra:
-        if os.access(path, os.X_OK):
-            return path
-    return None
+            return Compiler((), found, ())
+    raise BuildError(missing)
 
 
-@functools.cache
 def cxx() -> str:
-    found = _which("CXX", ("c++", "g++", "clang++"))
-    if not found:
-        raise BuildError("no C++ compiler found: install g++ (or clang++) or set CXX")
-    return found
+    """The C++ compiler's executable (for tools run directly, without a launcher)."""
+    return compiler("cxx").exe
 
 
-@functools.cache
 def nvcc() -> str:
-    found = _which("NVCC", ("nvcc",), ("/usr/local/cuda/bin/nvcc",))
-    if not found:
-        raise BuildError("nvcc not found: install the CUDA toolkit, put nvcc on PATH or set NVCC "
-                         "(or build for --target cpu)")
-    return found
+    return compiler("nvcc").exe
 
 
 @functools.cache
@@ -137,13 +185,44 @@ def python_identity() -> str:
     return f"cpython-{sys.version_info.major}.{sys.version_info.minor}/pybind11-{pybind11.__version__}"
 
 
-def run(cmd: list[str], what: str) -> None:
-    """Run a compiler; on failure raise BuildError carrying the compiler's own message."""
+class ProcessGroup:
+    """A process group for compiler children that dies with this process.
+
+    Its leader is a watchdog blocked reading a pipe from us. However we end -- kill -9
+    included -- the pipe closes and the watchdog kills the whole group: compiler drivers and
+    what they spawn (cc1plus, as, cicc, ptxas). close() does the same on purpose, so a failed
+    or interrupted build stops the compiles still running.
+    """
+    _WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(0, signal.SIGKILL)"
+
+    def __init__(self):
+        self._leader = subprocess.Popen([sys.executable, "-c", self._WATCHDOG],
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, process_group=0)
+        self.pgid = self._leader.pid
+
+    def close(self) -> None:
+        self._leader.stdin.close()
+        self._leader.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run(cmd: list[str], what: str, group: ProcessGroup | None = None) -> None:
+    """Run a compiler (in `group` if given); on failure raise BuildError carrying the
+    compiler's own message."""
+    extra = {"process_group": group.pgid} if group else {}
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, **extra)
     except OSError as e:
         raise BuildError(f"{what}: cannot run {cmd[0]}: {e}") from e
     if out.returncode != 0:
+        if out.returncode < 0:
+            raise BuildError(f"{what}: the compiler was stopped by signal {-out.returncode}")
         msg = (out.stderr or out.stdout).strip().splitlines()
         tail = "\n".join(msg[-40:])
         raise BuildError(f"{what} failed (exit {out.returncode}):\n{tail}")

@@ -7,6 +7,7 @@ import sys
 import time
 
 
+import flashgen
 from flashgen import KernelSpec, build
 
 SPEC = KernelSpec(32, "f32", False, "cpu")
@@ -57,9 +58,9 @@ def test_concurrent_builds_compile_once(fresh_cache):
     assert len(paths) == 1
     libs = [d for d in (fresh_cache / "libs").iterdir()]
     assert len(libs) == 1 and not libs[0].name.startswith(".tmp")  # no half-written entries left
-    objs = list((fresh_cache / "objects").iterdir())
-    assert all(o.suffix == ".o" for o in objs)  # no temporaries
-    assert len(objs) == 3  # spec, library table, python face: each compiled exactly once
+    objs = sorted(p.name for p in (fresh_cache / "objects").iterdir())
+    assert all(n.endswith((".o", ".json")) and not n.startswith(".") for n in objs)  # no temporaries
+    assert len(objs) == 6  # spec, library table, python face: each compiled exactly once (+ record)
 
 
 def test_missing_compiler_is_one_clear_error(fresh_cache, monkeypatch):
@@ -92,8 +93,31 @@ def test_cli_usage_errors_exit_2_without_traceback():
     assert "unsupported head_dim 48" in r.stderr
 
 
+def test_jobs_must_be_positive():
+    for jobs in ("0", "-3", "x"):
+        r = _cli("build", "--hdim", "32", "--dtype", "f32", "--target", "cpu", "-j", jobs)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert "-j/--jobs" in r.stderr
+
+
+def test_version():
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith(f"flashgen {flashgen.__version__} (jax ")
+
+
+def test_xla_info_lines_are_quiet(tmp_path):
+    mlir = tmp_path / "add.mlir"
+    mlir.write_text("func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {\n"
+                    "  %0 = stablehlo.add %a, %a : tensor<4xf32>\n  return %0 : tensor<4xf32>\n}\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    r = subprocess.run([sys.executable, "-m", "flashgen", "run", str(mlir)], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("out0: [4] f32"), r.stderr
+    assert not [l for l in r.stderr.splitlines() if l[:1] == "I" and l[1:5].isdigit()], r.stderr
+
+
 def test_every_subcommand_has_help():
-    for sub in ("build", "emit", "demo"):
+    for sub in ("build", "emit", "demo", "cache"):
         r = _cli(sub, "--help")
         assert r.returncode == 0 and "usage:" in r.stdout
 
