@@ -142,6 +142,7 @@ class SharedMemory:
         self.size = nbytes
         self.race_check = race_check
         self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes
+        self.in_flight = 0                                   # their number of copies
         self.epoch = 1
         if race_check:
             self.w_stamp = np.zeros(nbytes, np.int64)
@@ -164,6 +165,8 @@ class SharedMemory:
         return o[:, None] + np.arange(nbytes)
 
     def _check_pending(self, idx: np.ndarray, what: str) -> None:
+        if not self.in_flight:
+            return
         p = self.pending[idx]
         if p.any():
             x = int(idx[p > 0][0])
@@ -220,10 +223,12 @@ class SharedMemory:
         if self.race_check:
             self._race_write(idx, warp)
         self.pending[idx] += 1
+        self.in_flight += 1
         return idx
 
     def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int) -> None:
         self.pending[idx] -= 1
+        self.in_flight -= 1
         if self.race_check:
             self._race_write(idx, warp)   # the bytes land now: a write in the current epoch
         self.data[idx] = data

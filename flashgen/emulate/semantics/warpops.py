@@ -61,21 +61,14 @@ def ldmatrix_table(trans: bool):
     return np.broadcast_arrays(GROUP[:, None] + 0 * half, 2 * THREAD[:, None] + half)
 
 
-def _decoder(atype, nreg):
-    """u32 registers [32, nreg] -> their elements [32 * nreg * per_reg] as floats."""
-    if atype == "bf16":
-        def dec(bits):     # element 0 = low half; a bf16 is the top half of an f32
-            out = np.empty((32, nreg, 2), np.uint32)
-            out[..., 0] = bits << np.uint32(16)
-            out[..., 1] = bits & np.uint32(0xFFFF0000)
-            return out.view(np.float32).reshape(-1)
-    elif atype == "f16":
-        def dec(bits):
-            return bits.view(np.float16).reshape(-1)
-    else:
-        def dec(bits):     # tf32: the tensor core reads the top 19 bits of the f32 pattern
-            return (bits & np.uint32(0xFFFFE000)).view(np.float32).reshape(-1)
-    return dec
+def _to_float64(atype):
+    """Gathered fragment elements (u16 halves, or u32 for tf32) -> float64 values."""
+    if atype == "bf16":       # a bf16 is the top half of an f32
+        return lambda e: (e.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    if atype == "f16":
+        return lambda e: e.view(np.float16).astype(np.float64)
+    # tf32: the tensor core reads the top 19 bits of the f32 pattern
+    return lambda e: (e & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
 @handles("mma")
@@ -90,37 +83,41 @@ def mma(ins, ops):
     if atype != btype or atype not in ("f16", "bf16", "tf32"):
         raise unsupported(ins)
     k = int(shape.split("k")[1])
-    ar, ac = mma_a_table(k, atype)
-    br, bc = mma_b_table(k, btype)
-    cr, cc = mma_c_table()
+    D, A, B, C = (ops.vector(x) for x in ins.operands)
+    # Registers are gathered as rows [reg, lane] (u32), viewed as [reg, lane, half] elements; the
+    # tables are [lane, reg, half], so transpose them to that order before flattening.
+    ar, ac = (x.transpose(1, 0, 2) for x in mma_a_table(k, atype))
+    br, bc = (x.transpose(1, 0, 2) for x in mma_b_table(k, btype))
+    cr, cc = (x.T for x in mma_c_table())
     a_flat, b_flat, c_flat = (ar * k + ac).reshape(-1), (br * 8 + bc).reshape(-1), (cr * 8 + cc).reshape(-1)
     if np.unique(a_flat).size != 16 * k or np.unique(b_flat).size != 8 * k:
         raise EmulationError("fragment table does not cover the matrix")
-    # gathers: matrix element p comes from fragment element perm[p]
+    # matrix element p comes from fragment element perm[p]
     a_perm, b_perm, c_perm = np.argsort(a_flat), np.argsort(b_flat), np.argsort(c_flat)
-    D, A, B, C = (ops.vector(x) for x in ins.operands)
+    elem = np.uint16 if atype != "tf32" else np.uint32
     ra = [ops.read(x, "b32") for x in A]
     rb = [ops.read(x, "b32") for x in B]
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
-    dec_a, dec_b = _decoder(atype, len(A)), _decoder(btype, len(B))
-    abits, bbits, cvals = np.empty((32, len(A)), np.uint32), np.empty((32, len(B)), np.uint32), np.empty((32, 4), np.float32)
+    dec = _to_float64(atype)
+    abits, bbits = np.empty((len(A), 32), np.uint32), np.empty((len(B), 32), np.uint32)
+    cvals = np.empty((4, 32), np.float32)
 
     def run(w, m):
         require_full_warp(w, m, ins)
         for i, r in enumerate(ra):
-            abits[:, i] = r(w)
+            abits[i] = r(w)
         for i, r in enumerate(rb):
-            bbits[:, i] = r(w)
+            bbits[i] = r(w)
         for i, r in enumerate(rc):
-            cvals[:, i] = r(w)
-        a = dec_a(abits)[a_perm].reshape(16, k).astype(np.float64)
-        b = dec_b(bbits)[b_perm].reshape(k, 8).astype(np.float64)
+            cvals[i] = r(w)
+        a = dec(abits.view(elem).reshape(-1)[a_perm]).reshape(16, k)
+        b = dec(bbits.view(elem).reshape(-1)[b_perm]).reshape(k, 8)
         # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
-        d = (a @ b + cvals.reshape(-1)[c_perm].reshape(16, 8)).reshape(-1)[c_flat].astype(np.float32)
-        out = d.reshape(32, 4)
+        d = (a @ b).reshape(-1) + cvals.reshape(-1)[c_perm]
+        out = d[c_flat].astype(np.float32).reshape(4, 32)
         for i, wr in enumerate(wd):
-            wr(w, out[:, i], None)
+            wr(w, out[i], None)
     return run
 
 
@@ -137,13 +134,14 @@ def ldmatrix(ins, ops):
         raise unsupported(ins, "register count does not match .x")
     addr = ops.address(ins.operands[1])
     nrows = 8 * nmat
+    # b16 element (matrix j, lane, half) sits at j*64 + row*8 + col of the loaded rows
+    gather = (np.arange(nmat)[:, None, None] * 64 + rows[None] * 8 + cols[None]).reshape(-1)
 
     def run(w, m):
         require_full_warp(w, m, ins)
         # lane i supplies the address of row i % 8 of matrix i // 8
         raw = w.cta.smem.load(addr(w)[:nrows], 16, w.wid, "ldmatrix").view(np.uint16)   # [8*nmat, 8]
-        v = raw.reshape(nmat, 8, 8)[:, rows, cols]                                         # [nmat, 32, 2]
-        regs = np.ascontiguousarray(v).view(np.uint32).reshape(nmat, 32)
+        regs = raw.reshape(-1)[gather].view(np.uint32).reshape(nmat, 32)
         for j, wr in enumerate(dsts):
             wr(w, regs[j], None)
     return run
