@@ -322,6 +322,15 @@ def test_race_detector(micro, rng):
 
 
 @needs_nvcc
+def test_global_write_race_between_ctas(micro):
+    out = np.full(32, np.nan, np.float32)
+    with pytest.raises(EmulationError, match=r"global-memory race: CTA \d writes 0x[0-9a-f]+ .*'arg0'.*written by CTA \d"):
+        run(micro, "same_slot_store", [out], grid=(2, 1, 1))
+    run(micro, "same_slot_store", [out], grid=(1, 1, 1))
+    assert (out == 0).all()
+
+
+@needs_nvcc
 def test_random_schedule_is_seeded_and_exposes_missing_barriers(micro, rng):
     """Without the detector, the racy kernel's result depends on the warp order: different seeds
     must show different outcomes, the same seed the same one."""

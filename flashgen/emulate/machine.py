@@ -82,6 +82,7 @@ class Warp:
 class _Cta:
     def __init__(self, ctaid, grid, smem, gmem, params):
         self.ctaid, self.grid, self.smem, self.gmem, self.params = ctaid, grid, smem, gmem, params
+        self.index = ctaid[0] + grid[0] * (ctaid[1] + grid[1] * ctaid[2])   # linear CTA id
 
 
 def short_name(kernel_name: str) -> str:
@@ -333,10 +334,14 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
     blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     order = run.rng.permutation(len(blocks))      # blocks of a grid run in no defined order
     t0 = time.perf_counter()
-    with np.errstate(all="ignore"):               # inactive lanes compute on garbage
-        for i in order:
-            smem = SharedMemory(dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base), race_check)
-            run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf), nthreads, block)
+    memory.start_launch(track_writers=race_check)
+    try:
+        with np.errstate(all="ignore"):           # inactive lanes compute on garbage
+            for i in order:
+                smem = SharedMemory(dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base), race_check)
+                run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf), nthreads, block)
+    finally:
+        memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)
     for pc, n in enumerate(run.counts):
         if n:

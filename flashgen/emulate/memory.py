@@ -4,6 +4,10 @@ GlobalMemory: device memory *is* this process's memory. The host registers each 
 may touch (numpy arrays, the stub runtime's cudaMalloc); every global access must fall inside one
 registered range and be aligned to its width.
 
+Within one launch GlobalMemory can also track which CTA wrote each byte (start_launch): a plain
+write of a byte another CTA wrote or read-modified atomically, and a read of a byte another CTA
+wrote, are races (CTAs of a grid have no order); atomics may mix freely.
+
 SharedMemory: one CTA's shared memory, with the two checks the hardware does not do for us:
  - cp.async tracking: bytes an issued cp.async has not delivered (no wait_group yet) cannot be
    read or written;
@@ -22,7 +26,10 @@ from flashgen.emulate.errors import EmulationError
 
 
 class GlobalMemory:
+    ATOMIC = -2        # owner mark of bytes updated by atomics in this launch
+
     def __init__(self):
+        self._owners: dict[int, np.ndarray] | None = None     # range start -> writer CTA per byte
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
         self._starts_np = np.zeros(0, np.int64)
@@ -59,7 +66,7 @@ class GlobalMemory:
         return f"{where} {n!r} [{s:#x}, {e:#x}, {e - s} bytes)"
 
     def _locate(self, addrs: np.ndarray, nbytes: int, what: str):
-        """-> list of (view, byte offsets, lane selector or None)."""
+        """-> list of (view, byte offsets, lane selector or None, range start)."""
         if addrs.size == 0:
             return []
         a = addrs.astype(np.int64)
@@ -83,34 +90,75 @@ class GlobalMemory:
             if out.any():
                 x = int(aa[out][0])
                 raise EmulationError(f"out-of-bounds {what} of {nbytes} bytes at {x:#x} ({self.describe(x)})")
-            parts.append((view, off, sel))
+            parts.append((view, off, sel, s))
         return parts
 
-    def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load") -> np.ndarray:
+    # -- CTA ownership of bytes within one launch ----------------------------------------------
+    def start_launch(self, track_writers: bool) -> None:
+        self._owners = {} if track_writers else None
+
+    def end_launch(self) -> None:
+        self._owners = None
+
+    def _conflict(self, start, idx, cta, what, allow_atomic):
+        """Owner marks of `idx` in range `start`; raise if another CTA wrote them."""
+        owners = self._owners.get(start)
+        if owners is None:
+            return None
+        prev = owners[idx]
+        bad = (prev != -1) & (prev != cta)
+        if allow_atomic:
+            bad &= prev != self.ATOMIC
+        if bad.any():
+            pos = tuple(np.argwhere(bad)[0])
+            other = int(prev[pos])
+            how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
+            addr = start + int(idx[pos])
+            raise EmulationError(f"global-memory race: CTA {cta} {what} {addr:#x} ({self.describe(addr)}), "
+                                 f"{how} in the same launch")
+        return owners
+
+    def _mark(self, start, view, idx, owner):
+        owners = self._owners.get(start)
+        if owners is None:
+            owners = self._owners[start] = np.full(view.size, -1, np.int32)
+        owners[idx] = owner
+
+    def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load", cta: int | None = None) -> np.ndarray:
         """Bytes [len(addrs), nbytes] read at each address."""
         out = np.empty((addrs.size, nbytes), np.uint8)
         cols = np.arange(nbytes)
-        for view, off, sel in self._locate(addrs, nbytes, what):
-            data = view[off[:, None] + cols]
+        for view, off, sel, start in self._locate(addrs, nbytes, what):
+            idx = off[:, None] + cols
+            if self._owners is not None and cta is not None:
+                self._conflict(start, idx, cta, "reads", allow_atomic=False)
             if sel is None:
-                out[:] = data
+                out[:] = view[idx]
             else:
-                out[sel] = data
+                out[sel] = view[idx]
         return out
 
-    def store(self, addrs: np.ndarray, data: np.ndarray, what: str = "global store") -> None:
+    def store(self, addrs: np.ndarray, data: np.ndarray, what: str = "global store", cta: int | None = None) -> None:
         nbytes = data.shape[1]
         cols = np.arange(nbytes)
-        for view, off, sel in self._locate(addrs, nbytes, what):
-            view[off[:, None] + cols] = data if sel is None else data[sel]
+        for view, off, sel, start in self._locate(addrs, nbytes, what):
+            idx = off[:, None] + cols
+            if self._owners is not None and cta is not None:
+                self._conflict(start, idx, cta, "writes", allow_atomic=False)
+                self._mark(start, view, idx, cta)
+            view[idx] = data if sel is None else data[sel]
 
-    def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic") -> np.ndarray:
+    def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic",
+                   cta: int | None = None) -> np.ndarray:
         """Apply `values` one lane after another (lane order; duplicates accumulate); return old values."""
         dt = values.dtype
         n = dt.itemsize
         old = np.empty_like(values)
-        parts = self._locate(addrs, n, what)
-        for view, off, sel in parts:
+        for view, off, sel, start in self._locate(addrs, n, what):
+            if self._owners is not None and cta is not None:
+                idx = off[:, None] + np.arange(n)
+                self._conflict(start, idx, cta, "updates atomically", allow_atomic=True)
+                self._mark(start, view, idx, self.ATOMIC)
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
             vals = values if sel is None else values[sel]
@@ -138,7 +186,9 @@ class SharedMemory:
     MANY = 255
 
     def __init__(self, nbytes: int, race_check: bool):
-        self.data = np.zeros(nbytes, np.uint8)
+        # Shared memory starts as garbage on a GPU: 0xFF bytes (NaN floats) make reads of never
+        # written bytes visible in the results instead of reading convenient zeros.
+        self.data = np.full(nbytes, 0xFF, np.uint8)
         self.size = nbytes
         self.race_check = race_check
         self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes

@@ -136,3 +136,5 @@ extern "C" __global__ void spin(volatile int* flag) {
   while (*flag == 0) {
   }
 }
+// Every CTA writes the same elements: a write-write race between CTAs of one grid.
+extern "C" __global__ void same_slot_store(float* out) { out[threadIdx.x] = static_cast<float>(blockIdx.x); }

@@ -60,7 +60,7 @@ def load(ins, ops):
             return params[a[:, None] + np.arange(nbytes)]
     elif space == "global":
         def fetch(w, m):
-            return w.cta.gmem.load(addr(w)[_lanes(m)], nbytes)
+            return w.cta.gmem.load(addr(w)[_lanes(m)], nbytes, cta=w.cta.index)
     else:
         def fetch(w, m):
             return w.cta.smem.load(addr(w)[_lanes(m)], nbytes, w.wid)
@@ -94,7 +94,7 @@ def store(ins, ops):
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
         a = addr(w)[lanes]
         if space == "global":
-            w.cta.gmem.store(a, raw)
+            w.cta.gmem.store(a, raw, cta=w.cta.index)
         else:
             w.cta.smem.store(a, raw, w.wid)
     return run
@@ -128,7 +128,7 @@ def atomic(ins, ops):
         # a vector atomic is one atomic per element (PTX ISA: .v2/.v4 add element-wise)
         addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
         vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
-        old = w.cta.gmem.atomic_add(addrs, vals)
+        old = w.cta.gmem.atomic_add(addrs, vals, cta=w.cta.index)
         if writers:
             full = np.zeros((32, nvec), dt)
             full[lanes] = old.reshape(-1, nvec)
@@ -182,7 +182,7 @@ def cp_async(ins, ops):
         # the source is read now (nothing writes it during a kernel); bytes past src-size are zero
         full = k == n
         if full.any():
-            data[full] = w.cta.gmem.load(s[full], n, "cp.async source")
+            data[full] = w.cta.gmem.load(s[full], n, "cp.async source", cta=w.cta.index)
         part = (k > 0) & ~full
         for i in np.nonzero(part)[0]:
             data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]))
@@ -192,4 +192,5 @@ def cp_async(ins, ops):
 
 
 def _load_bytes(w, address: int, k: int) -> np.ndarray:
-    return w.cta.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source")[:, 0]
+    return w.cta.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source",
+                           cta=w.cta.index)[:, 0]
