@@ -16,6 +16,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func, stablehlo
 
 from flashgen.mlir_context import new_context
+from flashgen.sharding_rule import context_has_sdy, sharding_rule_attr
 from flashgen.spec import (EXTRAS, PACKED_EXTRAS, KernelSpec, normalize_dtype, normalize_extras,
                            normalize_softcap, normalize_window)
 
@@ -203,7 +204,8 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     loaded; `ip`/`loc` default to the current insertion point and location.
     With `sharding_rule` (and the sdy dialect in the context) the op carries
     an `sdy.sharding_rule` so SPMD partitioning splits it over batch and heads
-    (flashgen/jax/sharding.py); it changes nothing on one device.
+    (flashgen/sharding_rule.py; flashgen/jax/sharding.py partitions it); it
+    changes nothing on one device.
     """
     types = result_types(spec, direction, operands, extras, dbias)
     attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap, extras,
@@ -220,7 +222,6 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
             types, operands, name, backend_config=attrs,
             api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4), loc=loc, ip=ip)
     if sharding_rule:
-        from flashgen.jax.sharding import context_has_sdy, sharding_rule_attr
         if context_has_sdy(op.context):
             op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
                 direction, [list(x.type.shape) for x in operands], normalize_extras(extras), dbias)

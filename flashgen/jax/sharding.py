@@ -3,14 +3,9 @@
 Three pieces, one contract — batch and heads are parallel, sequence and
 head_dim stay whole on every device:
 
-* ``sharding_rule_attr``: the Shardy ``#sdy.op_sharding_rule`` put on every
-  flashgen custom call (by ``flash_attention`` and by
-  ``flashgen.emit.emit_custom_call``). Factors: b (batch), s (Sq), t (Sk),
-  g (kv heads), h (q heads per kv head, Hq = Hkv·G, q heads = the compound
-  ``(g h)``), d (head_dim). s, t, d and h are *need-replication* factors, so
-  propagation only ever shards b and g: q/k/v/o/lse (and dO/dQ/dK/dV) share
-  them, and kv heads travel with their q-head groups. (MQA, Hkv = 1: the q
-  heads are all h, so only the batch is split.)
+* the Shardy ``#sdy.op_sharding_rule`` put on every flashgen custom call (by
+  ``flash_attention`` here and by ``flashgen.emit.emit_custom_call``): pure IR,
+  so it lives below both, in ``flashgen.sharding_rule``.
 * XLA custom-call partitioners registered for every flashgen target name
   (``register_partitioners``, done on import): the SPMD partitioner asks them
   how to split a call; they keep batch and head tiling, replicate whatever
@@ -41,110 +36,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir as jax_mlir
 from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import sdy
 
+from flashgen.emit import emit_custom_call
+from flashgen.sharding_rule import sharding_rule_attr
 from flashgen.spec import (DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, extra_operand_index,
                            normalize_extras, parse_target_name, target_name)
 
 BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
-
-
-# --------------------------------------------------------------------------------------
-# The Shardy rule (MLIR attributes only; flashgen.emit uses it too).
-
-def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
-    """Factor names per operand and result, and the factor sizes. A tuple is a compound
-    dimension (major first); a broadcast (size-1) dimension gets a factor of its own, u0, u1..."""
-    q_shape, kv_shape = shapes[0], shapes[1]
-    heads, kv_heads = int(q_shape[-2]), int(kv_shape[-2])
-    if kv_heads <= 0 or heads % kv_heads:
-        raise ValueError(f"kv heads ({kv_heads}) must divide q heads ({heads})")
-    # Shardy refuses size-1 factors inside a compound dimension: MQA's q heads are all h.
-    qh = ("g",) if heads == kv_heads else ("h",) if kv_heads == 1 else ("g", "h")
-    sizes = {"g": kv_heads, "h": heads // kv_heads, "d": int(q_shape[-1])}
-    if direction in ("fwd_varlen", "bwd_varlen"):
-        # Packed tokens: only heads are parallel (a token's sequence is data, cu_seqlens).
-        nfixed = 5 if direction == "fwd_varlen" else 8
-        sizes.update(s=int(q_shape[0]), t=int(kv_shape[0]), c=int(shapes[nfixed - 1][0]))
-        q, kv, lse, cu = ("s", qh, "d"), ("t", "g", "d"), (qh, "s"), ("c",)
-        if len(shapes) > nfixed:  # ALiBi slopes [Hq] or [B, Hq]: B (= c - 1) stays whole
-            sizes["e"] = int(shapes[nfixed][0])
-            alibi = [(qh,) if len(shapes[nfixed]) == 1 else ("e", qh)]
-        else:
-            alibi = []
-        if direction == "fwd_varlen":
-            return [q, kv, kv, cu, cu, *alibi], [q, lse], sizes
-        return [q, kv, kv, q, lse, q, cu, cu, *alibi], [q, kv, kv], sizes
-    b, sq = int(q_shape[0]), int(q_shape[1])
-    sizes.update(b=b, s=sq)
-    q, lse = ("b", "s", qh, "d"), ("b", qh, "s")
-    if direction == "fwd_paged":
-        # Cache blocks are addressed by global ids in block_table: the caches stay whole
-        # along blocks; batch and kv heads are parallel.
-        sizes.update(n=int(kv_shape[0]), p=int(kv_shape[1]), m=int(shapes[3][1]))
-        cache = ("n", "p", "g", "d")
-        alibi = [((qh,) if len(shapes[5]) == 1 else ("b", qh))] if len(shapes) > 5 else []
-        return [q, cache, cache, ("b", "m"), ("b",), *alibi], [q, lse], sizes
-    sizes["t"] = int(kv_shape[1])
-    kv = ("b", "t", "g", "d")
-    fixed = [q, kv, kv] if direction == "fwd" else [q, kv, kv, q, lse, q]
-    extra, dbias = [], []
-    it = iter(shapes[len(fixed):])
-    for e in extras:
-        if e == "alibi":
-            extra.append((qh,) if len(next(it)) == 1 else ("b", qh))
-        elif e in ("bias", "mask"):
-            bb, hh = next(it)[:2]
-            units = [f"u{len(sizes) + i}" for i in range(2)]
-            sizes.update({u: 1 for u in units})
-            m = ("b" if bb != 1 or b == 1 else units[0], qh if hh != 1 or heads == 1 else units[1],
-                 "s", "t")
-            extra.append(m)
-            if e == "bias":
-                dbias = [m]
-        else:
-            next(it), next(it)
-            extra += [("b", "s"), ("b", "t")]
-    if direction == "fwd":
-        return fixed + extra, [q, lse], sizes
-    if direction == "bwd":
-        return fixed + extra, [q, kv, kv] + (dbias if with_dbias else []), sizes
-    raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-
-
-def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = True) -> ir.Attribute:
-    """The ``#sdy.op_sharding_rule`` of one flashgen call (inside an MLIR context with sdy);
-    `shapes` are the operands' shapes, in call order; `with_dbias`: a backward with a bias
-    returns dbias."""
-    operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras,
-                                              with_dbias)
-    order = ("b", "s", "g", "h", "d", "t", "c", "e", "n", "p", "m") + tuple(
-        sorted(f for f in sizes if f.startswith("u")))
-    used = [f for f in order
-            if any(f in (dim if isinstance(dim, tuple) else (dim,))
-                   for m in operands + results for dim in m)]
-    index = {f: i for i, f in enumerate(used)}
-
-    def tensor(mapping):
-        dims = [sdy.DimMappingAttr.get(factor_indices=[index[f] for f in
-                                                      (dim if isinstance(dim, tuple) else (dim,))])
-                for dim in mapping]
-        return sdy.TensorMappingAttr.get(dim_mappings=dims)
-
-    return sdy.OpShardingRuleAttr.get(
-        factor_sizes=[sizes[f] for f in used],
-        operand_mappings=[tensor(m) for m in operands],
-        result_mappings=[tensor(m) for m in results],
-        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h", "c", "e", "n", "p", "m")
-                                        if f in index),
-        is_custom=True)
-
-
-def context_has_sdy(context: ir.Context | None = None) -> bool:
-    """Whether the (current) MLIR context has the sdy dialect (building its attributes
-    in a context without it crashes the process, so callers check first)."""
-    ctx = context or ir.Context.current
-    return bool(ctx.is_registered_operation("sdy.manual_computation"))
 
 
 # --------------------------------------------------------------------------------------
@@ -234,7 +132,6 @@ def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, scal
                   extra=None) -> bytes:
     """A module whose @main is the same flashgen call on per-device shapes."""
     from jaxlib.mlir.dialects import func
-    from flashgen.emit import emit_custom_call
     from flashgen.mlir_context import new_context
     with new_context(), ir.Location.unknown():
         module = ir.Module.create()
