@@ -1,6 +1,6 @@
 """`flashgen bench --variants`: packed variable-length batches and paged-KV decode, in tokens/s.
 
-Rows, each timed in one process on the same inputs (bench.time_call; medians):
+Rows, each timed in one process on the same inputs (bench_common.time_call; medians):
 
 varlen (forward, and forward+backward): B sequences of random lengths
 (mean --varlen-mean, total about --batch-tokens real tokens), packed:
@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from flashgen.bench import environment, time_call
+from flashgen.bench_common import environment, time_call
 
 
 def _jnp_dtype(name):

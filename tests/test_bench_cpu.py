@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from flashgen import bench
+from flashgen import bench_cpu
 from flashgen.cli import main
 
 
@@ -19,7 +19,7 @@ def doc(tmp_path_factory):
 
 def test_records_every_impl_and_direction(doc):
     got = {(r["impl"], r["direction"]): r for r in doc["results"]}
-    want = [(i, "fwd") for i in bench.CPU_FWD_IMPLS] + [(i, "fwd_bwd") for i in bench.CPU_BWD_IMPLS]
+    want = [(i, "fwd") for i in bench_cpu.CPU_FWD_IMPLS] + [(i, "fwd_bwd") for i in bench_cpu.CPU_BWD_IMPLS]
     assert sorted(got) == sorted(want)
     for (impl, direction), r in got.items():
         assert r.get("error") is None, r
@@ -44,13 +44,13 @@ def test_environment_and_table(doc):
 
 
 def test_fma_peak_probe():
-    peak = bench.fma_peak([1])
+    peak = bench_cpu.fma_peak([1])
     assert "error" not in peak, peak
     assert peak["1"]["gflops"] > 1.0 and peak["1"]["vector_bits"] in (128, 256, 512)
 
 
 def test_kernel_scratch_is_small():
     # S=4096, H=8, D=64: the kernels' own memory is a few per-thread blocks, O(S) in the backward.
-    fwd = bench.kernel_scratch_bytes("fwd", 64, "f32", 1, 8, 8, 4096, 4096, 2)
-    bwd = bench.kernel_scratch_bytes("fwd_bwd", 64, "bf16", 1, 8, 8, 4096, 4096, 2)
+    fwd = bench_cpu.kernel_scratch_bytes("fwd", 64, "f32", 1, 8, 8, 4096, 4096, 2)
+    bwd = bench_cpu.kernel_scratch_bytes("fwd_bwd", 64, "bf16", 1, 8, 8, 4096, 4096, 2)
     assert fwd < 1 << 20 and bwd < 16 << 20
