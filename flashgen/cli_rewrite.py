@@ -90,7 +90,8 @@ def cmd_rewrite(args) -> int:
                          "module has no calling convention to export)")
 
     if args.verify and result.changed:
-        report.verified = _verify(result, args.seed)
+        from flashgen.rewrite.verify import verify
+        report.verified = verify(result, args.seed)
         bad = [row for row in report.verified["outputs"] if not row["ok"]]
         if bad:
             _write_report(report_file, report)
@@ -137,34 +138,6 @@ def _encode(result, fmt: str) -> bytes:
             result.module.operation.write_bytecode(out)
             return out.getvalue()
         return modules.serialize_artifact(result.module, loaded.version)
-
-
-def _verify(result, seed: int) -> dict:
-    from flashgen import execute
-    from flashgen.rewrite import modules
-    original = modules.load(result.loaded.data)
-    rewritten = modules.load(result.to_bytes())
-    params, _ = execute.signature(original)
-    inputs = _mixed_masks(execute.random_inputs(params, seed))
-    ref = execute.run(original, inputs, register=False)
-    got = execute.run(rewritten, inputs)
-    order = {"bf16": 0, "f16": 1, "f32": 2}
-    dtype = min((s.dtype for s in result.rewritten), key=order.get, default=None)
-    return {"seed": seed, "outputs": execute.compare(ref, got, dtype)}
-
-
-def _mixed_masks(inputs):
-    """Random boolean inputs with a True and a False in every row of the last axis: a mask
-    argument then leaves every query some visible key whichever value means "visible" (a row
-    that sees no key is where a rewritten mask gives 0 and the program the mean of V or NaN,
-    by design: README "Variants")."""
-    out = []
-    for x in inputs:
-        if x.dtype == bool and x.ndim and x.shape[-1] >= 2:
-            x = x.copy()
-            x[..., 0], x[..., 1] = True, False
-        out.append(x)
-    return out
 
 
 def _write_report(report_file, report) -> None:

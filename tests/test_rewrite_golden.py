@@ -15,7 +15,7 @@ import pytest
 
 import flashgen.rewrite as fr
 from flashgen import execute
-from flashgen.rewrite import modules
+from flashgen.rewrite import modules, verify
 from flashgen.rewrite.report import AttentionSite
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -102,26 +102,16 @@ def kernels():
     return specs
 
 
-def _with_visible_keys(inputs):
-    """Random boolean masks with a True and a False in every row: a query row that sees no
-    key is where the kernel (o = 0) and a program with a finite fill (the mean of V) differ
-    by design (README "Variants"), so the random inputs avoid it, whichever value of the mask
-    means "visible" (`flashgen rewrite --verify` draws its inputs the same way)."""
-    from flashgen.cli_rewrite import _mixed_masks
-    return _mixed_masks(inputs)
-
-
 @pytest.mark.parametrize("name", NUMERIC)
 def test_golden_numerics(name, kernels):
     original = modules.load(GOLDEN / CASES[name]["file"])
     result = _rewrite(name)
     rewritten = modules.load(result.to_bytes())
-    params, _ = execute.signature(original)
-    inputs = _with_visible_keys(execute.random_inputs(params, seed=1))
+    # masks get rows of every kind, fully masked ones included (flashgen.rewrite.verify)
+    inputs = verify.inputs_for(original, seed=1)
     ref = execute.run(original, inputs, register=False)
     got = execute.run(rewritten, inputs)
-    dtype = min((s.dtype for s in result.rewritten), key={"bf16": 0, "f16": 1, "f32": 2}.get)
-    rows = execute.compare(ref, got, dtype)
+    rows = verify.compare(ref, got, result.rewritten)
     assert all(r["ok"] for r in rows), rows
 
 

@@ -83,6 +83,9 @@ class MatchState:
         self.matched: list = []
         self.notes: list = []
         self.guards: list = []         # row-wise predicates of fully-masked-row guards
+        self.fills: list = []          # (how 'select'|'add', fill, dtype) per masking step
+        self.add_dtype = None          # element type of the add/subtract being analysed
+        self.max_subtracted = True     # the softmax subtracts a row max before exp
         self.probs_layout = None       # the probabilities' layout at the P·V product
         self.tanh = False              # the scores went through tanh (a softcap's first half)
         self.softcap = 0.0             # the cap c multiplied onto tanh (0: no softcap)

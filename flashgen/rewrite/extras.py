@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 from jaxlib.mlir import ir
 
-from flashgen.rewrite import adapters
+from flashgen.rewrite import adapters, empty_rows
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Const
@@ -220,17 +220,13 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
         recipes["mask"] = ("mask", mask_parts, shape)
         kinds = sorted({"constant" if p[0] == "const" else "runtime" for p in mask_parts})
         describe["mask"] = f"mask {_shape_text(shape)} ({' & '.join(kinds)})"
-        if any(p[0] == "value" for p in mask_parts):
-            notes.append("a query row whose keys are all masked at run time outputs 0 "
-                         "(the original program gives the mean of V, or NaN)")
     if segments is not None:
         notes.append("segment ids: a run-time comparison of ids along the queries and the keys")
         names.append("segment_ids")
         recipes["segment_ids"] = ("segment_ids",) + segments
         describe["segment_ids"] = f"segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
     elif padding is not None:
-        notes.append("a key-padding mask, passed as segment ids (q id 1, kv id = the mask); a "
-                     "query row whose keys are all padding outputs 0")
+        notes.append("a key-padding mask, passed as segment ids (q id 1, kv id = the mask)")
         names.append("segment_ids")
         recipes["segment_ids"] = ("padding",) + padding
         describe["segment_ids"] = f"key padding as segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
@@ -331,6 +327,8 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
                     x = adapters.convert(x, elt_t, created)
                 x = adapters.broadcast_to(x, shape, created)
                 acc = x if acc is None else adapters.binary("add", acc, x, created)
+            if any(part[0] == "value" for part in parts):
+                acc = empty_rows.emit_bias_floor(acc, created)
             out.append(acc)
         elif name == "mask":
             _, parts, shape = recipe

@@ -45,7 +45,7 @@ from math import prod
 import numpy as np
 from jaxlib.mlir import ir
 
-from flashgen.rewrite import adapters, masks
+from flashgen.rewrite import adapters, empty_rows, masks
 from flashgen.rewrite import extras as X
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.chain import (
@@ -79,6 +79,7 @@ class Plan:
     window: tuple = (-1, -1)  # (left, right), -1 = unbounded
     softcap: float = 0.0      # 0 = none
     extras: object = None     # extras.Resolved: the operands after q, k, v
+    empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
 
 
 class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage):
@@ -340,13 +341,18 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                              kernel_dtype=dtype)
         bottom_right = resolved.bottom_right
         m.notes.extend(resolved.notes)
+        empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards),
+                                     max_subtracted=m.max_subtracted,
+                                     runtime_masked=empty_rows.runtime_masked(resolved, seq_q, seq_k))
+        if empty in empty_rows.NOTES:
+            m.notes.append(empty_rows.NOTES[empty])
         spec = KernelSpec(head_dim, dtype, causal, self.target)
         layout_text = _layout_letters(q_lay, first, q_seq, batching[1:] + group_q, c_pieces)
         plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
                     inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
                     kernel=kernel, spec=spec, scale=float(np.float32(scale)),
                     bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
-                    softcap=float(np.float32(m.softcap)), extras=resolved)
+                    softcap=float(np.float32(m.softcap)), extras=resolved, empty_rows=empty)
         return AttentionSite(
             location=where["location"], function=where["function"], op=where["op"],
             q_shape=shape_of(q_val), k_shape=shape_of(k_val), v_shape=shape_of(v_val),
@@ -355,7 +361,8 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
             target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan,
             window=list(window), softcap=float(np.float32(m.softcap)),
-            extras=list(resolved.names), extras_detail=list(resolved.describe))
+            extras=list(resolved.names), extras_detail=list(resolved.describe),
+            empty_rows=empty)
 
     @staticmethod
     def _held_pieces(m: MatchState, const_masks, cuts):
@@ -419,6 +426,11 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                                           softcap=plan.softcap, extras=names,
                                           legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
+                if plan.empty_rows == "mean":
+                    o = empty_rows.emit_mean_fixup(
+                        o, operands[2], empty_rows.visible_parts(names, operands[3:]),
+                        causal=plan.spec.causal, bottom_right=plan.bottom_right,
+                        window=plan.window, created=created)
                 out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created,
                              final_shape=shape_of(plan.exit_value))
                 want = plan.exit_value.type.element_type

@@ -44,6 +44,7 @@ class AttentionSite:
     softcap: float = 0.0         # 0 = none
     extras: list = dataclasses.field(default_factory=list)         # e.g. ["alibi", "mask"]
     extras_detail: list = dataclasses.field(default_factory=list)  # one text per extra
+    empty_rows: str = "none"     # rows whose keys are all masked: none | zero | mean | nan
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}

@@ -115,9 +115,13 @@ class ScoresStage:
             if not value <= LARGE_NEGATIVE:
                 raise Reject(f"the mask fill value {value:g} is not a large negative number")
             self._mask_terms(m, Ref(user.operands[0], ctx), layout, idx == 2, 0)
+            m.fills.append(("select", value, elt(user.result)))
             m.matched.append("mask")
             return layout
         if name == "stablehlo.add" or (name == "stablehlo.subtract" and idx == 0):
+            m.add_dtype = elt(user.result)
+            # a fill already in the scores now has this term added: it must absorb it
+            m.fills = [("add", v, dt) for _, v, dt in m.fills]
             self._bias_terms(m, other, layout, -1.0 if name == "stablehlo.subtract" else 1.0, 0)
             m.matched.append("bias")
             return layout
@@ -213,6 +217,7 @@ class ScoresStage:
             masked = b <= LARGE_NEGATIVE
             if np.any(masked):
                 m.masks.append((Const(~masked, c.shape), layout, "bias"))
+                m.fills += [("add", float(f), m.add_dtype) for f in np.unique(b[masked])]
                 b = np.where(masked, 0.0, b)
             if np.any(b != 0):
                 m.biases.append(X.ConstBias(Const(b, c.shape), layout, 1.0, m.scale))
@@ -233,8 +238,10 @@ class ScoresStage:
             if a is not None and b is not None and a.uniform and b.uniform:
                 va, vb = float(a.scalar()) * f, float(b.scalar()) * f
                 if va == 0 and vb <= LARGE_NEGATIVE:    # where(p, 0, -inf): visible = p
+                    m.fills.append(("add", vb, m.add_dtype))
                     return self._mask_terms(m, Ref(op.operands[0], r.ctx), lay, False, depth + 1)
                 if vb == 0 and va <= LARGE_NEGATIVE:
+                    m.fills.append(("add", va, m.add_dtype))
                     return self._mask_terms(m, Ref(op.operands[0], r.ctx), lay, True, depth + 1)
         if found is None:
             raise Reject("the additive bias is computed inside a called function from values "

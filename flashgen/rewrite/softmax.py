@@ -66,6 +66,7 @@ class SoftmaxStage:
             if not exps:
                 raise Reject("no exponential follows the row maximum")
             m.notes.append("softmax without max subtraction")
+            m.max_subtracted = False
         exp, _, ctx = exps[0]
         m.add(exp, ctx)
         e = Ref(exp.result, ctx)

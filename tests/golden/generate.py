@@ -1137,6 +1137,65 @@ def _():
     return _Text(EXLA_PADDING)
 
 
+# ----------------------------------------------------------------------------- rows without keys
+# Padding leaves query rows whose keys are all masked; with a finite fill the original gives
+# the mean of V there (flashgen.rewrite.empty_rows). The numerics test feeds masks with such
+# rows (flashgen.rewrite.verify.mask_rows), so these compare every row.
+@case("hf_gpt2_eager_left_padded", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      extras=["segment_ids"])
+def _():
+    # transformers 5 GPT-2, eager attention, an attention_mask argument (left padding):
+    # where(causal & padding, 0, finfo.min) added to the scores
+    import torch
+    from transformers import GPT2Config, GPT2Model
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_head=H, n_embd=H * D, vocab_size=64, n_positions=32,
+                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = GPT2Model(cfg).eval()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    ids = torch.randint(0, 64, (B, T))
+    mask = torch.ones(B, T, dtype=torch.int64)
+    mask[0, :3] = 0
+    return torch_export(M(), ids, mask)
+
+
+@case("flax_linen_padding_mask", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["mask"])
+def _():
+    # nn.SelfAttention(mask=make_attention_mask(pad, pad)): padded queries see no key
+    jax, jnp, _ = _jax()
+    import flax.linen as nn
+    m = nn.SelfAttention(num_heads=H, qkv_features=H * D, deterministic=True)
+    params = m.init(jax.random.PRNGKey(0), jnp.ones((B, T, H * D)))
+
+    def f(params, x, pad):
+        return m.apply(params, x, mask=nn.make_attention_mask(pad, pad))
+    shapes = jax.tree.map(lambda a: spec(a.shape, a.dtype), params)
+    return export_fn(f, shapes, spec((B, T, H * D)), spec((B, T), "bool"))
+
+
+@case("flax_nnx_padding_mask", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["mask"])
+def _():
+    jax, jnp, _ = _jax()
+    from flax import nnx
+    m = nnx.MultiHeadAttention(num_heads=H, in_features=H * D, qkv_features=H * D,
+                               decode=False, deterministic=True, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+
+    def f(state, x, pad):
+        return nnx.merge(graphdef, state)(x, mask=nnx.make_attention_mask(pad, pad))
+    shapes = jax.tree.map(lambda a: spec(a.shape, a.dtype), state)
+    return export_fn(f, shapes, spec((B, T, H * D)), spec((B, T), "bool"))
+
+
 # ----------------------------------------------------------------------------- extras: negatives
 @case("neg_bias_before_softcap", rejected=["before the softcap"])
 def _():

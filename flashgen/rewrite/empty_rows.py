@@ -1,0 +1,252 @@
+"""Query rows that see no key: what the original program computes there, and the fix-up
+that makes the rewritten program compute the same.
+
+A run-time mask (a ``mask`` operand, segment ids, key padding) can leave a query row with
+every key masked. The kernel outputs 0 on such a row. The original program gives:
+
+  zero   its probabilities are zeroed again after the softmax (torch's fully-masked-row guard,
+         keras' re-applied mask): 0, the kernel's answer.
+  mean   the masked scores all become one finite value: a select replaces them by a finite
+         fill (flax, jax.nn, masked_fill), or an added fill absorbs them (s + fill == fill for
+         every score, e.g. transformers' finfo(f32).min). The softmax of equal scores is
+         uniform, so the row is the mean of V over the row's keys. flashgen emits
+         ``select(no_visible_key, mean over Sk of V, o)`` after the call; no_visible_key is
+         an OR-reduction of the call's own mask operands over the keys (one fused reduction,
+         no [Sq, Sk] buffer) and the mean reads the kernel's V operand (so GQA and broadcast
+         K/V are averaged as the original averages them).
+  nan    the fill is -inf (or the softmax subtracts no row max, so exp(fill) underflows to
+         0 and the row is 0/0): NaN. The rewritten program keeps 0 there; `--verify`
+         accepts NaN → 0 where a site reports this.
+
+A run-time additive bias (not recognisable as a mask) can carry the fill itself, e.g.
+``(1 - mask) * finfo(f32).min``: the kernel works in log2 units (bias · log2 e), where
+finfo.min overflows to -inf and the row would come out as an empty row (0), not the
+original's uniform mean. ``emit_bias_floor`` raises such entries to -2^127 (finite in log2
+units, still absorbing every score) and keeps -inf entries -inf.
+
+Anything else is rejected: an added fill too small to absorb the scores (e.g. -1e4 in f32:
+the row is the softmax of the rounded scores, which no kernel mode reproduces), or masks of
+different fills (the row is uniform over only some keys).
+"""
+from __future__ import annotations
+
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+from flashgen.rewrite import adapters
+from flashgen.rewrite.errors import Reject
+
+# An added fill absorbs every score whose magnitude is below this: s + fill rounds to fill.
+ABSORBED_SCORE = 2.0 ** 20
+_MANTISSA_BITS = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52}
+
+
+def absorbs(fill: float, dtype: str) -> bool:
+    """Does adding ``fill`` in ``dtype`` turn every score below ABSORBED_SCORE into ``fill``?"""
+    bits = _MANTISSA_BITS.get(dtype)
+    if bits is None or not np.isfinite(fill):
+        return False
+    half_ulp = 2.0 ** (np.floor(np.log2(abs(fill))) - bits - 1)
+    return half_ulp >= ABSORBED_SCORE
+
+
+def behaviour(fills, *, zeroed_after: bool, max_subtracted: bool, runtime_masked: bool) -> str:
+    """'none' (no row can lose every key), 'zero', 'mean' or 'nan' (see the module doc).
+
+    ``fills``: (how, value, dtype) per masking step on the scores: how = 'select' (the fill
+    replaces the score) or 'add' (the fill is added to it)."""
+    if not runtime_masked:
+        return "none"       # constant masks that empty a row are rejected when resolved
+    if zeroed_after:
+        return "zero"
+    if not max_subtracted or all(np.isneginf(v) for _, v, _ in fills):
+        return "nan"
+    values = {v for _, v, _ in fills}
+    if len(values) > 1:
+        raise Reject("the masks use different fill values "
+                     f"({', '.join(f'{v:g}' for v in sorted(values))}): a query row whose keys "
+                     "are all masked at run time would average only some keys")
+    for how, value, dtype in fills:
+        if how == "add" and not absorbs(value, dtype):
+            raise Reject(f"the mask adds the fill {value:g} in {dtype}, too small to absorb the "
+                         "scores: a query row whose keys are all masked at run time is the "
+                         "softmax of the rounded scores, which the kernel cannot reproduce")
+    return "mean"
+
+
+def runtime_masked(resolved, seq_q: int, seq_k: int) -> bool:
+    """Can a run-time value leave a query row without a visible key? Not when the only
+    run-time mask is one tensor of segment ids compared with itself over a square problem:
+    every query then sees its own key (any causal / window band keeps the diagonal)."""
+    if resolved is None:
+        return False
+    for name, recipe in zip(resolved.names, resolved.recipes):
+        if name == "mask" and any(p[0] == "value" for p in recipe[1]):
+            return True
+        if name == "segment_ids":
+            if not (recipe[0] == "segment_ids" and seq_q == seq_k and _self_compared(
+                    recipe[1], recipe[2], resolved.kernel_q[1], resolved.k_free)):
+                return True
+    return False
+
+
+def _self_compared(q_side, kv_side, q_seq, k_free) -> bool:
+    """Are the query and key ids one tensor read along the same dims?"""
+    def roles(lay, seq):
+        return tuple(tuple("seq" if p in seq else p for p in d) for d in lay)
+    return q_side[0] == kv_side[0] and roles(q_side[1], q_seq) == roles(kv_side[1], k_free)
+
+
+def visible_parts(names, extra_values) -> list:
+    """The call's mask operands among its extra operands (``names`` order; segment ids
+    are two operands)."""
+    parts, i = [], 0
+    for name in names:
+        if name == "segment_ids":
+            parts.append(("segments", extra_values[i], extra_values[i + 1]))
+            i += 2
+            continue
+        if name == "mask":
+            parts.append(("mask", extra_values[i]))
+        i += 1
+    return parts
+
+
+NOTES = {
+    "zero": "a query row whose keys are all masked outputs 0, as in the original (the "
+            "probabilities are zeroed after the softmax)",
+    "mean": "a query row whose keys are all masked gets the mean of V over its keys, as in the "
+            "original (finite fill): exact fix-up after the call",
+    "nan": "a query row whose keys are all masked outputs 0 where the original gives NaN "
+           "(-inf fill, 0/0)",
+}
+
+
+# ----------------------------------------------------------------------------- emission
+def emit_mean_fixup(o: ir.Value, v: ir.Value, visible_parts, *, causal: bool,
+                    bottom_right: bool, window, created) -> ir.Value:
+    """select(row has no visible key, mean of V over the keys, o) in the kernel's layout.
+
+    ``o``: [B, Sq, Hq, Dv]; ``v``: [B, Sk, Hkv, Dv]; ``visible_parts``: the call's own mask
+    operands as ('mask', [1|B, 1|Hq, Sq, Sk] i1) or ('segments', q ids [B, Sq], kv ids
+    [B, Sk])."""
+    b, sq, hq, dv = o.type.shape
+    sk, hkv = v.type.shape[1], v.type.shape[2]
+    empty = _no_visible_key(visible_parts, b, hq, sq, sk, causal, bottom_right, window,
+                            created)                                  # [1|B, 1|Hq, Sq]
+    mean = _mean_over_keys(v, created)                                # [B, Hkv, Dv] f32
+    g = hq // hkv
+    # q head h reads kv head h // g (the kernel's GQA convention)
+    mean = adapters.broadcast(mean, [b, sq, hkv, g, dv], [0, 2, 4], created)
+    mean = adapters.reshape(mean, [b, sq, hq, dv], created)
+    if mean.type.element_type != o.type.element_type:
+        mean = adapters.convert(mean, o.type.element_type, created)
+    empty = adapters.broadcast(empty, [b, sq, hq, dv], [0, 2, 1], created)
+    return _op(stablehlo.SelectOp(empty, mean, o), created)
+
+
+BIAS_FLOOR = -2.0 ** 127
+
+
+def emit_bias_floor(x: ir.Value, created) -> ir.Value:
+    """select(x == -inf, x, max(x, BIAS_FLOOR)) for an f32 / bf16 bias operand."""
+    elt = x.type.element_type
+    if str(elt) not in ("f32", "bf16"):
+        return x      # f16 (max 65504) cannot overflow in log2 units
+    shape = list(x.type.shape)
+    floor = adapters.constant(np.full(shape, BIAS_FLOOR, np.float32), elt, created)
+    ninf = adapters.constant(np.full(shape, -np.inf, np.float32), elt, created)
+    raised = _op(stablehlo.MaxOp(x, floor), created)
+    return _op(stablehlo.SelectOp(_compare(x, ninf, "EQ", created), x, raised), created)
+
+
+def _no_visible_key(parts, b, hq, sq, sk, causal, bottom_right, window, created):
+    i1 = ir.IntegerType.get_signless(1)
+    pb, ph = 1, 1
+    for part in parts:
+        if part[0] == "mask":
+            pb, ph = max(pb, part[1].type.shape[0]), max(ph, part[1].type.shape[1])
+        else:
+            pb = b
+    shape = [pb, ph, sq, sk]
+    vis = None
+    band = _band(sq, sk, causal, bottom_right, window, created)
+    if band is not None:
+        vis = adapters.broadcast(band, shape, [2, 3], created)
+    for part in parts:
+        if part[0] == "mask":
+            x = adapters.broadcast_to(part[1], shape, created)
+        else:
+            _, q_ids, kv_ids = part
+            qb = adapters.broadcast(q_ids, shape, [0, 2], created)
+            kb = adapters.broadcast(kv_ids, shape, [0, 3], created)
+            x = _compare(qb, kb, "EQ", created)
+        vis = x if vis is None else adapters.binary("and", vis, x, created)
+    false = _scalar(ir.BoolAttr.get(False), i1, created)
+    any_key = _reduce(vis, false, stablehlo.OrOp, [3], created)
+    return adapters.logical_not(any_key, created)
+
+
+def _band(sq, sk, causal, bottom_right, window, created):
+    """[Sq, Sk] i1 of the call's causal / window attributes (flashgen.rewrite.masks.visible),
+    from iotas; None when they mask nothing."""
+    left, right = window
+    bounds = []
+    if causal:
+        bounds.append(("LE", 0))
+    if right >= 0:
+        bounds.append(("LE", right))
+    if left >= 0:
+        bounds.append(("GE", -left))
+    if not bounds:
+        return None
+    i32 = ir.IntegerType.get_signless(32)
+    t = ir.RankedTensorType.get([sq, sk], i32)
+    i = _op(stablehlo.IotaOp(t, 0), created)
+    j = _op(stablehlo.IotaOp(t, 1), created)
+    off = (sk - sq) if bottom_right else 0
+    d = _op(stablehlo.SubtractOp(j, i), created)            # j - i, visible on off + [lo, hi]
+    out = None
+    for direction, k in bounds:
+        c = adapters.constant(np.full((sq, sk), off + k, np.int32), i32, created)
+        x = _compare(d, c, direction, created)
+        out = x if out is None else adapters.binary("and", out, x, created)
+    return out
+
+
+def _mean_over_keys(v, created):
+    f32 = ir.F32Type.get()
+    x = v if str(v.type.element_type) == "f32" else adapters.convert(v, f32, created)
+    zero = _scalar(ir.FloatAttr.get(f32, 0.0), f32, created)
+    total = _reduce(x, zero, stablehlo.AddOp, [1], created)           # [B, Hkv, Dv]
+    n = adapters.constant(np.full(total.type.shape, v.type.shape[1], np.float32), f32, created)
+    return _op(stablehlo.DivOp(total, n), created)
+
+
+def _reduce(x, init, body_op, dims, created):
+    elt = x.type.element_type
+    shape = [n for i, n in enumerate(x.type.shape) if i not in dims]
+    op = stablehlo.ReduceOp([ir.RankedTensorType.get(shape, elt)], [x], [init], dims)
+    scalar = ir.RankedTensorType.get([], elt)
+    block = op.regions[0].blocks.append(scalar, scalar)
+    with ir.InsertionPoint(block):
+        stablehlo.ReturnOp([body_op(block.arguments[0], block.arguments[1]).result])
+    created.append(op)
+    return op.result
+
+
+def _scalar(attr, elt, created):
+    # adapters.constant makes arrays of rank >= 1; a reduction's init value is rank 0
+    t = ir.RankedTensorType.get([], elt)
+    return _op(stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, attr)), created)
+
+
+def _compare(a, b, direction, created):
+    attr = stablehlo.ComparisonDirectionAttr.get(direction)
+    return _op(stablehlo.CompareOp(a, b, attr), created)
+
+
+def _op(op, created):
+    created.append(op)
+    return op.result

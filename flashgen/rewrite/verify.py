@@ -1,0 +1,78 @@
+"""Check a rewrite numerically: run the original and the rewritten module on the same random
+inputs on CPU and compare every output (`flashgen rewrite --verify`, the golden tests).
+
+The inputs must reach the rows where a rewrite can go wrong, among them query rows whose keys
+are all masked (flashgen.rewrite.empty_rows): boolean and integer arguments, which is where
+masks, padding and segment ids come in, get rows (along their last axis) of every kind.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen import execute
+
+_ORDER = {"bf16": 0, "f16": 1, "f32": 2}
+
+
+def mask_rows(inputs: list) -> list:
+    """Boolean arguments: row 0 all False (every key masked, or a fully padded query/batch),
+    row 2 all True (every key masked where True means masked), the other rows mixed with
+    the first entry False and the last True (under a causal band the first query then sees
+    no key, as in a left-padded batch). Integer arguments likewise: row 0 all 0 and the
+    first entry of every row 0 (a padding mask given as integers; 0 is a valid id or index
+    everywhere else)."""
+    out = []
+    for x in inputs:
+        if x.ndim and x.shape[-1] >= 2 and (x.dtype == bool or np.issubdtype(x.dtype, np.integer)):
+            x = x.copy()
+            rows = x.reshape(-1, x.shape[-1])
+            if x.dtype == bool:
+                rows[:, 0], rows[:, -1] = False, True
+                rows[0] = False
+                if len(rows) > 2:
+                    rows[2] = True
+            else:
+                rows[:, 0] = 0
+                rows[0] = 0
+        out.append(x)
+    return out
+
+
+def inputs_for(module, seed: int) -> list:
+    params, _ = execute.signature(module)
+    return mask_rows(execute.random_inputs(params, seed))
+
+
+def compare(ref, got, sites) -> list:
+    """execute.compare in the coarsest kernel dtype of ``sites``. Where a site keeps 0 on rows
+    the original computes as NaN (a -inf fill, empty_rows 'nan'), the original's NaN entries
+    are not compared; each output row says how many were skipped."""
+    dtype = min((s.dtype for s in sites), key=_ORDER.get, default=None)
+    skipped = []
+    if any(getattr(s, "empty_rows", "none") == "nan" for s in sites):
+        ref = list(ref)
+        for i, (r, c) in enumerate(zip(ref, got)):
+            r, c = np.asarray(r), np.asarray(c)
+            if r.dtype.kind in "fV" or r.dtype.itemsize == 2:
+                hole = np.isnan(r.astype(np.float64)) & ~np.isnan(c.astype(np.float64))
+                if hole.any():
+                    ref[i] = np.where(hole, c, r).astype(r.dtype)
+                skipped.append(int(hole.sum()))
+            else:
+                skipped.append(0)
+    rows = execute.compare(ref, got, dtype)
+    for row, n in zip(rows, skipped):
+        if n:
+            row["nan_rows_not_compared"] = n
+    return rows
+
+
+def verify(result, seed: int) -> dict:
+    """Run the original and the rewritten module of a RewriteResult; the report's rows."""
+    from flashgen.rewrite import modules
+    original = modules.load(result.loaded.data)
+    rewritten = modules.load(result.to_bytes())
+    inputs = inputs_for(original, seed)
+    ref = execute.run(original, inputs, register=False)
+    got = execute.run(rewritten, inputs)
+    return {"seed": seed, "outputs": compare(ref, got, result.rewritten)}
