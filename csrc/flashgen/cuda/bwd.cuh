@@ -325,18 +325,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
         for (int i = 0; i < kQT; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / KS; ++ks) {
-          FragA a;
-          Ops::load_a_rm(sK, LD, wrow0, ks * KS, a);
-#pragma unroll
-          for (int np = 0; np < QC / 16; ++np) {
-            FragB b0, b1;
-            Ops::load_b2_nk(sQ, LD, c0 + np * 16, ks * KS, b0, b1);
-            Ops::mma(s[2 * np], a, b0);
-            Ops::mma(s[2 * np + 1], a, b1);
-          }
-        }
+        warp_gemm_abt<Ops, D, QC>(s, sK, LD, wrow0, sQ, LD, c0);
         // ---- P^T
         if constexpr (kExtras) {
 #pragma unroll
@@ -378,36 +367,14 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
             }
         }
         // ---- dV += P^T dO
-#pragma unroll
-        for (int ks = 0; ks < QC / KS; ++ks) {
-          FragA a;
-          Ops::a_from_acc(s, ks, a);
-#pragma unroll
-          for (int dp = 0; dp < DV / 16; ++dp) {
-            FragB b0, b1;
-            Ops::load_b2_kn_regA(sdO, LD, dcol0 + dp * 16, c0 + ks * KS, b0, b1);
-            Ops::mma(acc_dv[2 * dp], a, b0);
-            Ops::mma(acc_dv[2 * dp + 1], a, b1);
-          }
-        }
+        warp_gemm_pb<Ops, QC, DV>(acc_dv, s, sdO, LD, c0, dcol0);
         // ---- dP^T = V dO^T
         float dpt[kQT][4];
 #pragma unroll
         for (int i = 0; i < kQT; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / KS; ++ks) {
-          FragA a;
-          Ops::load_a_rm(sV, LD, wrow0, ks * KS, a);
-#pragma unroll
-          for (int np = 0; np < QC / 16; ++np) {
-            FragB b0, b1;
-            Ops::load_b2_nk(sdO, LD, c0 + np * 16, ks * KS, b0, b1);
-            Ops::mma(dpt[2 * np], a, b0);
-            Ops::mma(dpt[2 * np + 1], a, b1);
-          }
-        }
+        warp_gemm_abt<Ops, D, QC>(dpt, sV, LD, wrow0, sdO, LD, c0);
         // ---- dS^T = P^T * (dP^T - Dsum)   (in place of P^T)
         // Softcap: times 1 - u^2 with u = tanh(x / c), recovered from P instead of
         // kept in registers: log2(P) = c*u*log2(e) - lse*log2(e). P = 0 gives dS = 0.
@@ -440,18 +407,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
             s[j][e] = ds;
           }
         // ---- dK += dS^T Q   (scale applied at the end)
-#pragma unroll
-        for (int ks = 0; ks < QC / KS; ++ks) {
-          FragA a;
-          Ops::a_from_acc(s, ks, a);
-#pragma unroll
-          for (int dp = 0; dp < DV / 16; ++dp) {
-            FragB b0, b1;
-            Ops::load_b2_kn_regA(sQ, LD, dcol0 + dp * 16, c0 + ks * KS, b0, b1);
-            Ops::mma(acc_dk[2 * dp], a, b0);
-            Ops::mma(acc_dk[2 * dp + 1], a, b1);
-          }
-        }
+        warp_gemm_pb<Ops, QC, DV>(acc_dk, s, sQ, LD, c0, dcol0);
         // ---- dS^T -> shared (element type, as the A operand of the dQ GEMM)
 #pragma unroll
         for (int j = 0; j < kQT; ++j) {

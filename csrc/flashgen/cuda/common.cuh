@@ -308,6 +308,47 @@ struct OpsFor<float> {
 };
 
 // ---------------------------------------------------------------------------
+// Warp tile GEMMs: one warp accumulates a 16 x N f32 C tile (N / 8 accumulator
+// tiles) over K, in steps of Ops::KS, two 8-wide n tiles per B load.
+//   warp_gemm_abt: C += A B^T, A = rows m0.. of a [m][k] shared tile, B^T = rows
+//                  n0.. of a [n][k] shared tile (S = Q K^T and its backward kin).
+//   warp_gemm_pb:  C += P B, P = the 16 x K f32 accumulators `p` kept in
+//                  registers (a_from_acc), B = rows k0.., columns n0.. of a
+//                  [k][n] shared tile (O += P V, dV += P^T dO, dK += dS^T Q).
+// ---------------------------------------------------------------------------
+template <class Ops, int K, int N, class T>
+FG_DEV void warp_gemm_abt(float (&c)[N / 8][4], const T* sa, int lda, int m0, const T* sb, int ldb, int n0) {
+#pragma unroll
+  for (int ks = 0; ks < K / Ops::KS; ++ks) {
+    typename Ops::FragA a;
+    Ops::load_a_rm(sa, lda, m0, ks * Ops::KS, a);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      typename Ops::FragB b0, b1;
+      Ops::load_b2_nk(sb, ldb, n0 + np * 16, ks * Ops::KS, b0, b1);
+      Ops::mma(c[2 * np], a, b0);
+      Ops::mma(c[2 * np + 1], a, b1);
+    }
+  }
+}
+
+template <class Ops, int K, int N, class T>
+FG_DEV void warp_gemm_pb(float (&c)[N / 8][4], const float (&p)[K / 8][4], const T* sb, int ldb, int k0, int n0) {
+#pragma unroll
+  for (int ks = 0; ks < K / Ops::KS; ++ks) {
+    typename Ops::FragA a;
+    Ops::a_from_acc(p, ks, a);
+#pragma unroll
+    for (int dp = 0; dp < N / 16; ++dp) {
+      typename Ops::FragB b0, b1;
+      Ops::load_b2_kn_regA(sb, ldb, n0 + dp * 16, k0 + ks * Ops::KS, b0, b1);
+      Ops::mma(c[2 * dp], a, b0);
+      Ops::mma(c[2 * dp + 1], a, b1);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Cooperative global -> shared tile load of ROWS rows x D elements with
 // cp.async (16-byte chunks). Row r of the tile is global row row0 + r at
 // g + (row0 + r) * gstride; rows >= nrows are zero-filled. The shared tile has

@@ -322,18 +322,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       for (int i = 0; i < kNT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < D / KS; ++ks) {
-        FragA a;
-        Ops::load_a_rm(sQ, LD, wrow0, ks * KS, a);
-#pragma unroll
-        for (int np = 0; np < BC / 16; ++np) {
-          FragB b0, b1;
-          Ops::load_b2_nk(sK, LD, np * 16, ks * KS, b0, b1);
-          Ops::mma(s[2 * np], a, b0);
-          Ops::mma(s[2 * np + 1], a, b1);
-        }
-      }
+      warp_gemm_abt<Ops, D, BC>(s, sQ, LD, wrow0, sK, LD, 0);
 
       // ---- softcap (before masking: a masked score must stay -inf)
       if (capped) {
@@ -425,18 +414,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       }
 
       // ---- O += P V (P from registers)
-#pragma unroll
-      for (int ks = 0; ks < BC / KS; ++ks) {
-        FragA a;
-        Ops::a_from_acc(s, ks, a);
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          FragB b0, b1;
-          Ops::load_b2_kn_regA(sV, LD, dp * 16, ks * KS, b0, b1);
-          Ops::mma(acc_o[2 * dp], a, b0);
-          Ops::mma(acc_o[2 * dp + 1], a, b1);
-        }
-      }
+      warp_gemm_pb<Ops, BC, D>(acc_o, s, sV, LD, 0, 0);
 
       // K[n-1] has landed; every warp is done with V[n].
       cp_async_wait<0>();
