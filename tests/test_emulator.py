@@ -255,6 +255,56 @@ def test_ldmatrix_mma_bf16(micro, rng):
     assert np.abs(d - want).max() <= 1e-6 * np.abs(want).max()
 
 
+def _c_div(x, y):
+    q = abs(x) // abs(y)
+    return q if (x < 0) == (y < 0) else -q
+
+
+@needs_nvcc
+def test_integer_semantics_match_c(micro, rng):
+    n = 64
+    a = rng.integers(-2**31, 2**31, n).astype(np.int32)
+    b = rng.integers(-2**31, 2**31, n).astype(np.int32)
+    a[:4], b[:4] = [-7, 7, -2**31, 5], [2, -2, 3, 63]
+    b[b == 0] = 1
+    c = rng.integers(-2**63, 2**63, n, dtype=np.int64)
+    d = rng.integers(-2**40, 2**40, n, dtype=np.int64)
+    d[d == 0] = 3
+    o32, o64, ou = np.zeros(8 * n, np.int32), np.zeros(4 * n, np.int64), np.zeros(4 * n, np.uint32)
+    run(micro, "int_ops", [a, b, c, d, o32, o64, ou], block=(n, 1, 1))
+    wrap32 = lambda v: (v + 2**31) % 2**32 - 2**31
+    for i in range(n):
+        x, y, cx, dx = int(a[i]), int(b[i]), int(c[i]), int(d[i])
+        q = _c_div(x, y)
+        want32 = [wrap32(q), x - q * y if q == wrap32(q) else 0, _c_div(x, 7), x - _c_div(x, 7) * 7,
+                  x >> (y & 31), min(x, y), (x * y) >> 32, wrap32(abs(x) - max(x, y))]
+        if x == -2**31 and y == -1:          # the one overflowing quotient: undefined in C, skip
+            want32[:2] = o32[8 * i:8 * i + 2].tolist()
+        assert o32[8 * i:8 * i + 8].tolist() == want32, i
+        q64 = _c_div(cx, dx)
+        assert o64[4 * i:4 * i + 4].tolist() == [q64, cx - q64 * dx, x * y, cx >> (y & 63)], i
+        ux, uy = x % 2**32, y % 2**32
+        assert ou[4 * i:4 * i + 4].tolist() == [ux // uy, ux >> (uy & 31), (ux * uy) >> 32,
+                                                 ((ux << (uy & 15)) % 2**32) | (ux >> 3)], i
+
+
+@needs_nvcc
+def test_float_min_max_fma(micro, rng):
+    n = 64
+    a, b, c = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    a[:4], b[:4], c[3] = [np.nan, 1.0, np.nan, 1 + 2**-12], [2.0, np.nan, np.nan, 1 - 2**-12], -1.0
+    out = np.full(4 * n, np.nan, np.float32).reshape(n, 4)
+    run(micro, "float_ops", [a, b, c, out], block=(n, 1, 1))
+    same_bits_or_both_nan(out[:, 0], np.fmin(a, b))       # the non-NaN operand wins
+    same_bits_or_both_nan(out[:, 1], np.fmax(a, b))
+    exact = a.astype(np.float64) * b + c                  # fma: one rounding
+    same_bits_or_both_nan(out[:, 2], exact.astype(np.float32))
+    assert out[3, 2] == -2.0**-24                         # a*b+c rounded once (mul+add gives 0)
+    want = np.sqrt(np.abs(a)) - a * b
+    ok = ~np.isnan(want)
+    assert (np.abs(out[ok, 3] - want[ok]) <= 2 * np.spacing(np.abs(want[ok]))).all()
+
+
 @needs_nvcc
 def test_divergent_loop_per_lane_pcs(micro, rng):
     trips = rng.integers(0, 12, 32).astype(np.int32)

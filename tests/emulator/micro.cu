@@ -138,3 +138,34 @@ extern "C" __global__ void spin(volatile int* flag) {
 }
 // Every CTA writes the same elements: a write-write race between CTAs of one grid.
 extern "C" __global__ void same_slot_store(float* out) { out[threadIdx.x] = static_cast<float>(blockIdx.x); }
+// Integer semantics of C (truncating division, arithmetic shifts, high products, 64-bit ops)
+// and the float min/max/fma forms, through whatever instructions nvcc picks for them.
+extern "C" __global__ void int_ops(const int* a, const int* b, const long long* c, const long long* d, int* o32,
+                                   long long* o64, unsigned* ou) {
+  const int i = threadIdx.x;
+  const int x = a[i], y = b[i];  // y != 0
+  o32[8 * i + 0] = x / y;
+  o32[8 * i + 1] = x % y;
+  o32[8 * i + 2] = x / 7;
+  o32[8 * i + 3] = x % 7;
+  o32[8 * i + 4] = x >> (y & 31);
+  o32[8 * i + 5] = min(x, y);
+  o32[8 * i + 6] = __mulhi(x, y);
+  o32[8 * i + 7] = abs(x) - max(x, y);
+  o64[4 * i + 0] = c[i] / d[i];
+  o64[4 * i + 1] = c[i] % d[i];
+  o64[4 * i + 2] = static_cast<long long>(x) * y;
+  o64[4 * i + 3] = c[i] >> (y & 63);
+  const unsigned ux = static_cast<unsigned>(x), uy = static_cast<unsigned>(y);
+  ou[4 * i + 0] = ux / uy;
+  ou[4 * i + 1] = ux >> (uy & 31);
+  ou[4 * i + 2] = __umulhi(ux, uy);
+  ou[4 * i + 3] = (ux << (uy & 15)) | (ux >> 3);
+}
+extern "C" __global__ void float_ops(const float* a, const float* b, const float* c, float* out) {
+  const int i = threadIdx.x;
+  out[4 * i + 0] = fminf(a[i], b[i]);
+  out[4 * i + 1] = fmaxf(a[i], b[i]);
+  out[4 * i + 2] = fmaf(a[i], b[i], c[i]);
+  out[4 * i + 3] = sqrtf(fabsf(a[i])) - a[i] * b[i];
+}
