@@ -227,6 +227,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},
                 "objects": {j.source.name: o.stem for j, o in zip(compile_jobs, objects)},
                 "host_isa": toolchain.host_isa() if target == "cpu" else None,
+                "cpu_isa": list(toolchain.cpu_isa()) if target == "cpu" else None,
                 "ffi_headers": {k: v for k, v in ffi.items() if k != "include_dir"},
                 "cache_key": lib_key,
                 "files": {lib_name: cache.file_record(staging / lib_name)},

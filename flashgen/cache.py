@@ -113,8 +113,8 @@ def read_manifest(path: pathlib.Path) -> dict:
     if not isinstance(manifest, dict) or "flashgen_library" not in manifest:
         raise CorruptEntry(f"{path.name} is not a flashgen manifest")
     if _SELF_DIGEST not in manifest or "files" not in manifest:
-        raise OutdatedEntry(f"{path.name} has no integrity records (written by an older flashgen): "
-                           f"rebuild the library")
+        raise OutdatedEntry(f"{path.name} has no integrity records (written by an older "
+                            f"flashgen): rebuild the library")
     if manifest[_SELF_DIGEST] != _manifest_digest(manifest):
         raise CorruptEntry(f"{path.name} does not match its own digest (altered)")
     return manifest

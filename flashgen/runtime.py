@@ -12,7 +12,7 @@ import importlib.util
 import pathlib
 import threading
 
-from flashgen import cache
+from flashgen import cache, toolchain
 from flashgen.build import build
 from flashgen.cache import MANIFEST
 from flashgen.errors import LoadError
@@ -36,8 +36,12 @@ def _resolve(path: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
     try:
         manifest = cache.verify_library(directory)
     except cache.CorruptEntry as e:
-        raise LoadError(f"refusing to load the library in {directory}: {e}; rebuild it or copy "
-                        f"it again") from None
+        hint = "" if isinstance(e, cache.OutdatedEntry) else "; rebuild it or copy it again"
+        raise LoadError(f"refusing to load the library in {directory}: {e}{hint}") from None
+    missing = sorted(set(manifest.get("cpu_isa") or ()) - set(toolchain.cpu_isa()))
+    if missing:  # -march=native code on a CPU without those instructions dies of SIGILL
+        raise LoadError(f"the library in {directory} was built for a CPU with {', '.join(missing)}, "
+                        f"which this CPU lacks: build it on (or for) this CPU")
     lib = directory / manifest["flashgen_library"]
     if p.is_file() and p.suffix != ".json" and p.resolve() != lib.resolve():
         raise LoadError(f"{p} is not the library its {MANIFEST} describes ({lib.name})")

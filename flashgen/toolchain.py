@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import subprocess
@@ -121,17 +122,38 @@ def compiler_version(exe: str) -> str:
     return lines[-1] if "cuda" in lines[-1].lower() else lines[0]
 
 
+def _cpuinfo() -> str:
+    try:
+        return pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 @functools.cache
 def host_isa() -> str:
     """A digest of the CPU features -march=native compiles for."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    lines = sorted({l.split(":", 1)[1].strip() for l in text.splitlines()
+    lines = sorted({l.split(":", 1)[1].strip() for l in _cpuinfo().splitlines()
                     if l.startswith(("flags", "model name", "Features", "CPU part"))})
     import platform
     return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:16]
+
+
+# x86 cpuinfo flags that name instruction-set extensions -march=native may use; the others
+# (hypervisor, ht, tsc_known_freq, ...) differ between hosts that run the same code.
+_X86_ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|vaes|vpclmulqdq|gfni|movbe|popcnt|abm|adx"
+                      r"|sha_ni|aes|pclmulqdq|lzcnt)")
+
+
+@functools.cache
+def cpu_isa() -> tuple[str, ...]:
+    """This CPU's instruction-set extensions: a CPU library (-march=native) runs only on a CPU
+    that has all those of the CPU it was built on (else SIGILL)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):  # x86
+            return tuple(sorted(f for f in set(line.split(":", 1)[1].split()) if _X86_ISA.match(f)))
+        if line.startswith("Features"):  # arm64: every listed feature is an ISA feature
+            return tuple(sorted(set(line.split(":", 1)[1].split())))
+    return ()
 
 
 @functools.cache

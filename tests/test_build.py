@@ -127,6 +127,10 @@ def test_cli_build_prints_library_path(fresh_cache, tmp_path):
              env={"FLASHGEN_CACHE_DIR": str(fresh_cache)})
     assert r.returncode == 0, r.stderr
     assert "target: cpu (auto:" in r.stderr or "target: sm" in r.stderr
+    # A cold build says what it compiles, each source as it finishes, and where it put the result.
+    assert "flashgen: compiling d32_f32_" in r.stderr
+    assert "d32_f32_causal_" in r.stderr and "d32_f32_full_" in r.stderr
+    assert "library.cc: compiled in" in r.stderr and "flashgen: built " in r.stderr
     path = r.stdout.strip().splitlines()[-1]
     assert os.path.exists(path)
     m = json.loads((tmp_path / "manifest.json").read_text())

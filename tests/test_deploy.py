@@ -1,7 +1,9 @@
 """Shipping a built library: it runs on a host without any compiler (flashgen run --library,
 flashgen.jax.load), and a cached hit needs no compiler either."""
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -103,6 +105,21 @@ def test_jax_load_without_a_compiler(shipped, no_compiler):
     r = subprocess.run([sys.executable, "-c", JAX_LOAD, str(shipped)], env=no_compiler,
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_a_library_for_a_richer_cpu_is_refused_not_run(shipped, tmp_path):
+    """-march=native code on a CPU without the build host's extensions would die of SIGILL."""
+    from flashgen import cache
+    copy = tmp_path / "copy"
+    shutil.copytree(shipped, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["manifest_sha256"]
+    manifest["cpu_isa"] = sorted((manifest.get("cpu_isa") or []) + ["avx9000_imaginary"])
+    (copy / "manifest.json").write_text(cache.seal(manifest))
+    r = subprocess.run([sys.executable, "-c", f"import flashgen.jax as fj; fj.load({str(copy)!r})"],
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "built for a CPU with avx9000_imaginary, which this CPU lacks" in r.stderr
 
 
 def test_cached_hit_needs_no_compiler(no_compiler):
