@@ -101,8 +101,8 @@ def cpu_callable(impl: str, direction: str, causal: bool, args):
 def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk, threads) -> int:
     """Memory flashgen's CPU kernels allocate besides XLA's buffers (not in temp_size_in_bytes).
 
-    Mirrors csrc/flashgen/cpu/flash_cpu.h (fwd 128x64 blocks, bwd 64x64): a per-thread workspace
-    (fwd_ws_floats / bwd_ws_floats, kept between calls), and in the backward lse2 and Drow
+    Mirrors csrc/flashgen/cpu/forward.h and backward.h (block sizes in tiles.h: fwd 128x64, bwd
+    64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls), and in the backward lse2 and Drow
     [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
     """
     D, bq, bk = hdim, 128, 64
