@@ -278,5 +278,8 @@ def test_cli_cache_list_verify_clean(cache_copy):
     assert r.returncode == 1 and f"damaged library {lib_dir}" in r.stdout
     r = _cli("cache", "clean", env=env)
     assert r.returncode == 0 and not lib_dir.exists()
+    assert len(list((root / "objects").glob("*.o"))) == 3  # intact objects stay
     r = _cli("cache", "verify", env=env)
     assert r.returncode == 0
+    r = _cli("cache", "clean", "--all", env=env)
+    assert r.returncode == 0 and not list((root / "objects").iterdir())
