@@ -372,6 +372,14 @@ def test_race_detector(micro, rng):
 
 
 @needs_nvcc
+def test_race_within_one_instruction_of_two_warps(micro):
+    """Warps executing together as a gang are still checked warp by warp."""
+    for seed in range(4):
+        with pytest.raises(EmulationError, match=r"shared-memory race: warp \d writes offset \d+, written by warp \d"):
+            run(micro, "same_smem_slot", [np.zeros(64, np.float32)], block=(64, 1, 1), seed=seed)
+
+
+@needs_nvcc
 def test_global_write_race_between_ctas(micro):
     out = np.full(32, np.nan, np.float32)
     with pytest.raises(EmulationError, match=r"global-memory race: CTA \d writes 0x[0-9a-f]+ .*'arg0'.*written by CTA \d"):

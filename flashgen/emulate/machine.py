@@ -6,6 +6,13 @@ each lane its own, and the lanes at the minimum pc execute together until all li
 again (which is where structured control flow reconverges). A warp runs until a barrier, its exit
 or the end of a random quantum, so any interleaving between barriers can occur; the shared-memory
 race detector (memory.py) flags conflicting accesses whatever the interleaving was.
+
+Gangs: adjacent converged warps at the same pc usually execute together, one instruction over all
+their lanes (the registers of a CTA are one array per register, so a gang's registers are views).
+This changes no result -- the warps would run the same instructions in some order anyway -- but
+divides the interpreter's per-instruction cost by the gang size. A gang breaks up at a divergent
+branch or a partial exit (its warps then run alone until the next barrier), and the scheduler also
+runs parts of gangs one after the other at random, so interleavings stay varied.
 """
 from __future__ import annotations
 
@@ -40,30 +47,47 @@ class LaunchStats:
     opcode_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
-class _Registers(dict):
-    """A warp's register file: arrays created (zeroed) on first use."""
+class _CtaRegisters:
+    """The register file of a CTA: one array per register over all its lanes, created on first use."""
 
-    def __init__(self, types):
+    def __init__(self, types, nlanes):
+        self.types, self.nlanes, self.arrays = types, nlanes, {}
+
+    def array(self, name):
+        a = self.arrays.get(name)
+        if a is None:
+            a = self.arrays[name] = np.zeros(self.nlanes, dtype_of(self.types[name]))
+        return a
+
+
+class _RegisterView(dict):
+    """The registers of lanes [lo, hi) of a CTA: cached views into its register file."""
+
+    def __init__(self, file, lo, hi):
         super().__init__()
-        self.types = types
+        self.file, self.lo, self.hi = file, lo, hi
 
     def __missing__(self, name):
-        r = np.zeros(32, dtype_of(self.types[name]))
-        self[name] = r
-        return r
+        v = self[name] = self.file.array(name)[self.lo:self.hi]
+        return v
 
 
 class Warp:
-    def __init__(self, wid, cta, nthreads, block, types):
-        self.wid = wid
+    nlanes = 32
+
+    def __init__(self, wid, cta, nthreads, block):
+        self.wid = self.lane_warp = wid
+        self.label = f"warp {wid}"
+        self.members = (self,)
         self.cta = cta
-        self.regs = _Registers(types)
+        self.regs = _RegisterView(cta.registers, 32 * wid, 32 * wid + 32)
         linear = wid * 32 + np.arange(32)
         self.alive = linear < nthreads
         self.alive_mask = None if self.alive.all() else self.alive.copy()
         self.pc = 0
         self.lane_pc = None                  # per-lane pcs while diverged
         self.at_barrier = False
+        self.solo = False                    # left a gang at a divergence: alone until a barrier
         self.done = not self.alive.any()
         self.cp_open = []                    # issued, uncommitted cp.async copies
         self.cp_groups = []                  # committed groups, oldest first
@@ -78,11 +102,41 @@ class Warp:
             self.special[("ctaid", ax)] = np.full(32, cta.ctaid[ax], u)
             self.special[("nctaid", ax)] = np.full(32, cta.grid[ax], u)
 
+    def can_gang(self, pc) -> bool:
+        return (not self.done and not self.at_barrier and not self.solo and self.lane_pc is None
+                and self.alive_mask is None and self.pc == pc)
+
+
+class _Gang:
+    """Adjacent converged, fully populated warps executing one instruction stream together."""
+    lane_pc = None
+    alive_mask = None
+
+    def __init__(self, warps):
+        self.members = tuple(warps)
+        self.cta = warps[0].cta
+        self.wid = warps[0].wid
+        self.label = f"warps {warps[0].wid}-{warps[-1].wid}"
+        self.nlanes = 32 * len(warps)
+        self.regs = _RegisterView(self.cta.registers, 32 * warps[0].wid, 32 * warps[-1].wid + 32)
+        self.lane_warp = np.repeat([w.wid for w in warps], 32)
+        self.alive = np.ones(self.nlanes, bool)
+        self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in warps[0].special}
+
 
 class _Cta:
-    def __init__(self, ctaid, grid, smem, gmem, params):
+    def __init__(self, ctaid, grid, smem, gmem, params, types, nthreads):
         self.ctaid, self.grid, self.smem, self.gmem, self.params = ctaid, grid, smem, gmem, params
         self.index = ctaid[0] + grid[0] * (ctaid[1] + grid[1] * ctaid[2])   # linear CTA id
+        self.registers = _CtaRegisters(types, 32 * -(-nthreads // 32))
+        self.gangs = {}                                                    # (first, last) -> _Gang
+
+    def gang(self, warps):
+        key = (warps[0].wid, warps[-1].wid)
+        g = self.gangs.get(key)
+        if g is None:
+            g = self.gangs[key] = _Gang(warps)
+        return g
 
 
 def short_name(kernel_name: str) -> str:
@@ -162,11 +216,11 @@ class _Launch:
     def context(self, cta, w, pc) -> str:
         ins = self.kernel.instructions[pc] if pc < len(self.kernel.instructions) else None
         where = f"PTX line {ins.line}: {ins.text}" if ins else "end of kernel"
-        return (f"{short_name(self.kernel.name)} block {cta.ctaid} warp {w.wid} pc {pc} ({where}) "
+        return (f"{short_name(self.kernel.name)} block {cta.ctaid} {w.label} pc {pc} ({where}) "
                 f"[schedule seed {self.seed}]")
 
     def run_cta(self, cta, nthreads, block):
-        warps = [Warp(i, cta, nthreads, block, self.kernel.registers) for i in range(-(-nthreads // 32))]
+        warps = [Warp(i, cta, nthreads, block) for i in range(-(-nthreads // 32))]
         rng = self.rng
         while True:
             runnable = [w for w in warps if not w.done and not w.at_barrier]
@@ -181,27 +235,49 @@ class _Launch:
                                          f"threads of the block exited (the barrier would wait for them)")
                 cta.smem.barrier()
                 for w in waiting:
-                    w.at_barrier = False
+                    w.at_barrier = w.solo = False
                 continue
             w = runnable[int(rng.integers(len(runnable)))] if len(runnable) > 1 else runnable[0]
-            self.run_warp(w, cta, int(rng.integers(1, 257)), nthreads, block)
+            quantum = int(rng.integers(1, 257))
+            lo = hi = w.wid
+            if w.can_gang(w.pc):
+                while lo > 0 and warps[lo - 1].can_gang(w.pc):
+                    lo -= 1
+                while hi + 1 < len(warps) and warps[hi + 1].can_gang(w.pc):
+                    hi += 1
+            if hi == lo:
+                self.run_warp(w, cta, quantum, nthreads, block)
+                continue
+            # The adjacent warps at the same pc run together. One time in four they split in two
+            # parts that run one after the other for the same quantum: varied interleavings, and
+            # warps that stay in step (uniform control flow brings both parts to the same pc).
+            parts = [warps[lo:hi + 1]]
+            if not rng.integers(4):
+                cut = int(rng.integers(lo + 1, hi + 1))
+                parts = [warps[lo:cut], warps[cut:hi + 1]]
+                if rng.integers(2):
+                    parts.reverse()
+            for part in parts:
+                self.run_warp(cta.gang(part) if len(part) > 1 else part[0], cta, quantum, nthreads, block)
 
     def run_warp(self, w, cta, quantum, nthreads, block):
+        """Run a warp or a gang for up to `quantum` instructions."""
         code, counts = self.code, self.counts
-        pc = w.pc
+        gang = isinstance(w, _Gang)
+        width = len(w.members)
+        pc = w.members[0].pc
         steps = 0
         try:
             while steps < quantum:
                 steps += 1
                 lp = w.lane_pc
                 if lp is None:
-                    pc = w.pc
                     active = w.alive_mask
                 else:
                     pc = int(lp.min())
                     active = lp == pc
                 kind, fn, guard, negated, target = code[pc]
-                counts[pc] += 1
+                counts[pc] += width
                 if guard is None:
                     exe = active
                 else:
@@ -215,33 +291,68 @@ class _Launch:
                     if exe is None or exe.any():
                         fn(w, exe)
                     if lp is None:
-                        w.pc = pc + 1
+                        pc += 1
                     else:
                         lp[active] = pc + 1
                         _reconverge(w)
-                elif kind == _BRA:
+                        pc = w.pc
+                    continue
+                if gang:
+                    if kind == _BRA and (exe is None or not exe.any()):
+                        pc = target if exe is None else pc + 1
+                        continue
+                    self._gang_control(w, pc, kind, fn, exe, target, nthreads)
+                    return
+                w.pc = pc
+                if kind == _BRA:
                     self._branch(w, pc, active, exe, target, fn)
+                    pc = w.pc
                 elif kind == _RET:
                     self._exit(w, pc, active, exe)
                     if w.done:
                         return
+                    pc = w.pc
                 else:   # _BAR
-                    if lp is not None:
-                        raise EmulationError("bar.sync executed by a diverged warp (.aligned requires the "
-                                             "whole warp to reach it together)")
-                    if fn is not None and fn != -(-nthreads // 32) * 32:
-                        raise unsupported(self.kernel.instructions[pc], f"barrier count {fn} is not the "
-                                          f"block's {nthreads} threads")
-                    w.pc = pc + 1
-                    w.at_barrier = True
+                    self._barrier(w, pc, nthreads)
                     return
         except EmulationError as e:
             raise EmulationError(f"{self.context(cta, w, pc)}: {e}") from None
         finally:
-            self.executed += steps
+            self.executed += steps * width
+        if w.lane_pc is None:
+            for m in w.members:
+                m.pc = pc
         if self.executed > self.budget:
             raise EmulationError(f"{self.context(cta, w, pc)}: more than {self.budget} warp-instructions "
                                  f"in one launch (an infinite loop?)")
+
+    def _barrier(self, w, pc, nthreads):
+        if w.lane_pc is not None:
+            raise EmulationError("bar.sync executed by a diverged warp (.aligned requires the "
+                                 "whole warp to reach it together)")
+        count = self.code[pc][1]
+        if count is not None and count != -(-nthreads // 32) * 32:
+            raise unsupported(self.kernel.instructions[pc], f"barrier count {count} is not the "
+                              f"block's {nthreads} threads")
+        for m in w.members:
+            m.pc = pc + 1
+            m.at_barrier = True
+
+    def _gang_control(self, g, pc, kind, fn, exe, target, nthreads):
+        """A branch taken by some lanes, an exit or a barrier ends a gang's run: each warp takes it
+        on its own (a divergent branch leaves the warps alone until the next barrier)."""
+        if kind == _BAR:
+            self._barrier(g, pc, nthreads)
+            return
+        diverged = exe is not None
+        for j, m in enumerate(g.members):
+            m.pc = pc
+            part = None if exe is None else exe[32 * j:32 * j + 32]
+            if kind == _BRA:
+                self._branch(m, pc, None, part, target, fn)
+            else:
+                self._exit(m, pc, None, part)
+            m.solo = m.solo or diverged
 
     def _branch(self, w, pc, active, exe, target, uniform):
         if exe is None:
@@ -339,7 +450,7 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for i in order:
                 smem = SharedMemory(dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base), race_check)
-                run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf), nthreads, block)
+                run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf, kernel.registers, nthreads), nthreads, block)
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)

@@ -192,7 +192,7 @@ class SharedMemory:
         self.size = nbytes
         self.race_check = race_check
         self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes
-        self.in_flight = 0                                   # their number of copies
+        self.in_flight = 0                                   # their number
         self.epoch = 1
         if race_check:
             self.w_stamp = np.zeros(nbytes, np.int64)
@@ -229,6 +229,17 @@ class SharedMemory:
         return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x}, {how} by {who} "
                               f"with no barrier in between")
 
+    def _per_warp(self, check, idx, warp):
+        """Rows of a gang's access (one warp per row) are checked warp after warp, so that two
+        warps touching the same byte within one instruction are seen too."""
+        if isinstance(warp, int):
+            check(idx, warp)
+            return
+        for w in range(int(warp.min()), int(warp.max()) + 1):
+            rows = warp == w
+            if rows.any():
+                check(idx[rows], w)
+
     def _race_read(self, idx, warp):
         base = self.epoch << 8
         mine = base | warp
@@ -256,14 +267,14 @@ class SharedMemory:
         idx = self._bytes(offs, nbytes, what)
         self._check_pending(idx, what)
         if self.race_check:
-            self._race_read(idx, warp)
+            self._per_warp(self._race_read, idx, warp)
         return self.data[idx]
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp: int, what: str = "store") -> None:
         idx = self._bytes(offs, data.shape[1], what)
         self._check_pending(idx, what)
         if self.race_check:
-            self._race_write(idx, warp)
+            self._per_warp(self._race_write, idx, warp)
         self.data[idx] = data
 
     def async_issue(self, offs: np.ndarray, nbytes: int, warp: int) -> np.ndarray:
@@ -271,14 +282,14 @@ class SharedMemory:
         idx = self._bytes(offs, nbytes, "cp.async destination")
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
-            self._race_write(idx, warp)
+            self._per_warp(self._race_write, idx, warp)
         self.pending[idx] += 1
-        self.in_flight += 1
+        self.in_flight += idx.size
         return idx
 
     def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int) -> None:
         self.pending[idx] -= 1
-        self.in_flight -= 1
+        self.in_flight -= idx.size
         if self.race_check:
             self._race_write(idx, warp)   # the bytes land now: a write in the current epoch
         self.data[idx] = data

@@ -1,7 +1,8 @@
 """Compile PTX operands into fast per-warp accessors.
 
-A reader is `f(warp) -> ndarray[32]` holding the operand as the instruction's type; a writer is
-`f(warp, value, mask)` storing a value of that type into a register (mask None = all 32 lanes).
+A reader is `f(lanes) -> ndarray[lanes.nlanes]` holding the operand as the instruction's type; a
+writer is `f(lanes, value, mask)` storing a value of that type into a register (mask None = every
+lane). `lanes` is one warp (32 lanes) or a gang of converged warps executing together (machine.py).
 Registers live in `warp.regs` as numpy arrays of their declared type; a read or write with a type
 of the same width reinterprets the bits (as PTX does), a narrower access truncates, and a write
 of a narrower type into a wider register extends by the type's signedness.
@@ -63,6 +64,19 @@ def immediate(text: str, ty: str):
     return np.array([v & ((1 << bits) - 1)], UNSIGNED[TYPE_SIZES[ty]]).view(dt)[0]
 
 
+def constant(value, dt):
+    """A reader of a value the same in every lane (read-only arrays, one per lane count)."""
+    by_width = {}
+
+    def read(w):
+        c = by_width.get(w.nlanes)
+        if c is None:
+            c = by_width[w.nlanes] = np.full(w.nlanes, value, dt)
+            c.flags.writeable = False
+        return c
+    return read
+
+
 class Operands:
     """Per-kernel operand compiler: knows the registers, shared symbols and parameters."""
 
@@ -98,9 +112,7 @@ class Operands:
                 return lambda w: w.regs[name].view(ru).astype(tu).view(dt)
             raise EmulationError(f"register {name} (.{rty}) read as the wider .{ty}")
         if isinstance(op, Imm):
-            const = np.full(32, immediate(op.text, ty), dt)
-            const.flags.writeable = False
-            return lambda w: const
+            return constant(immediate(op.text, ty), dt)
         if isinstance(op, Special):
             key = (op.name, op.axis)
             if TYPE_SIZES[ty] == 4:
@@ -114,13 +126,10 @@ class Operands:
         """A symbol used as a value is its address: a shared-window offset or a parameter slot."""
         dt = dtype_of(ty)
         if op.name in self.shared_addr:
-            const = np.full(32, self.shared_addr[op.name], dt)
-        elif op.name in self.param_offset:
-            const = np.full(32, PARAM_WINDOW + self.param_offset[op.name], dt)
-        else:
-            raise EmulationError(f"unknown symbol {op.name}")
-        const.flags.writeable = False
-        return lambda w: const
+            return constant(self.shared_addr[op.name], dt)
+        if op.name in self.param_offset:
+            return constant(PARAM_WINDOW + self.param_offset[op.name], dt)
+        raise EmulationError(f"unknown symbol {op.name}")
 
     # -- writes --------------------------------------------------------------------------------
     def write(self, op, ty: str):
@@ -185,13 +194,11 @@ class Operands:
             return lambda w: w.regs[name].astype(np.int64) + off
         if isinstance(base, Sym):
             if base.name in self.shared_addr:
-                const = np.full(32, self.shared_addr[base.name] + off, np.int64)
-            elif base.name in self.param_offset:
-                const = np.full(32, PARAM_WINDOW + self.param_offset[base.name] + off, np.int64)
-            else:
-                raise EmulationError(f"unknown symbol {base.name}")
-            return lambda w: const
-        return lambda w, c=np.full(32, int(immediate(base.text, "s64")) + off, np.int64): c
+                return constant(self.shared_addr[base.name] + off, np.int64)
+            if base.name in self.param_offset:
+                return constant(PARAM_WINDOW + self.param_offset[base.name] + off, np.int64)
+            raise EmulationError(f"unknown symbol {base.name}")
+        return constant(int(immediate(base.text, "s64")) + off, np.int64)
 
     def vector(self, op) -> list:
         """The element operands of `{a, b, ...}` (or a single operand as a 1-list)."""

@@ -169,3 +169,10 @@ extern "C" __global__ void float_ops(const float* a, const float* b, const float
   out[4 * i + 2] = fmaf(a[i], b[i], c[i]);
   out[4 * i + 3] = sqrtf(fabsf(a[i])) - a[i] * b[i];
 }
+// Two warps store to the same shared words in the same instruction (a race even in lockstep).
+extern "C" __global__ void same_smem_slot(float* out) {
+  __shared__ float s[32];
+  s[threadIdx.x % 32] = static_cast<float>(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = s[threadIdx.x % 32];
+}

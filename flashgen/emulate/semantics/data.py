@@ -27,7 +27,7 @@ def mov(ins, ops):
             writers = [ops.write(p, part_ty) for p in parts]
 
             def unpack(w, m):
-                v = np.ascontiguousarray(rs(w)).view(pdt).reshape(32, n)
+                v = np.ascontiguousarray(rs(w)).view(pdt).reshape(-1, n)
                 for i, wr in enumerate(writers):
                     wr(w, v[:, i], m)
             return unpack
@@ -36,7 +36,7 @@ def mov(ins, ops):
 
         def pack(w, m):
             v = np.stack([r(w) for r in readers], axis=1)
-            wd(w, v.view(wdt).reshape(32), m)
+            wd(w, v.view(wdt).reshape(-1), m)
         return pack
     rs = ops.read(s, ty) if not isinstance(s, Sym) else ops.symbol_value(s, ty)
     wd = ops.write(d, ty)

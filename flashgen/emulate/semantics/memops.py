@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.operands import PARAM_WINDOW, dtype_of
+from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
 from flashgen.emulate.semantics import handles, unsupported
 
@@ -37,6 +37,11 @@ def _lanes(m):
     return slice(None) if m is None else m
 
 
+def _who(w, lanes):
+    """The warp of each executing lane, for the shared-memory race detector."""
+    return w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp[lanes]
+
+
 @handles("ld")
 def load(ins, ops):
     space = _space(ins)
@@ -63,14 +68,15 @@ def load(ins, ops):
             return w.cta.gmem.load(addr(w)[_lanes(m)], nbytes, cta=w.cta.index)
     else:
         def fetch(w, m):
-            return w.cta.smem.load(addr(w)[_lanes(m)], nbytes, w.wid)
+            lanes = _lanes(m)
+            return w.cta.smem.load(addr(w)[lanes], nbytes, _who(w, lanes))
 
     def run(w, m):
         raw = fetch(w, m)
         if m is None:
-            vals = raw.view(dt).reshape(32, n)
+            vals = raw.view(dt).reshape(-1, n)
         else:
-            vals = np.zeros((32, n), dt)
+            vals = np.zeros((w.nlanes, n), dt)
             vals[m] = raw.view(dt).reshape(-1, n)
         for i, wr in enumerate(writers):
             wr(w, vals[:, i], m)
@@ -96,7 +102,7 @@ def store(ins, ops):
         if space == "global":
             w.cta.gmem.store(a, raw, cta=w.cta.index)
         else:
-            w.cta.smem.store(a, raw, w.wid)
+            w.cta.smem.store(a, raw, _who(w, lanes))
     return run
 
 
@@ -130,7 +136,7 @@ def atomic(ins, ops):
         vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
         old = w.cta.gmem.atomic_add(addrs, vals, cta=w.cta.index)
         if writers:
-            full = np.zeros((32, nvec), dt)
+            full = np.zeros((w.nlanes, nvec), dt)
             full[lanes] = old.reshape(-1, nvec)
             for i, wr in enumerate(writers):
                 wr(w, full[:, i], m)
@@ -142,21 +148,24 @@ def cp_async(ins, ops):
     if ins.mods[:1] != ("async",):
         raise unsupported(ins)
     kind = ins.mods[1]
+    # The copies in flight belong to each warp (a gang issues for all of its warps).
     if kind == "commit_group":
         def commit(w, m):
-            w.cp_groups.append(w.cp_open)
-            w.cp_open = []
+            for warp in w.members:
+                warp.cp_groups.append(warp.cp_open)
+                warp.cp_open = []
         return commit
     if kind in ("wait_group", "wait_all"):
         keep = 0 if kind == "wait_all" else int(ins.operands[0].text)
 
         def wait(w, m):
-            if kind == "wait_all":
-                w.cp_groups.append(w.cp_open)
-                w.cp_open = []
-            while len(w.cp_groups) > keep:
-                for idx, data in w.cp_groups.pop(0):
-                    w.cta.smem.async_deliver(idx, data, w.wid)
+            for warp in w.members:
+                if kind == "wait_all":
+                    warp.cp_groups.append(warp.cp_open)
+                    warp.cp_open = []
+                while len(warp.cp_groups) > keep:
+                    for idx, data in warp.cp_groups.pop(0):
+                        w.cta.smem.async_deliver(idx, data, warp.wid)
         return wait
     # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
     if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:
@@ -171,7 +180,7 @@ def cp_async(ins, ops):
         rs = ops.read(extra, "u32")
         src_size = lambda w: rs(w).astype(np.int64)
     else:
-        src_size = lambda w: np.full(32, n, np.int64)
+        src_size = constant(n, np.int64)
     daddr, saddr = ops.address(dst), ops.address(src)
     def issue(w, m):
         lanes = _lanes(m)
@@ -186,8 +195,15 @@ def cp_async(ins, ops):
         part = (k > 0) & ~full
         for i in np.nonzero(part)[0]:
             data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]))
-        idx = w.cta.smem.async_issue(d, n, w.wid)
-        w.cp_open.append((idx, data))
+        who = _who(w, lanes)
+        idx = w.cta.smem.async_issue(d, n, who)
+        if isinstance(who, int):
+            w.cp_open.append((idx, data))
+        else:
+            for warp in w.members:
+                mine = who == warp.wid
+                if mine.any():
+                    warp.cp_open.append((idx[mine], data[mine]))
     return issue
 
 

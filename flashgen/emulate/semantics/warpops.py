@@ -100,22 +100,19 @@ def mma(ins, ops):
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
     dec = _to_float64(atype)
-    abits, bbits = np.empty((len(A), 32), np.uint32), np.empty((len(B), 32), np.uint32)
-    cvals = np.empty((4, 32), np.float32)
+    na, nb = len(A), len(B)
 
     def run(w, m):
         require_full_warp(w, m, ins)
-        for i, r in enumerate(ra):
-            abits[i] = r(w)
-        for i, r in enumerate(rb):
-            bbits[i] = r(w)
-        for i, r in enumerate(rc):
-            cvals[i] = r(w)
-        a = dec(abits.view(elem).reshape(-1)[a_perm]).reshape(16, k)
-        b = dec(bbits.view(elem).reshape(-1)[b_perm]).reshape(k, 8)
+        g = w.nlanes // 32                                   # warps executing together
+        abits = np.stack([r(w) for r in ra]).reshape(na, g, 32).transpose(1, 0, 2)   # [warp, reg, lane]
+        bbits = np.stack([r(w) for r in rb]).reshape(nb, g, 32).transpose(1, 0, 2)
+        cvals = np.stack([r(w) for r in rc]).reshape(4, g, 32).transpose(1, 0, 2)
+        a = dec(np.ascontiguousarray(abits).view(elem).reshape(g, -1)[:, a_perm]).reshape(g, 16, k)
+        b = dec(np.ascontiguousarray(bbits).view(elem).reshape(g, -1)[:, b_perm]).reshape(g, k, 8)
         # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
-        d = (a @ b).reshape(-1) + cvals.reshape(-1)[c_perm]
-        out = d[c_flat].astype(np.float32).reshape(4, 32)
+        d = (a @ b).reshape(g, 128) + cvals.reshape(g, 128)[:, c_perm]
+        out = d[:, c_flat].astype(np.float32).reshape(g, 4, 32).transpose(1, 0, 2).reshape(4, -1)
         for i, wr in enumerate(wd):
             wr(w, out[i], None)
     return run
@@ -139,25 +136,28 @@ def ldmatrix(ins, ops):
 
     def run(w, m):
         require_full_warp(w, m, ins)
-        # lane i supplies the address of row i % 8 of matrix i // 8
-        raw = w.cta.smem.load(addr(w)[:nrows], 16, w.wid, "ldmatrix").view(np.uint16)   # [8*nmat, 8]
-        regs = raw.reshape(-1)[gather].view(np.uint32).reshape(nmat, 32)
+        g = w.nlanes // 32
+        # lane i of each warp supplies the address of row i % 8 of matrix i // 8
+        rows_addr = addr(w).reshape(g, 32)[:, :nrows].reshape(-1)
+        who = w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp.reshape(g, 32)[:, :nrows].reshape(-1)
+        raw = w.cta.smem.load(rows_addr, 16, who, "ldmatrix").view(np.uint16).reshape(g, -1)
+        regs = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(g, nmat, 32)
+        regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
             wr(w, regs[j], None)
     return run
 
 
 def _member_lanes(w, mask_reader, m, ins):
-    """The lanes named by membermask must be exactly the executing lanes."""
-    mask = mask_reader(w)
-    if (mask != mask[0]).any():
-        raise EmulationError(f"{ins.form}: lanes disagree on membermask")
-    bits = (int(mask[0]) >> LANE) & 1
-    members = bits.astype(bool)
-    executing = np.ones(32, bool) if m is None else m
+    """The lanes named by membermask must be exactly the executing lanes of each warp."""
+    mask = mask_reader(w).astype(np.int64)
+    lane = w.special[("laneid", 0)].astype(np.int64)
+    members = ((mask >> lane) & 1).astype(bool)
+    executing = np.ones(w.nlanes, bool) if m is None else m
     if (members != executing).any():
-        raise EmulationError(f"{ins.form} with membermask {int(mask[0]):#x} executed by lanes "
-                             f"{int(np.packbits(executing[::-1]).view('>u4')[0]):#x}")
+        i = int(np.argmax(members != executing))
+        raise EmulationError(f"{ins.form} with membermask {int(mask[i]) & 0xFFFFFFFF:#x}: lane {int(lane[i])} "
+                             f"{'does not execute it' if members[i] else 'executes it but is not a member'}")
     return members
 
 
@@ -174,28 +174,30 @@ def shfl(ins, ops):
 
     def run(w, m):
         members = _member_lanes(w, rmask, m, ins)
+        lane = w.special[("laneid", 0)].astype(np.int64)
+        base = np.arange(w.nlanes) - lane                 # first lane of each lane's warp
         bval = (rb(w) & 0x1F).astype(np.int64)
         cval = rc(w).astype(np.int64)
         seg = (cval >> 8) & 0x1F
         clamp = cval & 0x1F
-        max_lane = (LANE & seg) | (clamp & ~seg)
-        min_lane = LANE & seg
+        max_lane = (lane & seg) | (clamp & ~seg)
+        min_lane = lane & seg
         if mode == "up":
-            j = LANE - bval
+            j = lane - bval
             ok = j >= max_lane
         elif mode == "down":
-            j = LANE + bval
+            j = lane + bval
             ok = j <= max_lane
         elif mode == "bfly":
-            j = LANE ^ bval
+            j = lane ^ bval
             ok = j <= max_lane
         else:
             j = min_lane | (bval & ~seg)
             ok = j <= max_lane
-        j = np.where(ok, j, LANE)
-        if (~members[j] & members).any():
+        src = base + np.where(ok, j, lane)
+        if (~members[src] & members).any():
             raise EmulationError(f"{ins.form} reads a lane outside membermask (undefined result)")
-        wd(w, ra(w)[j], m)
+        wd(w, ra(w)[src], m)
         if wp is not None:
             wp(w, ok, m)
     return run
