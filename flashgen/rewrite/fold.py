@@ -204,12 +204,17 @@ class Folder:
             return [self.graph.resolve(Ref(x, r.ctx)) for x in op.operands]
         return None
 
+    @staticmethod
+    def value_dtype(element_type) -> np.dtype | None:
+        """The numpy type values of this element type are computed in."""
+        return np_dtype(element_type)
+
     def _eval(self, r: Ref, a: list) -> Const | None:
         """The value of ``r`` from its folded operands ``a``."""
         v = r.value
         rtype = v.type
         shape = tuple(rtype.shape)
-        dtype = np_dtype(rtype.element_type)
+        dtype = self.value_dtype(rtype.element_type)
         op = None if isinstance(v, ir.BlockArgument) else v.owner
         if op is None or op.operation.name == "stablehlo.while":
             return a[0]  # a loop-invariant carry: its initial value

@@ -1,0 +1,314 @@
+"""The backward half of a training graph: find an attention site's VJP and prove it.
+
+``jax.grad`` (and torch's autograd traced by torchax) leaves next to each attention
+forward a *cluster* of ops that reads the forward's intermediates (probabilities,
+exponentials, row sums) and the cotangent dO of the site's output, and produces the
+gradients of Q, K and V: dV = Pᵀ·dO, dP = dO·Vᵀ, the softmax VJP, the transposes of
+the mask/scale/layout steps, dQ = dS·K, dK = dSᵀ·Q. ``collect`` finds that cluster by
+walking the uses of the intermediates; every use must land in it. ``prove`` runs the
+forward site and the cluster in float64 on random inputs (flashgen.rewrite.evaluate)
+and checks the adjoint identity, for each input X of the site and a random direction δ:
+
+    <dO, (o(X + hδ) - o(X - hδ)) / 2h>  ==  <dX, δ>
+
+which holds for the VJP and, with probability one, for nothing else. The cluster's
+outputs are chosen by the same check among the values its last products flow through
+(layout ops, converts, constant scales, the sum over a GQA group), so the transposes
+of the input chains need no bookkeeping of their own. Only a proven cluster is
+replaced (by flashgen.rewrite.patterns: one flashgen_bwd_* call); anything else is
+rejected with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jaxlib.mlir import ir
+
+from flashgen.rewrite.errors import Reject
+from flashgen.rewrite.evaluate import Evaluator
+from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
+
+MAX_CLUSTER = 600          # ops in one backward cluster before giving up
+MAX_LEAF_SEARCH = 4000     # ops visited looking for the leaves of the proof
+STEP = 1e-4                # central-difference step (inputs are O(1))
+TOLERANCE = 1e-6           # relative error allowed in the adjoint identity
+
+_CLUSTER_OPS = {
+    "stablehlo." + n for n in (
+        "add subtract multiply divide negate maximum minimum exponential log select compare "
+        "and or not convert broadcast_in_dim reshape transpose reduce tanh sqrt rsqrt abs "
+        "power clamp").split()}
+_TAIL_OPS = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
+             "stablehlo.multiply", "stablehlo.divide", "stablehlo.reduce"}
+_LAYOUT = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
+           "stablehlo.broadcast_in_dim"}
+
+
+@dataclasses.dataclass
+class SiteView:
+    """What the backward needs from a matched forward site."""
+    ops: set                 # {(operation, ctx)} of the forward site
+    exit_value: ir.Value     # the site's output o
+    probs: set               # {(value, ctx)} the probabilities and their layout views
+    q_operand: Ref           # the operands of the Q·K product
+    k_operand: Ref
+    v_operand: Ref           # V as the P·V product reads it
+    inputs: dict             # 'q'|'k'|'v' -> ir.Value: what the kernel reads
+
+
+@dataclasses.dataclass
+class Backward:
+    ops: set                 # {(operation, ctx)} of the cluster (closed: no outside user)
+    do: ir.Value             # the cotangent of the site's output
+    grads: dict              # 'q'|'k'|'v' -> ir.Value the kernel's gradient replaces
+    roots: list              # ops to try erasing once the gradients are replaced
+
+
+def find(g: Graph, site: SiteView) -> Backward:
+    """The proven backward cluster of ``site``; raises Reject."""
+    if len({site.inputs[n] for n in "qkv"}) < 3 and \
+            site.inputs["q"] in (site.inputs["k"], site.inputs["v"]):
+        raise Reject("the backward of a site whose Q is also its K or V is not supported")
+    ops, tails, dv_operand = _walk(g, site)
+    if dv_operand is None:
+        raise Reject("the backward has no dV = Pᵀ·dO product")
+    do, do_views = _cotangent(g, site, dv_operand)
+    ops |= _dp_products(g, site, ops, do_views)
+    grads, chosen = _prove(g, site, ops, tails, do)
+    for role, n in chosen.items():
+        ops |= set(tails[role][0][:n + 1])
+    _check_closed(g, ops, set(grads.values()))
+    roots = [op for op, ctx in ops if not ctx] + [ctx[0] for _, ctx in ops if ctx] + \
+        [op for op, _ in do_views]
+    return Backward(ops, do, grads, roots)
+
+
+# ----------------------------------------------------------------------------- the walk
+def _walk(g: Graph, site: SiteView):
+    """Every op reached from the forward's intermediates, up to the products that make
+    dQ, dK and dV. Returns (ops, tails, dO as the dV product reads it)."""
+    internal = {(r, ctx) for op, ctx in site.ops for r in op.results
+                if not (r == site.exit_value and not ctx)}
+    q_op, k_op, v_op = (g.resolve(x) for x in (site.q_operand, site.k_operand, site.v_operand))
+    ops: set = set()
+    tails: dict = {}
+    dv_operand = None
+    stack = [Ref(v, ctx) for v, ctx in internal]
+    while stack:
+        ref = stack.pop()
+        for user, idx, uctx in g.users(ref):
+            key = (user.operation, uctx)
+            if key in site.ops or key in ops:
+                continue
+            name = op_name(user)
+            if name == "stablehlo.dot_general":
+                other = g.resolve(Ref(user.operands[1 - idx], uctx))
+                if (other.value, other.ctx) in internal or other == v_op:
+                    raise Reject("an intermediate of the softmax meets V or another "
+                                 f"intermediate in a product ({short_location(user)})")
+                if other == k_op:
+                    role = "q"
+                elif other == q_op:
+                    role = "k"
+                elif (ref.value, ref.ctx) in site.probs:
+                    role, dv_operand = "v", Ref(user.operands[1 - idx], uctx)
+                else:
+                    raise Reject("the softmax's intermediates feed a product that is not part "
+                                 f"of the attention backward ({short_location(user)})")
+                if role in tails or uctx:
+                    raise Reject(f"the backward computes d{role.upper()} in more than one "
+                                 "product")
+                ops.add(key)
+                tails[role] = _tail(g, user, site.inputs[role])
+                continue
+            if name == "func.return":
+                fn = user.operation.parent.operation
+                raise Reject("an intermediate of the attention is returned as output "
+                             f"{idx} of @{g.function_name(fn)}")
+            if name not in _CLUSTER_OPS:
+                raise Reject(f"an intermediate of the attention passes through {name} "
+                             f"({short_location(user)}), which is not part of its backward")
+            ops.add(key)
+            if len(ops) > MAX_CLUSTER:
+                raise Reject("the uses of the attention's intermediates grow beyond an "
+                             "attention backward")
+            stack.extend(Ref(r, uctx) for r in user.results)
+    missing = sorted(set("qkv") - set(tails))
+    if missing:
+        raise Reject("the backward does not compute " + ", ".join(f"d{m.upper()}" for m in missing))
+    return ops, tails, dv_operand
+
+
+def _tail(g: Graph, dot, target: ir.Value):
+    """The single-use chain after a gradient product: ([(op, ())...], [values]) where the
+    values are shaped like ``target`` (the candidates for the gradient)."""
+    chain, candidates = [(dot.operation, ())], []
+    value = dot.result
+    want = tuple(target.type.shape)
+    for _ in range(24):
+        if tuple(value.type.shape) == want:
+            candidates.append((len(chain) - 1, value))
+        uses = g.raw_users(value)
+        if len(uses) != 1:
+            break
+        user = uses[0][0]
+        if op_name(user) not in _TAIL_OPS or user.operation.block != dot.operation.block:
+            break
+        if op_name(user) in ("stablehlo.multiply", "stablehlo.divide") and \
+                user.operands[1 - uses[0][1]] == value:
+            break
+        chain.append((user.operation, ()))
+        value = user.results[0]
+    return chain, candidates
+
+
+def _cotangent(g: Graph, site: SiteView, dv_operand: Ref):
+    """dO: the value shaped like the site's output that the dV product's other operand
+    comes from through layout ops; and those layout ops."""
+    want = tuple(site.exit_value.type.shape)
+    r, views = dv_operand, []
+    for _ in range(16):
+        r = g.resolve(r)
+        if r.ctx:
+            break
+        if tuple(r.value.type.shape) == want and _is_float(r.value):
+            return r.value, views
+        if isinstance(r.value, ir.BlockArgument):
+            break
+        op = r.value.owner
+        if op_name(op) not in _LAYOUT:
+            break
+        views.append((op.operation, ()))
+        r = Ref(op.operands[0], ())
+    raise Reject("the cotangent of the attention output (dO) is not found: the dV product "
+                 "reads a value that is not a layout view of one shaped like the output")
+
+
+def _dp_products(g: Graph, site: SiteView, ops: set, do_views) -> set:
+    """The dP = dO·Vᵀ products (and their dO views) whose results the cluster reads."""
+    v_op = g.resolve(site.v_operand)
+    found = set()
+    for op, ctx in list(ops):
+        for x in op.operands:
+            r = g.resolve(Ref(x, ctx))
+            if isinstance(r.value, ir.BlockArgument):
+                continue
+            prod_op = r.value.owner
+            if op_name(prod_op) != "stablehlo.dot_general" or (prod_op.operation, r.ctx) in ops:
+                continue
+            sides = [g.resolve(Ref(y, r.ctx)) for y in prod_op.operands]
+            if v_op in sides and any(_reaches(g, s, do_views) for s in sides if s != v_op):
+                found.add((prod_op.operation, r.ctx))
+    return found
+
+
+def _reaches(g: Graph, r: Ref, do_views) -> bool:
+    """Is ``r`` one of the dO views the dV product reads (or dO through layout ops)?"""
+    targets = {op for op, _ in do_views}
+    for _ in range(16):
+        if isinstance(r.value, ir.BlockArgument):
+            return False
+        op = r.value.owner.operation
+        if op in targets:
+            return True
+        if op_name(op) not in _LAYOUT:
+            return False
+        r = g.resolve(Ref(op.operands[0], r.ctx))
+    return False
+
+
+def _check_closed(g: Graph, ops: set, outputs: set) -> None:
+    for op, ctx in ops:
+        for res in op.results:
+            if res in outputs and not ctx:
+                continue
+            for user, idx, uctx in g.users(Ref(res, ctx)):
+                if (user.operation, uctx) not in ops:
+                    raise Reject("a value of the attention backward has another user "
+                                 f"({op_name(user)} at {short_location(user)})")
+
+
+# ----------------------------------------------------------------------------- the proof
+def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value):
+    """Choose each gradient among its tail's candidates by the adjoint identity; raises
+    Reject when no candidate satisfies it."""
+    rng = np.random.default_rng(20240)
+    inputs = {n: site.inputs[n] for n in "qkv"}
+    targets = [site.exit_value] + [v for role in tails for _, v in tails[role][1]]
+    base = {Ref(v): rng.standard_normal(tuple(v.type.shape)) for v in inputs.values()}
+    base[Ref(do)] = rng.standard_normal(tuple(do.type.shape))
+    leaves = _leaves(g, targets, set(base))
+    for ref in leaves:
+        base[ref] = _random_like(rng, ref.value)
+    ev = Evaluator(g, base)
+    g0 = base[Ref(do)]
+    grads, chosen = {}, {}
+    for role, value in inputs.items():
+        delta = rng.standard_normal(tuple(value.type.shape))
+        outs = []
+        for sign in (1.0, -1.0):
+            moved = dict(base)
+            moved[Ref(value)] = base[Ref(value)] + sign * STEP * delta
+            out = Evaluator(g, moved).value(Ref(site.exit_value))
+            if out is None:
+                raise Reject("the attention forward cannot be evaluated to check its backward")
+            outs.append(out)
+        lhs = float(np.sum(g0 * (outs[0] - outs[1]))) / (2 * STEP)
+        scale = float(np.sqrt(np.sum(g0 ** 2) * np.sum(((outs[0] - outs[1]) / (2 * STEP)) ** 2)))
+        for i, cand in tails[role][1]:
+            got = ev.value(Ref(cand))
+            if got is None or not np.all(np.isfinite(got)):
+                continue
+            rhs = float(np.sum(got * delta))
+            bound = TOLERANCE * (scale + float(np.linalg.norm(got) * np.linalg.norm(delta))) + 1e-12
+            if abs(lhs - rhs) <= bound:
+                grads[role], chosen[role] = cand, i
+        if role not in grads:
+            raise Reject(f"the cluster reached from the attention's intermediates does not "
+                         f"compute d{role.upper()} (checked numerically against the forward)")
+    return grads, chosen
+
+
+def _leaves(g: Graph, targets: list, bound: set) -> list:
+    """Values the targets depend on that are neither bound nor constant: function
+    arguments, results of ops the evaluator does not know."""
+    from flashgen.rewrite.fold import Folder
+    folder = Folder(g)
+    seen, out, stack = set(), [], [Ref(v) for v in targets]
+    bound = {(r.value, r.ctx) for r in bound}
+    while stack:
+        r = g.resolve(stack.pop())
+        key = (r.value, r.ctx)
+        if key in seen or key in bound:
+            continue
+        seen.add(key)
+        if len(seen) > MAX_LEAF_SEARCH:
+            raise Reject("the attention backward depends on too much of the program to check")
+        if isinstance(r.value, ir.BlockArgument):
+            out.append(r)
+            continue
+        op = r.value.owner
+        name = op_name(op)
+        if name in ("stablehlo.constant", "stablehlo.iota"):
+            continue
+        if name not in _CLUSTER_OPS | _LAYOUT | {"stablehlo.dot_general", "stablehlo.iota"}:
+            if folder.fold(r) is None:
+                out.append(r)
+            continue
+        stack.extend(Ref(x, r.ctx) for x in op.operands)
+    return out
+
+
+def _random_like(rng, value: ir.Value) -> np.ndarray:
+    shape = tuple(value.type.shape)
+    elt = str(value.type.element_type)
+    if elt == "i1":
+        return rng.random(shape) < 0.8   # mostly visible: rows keep some keys
+    if elt.lstrip("u").startswith("i"):
+        return rng.integers(0, 2, shape).astype(np.int64)
+    return rng.standard_normal(shape)
+
+
+def _is_float(v: ir.Value) -> bool:
+    return str(v.type.element_type) in ("f16", "bf16", "f32", "f64")

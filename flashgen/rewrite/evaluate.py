@@ -1,0 +1,88 @@
+"""Evaluate a subgraph numerically in float64, with chosen values for its leaves.
+
+The backward rewrite (flashgen.rewrite.backward) proves that a cluster of ops is the
+attention VJP by running it, and the forward it belongs to, on random inputs. This is
+the constant folder (flashgen.rewrite.fold) with three differences: the caller binds
+leaf values (any SSA value, seen through calls), every float is computed in float64
+(a bf16 program is checked as the exact function it rounds), and products and
+reductions are evaluated too. A value that cannot be evaluated (an unbound argument,
+an op neither knows) evaluates to None.
+"""
+from __future__ import annotations
+
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+from flashgen.rewrite.fold import Const, Folder, np_dtype
+from flashgen.rewrite.graph import Graph, Ref
+
+_REDUCERS = {"add": np.add, "maximum": np.maximum, "minimum": np.minimum,
+             "multiply": np.multiply, "and": np.logical_and, "or": np.logical_or}
+
+
+class Evaluator(Folder):
+    """Memoized float64 evaluator; ``bindings`` maps Refs to the arrays they stand for."""
+
+    def __init__(self, graph: Graph, bindings: dict):
+        super().__init__(graph)
+        for ref, array in bindings.items():
+            r = graph.resolve(ref)
+            self._memo[(r.value, r.ctx)] = Const(np.asarray(array), tuple(r.value.type.shape))
+
+    @staticmethod
+    def value_dtype(element_type):
+        d = np_dtype(element_type)
+        return np.dtype(np.float64) if d is not None and d.kind == "f" else d
+
+    def value(self, ref: Ref) -> np.ndarray | None:
+        """The full array of ``ref``, or None when it cannot be evaluated."""
+        c = self.fold(ref)
+        return None if c is None else np.asarray(c.full())
+
+    def _operands(self, r: Ref):
+        v = r.value
+        if not isinstance(v, ir.BlockArgument) and v.owner.operation.name in (
+                "stablehlo.dot_general", "stablehlo.reduce"):
+            return [self.graph.resolve(Ref(x, r.ctx)) for x in v.owner.operands]
+        return super()._operands(r)
+
+    def _eval(self, r: Ref, a: list):
+        v = r.value
+        if not isinstance(v, ir.BlockArgument):
+            name = v.owner.operation.name
+            if name == "stablehlo.dot_general":
+                return self._dot(v.owner, a)
+            if name == "stablehlo.reduce":
+                return self._reduce(v.owner, r, a)
+        return super()._eval(r, a)
+
+    @staticmethod
+    def _dot(op, a: list) -> Const:
+        dn = stablehlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
+        lb, rb = list(dn.lhs_batching_dimensions), list(dn.rhs_batching_dimensions)
+        lc, rc = list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions)
+        x, y = (np.asarray(c.full()) for c in a)
+        letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        lx, ly = [None] * x.ndim, [None] * y.ndim
+        for i, j in list(zip(lb, rb)) + list(zip(lc, rc)):
+            lx[i] = ly[j] = next(letters)
+        lx = [c or next(letters) for c in lx]
+        ly = [c or next(letters) for c in ly]
+        out = [lx[i] for i in lb] + [lx[i] for i in range(x.ndim) if i not in lb + lc] + \
+            [ly[j] for j in range(y.ndim) if j not in rb + rc]
+        res = np.einsum(f"{''.join(lx)},{''.join(ly)}->{''.join(out)}", x, y, optimize=True)
+        return Const(res, tuple(op.result.type.shape))
+
+    @staticmethod
+    def _reduce(op, r: Ref, a: list) -> Const:
+        if len(a) != 2:
+            raise ValueError("a variadic reduce")
+        body = list(op.operation.regions[0].blocks[0].operations)
+        kind = body[0].operation.name.split(".")[-1] if len(body) == 2 else None
+        if kind not in _REDUCERS:
+            raise ValueError(f"a reduce with {kind}")
+        x, init = np.asarray(a[0].full()), np.asarray(a[1].full())
+        dims = tuple(ir.DenseI64ArrayAttr(op.operation.attributes["dimensions"]))
+        res = _REDUCERS[kind](_REDUCERS[kind].reduce(x, axis=dims) if dims else x, init)
+        return Const(np.asarray(res), tuple(r.value.type.shape))

@@ -1,0 +1,245 @@
+"""Golden training graphs: gradients of small transformers (forward + backward attention).
+
+    python tests/golden/generate_train.py [case ...]   # needs jax; the torch case torchax
+
+Writes tests/golden/inputs/train_*.mlir and tests/golden/train_cases.json (what each
+case must rewrite or reject, and why); FileCheck directives live in
+tests/golden/checks/train_*.check. Each module is ``jax.grad`` of a mean-squared loss of
+a 2-layer transformer (RMS norm, attention, MLP) with respect to every weight and the
+input, exported for CPU; tests/test_rewrite_backward.py rewrites and runs them.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from generate import INPUTS, CHECKS, _import_torchax, export_fn, spec  # noqa: E402
+
+CASES: dict = {}
+B, T, H, D, LAYERS = 2, 16, 4, 32, 2
+
+
+def case(name, *, sites=0, rejected=(), fwd=(), bwd=(), kv_heads=None):
+    """``sites``: training sites rewritten as a forward/backward pair; ``fwd``/``bwd``: the
+    custom-call targets expected; ``rejected``: substrings of expected rejection reasons."""
+    def deco(fn):
+        CASES[name] = dict(fn=fn, expect=dict(sites=sites, rejected=list(rejected),
+                                              fwd=list(fwd), bwd=list(bwd), kv_heads=kv_heads))
+        return fn
+    return deco
+
+
+def target(direction, d=D, dt="f32", causal=True):
+    return f"flashgen_{direction}_d{d}_{dt}{'_causal' if causal else ''}"
+
+
+# ----------------------------------------------------------------------------- the model
+def attention_jnn(q, k, v, mask=None, causal=True):
+    import jax
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+
+
+def attention_einsum(q, k, v, mask=None, causal=True):
+    """Hand-written: scale as a divide by sqrt(d), -1e9 fill, softmax by hand."""
+    import jax.numpy as jnp
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1])).astype(q.dtype)
+    if causal:
+        i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+        s = jnp.where(j <= i, s, -1e9)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def layer(x, w, *, attention, hkv=H, mask=None, causal=True):
+    import jax
+    import jax.numpy as jnp
+    b, t, c = x.shape
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    q = (h @ w["q"]).reshape(b, t, H, D)
+    k = (h @ w["k"]).reshape(b, t, hkv, D)
+    v = (h @ w["v"]).reshape(b, t, hkv, D)
+    x = x + attention(q, k, v, mask, causal).reshape(b, t, c) @ w["o"]
+    return x + jax.nn.gelu(x @ w["up"]) @ w["down"]
+
+
+def weights(dtype, hkv=H, layers=LAYERS, stacked=False):
+    c = H * D
+    shapes = dict(q=(c, c), k=(c, hkv * D), v=(c, hkv * D), o=(c, c), up=(c, 2 * c),
+                  down=(2 * c, c))
+    if stacked:
+        return {n: spec((layers,) + s, dtype) for n, s in shapes.items()}
+    return [{n: spec(s, dtype) for n, s in shapes.items()} for _ in range(layers)]
+
+
+def training_step(dtype="float32", *, attention=attention_jnn, hkv=H, remat=False,
+                  padding=False, t=T):
+    """Export grad(loss) over (weights, x) for a 2-layer model."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(ws, x, y, *mask):
+        m = mask[0][:, None, None, :] if padding else None
+        for w in ws:
+            fn = lambda x_, w_: layer(x_, w_, attention=attention, hkv=hkv, mask=m)  # noqa: E731
+            x = (jax.checkpoint(fn) if remat else fn)(x, w)
+        return jnp.mean((x.astype(jnp.float32) - y) ** 2)
+
+    args = [weights(dtype, hkv), spec((B, t, H * D), dtype), spec((B, t, H * D))]
+    if padding:
+        args.append(spec((B, t), "bool"))
+    return export_fn(jax.grad(loss, argnums=(0, 1)), *args)
+
+
+def scanned_step(*, remat: bool):
+    """The layers as a lax.scan over stacked weights (remat: jax.checkpoint'ed body)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(ws, x, y):
+        body = lambda x_, w_: (layer(x_, w_, attention=attention_jnn), None)  # noqa: E731
+        x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, x, ws)
+        return jnp.mean((x - y) ** 2)
+
+    return export_fn(jax.grad(loss, argnums=(0, 1)), weights("float32", stacked=True),
+                     spec((B, T, H * D)), spec((B, T, H * D)))
+
+
+# ----------------------------------------------------------------------------- cases
+@case("train_jnn_f32", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    return training_step("float32")
+
+
+@case("train_einsum_f32", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    return training_step("float32", attention=attention_einsum)
+
+
+@case("train_jnn_bf16", sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")])
+def _():
+    return training_step("bfloat16")
+
+
+@case("train_remat", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    # the forward runs twice: once plain (a forward-only site), once recomputed in the
+    # backward region next to its VJP (a training site)
+    return training_step("float32", remat=True)
+
+
+@case("train_gqa", sites=2, fwd=[target("fwd")], bwd=[target("bwd")], kv_heads=2)
+def _():
+    return training_step("float32", hkv=2)
+
+
+@case("train_padding_mask", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    return training_step("float32", padding=True)
+
+
+@case("train_scan_remat", sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    return scanned_step(remat=True)
+
+
+@case("train_torchax", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    torch, torchax = _import_torchax()
+    import jax
+    import jax.numpy as jnp
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(H * D, 3 * H * D, bias=False)
+            self.o = torch.nn.Linear(H * D, H * D, bias=False)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, H, D).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + self.o(a.transpose(1, 2).reshape(b, t, c))
+
+    model = torch.nn.Sequential(*[Block() for _ in range(LAYERS)])
+    params, fn = torchax.extract_jax(model)
+
+    def loss(p, x):  # loss.backward() as torchax runs it: jax.grad of the traced model
+        return jnp.mean(fn(p, (x,)) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1)),
+                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, H * D)))
+
+
+@case("train_neg_scan_residual", rejected=["stored for the backward"])
+def _():
+    # without remat, scan saves the probabilities of every layer as a loop output for the
+    # backward loop: the O(S²) residual is the program's own choice, left alone
+    return scanned_step(remat=False)
+
+
+@case("train_neg_entropy", rejected=["passes through stablehlo.log"])
+def _():
+    # an attention-entropy regularizer reads the probabilities: not an attention backward
+    import jax
+    import jax.numpy as jnp
+
+    def loss(w, q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q @ w, k) * 0.125
+        p = jax.nn.softmax(s)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        return jnp.mean(o ** 2) - 0.1 * jnp.mean(jnp.sum(p * jnp.log(p + 1e-9), -1))
+    return export_fn(jax.grad(loss), spec((D, D)), *[spec((B, T, H, D))] * 3)
+
+
+@case("train_neg_bias_grad", rejected=["bias"])
+def _():
+    # a learned additive bias is differentiated (dbias): not supported yet
+    import jax
+    import jax.numpy as jnp
+
+    def loss(bias, q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + bias
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        return jnp.mean(o ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1, 2, 3)), spec((1, H, T, T)),
+                     *[spec((B, T, H, D))] * 3)
+
+
+# ----------------------------------------------------------------------------- writing
+def default_checks(expect: dict) -> str:
+    lines = ["// CHECK-LABEL: func.func public @main"]
+    if expect["sites"]:
+        lines += [f"// CHECK-DAG: stablehlo.custom_call @{t}(" for t in expect["fwd"] + expect["bwd"]]
+        lines.append("// CHECK-NOT: stablehlo.exponential")
+    else:
+        lines.append("// CHECK-NOT: @flashgen_bwd")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    INPUTS.mkdir(parents=True, exist_ok=True)
+    only = set(argv)
+    manifest_path = HERE / "train_cases.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    for name, meta in CASES.items():
+        if only and name not in only:
+            continue
+        path = INPUTS / f"{name}.mlir"
+        path.write_text(meta["fn"]().mlir_module())
+        manifest[name] = dict(file=f"inputs/{path.name}", **meta["expect"])
+        check = CHECKS / f"{name}.check"
+        if not check.exists():
+            check.write_text(default_checks(meta["expect"]))
+        print(f"{name}: {path.relative_to(HERE)}")
+    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
