@@ -58,7 +58,9 @@ class RewriteResult:
         if not self.changed:
             return self.loaded.data
         return modules.dump(self.loaded, self.module,
-                            extra_custom_calls=tuple(sorted({s.target for s in self.rewritten})))
+                            extra_custom_calls=tuple(sorted(
+                                {t for s in self.rewritten for t in (s.target, s.backward_target)
+                                 if t})))
 
     def text(self) -> str:
         from flashgen.rewrite import modules

@@ -36,13 +36,18 @@ TOLERANCE = 1e-6           # relative error allowed in the adjoint identity
 
 _CLUSTER_OPS = {
     "stablehlo." + n for n in (
-        "add subtract multiply divide negate maximum minimum exponential log select compare "
+        "add subtract multiply divide negate maximum minimum exponential select compare "
         "and or not convert broadcast_in_dim reshape transpose reduce tanh sqrt rsqrt abs "
         "power clamp").split()}
 _TAIL_OPS = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
-             "stablehlo.multiply", "stablehlo.divide", "stablehlo.reduce"}
+             "stablehlo.multiply", "stablehlo.divide", "stablehlo.reduce",
+             "stablehlo.broadcast_in_dim"}
 _LAYOUT = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
            "stablehlo.broadcast_in_dim"}
+
+
+_BIAS_HINT = ("; the site adds a run-time bias: if it is differentiated, its gradient (dbias) "
+              "is not supported in training graphs yet")
 
 
 @dataclasses.dataclass
@@ -55,6 +60,7 @@ class SiteView:
     k_operand: Ref
     v_operand: Ref           # V as the P·V product reads it
     inputs: dict             # 'q'|'k'|'v' -> ir.Value: what the kernel reads
+    bias: bool = False       # the site adds a run-time bias
 
 
 @dataclasses.dataclass
@@ -124,11 +130,18 @@ def _walk(g: Graph, site: SiteView):
                 continue
             if name == "func.return":
                 fn = user.operation.parent.operation
-                raise Reject("an intermediate of the attention is returned as output "
-                             f"{idx} of @{g.function_name(fn)}")
+                raise Reject(f"an intermediate of the attention leaves @{g.function_name(fn)} "
+                             f"as output {idx} (a residual kept for a backward elsewhere, e.g. "
+                             "lax.scan without jax.checkpoint, or a returned value)"
+                             + _BIAS_HINT * site.bias)
+            if name in ("stablehlo.dynamic_update_slice", "stablehlo.return"):
+                raise Reject("an intermediate of the attention is stored for the backward "
+                             "(a loop residual, e.g. lax.scan without jax.checkpoint): its "
+                             "backward runs in another loop")
             if name not in _CLUSTER_OPS:
                 raise Reject(f"an intermediate of the attention passes through {name} "
-                             f"({short_location(user)}), which is not part of its backward")
+                             f"({short_location(user)}), which is not part of its backward"
+                             + _BIAS_HINT * site.bias)
             ops.add(key)
             if len(ops) > MAX_CLUSTER:
                 raise Reject("the uses of the attention's intermediates grow beyond an "
@@ -158,6 +171,9 @@ def _tail(g: Graph, dot, target: ir.Value):
         if op_name(user) in ("stablehlo.multiply", "stablehlo.divide") and \
                 user.operands[1 - uses[0][1]] == value:
             break
+        if op_name(user) == "stablehlo.broadcast_in_dim" and \
+                _size(user.result) != _size(value):   # only a unit dim added (a reshape)
+            break
         chain.append((user.operation, ()))
         value = user.results[0]
     return chain, candidates
@@ -186,12 +202,17 @@ def _cotangent(g: Graph, site: SiteView, dv_operand: Ref):
 
 
 def _dp_products(g: Graph, site: SiteView, ops: set, do_views) -> set:
-    """The dP = dO·Vᵀ products (and their dO views) whose results the cluster reads."""
+    """The dP = dO·Vᵀ products whose results the cluster reads (through layout ops),
+    with those layout ops."""
     v_op = g.resolve(site.v_operand)
     found = set()
     for op, ctx in list(ops):
         for x in op.operands:
-            r = g.resolve(Ref(x, ctx))
+            r, path = g.resolve(Ref(x, ctx)), []
+            while not isinstance(r.value, ir.BlockArgument) and \
+                    op_name(r.value.owner) in _LAYOUT and len(path) < 8:
+                path.append((r.value.owner.operation, r.ctx))
+                r = g.resolve(Ref(r.value.owner.operands[0], r.ctx))
             if isinstance(r.value, ir.BlockArgument):
                 continue
             prod_op = r.value.owner
@@ -199,7 +220,7 @@ def _dp_products(g: Graph, site: SiteView, ops: set, do_views) -> set:
                 continue
             sides = [g.resolve(Ref(y, r.ctx)) for y in prod_op.operands]
             if v_op in sides and any(_reaches(g, s, do_views) for s in sides if s != v_op):
-                found.add((prod_op.operation, r.ctx))
+                found |= {(prod_op.operation, r.ctx)} | set(path)
     return found
 
 
@@ -308,6 +329,10 @@ def _random_like(rng, value: ir.Value) -> np.ndarray:
     if elt.lstrip("u").startswith("i"):
         return rng.integers(0, 2, shape).astype(np.int64)
     return rng.standard_normal(shape)
+
+
+def _size(v: ir.Value) -> int:
+    return int(np.prod(v.type.shape, dtype=np.int64))
 
 
 def _is_float(v: ir.Value) -> bool:

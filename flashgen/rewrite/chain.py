@@ -92,6 +92,11 @@ class MatchState:
         self.biases: list = []         # X.ConstBias: constant additive biases
         self.extras: list = []         # X.ValueBias | X.ValueMask | X.SegmentIds (run time)
         self.dot1 = None               # the Q·K product
+        self.softmax_axes = None       # R: the pieces the softmax normalizes over
+        # a training graph: the forward's intermediates also feed its backward
+        # (flashgen.rewrite.backward); only tried after a plain match met such uses
+        self.training = False
+        self.escaped = False           # a plain match failed on a use outside the site
 
     def add(self, op, ctx):
         self.ops.add((op.operation, ctx))

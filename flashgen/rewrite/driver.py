@@ -108,6 +108,8 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
             records.append(site)
             continue
         roots = [o for o, ctx in site.plan.site_ops if not ctx]
+        if site.plan.backward is not None:
+            roots += site.plan.backward.roots
         touched_functions |= _erase_dead(pattern.g, roots, erased)
         site.status = "rewritten"
         site.op, site.location = first.op, first.location  # named as in the input

@@ -32,8 +32,9 @@ class Evaluator(Folder):
 
     @staticmethod
     def value_dtype(element_type):
-        d = np_dtype(element_type)
-        return np.dtype(np.float64) if d is not None and d.kind == "f" else d
+        if str(element_type) in ("f16", "bf16", "f32", "f64"):  # bf16's numpy kind is 'V'
+            return np.dtype(np.float64)
+        return np_dtype(element_type)
 
     def value(self, ref: Ref) -> np.ndarray | None:
         """The full array of ``ref``, or None when it cannot be evaluated."""
@@ -62,7 +63,7 @@ class Evaluator(Folder):
         dn = stablehlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
         lb, rb = list(dn.lhs_batching_dimensions), list(dn.rhs_batching_dimensions)
         lc, rc = list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions)
-        x, y = (np.asarray(c.full()) for c in a)
+        x, y = (_float64(c) for c in a)
         letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
         lx, ly = [None] * x.ndim, [None] * y.ndim
         for i, j in list(zip(lb, rb)) + list(zip(lc, rc)):
@@ -82,7 +83,12 @@ class Evaluator(Folder):
         kind = body[0].operation.name.split(".")[-1] if len(body) == 2 else None
         if kind not in _REDUCERS:
             raise ValueError(f"a reduce with {kind}")
-        x, init = np.asarray(a[0].full()), np.asarray(a[1].full())
+        x, init = (_float64(c) if c.array.dtype != np.bool_ else c.full() for c in a)
         dims = tuple(ir.DenseI64ArrayAttr(op.operation.attributes["dimensions"]))
         res = _REDUCERS[kind](_REDUCERS[kind].reduce(x, axis=dims) if dims else x, init)
         return Const(np.asarray(res), tuple(r.value.type.shape))
+
+
+def _float64(c: Const) -> np.ndarray:
+    """The full array in float64 (constants keep their own type, e.g. bf16, until here)."""
+    return np.asarray(c.full(), dtype=np.float64)

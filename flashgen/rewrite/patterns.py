@@ -45,7 +45,7 @@ from math import prod
 import numpy as np
 from jaxlib.mlir import ir
 
-from flashgen.rewrite import adapters, empty_rows, masks
+from flashgen.rewrite import adapters, backward, empty_rows, masks
 from flashgen.rewrite import extras as X
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.chain import (
@@ -80,6 +80,7 @@ class Plan:
     softcap: float = 0.0      # 0 = none
     extras: object = None     # extras.Resolved: the operands after q, k, v
     empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
+    backward: object = None   # backward.Backward: a training site's VJP cluster
 
 
 class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage):
@@ -138,9 +139,20 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         try:
             site = self._match(op, m, where)
         except Reject as e:
-            details = {k: v for k, v in e.details.items() if v is not None}
-            return Rejection(where["location"], where["function"], where["op"], e.reason,
-                             matched=m.matched, details=details)
+            if not m.escaped:
+                details = {k: v for k, v in e.details.items() if v is not None}
+                return Rejection(where["location"], where["function"], where["op"], e.reason,
+                                 matched=m.matched, details=details)
+            # the intermediates have users outside the site: perhaps its backward
+            m = MatchState()
+            m.training = True
+            try:
+                site = self._match(op, m, where)
+            except Reject as e2:
+                details = {k: v for k, v in e2.details.items() if v is not None}
+                return Rejection(where["location"], where["function"], where["op"],
+                                 f"{e.reason}; as a training site: {e2.reason}",
+                                 matched=m.matched, details=details)
         site.notes = m.notes
         return site
 
@@ -179,6 +191,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         x, x_layout = self._walk_scores(m, Ref(dot1.result), scores_layout)
         # 2. the softmax
         p, p_layout, R = self._softmax(m, x, x_layout)
+        m.softmax_axes = R
         m.matched.append("softmax")
         # 3. probabilities -> P·V product
         dot2, p_idx, dot2_ctx = self._walk_probs(m, p, p_layout)
@@ -222,11 +235,27 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         if m.softcap:
             # c·tanh(pre·qk): the kernel's scale is pre·c, its softcap c
             scale *= m.softcap
-        # 8. closure: no intermediate may have a user outside the site
-        self._check_closure(m, exit_op)
+        # 8. closure: no intermediate may have a user outside the site (in a training
+        # graph: outside the site and its backward, checked by backward.find)
+        if not m.training:
+            self._check_closure(m, exit_op)
         # 9. mask, kernel layout, limits
-        return self._plan(m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
+        site = self._plan(m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
                           exit_op, exit_value, exit_layout, scale)
+        if m.training:
+            view = backward.SiteView(
+                ops=set(m.ops), exit_value=exit_value,
+                probs={k for k, (_, tag) in m.chain.items() if tag == "probs"},
+                q_operand=Ref(q_val), k_operand=Ref(k_val), v_operand=v_ref,
+                inputs={"q": q_in[0], "k": k_in[0], "v": v_in[0]},
+                bias=any(isinstance(x, X.ValueBias) for x in m.extras))
+            bw = backward.find(self.g, view)
+            site.plan.backward = bw
+            site.plan.site_ops |= bw.ops
+            site.backward_target = site.plan.spec.target_name("bwd")
+            m.notes.append("training site: the backward (dQ, dK, dV) is replaced too, "
+                           "checked numerically against the forward")
+        return site
 
     # ------------------------------------------------------------------ closure
     def _check_closure(self, m: MatchState, exit_op) -> None:
@@ -239,6 +268,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 for user, idx, uctx in self.g.users(Ref(res, ctx)):
                     if (user.operation, uctx) in m.ops:
                         continue
+                    m.escaped = True
                     what = {"scores": "the scores", "exp": "the exponentials",
                             "probs": "the probabilities"}.get(
                         tags.get((res, ctx)), "an intermediate of the softmax")
@@ -436,11 +466,53 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 want = plan.exit_value.type.element_type
                 if out.type.element_type != want:
                     out = adapters.convert(out, want, created)
+                if plan.backward is not None:
+                    grads = self._rewrite_backward(plan, operands, o, lse, created)
             except Exception:
                 for op in reversed(created):
                     op.operation.erase()
                 raise
         plan.exit_value.replace_all_uses_with(out)
+        if plan.backward is not None:
+            for name, g in grads.items():
+                plan.backward.grads[name].replace_all_uses_with(g)
+
+    def _rewrite_backward(self, plan: Plan, operands, o, lse, created) -> dict:
+        """One flashgen_bwd call for the site's backward cluster, placed before the first
+        use of its gradients; returns 'q'|'k'|'v' -> the value replacing that gradient."""
+        from flashgen.emit import emit_custom_call
+        bw = plan.backward
+        block = plan.exit_op.operation.block
+        first = None
+        for g in bw.grads.values():
+            for use in g.uses:
+                op = use.owner.operation
+                while op.block != block:
+                    op = op.parent.operation
+                if first is None or op.is_before_in_block(first):
+                    first = op
+        if first is None or not plan.exit_op.operation.is_before_in_block(first):
+            raise ValueError("the backward is used before the forward's output is computed")
+        kdt = ir.Type.parse(plan.spec.dtype)
+        with ir.InsertionPoint(first):
+            do = adapters.adapt(bw.do, plan.exit_layout, plan.kernel["o"], created)
+            if do.type.element_type != kdt:
+                do = adapters.convert(do, kdt, created)
+            names = plan.extras.names if plan.extras is not None else ()
+            results = emit_custom_call(plan.spec, "bwd", operands[:3] + [o, lse, do] + operands[3:],
+                                       scale=plan.scale, bottom_right=plan.bottom_right,
+                                       window=plan.window, softcap=plan.softcap, extras=names,
+                                       dbias=False, legacy_attrs=self.legacy_attrs)
+            created.append(results[0].owner)
+            out = {}
+            for name, x in zip("qkv", results[:3]):
+                want = bw.grads[name]
+                g = adapters.adapt(x, plan.kernel[name], plan.inputs[name][1], created,
+                                   final_shape=shape_of(want))
+                if g.type.element_type != want.type.element_type:
+                    g = adapters.convert(g, want.type.element_type, created)
+                out[name] = g
+        return out
 
 
 def _layout_letters(q_lay, b, s, h, d) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from jaxlib.mlir import ir
 
-from flashgen.rewrite.chain import FLOAT_TYPES, MAX_CHAIN, RNG_OPS, MatchState, elt, layout_step
+from flashgen.rewrite.chain import (
+    FLOAT_TYPES, MAX_CHAIN, RNG_OPS, MatchState, dot_dims, elt, layout_step,
+)
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
 
@@ -21,9 +23,14 @@ class ProbabilitiesStage:
         for _ in range(MAX_CHAIN):
             users = list(self.g.users(p))
             steps = [u for u in users if op_name(u[0]) in PROB_STEPS]
+            if len(steps) > 1 and m.training:
+                # the backward's dV = Pᵀ·dO contracts the query axis: not the P·V product
+                steps = [u for u in steps if op_name(u[0]) != "stablehlo.dot_general"
+                         or _contracts(u, layout, m.softmax_axes)]
             if len(steps) != 1:
                 if not users:
                     raise Reject("the probabilities are never used")
+                m.escaped = len(steps) > 1
                 raise Reject(self._why_not_pv(users, p))
             user, idx, ctx = steps[0]
             name = op_name(user)
@@ -130,3 +137,12 @@ class ProbabilitiesStage:
                 return True
             stack.extend(Ref(x, r.ctx) for x in op.operands)
         return False
+
+
+def _contracts(use, layout, axes) -> bool:
+    """Does the product ``use`` (user, operand index, ctx) of the probabilities (dims
+    ``layout``) contract exactly the softmax axes?"""
+    user, idx, _ = use
+    lb, rb, lc, rc = dot_dims(user)
+    contracted = {p[0] for i in (lc if idx == 0 else rc) for p in layout[i]}
+    return contracted == {p[0] for p in axes}

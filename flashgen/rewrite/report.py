@@ -45,6 +45,7 @@ class AttentionSite:
     extras: list = dataclasses.field(default_factory=list)         # e.g. ["alibi", "mask"]
     extras_detail: list = dataclasses.field(default_factory=list)  # one text per extra
     empty_rows: str = "none"     # rows whose keys are all masked: none | zero | mean | nan
+    backward_target: str = ""    # a training site: the flashgen_bwd_* call of its VJP
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
@@ -72,7 +73,8 @@ class AttentionSite:
             f"seq {self.seq_q}x{self.seq_k}, head dim {self.head_dim}",
             f"  {mask}, scale {self.scale:.6g}",
             *([f"  extras: {'; '.join(self.extras_detail or self.extras)}"] if self.extras else []),
-            f"  -> {self.target}" if self.status != "rejected" else f"  reason: {self.reason}",
+            f"  -> {self.target}" + (f" + {self.backward_target}" if self.backward_target else "")
+            if self.status != "rejected" else f"  reason: {self.reason}",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

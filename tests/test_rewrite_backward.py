@@ -1,0 +1,198 @@
+"""Training graphs: the forward and the backward of each attention rewritten as a pair.
+
+Golden inputs (tests/golden/generate_train.py) are jax.grad of 2-layer transformers; each
+positive case must rewrite every training site into flashgen_fwd + flashgen_bwd, pass its
+FileCheck directives, and give the same gradients as the original module on fresh random
+inputs; negative cases must be left alone with the expected reason. The proof the
+rewriter relies on (flashgen.rewrite.backward) must reject a backward that is subtly wrong.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import flashgen.rewrite as fr
+from flashgen import execute
+from flashgen.rewrite import modules
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+CASES = json.loads((GOLDEN / "train_cases.json").read_text())
+POSITIVE = sorted(n for n, c in CASES.items() if c["sites"])
+NEGATIVE = sorted(n for n, c in CASES.items() if not c["sites"])
+# max |error| / max |reference| per gradient, by kernel dtype
+TOLERANCE = {"f32": 2e-4, "bf16": 5e-2}
+
+sys.path.insert(0, str(GOLDEN))
+import filecheck  # noqa: E402
+
+
+def _rewrite(name):
+    return fr.rewrite(GOLDEN / CASES[name]["file"])
+
+
+def _training(result):
+    return [s for s in result.rewritten if s.backward_target]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_training_sites(name):
+    case = CASES[name]
+    result = _rewrite(name)
+    training = _training(result)
+    assert len(training) == case["sites"], [s.reason for s in result.rejected]
+    for expected in case["rejected"]:
+        assert any(expected in s.reason for s in result.rejected), \
+            f"no rejection mentions {expected!r}: {[s.reason for s in result.rejected]}"
+    if case["sites"]:
+        assert not result.rejected, [s.reason for s in result.rejected]
+        assert sorted({s.target for s in result.rewritten}) == sorted(case["fwd"])
+        assert sorted({s.backward_target for s in training}) == sorted(case["bwd"])
+        for s in training:
+            if case["kv_heads"] is not None:
+                assert s.kv_heads == case["kv_heads"]
+            json.dumps(s.to_json())
+            assert s.backward_target in s.explain()
+    else:
+        assert result.to_bytes() == (GOLDEN / case["file"]).read_bytes()
+    filecheck.check(result.text(), (GOLDEN / "checks" / f"{name}.check").read_text())
+
+
+@pytest.mark.parametrize("name", POSITIVE)
+def test_rewritten_training_step_is_idempotent(name):
+    data = _rewrite(name).to_bytes()
+    again = fr.rewrite(data)
+    assert not again.rewritten and not again.rejected
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from flashgen import runtime
+    specs = set()
+    for name in POSITIVE:
+        specs |= set(_rewrite(name).specs)
+    runtime.ensure(sorted(specs))
+    return specs
+
+
+def _inputs(params, seed):
+    """Weights scaled by 1/sqrt(fan-in) (activations stay O(1) through the layers, so the
+    softmax is neither flat nor one-hot); padding masks keep a prefix of keys visible."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in params:
+        if p.dtype == np.bool_:
+            lengths = rng.integers(p.shape[-1] // 2, p.shape[-1] + 1, p.shape[:-1])
+            out.append(np.arange(p.shape[-1]) < lengths[..., None])
+            continue
+        x = rng.standard_normal(p.shape)
+        if len(p.shape) >= 2 and p.shape[-2] >= 64:   # a weight matrix
+            x /= np.sqrt(p.shape[-2])
+        out.append(x.astype(np.float32).astype(p.dtype))
+    return out
+
+
+@pytest.mark.parametrize("name", POSITIVE)
+def test_training_gradients_match(name, kernels):
+    original = modules.load(GOLDEN / CASES[name]["file"])
+    result = _rewrite(name)
+    rewritten = modules.load(result.to_bytes())
+    params, _ = execute.signature(original)
+    inputs = _inputs(params, seed=7)
+    ref = execute.run(original, inputs, register=False)
+    got = execute.run(rewritten, inputs)
+    dtype = min((s.dtype for s in result.rewritten), key={"bf16": 0, "f32": 2}.get)
+    assert len(ref) == len(got)
+    for i, (r, g) in enumerate(zip(ref, got)):
+        r64, g64 = np.asarray(r, np.float64), np.asarray(g, np.float64)
+        assert np.all(np.isfinite(g64)), f"gradient {i} has non-finite entries"
+        err = np.max(np.abs(r64 - g64)) / np.max(np.abs(r64))
+        assert err <= TOLERANCE[dtype], f"gradient {i}: relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- the proof
+def _single_attention_grad(dtype="float32"):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        return jnp.sum(o * jnp.sin(o))
+    x = jax.ShapeDtypeStruct((1, 8, 2, 32), jnp.dtype(dtype))
+    return jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                             platforms=["cpu"])(x, x, x).mlir_module()
+
+
+def test_single_attention_grad_is_rewritten():
+    result = fr.rewrite(_single_attention_grad())
+    assert [s.backward_target for s in result.rewritten] == ["flashgen_bwd_d32_f32"]
+    ops = "\n".join(ln for ln in result.text().splitlines() if not ln.startswith("#loc"))
+    assert "stablehlo.exponential" not in ops and "dot_general" not in ops
+
+
+def test_wrong_backward_scale_is_rejected():
+    """The backward's copy of the softmax scale (0.125) altered: the cluster no longer is
+    the VJP of the forward, and only the numerical check can tell."""
+    text = _single_attention_grad()
+    scale = "1.250000e-01"
+    assert text.count(scale) == 1   # one constant, used by the forward and the backward
+    # give the backward its own (wrong) constant
+    lines = text.splitlines()
+    users = [i for i, ln in enumerate(lines) if re.search(r"stablehlo.broadcast_in_dim %cst_\d+, dims = \[\]", ln)
+             and "cst_" in ln]
+    name = re.search(r"(%cst_\d+) = stablehlo.constant dense<" + re.escape(scale), text).group(1)
+    bcasts = [i for i in users if f"{name}," in lines[i]]
+    assert len(bcasts) == 2   # the forward's and the backward's broadcast of the scale
+    last = bcasts[-1]
+    lines[last] = lines[last].replace(f"{name},", "%wrong_scale,")
+    lines.insert(last, "    %wrong_scale = stablehlo.constant dense<1.300000e-01> : tensor<f32>")
+    result = fr.rewrite("\n".join(lines))
+    assert not result.rewritten
+    assert any("does not compute dQ" in s.reason or "does not compute dK" in s.reason
+               for s in result.rejected), [s.reason for s in result.rejected]
+
+
+def test_forward_only_match_never_searches_backward(monkeypatch):
+    """The training search runs only after a plain match fails on an outside use."""
+    from flashgen.rewrite import backward
+    calls = []
+    monkeypatch.setattr(backward, "find", lambda *a: calls.append(a))
+    import jax
+    import jax.numpy as jnp
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = jax.ShapeDtypeStruct((1, 8, 2, 32), jnp.float32)
+    text = jax.export.export(jax.jit(f), platforms=["cpu"])(x, x, x).mlir_module()
+    assert len(fr.rewrite(text).rewritten) == 1 and not calls
+
+
+def test_evaluator_products_and_reductions():
+    """float64 evaluation of dot_general (batch, contracting, free dims in any order),
+    reduce and bf16 converts against numpy."""
+    import jax
+    import jax.numpy as jnp
+    from flashgen.rewrite.evaluate import Evaluator
+    from flashgen.rewrite.graph import Graph, Ref
+
+    def f(a, b):
+        s = jnp.einsum("bqhd,bkhd->hbkq", a, b)
+        return jnp.max(s, axis=2) + jnp.sum(s.astype(jnp.bfloat16).astype(jnp.float32), axis=2)
+    sa = jax.ShapeDtypeStruct((2, 3, 4, 5), jnp.float32)
+    text = jax.export.export(jax.jit(f), platforms=["cpu"])(sa, sa).mlir_module()
+    loaded = modules.load(text)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((2, 2, 3, 4, 5))
+    with loaded.context:
+        g = Graph(loaded.module)
+        main = g.funcs["main"].regions[0].blocks[0]
+        ret = main.operations[len(main.operations) - 1]
+        ev = Evaluator(g, {Ref(main.arguments[0]): a, Ref(main.arguments[1]): b})
+        got = ev.value(Ref(ret.operands[0]))
+    s = np.einsum("bqhd,bkhd->hbkq", a, b)
+    np.testing.assert_allclose(got, s.max(axis=2) + s.sum(axis=2), rtol=1e-12)
