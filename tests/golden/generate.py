@@ -772,8 +772,10 @@ def _():
     return export_fn(f, q, k, spec((B, T, H, 64)))
 
 
-@case("neg_backward_pass", rejected=["backward pass"])
+@case("jnn_value_and_grad", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
 def _():
+    # a training graph: the forward and its backward become flashgen_fwd + flashgen_bwd
+    # (tests/test_rewrite_backward.py has the full training cases)
     jax, jnp, _ = _jax()
 
     def loss(q, k, v):

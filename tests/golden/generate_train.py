@@ -219,8 +219,11 @@ def _():
 def default_checks(expect: dict) -> str:
     lines = ["// CHECK-LABEL: func.func public @main"]
     if expect["sites"]:
-        lines += [f"// CHECK-DAG: stablehlo.custom_call @{t}(" for t in expect["fwd"] + expect["bwd"]]
-        lines.append("// CHECK-NOT: stablehlo.exponential")
+        # the backward call reads the forward call's o and lse
+        lines += [f"// CHECK: {{{{%[0-9]+}}}}:2 = stablehlo.custom_call @{expect['fwd'][-1]}(",
+                  f"// CHECK: stablehlo.custom_call @{expect['bwd'][0]}("
+                  "{{[^)]*}}#0, %{{[0-9]+}}#1, ",
+                  "// CHECK-NOT: stablehlo.exponential"]
     else:
         lines.append("// CHECK-NOT: @flashgen_bwd")
     return "\n".join(lines) + "\n"
