@@ -73,7 +73,8 @@ def _exported_call(fn, args, rewrite: bool):
     import flashgen.rewrite as fr
     from flashgen import execute
     res = fr.rewrite(exp.serialize())
-    info = {"rewritten_sites": len(res.rewritten), "rejected_sites": len(res.rejected)}
+    info = {"rewritten_sites": len(res.rewritten), "rejected_sites": len(res.rejected),
+            "training_sites": sum(1 for s in res.rewritten if s.backward_target)}
     if not res.rewritten:
         reasons = "; ".join(str(getattr(s, "reason", s))[:120] for s in res.rejected) or "no attention found"
         raise RuntimeError(f"the rewriter replaced nothing ({reasons})")

@@ -153,8 +153,8 @@ def test_wrong_backward_scale_is_rejected():
     lines.insert(last, "    %wrong_scale = stablehlo.constant dense<1.300000e-01> : tensor<f32>")
     result = fr.rewrite("\n".join(lines))
     assert not result.rewritten
-    assert any("does not compute dQ" in s.reason or "does not compute dK" in s.reason
-               for s in result.rejected), [s.reason for s in result.rejected]
+    assert any("do not compute its gradients" in s.reason for s in result.rejected), \
+        [s.reason for s in result.rejected]
 
 
 def test_forward_only_match_never_searches_backward(monkeypatch):

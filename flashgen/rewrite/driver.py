@@ -54,9 +54,10 @@ def collect_dots(module: ir.Module) -> list:
     return found
 
 
-def match_all(module: ir.Module, options: RewriteOptions) -> list:
+def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict] = None) -> list:
     graph = Graph(module)
-    pattern = AttentionPattern(graph, legacy_attrs=options.legacy_attrs, target=options.target)
+    pattern = AttentionPattern(graph, legacy_attrs=options.legacy_attrs, target=options.target,
+                               proven=proven)
     results = []
     for op in collect_dots(module):
         r = pattern.match(op)
@@ -81,7 +82,8 @@ def match_all(module: ir.Module, options: RewriteOptions) -> list:
 def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) -> list:
     """Rewrite every attention site of ``module`` in place; returns the report records."""
     options = options or RewriteOptions()
-    found = [(hash(op.operation), op, r) for op, r in match_all(module, options)]
+    proven: dict = {}   # training sites' backward proofs, reused when a site is matched again
+    found = [(hash(op.operation), op, r) for op, r in match_all(module, options, proven)]
     records = []
     touched_functions: set = set()
     erased: set = set()
@@ -94,7 +96,7 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
                                      "removed by an earlier rewrite"))
             continue
         pattern = AttentionPattern(Graph(module), legacy_attrs=options.legacy_attrs,
-                                   target=options.target)
+                                   target=options.target, proven=proven)
         site = pattern.match(op)
         if not isinstance(site, AttentionSite):  # an earlier rewrite changed its surroundings
             records.append(site if site is not None else Rejection(

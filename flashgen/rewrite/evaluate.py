@@ -60,19 +60,18 @@ class Evaluator(Folder):
 
     @staticmethod
     def _dot(op, a: list) -> Const:
+        """As one batched matmul: [batch, lhs free, contracted] @ [batch, contracted, rhs free]."""
         dn = stablehlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
         lb, rb = list(dn.lhs_batching_dimensions), list(dn.rhs_batching_dimensions)
         lc, rc = list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions)
         x, y = (_float64(c) for c in a)
-        letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-        lx, ly = [None] * x.ndim, [None] * y.ndim
-        for i, j in list(zip(lb, rb)) + list(zip(lc, rc)):
-            lx[i] = ly[j] = next(letters)
-        lx = [c or next(letters) for c in lx]
-        ly = [c or next(letters) for c in ly]
-        out = [lx[i] for i in lb] + [lx[i] for i in range(x.ndim) if i not in lb + lc] + \
-            [ly[j] for j in range(y.ndim) if j not in rb + rc]
-        res = np.einsum(f"{''.join(lx)},{''.join(ly)}->{''.join(out)}", x, y, optimize=True)
+        lf = [i for i in range(x.ndim) if i not in lb + lc]
+        rf = [j for j in range(y.ndim) if j not in rb + rc]
+        nb = int(np.prod([x.shape[i] for i in lb], dtype=np.int64))
+        nk = int(np.prod([x.shape[i] for i in lc], dtype=np.int64))
+        xm = x.transpose(lb + lf + lc).reshape(nb, -1, nk)
+        ym = y.transpose(rb + rc + rf).reshape(nb, nk, -1)
+        res = np.matmul(xm, ym).reshape(tuple(op.result.type.shape))
         return Const(res, tuple(op.result.type.shape))
 
     @staticmethod

@@ -252,20 +252,20 @@ class Folder:
                 return Const(x.array.reshape((1,) * len(shape)), shape)
             return compact(x.full().reshape(shape), shape)
         if name == "stablehlo.convert":
-            return Const(a[0].array.astype(dtype), shape)
+            return Const(a[0].array.astype(dtype, copy=False), shape)
         if name in _UNARY:
             with np.errstate(all="ignore"):
-                return Const(np.asarray(_UNARY[name](a[0].array)).astype(dtype), shape)
+                return Const(np.asarray(_UNARY[name](a[0].array)).astype(dtype, copy=False), shape)
         if name in _BINARY:
             with np.errstate(all="ignore"):
-                return self._sized(np.asarray(_BINARY[name](a[0].array, a[1].array)).astype(dtype), shape)
+                return self._sized(np.asarray(_BINARY[name](a[0].array, a[1].array)).astype(dtype, copy=False), shape)
         if name == "stablehlo.divide":
             with np.errstate(all="ignore"):
                 if np.issubdtype(dtype, np.integer):
                     q = np.trunc(a[0].array.astype(np.float64) / a[1].array).astype(dtype)
                 else:
                     q = np.divide(a[0].array, a[1].array)
-                return self._sized(np.asarray(q).astype(dtype), shape)
+                return self._sized(np.asarray(q).astype(dtype, copy=False), shape)
         if name == "stablehlo.remainder":
             with np.errstate(all="ignore"):
                 return self._sized(np.fmod(a[0].array, a[1].array).astype(dtype), shape)
@@ -273,7 +273,7 @@ class Folder:
             direction = str(attrs["comparison_direction"]).split()[-1].strip(">").upper()
             return self._sized(_cmp(direction, a[0].array, a[1].array), shape)
         if name == "stablehlo.select":
-            return self._sized(np.where(a[0].array, a[1].array, a[2].array).astype(dtype), shape)
+            return self._sized(np.where(a[0].array, a[1].array, a[2].array).astype(dtype, copy=False), shape)
         if name == "stablehlo.clamp":
             return self._sized(np.clip(a[1].array, a[0].array, a[2].array).astype(dtype), shape)
         if name == "stablehlo.slice":

@@ -88,8 +88,10 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
 
     name = "attention"
 
-    def __init__(self, graph: Graph, *, legacy_attrs: bool = False, target: str = "cpu"):
+    def __init__(self, graph: Graph, *, legacy_attrs: bool = False, target: str = "cpu",
+                 proven: dict | None = None):
         self.g = graph
+        self.proven = proven      # backward proofs shared by the driver's two match passes
         self.folder = Folder(graph)
         self.legacy_attrs = legacy_attrs
         self.target = target
@@ -249,7 +251,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 q_operand=Ref(q_val), k_operand=Ref(k_val), v_operand=v_ref,
                 inputs={"q": q_in[0], "k": k_in[0], "v": v_in[0]},
                 bias=any(isinstance(x, X.ValueBias) for x in m.extras))
-            bw = backward.find(self.g, view)
+            bw = backward.find(self.g, view, self.proven)
             site.plan.backward = bw
             site.plan.site_ops |= bw.ops
             site.backward_target = site.plan.spec.target_name("bwd")
