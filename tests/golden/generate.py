@@ -1313,23 +1313,28 @@ def default_checks(expect: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
+def write_cases(cases: dict, manifest_path: pathlib.Path, checks, argv: list[str]) -> int:
+    """Write the inputs of ``cases`` (every one, or those named in ``argv``), their entries in
+    the manifest and, for a case without one, a FileCheck file ``checks(expect)``."""
     INPUTS.mkdir(parents=True, exist_ok=True)
     CHECKS.mkdir(parents=True, exist_ok=True)
     only = set(argv)
-    manifest_path = HERE / "cases.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    for name, meta in CASES.items():
+    for name, meta in cases.items():
         if only and name not in only:
             continue
         path = write(name, meta)
         manifest[name] = dict(file=f"inputs/{path.name}", format=meta["fmt"], **meta["expect"])
         check = CHECKS / f"{name}.check"
         if not check.exists():
-            check.write_text(default_checks(meta["expect"]))
+            check.write_text(checks(meta["expect"]))
         print(f"{name}: {path.relative_to(HERE)}")
     manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_cases(CASES, HERE / "cases.json", default_checks, argv)
 
 
 if __name__ == "__main__":

@@ -10,23 +10,25 @@ input, exported for CPU; tests/test_rewrite_backward.py rewrites and runs them.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from generate import INPUTS, CHECKS, _import_torchax, export_fn, spec  # noqa: E402
+sys.path.insert(0, str(HERE.parents[1]))   # flashgen from this checkout
+from generate import _import_torchax, export_fn, spec, write_cases  # noqa: E402
+
+from flashgen.bench_train import grad_step, jnn_attention, layer, weight_shapes  # noqa: E402
 
 CASES: dict = {}
-B, T, H, D, LAYERS = 2, 16, 4, 32, 2
+B, T, H, D, LAYERS = 2, 16, 4, 32, 2   # the golden size; bench_train runs S=2048
 
 
 def case(name, *, sites=0, rejected=(), fwd=(), bwd=(), kv_heads=None):
     """``sites``: training sites rewritten as a forward/backward pair; ``fwd``/``bwd``: the
     custom-call targets expected; ``rejected``: substrings of expected rejection reasons."""
     def deco(fn):
-        CASES[name] = dict(fn=fn, expect=dict(sites=sites, rejected=list(rejected),
+        CASES[name] = dict(fn=fn, fmt="mlir", expect=dict(sites=sites, rejected=list(rejected),
                                               fwd=list(fwd), bwd=list(bwd), kv_heads=kv_heads))
         return fn
     return deco
@@ -37,11 +39,7 @@ def target(direction, d=D, dt="f32", causal=True):
 
 
 # ----------------------------------------------------------------------------- the model
-def attention_jnn(q, k, v, mask=None, causal=True):
-    import jax
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
-
-
+# the model is flashgen.bench_train's (the training-step benchmark measures the same one)
 def attention_einsum(q, k, v, mask=None, causal=True):
     """Hand-written: scale as a divide by sqrt(d), -1e9 fill, softmax by hand."""
     import jax.numpy as jnp
@@ -55,44 +53,21 @@ def attention_einsum(q, k, v, mask=None, causal=True):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def layer(x, w, *, attention, hkv=H, mask=None, causal=True):
-    import jax
-    import jax.numpy as jnp
-    b, t, c = x.shape
-    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
-    q = (h @ w["q"]).reshape(b, t, H, D)
-    k = (h @ w["k"]).reshape(b, t, hkv, D)
-    v = (h @ w["v"]).reshape(b, t, hkv, D)
-    x = x + attention(q, k, v, mask, causal).reshape(b, t, c) @ w["o"]
-    return x + jax.nn.gelu(x @ w["up"]) @ w["down"]
-
-
-def weights(dtype, hkv=H, layers=LAYERS, stacked=False):
-    c = H * D
-    shapes = dict(q=(c, c), k=(c, hkv * D), v=(c, hkv * D), o=(c, c), up=(c, 2 * c),
-                  down=(2 * c, c))
+def weights(dtype, hkv=H, stacked=False):
+    shapes = weight_shapes(H, hkv, D)
     if stacked:
-        return {n: spec((layers,) + s, dtype) for n, s in shapes.items()}
-    return [{n: spec(s, dtype) for n, s in shapes.items()} for _ in range(layers)]
+        return {n: spec((LAYERS,) + s, dtype) for n, s in shapes.items()}
+    return [{n: spec(s, dtype) for n, s in shapes.items()} for _ in range(LAYERS)]
 
 
-def training_step(dtype="float32", *, attention=attention_jnn, hkv=H, remat=False,
-                  padding=False, t=T):
+def training_step(dtype="float32", *, attention=jnn_attention, hkv=H, remat=False,
+                  padding=False):
     """Export grad(loss) over (weights, x) for a 2-layer model."""
-    import jax
-    import jax.numpy as jnp
-
-    def loss(ws, x, y, *mask):
-        m = mask[0][:, None, None, :] if padding else None
-        for w in ws:
-            fn = lambda x_, w_: layer(x_, w_, attention=attention, hkv=hkv, mask=m)  # noqa: E731
-            x = (jax.checkpoint(fn) if remat else fn)(x, w)
-        return jnp.mean((x.astype(jnp.float32) - y) ** 2)
-
-    args = [weights(dtype, hkv), spec((B, t, H * D), dtype), spec((B, t, H * D))]
+    args = [weights(dtype, hkv), spec((B, T, H * D), dtype), spec((B, T, H * D))]
     if padding:
-        args.append(spec((B, t), "bool"))
-    return export_fn(jax.grad(loss, argnums=(0, 1)), *args)
+        args.append(spec((B, T), "bool"))
+    return export_fn(grad_step(layers=LAYERS, heads=H, kv_heads=hkv, head_dim=D,
+                               attention=attention, remat=remat, padding=padding), *args)
 
 
 def scanned_step(*, remat: bool):
@@ -100,11 +75,13 @@ def scanned_step(*, remat: bool):
     import jax
     import jax.numpy as jnp
 
-    def loss(ws, x, y):
+    def body(x, w):
         # no mask: scan hoists the causal fill into a loop-carried value, which the
         # forward matcher does not fold yet (a separate gap); the loop is the point here
-        body = lambda x_, w_: (layer(x_, w_, attention=attention_jnn, causal=False),  # noqa: E731
-                               None)
+        return layer(x, w, attention=jnn_attention, heads=H, kv_heads=H, head_dim=D,
+                     causal=False), None
+
+    def loss(ws, x, y):
         x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, x, ws)
         return jnp.mean((x - y) ** 2)
 
@@ -230,22 +207,7 @@ def default_checks(expect: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    INPUTS.mkdir(parents=True, exist_ok=True)
-    only = set(argv)
-    manifest_path = HERE / "train_cases.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    for name, meta in CASES.items():
-        if only and name not in only:
-            continue
-        path = INPUTS / f"{name}.mlir"
-        path.write_text(meta["fn"]().mlir_module())
-        manifest[name] = dict(file=f"inputs/{path.name}", **meta["expect"])
-        check = CHECKS / f"{name}.check"
-        if not check.exists():
-            check.write_text(default_checks(meta["expect"]))
-        print(f"{name}: {path.relative_to(HERE)}")
-    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
-    return 0
+    return write_cases(CASES, HERE / "train_cases.json", default_checks, argv)
 
 
 if __name__ == "__main__":
