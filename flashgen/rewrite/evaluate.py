@@ -4,8 +4,8 @@ The backward rewrite (flashgen.rewrite.backward) proves that a cluster of ops is
 attention VJP by running it, and the forward it belongs to, on random inputs. This is
 the constant folder (flashgen.rewrite.fold) with three differences: the caller binds
 leaf values (any SSA value, seen through calls), every float is computed in float64
-(a bf16 program is checked as the exact function it rounds), and products and
-reductions are evaluated too. A value that cannot be evaluated (an unbound argument,
+(a bf16 program is checked as the exact function it rounds), and products
+(dot_general) are evaluated too. A value that cannot be evaluated (an unbound argument,
 an op neither knows) evaluates to None.
 """
 from __future__ import annotations
@@ -16,9 +16,6 @@ from jaxlib.mlir.dialects import stablehlo
 
 from flashgen.rewrite.fold import Const, Folder, np_dtype
 from flashgen.rewrite.graph import Graph, Ref
-
-_REDUCERS = {"add": np.add, "maximum": np.maximum, "minimum": np.minimum,
-             "multiply": np.multiply, "and": np.logical_and, "or": np.logical_or}
 
 
 class Evaluator(Folder):
@@ -43,19 +40,14 @@ class Evaluator(Folder):
 
     def _operands(self, r: Ref):
         v = r.value
-        if not isinstance(v, ir.BlockArgument) and v.owner.operation.name in (
-                "stablehlo.dot_general", "stablehlo.reduce"):
+        if not isinstance(v, ir.BlockArgument) and v.owner.operation.name == "stablehlo.dot_general":
             return [self.graph.resolve(Ref(x, r.ctx)) for x in v.owner.operands]
         return super()._operands(r)
 
     def _eval(self, r: Ref, a: list):
         v = r.value
-        if not isinstance(v, ir.BlockArgument):
-            name = v.owner.operation.name
-            if name == "stablehlo.dot_general":
-                return self._dot(v.owner, a)
-            if name == "stablehlo.reduce":
-                return self._reduce(v.owner, r, a)
+        if not isinstance(v, ir.BlockArgument) and v.owner.operation.name == "stablehlo.dot_general":
+            return self._dot(v.owner, a)
         return super()._eval(r, a)
 
     @staticmethod
@@ -73,19 +65,6 @@ class Evaluator(Folder):
         ym = y.transpose(rb + rc + rf).reshape(nb, nk, -1)
         res = np.matmul(xm, ym).reshape(tuple(op.result.type.shape))
         return Const(res, tuple(op.result.type.shape))
-
-    @staticmethod
-    def _reduce(op, r: Ref, a: list) -> Const:
-        if len(a) != 2:
-            raise ValueError("a variadic reduce")
-        body = list(op.operation.regions[0].blocks[0].operations)
-        kind = body[0].operation.name.split(".")[-1] if len(body) == 2 else None
-        if kind not in _REDUCERS:
-            raise ValueError(f"a reduce with {kind}")
-        x, init = (_float64(c) if c.array.dtype != np.bool_ else c.full() for c in a)
-        dims = tuple(ir.DenseI64ArrayAttr(op.operation.attributes["dimensions"]))
-        res = _REDUCERS[kind](_REDUCERS[kind].reduce(x, axis=dims) if dims else x, init)
-        return Const(np.asarray(res), tuple(r.value.type.shape))
 
 
 def _float64(c: Const) -> np.ndarray:
