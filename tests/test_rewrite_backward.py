@@ -77,12 +77,15 @@ def kernels():
 
 def _inputs(params, seed):
     """Weights scaled by 1/sqrt(fan-in) (activations stay O(1) through the layers, so the
-    softmax is neither flat nor one-hot); padding masks keep a prefix of keys visible."""
+    softmax is neither flat nor one-hot); key padding masks keep a prefix of keys visible,
+    except in the first sequence, which has none: every row there sees no key, where the
+    original (finite fill) gives the mean of V and its gradient."""
     rng = np.random.default_rng(seed)
     out = []
     for p in params:
         if p.dtype == np.bool_:
             lengths = rng.integers(p.shape[-1] // 2, p.shape[-1] + 1, p.shape[:-1])
+            lengths.reshape(-1)[0] = 0
             out.append(np.arange(p.shape[-1]) < lengths[..., None])
             continue
         x = rng.standard_normal(p.shape)

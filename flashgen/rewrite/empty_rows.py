@@ -146,6 +146,34 @@ def emit_mean_fixup(o: ir.Value, v: ir.Value, visible_parts, *, causal: bool,
     return _op(stablehlo.SelectOp(empty, mean, o), created)
 
 
+def emit_mean_fixup_grad(dv: ir.Value, do: ir.Value, visible_parts, *, causal: bool,
+                         bottom_right: bool, window, created) -> ir.Value:
+    """The gradient of emit_mean_fixup for V: a row without a visible key is the mean of V
+    over all Sk keys, so each key's dV gains that row's dO / Sk (summed over the query heads
+    of its kv head); the kernel's backward gives such rows no gradient at all (and dQ, dK
+    none is right: the original's scores there are constants).
+
+    ``dv``: [B, Sk, Hkv, Dv] from the backward call; ``do``: [B, Sq, Hq, Dv] as it reads it."""
+    b, sq, hq, d = do.type.shape
+    sk, hkv = dv.type.shape[1], dv.type.shape[2]
+    f32 = ir.F32Type.get()
+    empty = _no_visible_key(visible_parts, b, hq, sq, sk, causal, bottom_right, window,
+                            created)                                  # [1|B, 1|Hq, Sq]
+    empty = adapters.broadcast(empty, [b, sq, hq, d], [0, 2, 1], created)
+    g = do if str(do.type.element_type) == "f32" else adapters.convert(do, f32, created)
+    zero = _scalar(ir.FloatAttr.get(f32, 0.0), f32, created)
+    g = _op(stablehlo.SelectOp(empty, g, adapters.broadcast(zero, [b, sq, hq, d], [],
+                                                             created)), created)
+    g = adapters.reshape(g, [b, sq, hkv, hq // hkv, d], created)
+    g = _reduce(g, zero, stablehlo.AddOp, [1, 3], created)           # [B, Hkv, Dv]
+    n = adapters.constant(np.full(g.type.shape, sk, np.float32), f32, created)
+    g = _op(stablehlo.DivOp(g, n), created)
+    g = adapters.broadcast(g, [b, sk, hkv, d], [0, 2, 3], created)
+    if g.type.element_type != dv.type.element_type:
+        g = adapters.convert(g, dv.type.element_type, created)
+    return _op(stablehlo.AddOp(dv, g), created)
+
+
 BIAS_FLOOR = -2.0 ** 127
 
 

@@ -458,6 +458,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                                           softcap=plan.softcap, extras=names,
                                           legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
+                o_kernel = o
                 if plan.empty_rows == "mean":
                     o = empty_rows.emit_mean_fixup(
                         o, operands[2], empty_rows.visible_parts(names, operands[3:]),
@@ -469,7 +470,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 if out.type.element_type != want:
                     out = adapters.convert(out, want, created)
                 if plan.backward is not None:
-                    grads = self._rewrite_backward(plan, operands, o, lse, created)
+                    grads = self._rewrite_backward(plan, operands, o_kernel, lse, created)
             except Exception:
                 for op in reversed(created):
                     op.operation.erase()
@@ -506,6 +507,11 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                                        window=plan.window, softcap=plan.softcap, extras=names,
                                        dbias=False, legacy_attrs=self.legacy_attrs)
             created.append(results[0].owner)
+            if plan.empty_rows == "mean":   # the forward's fix-up has a gradient too
+                results[2] = empty_rows.emit_mean_fixup_grad(
+                    results[2], do, empty_rows.visible_parts(names, operands[3:]),
+                    causal=plan.spec.causal, bottom_right=plan.bottom_right,
+                    window=plan.window, created=created)
             out = {}
             for name, x in zip("qkv", results[:3]):
                 want = bw.grads[name]
