@@ -185,27 +185,17 @@ _SHARED = re.compile(r"(\.extern\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s
 _REGDECL = re.compile(r"\.reg\s+\.(\w+)\s+(.*)")
 _SPECIAL = re.compile(r"%(tid|ntid|ctaid|nctaid|laneid|warpid|nwarpid)(?:\.([xyz]))?$")
 _LABEL = re.compile(r"([$\w]+)\s*:")
+_BRACE = re.compile(r"[{}]")
 _ONLY_LABELS = re.compile(r"(\s*[$\w]+\s*:)*\s*")
 _GUARD = re.compile(r"@(!?)(%[\w$]+)\s+")
 
 
+_TOP_COMMA = re.compile(r",(?![^{\[]*[}\]])")    # a comma not inside {...} or [...] (never nested)
+
+
 def _split_top(s: str) -> list[str]:
     """Split operands on commas outside braces/brackets."""
-    out, buf, depth = [], [], 0
-    for ch in s:
-        if ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(buf).strip())
-            buf = []
-        else:
-            buf.append(ch)
-    tail = "".join(buf).strip()
-    if tail:
-        out.append(tail)
-    return out
+    return [x.strip() for x in _TOP_COMMA.split(s) if x.strip()]
 
 
 class _Parser:
@@ -243,14 +233,10 @@ class _Parser:
     @staticmethod
     def _match_brace(t: str, i: int) -> int:
         depth = 0
-        for j in range(i, len(t)):
-            c = t[j]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return j
+        for m in _BRACE.finditer(t, i):
+            depth += 1 if m.group() == "{" else -1
+            if depth == 0:
+                return m.start()
         raise EmulationError("unbalanced braces in PTX")
 
     @staticmethod
@@ -279,20 +265,19 @@ class _Parser:
         counter = [0]
         # Statements end at ';'. A brace opens/closes a scope (inline asm) only where a statement
         # could start; elsewhere it belongs to a vector operand.
-        pending, buf, ln = [], [], line0
-        for c in body:
-            if c == "\n":
-                ln += 1
-            if c == ";":
-                pending.append(("".join(buf), ln))
-                buf = []
-            elif c in "{}" and _ONLY_LABELS.fullmatch("".join(buf)):
-                pending.append(("".join(buf), ln))
-                pending.append((c, ln))
-                buf = []
+        pending, buf, ln = [], "", line0
+        for tok in re.split(r"([;{}])", body):
+            if tok == ";":
+                pending.append((buf, ln))
+                buf = ""
+            elif tok in ("{", "}") and _ONLY_LABELS.fullmatch(buf):
+                pending.append((buf, ln))
+                pending.append((tok, ln))
+                buf = ""
             else:
-                buf.append(c)
-        pending.append(("".join(buf), ln))
+                buf += tok
+                ln += tok.count("\n")
+        pending.append((buf, ln))
         param_names = {p.name for p in k.params}
         for s, ln in pending:
             if s == "{":
