@@ -246,7 +246,7 @@ class _Launch:
                 while hi + 1 < len(warps) and warps[hi + 1].can_gang(w.pc):
                     hi += 1
             if hi == lo:
-                self.run_warp(w, cta, quantum, nthreads, block)
+                self.run_warp(w, cta, quantum, nthreads)
                 continue
             # The adjacent warps at the same pc run together. One time in four they split in two
             # parts that run one after the other for the same quantum: varied interleavings, and
@@ -258,9 +258,9 @@ class _Launch:
                 if rng.integers(2):
                     parts.reverse()
             for part in parts:
-                self.run_warp(cta.gang(part) if len(part) > 1 else part[0], cta, quantum, nthreads, block)
+                self.run_warp(cta.gang(part) if len(part) > 1 else part[0], cta, quantum, nthreads)
 
-    def run_warp(self, w, cta, quantum, nthreads, block):
+    def run_warp(self, w, cta, quantum, nthreads):
         """Run a warp or a gang for up to `quantum` instructions."""
         code, counts = self.code, self.counts
         gang = isinstance(w, _Gang)
@@ -298,8 +298,11 @@ class _Launch:
                         pc = w.pc
                     continue
                 if gang:
-                    if kind == _BRA and (exe is None or not exe.any()):
-                        pc = target if exe is None else pc + 1
+                    if exe is not None and not exe.any():      # no lane branches or exits
+                        pc += 1
+                        continue
+                    if kind == _BRA and exe is None:           # the whole gang branches
+                        pc = target
                         continue
                     self._gang_control(w, pc, kind, fn, exe, target, nthreads)
                     return

@@ -278,7 +278,6 @@ class _Parser:
                 buf += tok
                 ln += tok.count("\n")
         pending.append((buf, ln))
-        param_names = {p.name for p in k.params}
         for s, ln in pending:
             if s == "{":
                 scopes.append({})
@@ -300,7 +299,7 @@ class _Parser:
             if s.startswith("."):
                 self._directive(k, s, scopes, counter)
                 continue
-            k.instructions.append(self._instruction(s, scopes, ln, param_names))
+            k.instructions.append(self._instruction(s, scopes, ln))
 
     def _directive(self, k, s, scopes, counter):
         rm = _REGDECL.match(s)
@@ -329,7 +328,7 @@ class _Parser:
             return
         raise EmulationError(f"unsupported directive in kernel {k.name}: {s[:80]}")
 
-    def _instruction(self, s: str, scopes, line: int, param_names) -> Instruction:
+    def _instruction(self, s: str, scopes, line: int) -> Instruction:
         text = " ".join(s.split())
         pred, neg = None, False
         gm = _GUARD.match(s)

@@ -17,7 +17,6 @@ from flashgen.emulate.semantics import handles, unsupported
 
 ROUNDING = ("rn", "rz", "rm", "rp")
 FLOATS = ("f32", "f64")
-_IGNORED = {"rn", "ftz", "approx", "full", "lo", "uni", "sync", "aligned"}
 
 
 def _check_mods(ins, allowed):

@@ -57,12 +57,14 @@ def cvta(ins, ops):
 
 def _float_to_int(x, dt, mode):
     """cvt.{rni,rzi,rmi,rpi}.int.float: round, saturate to the type's range, NaN -> 0."""
-    x = x.astype(np.float64)
-    r = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}[mode](x)
+    r = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}[mode](x.astype(np.float64))
     info = np.iinfo(dt)
-    r = np.clip(np.nan_to_num(r, nan=0.0, posinf=info.max, neginf=info.min), info.min, info.max)
-    # float64 cannot hold u64/s64 max exactly; clip above already saturated, cast via int lanes
-    return np.where(r >= float(info.max), info.max, r.astype(dt) if r.size else r).astype(dt)
+    r = np.nan_to_num(r, nan=0.0)
+    # clip in float64, then pin the ends: float64 cannot hold 2^63 - 1 or 2^64 - 1 exactly
+    out = np.clip(r, float(info.min), float(info.max)).astype(dt)
+    out[r >= float(info.max)] = info.max
+    out[r <= float(info.min)] = info.min
+    return out
 
 
 @handles("cvt")

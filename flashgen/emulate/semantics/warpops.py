@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashgen.emulate import numerics
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.semantics import handles, require_full_warp, unsupported
 
