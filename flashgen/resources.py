@@ -26,10 +26,13 @@ def csrc_dir() -> pathlib.Path:
     return _find("csrc")
 
 
-def tree_digest(root: pathlib.Path) -> str:
-    """Content hash of every file under root: part of every build's cache key."""
+def tree_digest(root: pathlib.Path, skip: tuple[str, ...] = ()) -> str:
+    """Content hash of every file under root (but the subtrees `skip` names, relative
+    to root): part of every build's cache key."""
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    skipped = tuple(root / s for s in skip)
+    for path in sorted(p for p in root.rglob("*")
+                       if p.is_file() and not any(p.is_relative_to(s) for s in skipped)):
         h.update(str(path.relative_to(root)).encode())
         h.update(b"\0")
         h.update(path.read_bytes())
