@@ -1,4 +1,4 @@
-"""The `flashgen` command line: build, emit, demo, rewrite, run, bench.
+"""The `flashgen` command line: build, emit, demo, rewrite, run, bench, check.
 
 Errors print as one line on stderr: exit 2 for usage, 1 for failures;
 --debug shows the traceback.
@@ -146,9 +146,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _plugin_modules():
-    """Subcommands that live beside their subsystem (rewrite/run, bench)."""
+    """Subcommands that live beside their subsystem (rewrite/run, bench, check)."""
     import importlib
-    for name in ("flashgen.cli_rewrite", "flashgen.cli_cache", "flashgen.bench"):
+    for name in ("flashgen.cli_rewrite", "flashgen.cli_cache", "flashgen.bench", "flashgen.emulate.check"):
         try:
             yield importlib.import_module(name)
         except ModuleNotFoundError as e:

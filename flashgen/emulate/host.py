@@ -18,7 +18,6 @@ import ctypes
 import dataclasses
 import functools
 import os
-import re
 import time
 
 import ml_dtypes
@@ -26,6 +25,9 @@ import numpy as np
 
 from flashgen.build import Library, emulation_runtime
 from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.machine import SM_COUNT, SMEM_LIMIT, LaunchStats, launch, short_name
+from flashgen.emulate.memory import GlobalMemory
+from flashgen.emulate.ptx import PtxModule
 from flashgen.errors import FlashgenError
 from flashgen.spec import ATTRIBUTES, parse_target_name
 
@@ -40,19 +42,20 @@ _ALIGN = 256  # what XLA guarantees (and more than the handlers' 16-byte check)
 class HandlerError(FlashgenError):
     """The handler returned an ffi::Error (bad arguments, a failed CUDA call)."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, record: "CallRecord"):
         super().__init__(f"{_XLA_CODES.get(code, code)}: {message}")
         self.code = code
         self.message = message
+        self.record = record  # what ran before the error (a refused call: nothing)
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    kernel: str                 # e.g. "flash_fwd_kernel<mode 4>"
+    kernel: str                 # short_name of the PTX entry
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem: int
-    stats: object               # the emulator's LaunchStats
+    stats: LaunchStats
 
 
 @dataclasses.dataclass
@@ -138,7 +141,6 @@ _CALLBACKS = (_LAUNCH_FN(_on_launch), _MEMORY_FN(_on_memory))  # alive as long a
 def _runtime() -> ctypes.CDLL:
     rt = ctypes.CDLL(str(emulation_runtime()), mode=ctypes.RTLD_GLOBAL)
     rt.flashgen_emu_set_callbacks(*_CALLBACKS)
-    rt.flashgen_emu_set_arch.argtypes = [ctypes.c_char_p]
     rt.flashgen_emu_call.argtypes = [
         ctypes.c_void_p, ctypes.POINTER(_Buffer), ctypes.c_int64, ctypes.POINTER(_Buffer), ctypes.c_int64,
         ctypes.POINTER(_Attr), ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
@@ -160,20 +162,10 @@ def device_array(shape, dtype, fill: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _short_name(mangled: str) -> str:
-    m = re.search(r"\d+(flash_\w+?_kernel)I(.*)", mangled)
-    if not m:
-        return mangled
-    mode = re.search(r"Lb[01]ELi(\d+)EE", m.group(2))
-    return f"{m.group(1)}<mode {mode.group(1)}>" if mode else m.group(1)
-
-
 class EmulatedLibrary:
     """A library built with host="emulate", its handlers callable with numpy buffers."""
 
     def __init__(self, library: Library):
-        from flashgen.emulate import PtxModule  # noqa: PLC0415 -- the emulator proper
-
         manifest = library.manifest
         if manifest.get("host") != "emulate":
             raise ValueError(f"{library.path} was built for host {manifest.get('host')!r}; "
@@ -194,15 +186,13 @@ class EmulatedLibrary:
         self.library = library
 
     def _run_kernel(self, call: _Call, name: str, grid, block, smem: int, args) -> None:
-        from flashgen.emulate import launch  # noqa: PLC0415
-
         if name not in self.kernels:
             raise EmulationError(f"kernel {name} is not in this library's PTX")
         module, kernel = self.kernels[name]
         params = [ctypes.string_at(args[i], p.size) for i, p in enumerate(kernel.params)]
         stats = launch(module, name, grid, block, smem, params, call.memory, arch=self.arch,
                        seed=call.seed, race_check=call.race_check)
-        call.record.launches.append(Launch(_short_name(name), grid, block, smem, stats))
+        call.record.launches.append(Launch(short_name(name), grid, block, smem, stats))
 
     def call(self, target: str, operands, results, *, seed: int | None = None, race_check: bool = True,
              scratch_limit: int | None = None, **attrs):
@@ -213,8 +203,6 @@ class EmulatedLibrary:
         `scratch_limit` (bytes) makes the host refuse larger scratch, as XLA may.
         Raises HandlerError when the handler returns an error, EmulationError when a
         kernel (or a host access to device memory) does something unsafe or unsupported."""
-        from flashgen.emulate import GlobalMemory  # noqa: PLC0415
-
         global _current
         if target not in self.handlers:
             raise ValueError(f"{target} is not in this library (it has {', '.join(sorted(self.handlers))})")
@@ -254,7 +242,8 @@ class EmulatedLibrary:
         record = CallRecord()
         message = ctypes.create_string_buffer(4096)
         scratch = ctypes.c_int64()
-        self._rt.flashgen_emu_set_arch(self.arch.encode())
+        major = int(self.arch[2])  # sm80 -> 8.0, sm90a -> 9.0
+        self._rt.flashgen_emu_set_device(major, 0, SM_COUNT[self.arch], SMEM_LIMIT[self.arch])
         self._rt.flashgen_emu_reset_errors()
         _current = _Call(self, memory, record, seed, race_check)
         t0 = time.perf_counter()
@@ -270,5 +259,5 @@ class EmulatedLibrary:
         if error is not None:
             raise error
         if code != 0:
-            raise HandlerError(code, message.value.decode(errors="replace"))
+            raise HandlerError(code, message.value.decode(errors="replace"), record)
         return outs, record

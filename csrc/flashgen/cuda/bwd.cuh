@@ -387,7 +387,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
             if constexpr (kExtras) {
               if (s[j][e] > 0.f) {  // visible: row < Sq, key < Sk
                 const int row = q0 + qi, kj = k0 + wrow0 + g + (e >> 1) * 8;
-                if (xv.dbias != nullptr) xv.add_dbias(row, kj, ds);
+                // With NSPLIT > 1 every split recomputes this dS: one of them adds it.
+                if (xv.dbias != nullptr && split == 0) xv.add_dbias(row, kj, ds);
                 if (capped) {
                   const float u = (__log2f(s[j][e]) + sLse[qi] - xv.add_only(row, kj) * kLog2e) * p.cap_out;
                   ds *= 1.f - u * u;

@@ -12,8 +12,8 @@
 // attribute, the stream, the address range of a memset/memcpy), so a handler
 // bug that a GPU would report is reported, not papered over.
 //
-// Device figures: an A100 for sm80 and an H100 SXM for sm90a (multiprocessor
-// count and opt-in shared memory are what the handlers read).
+// Device figures (multiprocessor count, opt-in shared memory per block, compute
+// capability) are set by the emulator from its own table (flashgen.emulate.machine).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -29,19 +29,11 @@
 namespace {
 
 struct DeviceFigures {
-  const char* arch;
-  int major, minor;
-  int multiprocessors;
-  int smem_per_block_optin;  // bytes
-  int smem_per_multiprocessor;
+  int major = 8, minor = 0;
+  int multiprocessors = 0;       // 0 until flashgen_emu_set_device: the handlers must not run before
+  int smem_per_block_optin = 0;  // bytes
 };
 
-// A100-SXM4 (GA100): 108 SMs, 163 KiB opt-in per block, 164 KiB per SM.
-// H100-SXM5 (GH100): 132 SMs, 227 KiB opt-in per block, 228 KiB per SM.
-constexpr DeviceFigures kDevices[] = {
-    {"sm80", 8, 0, 108, 163 * 1024, 164 * 1024},
-    {"sm90a", 9, 0, 132, 227 * 1024, 228 * 1024},
-};
 constexpr int kDefaultDynamicSmem = 48 * 1024;  // without cudaFuncSetAttribute
 
 struct Kernel {
@@ -56,7 +48,7 @@ struct LaunchConfig {
 };
 
 struct Runtime {
-  const DeviceFigures* device = &kDevices[0];
+  DeviceFigures device;
   flashgen_emu_launch_fn launch = nullptr;
   flashgen_emu_memory_fn memory = nullptr;
   std::unordered_map<const void*, std::unique_ptr<Kernel>> kernels;  // by host stub address
@@ -123,13 +115,9 @@ FLASHGEN_EMU_EXPORT void flashgen_emu_set_callbacks(flashgen_emu_launch_fn launc
   rt().memory = memory_fn;
 }
 
-FLASHGEN_EMU_EXPORT int flashgen_emu_set_arch(const char* arch) {
-  for (const DeviceFigures& d : kDevices)
-    if (std::strcmp(d.arch, arch) == 0) {
-      rt().device = &d;
-      return 0;
-    }
-  return -1;
+FLASHGEN_EMU_EXPORT void flashgen_emu_set_device(int major, int minor, int multiprocessors,
+                                                 int smem_per_block_optin) {
+  rt().device = DeviceFigures{major, minor, multiprocessors, smem_per_block_optin};
 }
 
 // Forget a failed launch (the next handler call starts from a fresh context).
@@ -234,7 +222,7 @@ cudaError_t cudaFuncSetAttribute(const void* fun, enum cudaFuncAttribute attr, i
   auto it = rt().kernels.find(fun);
   if (it == rt().kernels.end()) return fail(cudaErrorInvalidDeviceFunction);
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return fail(cudaErrorNotSupported);
-  if (value < 0 || value > rt().device->smem_per_block_optin) return fail(cudaErrorInvalidValue);
+  if (value < 0 || value > rt().device.smem_per_block_optin) return fail(cudaErrorInvalidValue);
   it->second->max_dynamic_smem = value;
   return cudaSuccess;
 }
@@ -246,11 +234,11 @@ cudaError_t cudaGetDevice(int* device) {
 
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
   if (device != 0) return fail(cudaErrorInvalidDevice);
-  const DeviceFigures& d = *rt().device;
+  const DeviceFigures& d = rt().device;
+  if (d.multiprocessors == 0) return fail(cudaErrorNoDevice);
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = d.multiprocessors; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = d.smem_per_block_optin; return cudaSuccess;
-    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = d.smem_per_multiprocessor; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = kDefaultDynamicSmem; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMajor: *value = d.major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = d.minor; return cudaSuccess;
@@ -323,6 +311,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
@@ -338,6 +327,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNoDevice: return "no device figures set (flashgen_emu_set_device)";
     case cudaErrorInvalidDeviceFunction: return "invalid device function";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorLaunchFailure: return "unspecified launch failure (the emulator reported the kernel's error)";

@@ -24,7 +24,8 @@ enum FlashgenEmuMemoryOp {
 typedef int (*flashgen_emu_memory_fn)(int op, uintptr_t addr, size_t bytes, const char* what);
 
 FLASHGEN_EMU_EXPORT void flashgen_emu_set_callbacks(flashgen_emu_launch_fn launch, flashgen_emu_memory_fn memory);
-FLASHGEN_EMU_EXPORT int flashgen_emu_set_arch(const char* arch);
+FLASHGEN_EMU_EXPORT void flashgen_emu_set_device(int major, int minor, int multiprocessors,
+                                                 int smem_per_block_optin);
 FLASHGEN_EMU_EXPORT void flashgen_emu_reset_errors();
 FLASHGEN_EMU_EXPORT void* flashgen_emu_stream();
 FLASHGEN_EMU_EXPORT void* flashgen_emu_device_alloc(size_t bytes, size_t alignment, const char* what);

@@ -1,0 +1,261 @@
+"""Check a CUDA spec's kernels on the CPU: its FFI handlers run under emulation
+(flashgen.emulate.host) on fresh random inputs, compared with the float64 reference.
+
+Each case draws its inputs, calls the handlers as XLA would (the backward gets the
+emulated forward's o and lse), and returns one Row per output: the largest error
+relative to max(1, max|reference|), where a non-finite value must match the reference
+exactly (-inf lse of a row without keys; a NaN never passes). `flashgen check --emulate`
+runs standard_cases() and prints the table. Emulation shows correctness, never speed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+from flashgen import reference
+from flashgen.spec import EXTRAS, KernelSpec, normalize_extras
+
+NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+# Relative error allowed per element type: a few units in the last place of the
+# output type (bf16 8 bits, f16 11 bits; f32 goes through 3xTF32 MMAs).
+TOLERANCE = {"bf16": 2e-2, "f16": 4e-3, "f32": 2e-4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    family: str
+    spec: str
+    case: str
+    output: str
+    error: float
+    tolerance: float
+    seconds: float      # of the handler call that produced the output
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+
+@dataclasses.dataclass
+class CaseResult:
+    rows: list[Row]
+    kernels: list[str]  # every launch of the case, in order
+
+
+def relative_error(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if got.shape != ref.shape:
+        raise ValueError(f"shape {got.shape} != reference {ref.shape}")
+    finite = np.isfinite(ref)
+    if not np.array_equal(got[~finite], ref[~finite]) or not np.isfinite(got[finite]).all():
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return float(np.abs(got[finite] - ref[finite]).max() / max(1.0, np.abs(ref[finite]).max()))
+
+
+class Checker:
+    """Runs cases of one spec through an EmulatedLibrary."""
+
+    def __init__(self, library, spec: KernelSpec, rng: np.random.Generator, *, seed: int | None = None):
+        self.lib, self.spec, self.rng, self.seed = library, spec, rng, seed
+        self.dt = NP_DTYPES[spec.dtype]
+        self.scale = float(np.float32(1 / np.sqrt(spec.head_dim)))
+
+    def _attrs(self, bottom_right, window, softcap, extras=""):
+        return dict(causal=self.spec.causal, scale=self.scale, bottom_right=bottom_right,
+                    window_left=int(window[0]), window_right=int(window[1]), softcap=float(softcap),
+                    extras=extras)
+
+    def _normal(self, *shape):
+        return self.rng.standard_normal(shape).astype(self.dt)
+
+    def _rows(self, family, case, seconds, pairs):
+        tol = TOLERANCE[self.spec.dtype]
+        return [Row(family, str(self.spec), case, name, relative_error(got, ref), tol, seconds)
+                for name, got, ref in pairs]
+
+    def _run(self, family, case, target, operands, results, attrs, pairs_of, kernels):
+        """Call `target`; pairs_of(outputs) -> [(name, got, ref)]; returns (outputs, rows)."""
+        outs, rec = self.lib.call(target, operands, results, seed=self.seed, **attrs)
+        kernels += [l.kernel for l in rec.launches]
+        return outs, self._rows(family, case, rec.seconds, pairs_of(outs))
+
+    # -----------------------------------------------------------------------------------------
+    def dense(self, *, batch=1, seqlen_q=77, seqlen_k=None, heads_q=2, heads_kv=1, bottom_right=False,
+              window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, mask=None,
+              segment_ids=False, backward=True) -> CaseResult:
+        """Dense forward (and backward, on the emulated forward's o and lse).
+        alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq) — the bias is
+        differentiated (dbias checked); the mask has a fully masked row; segment_ids: the
+        last query segment has no keys."""
+        b, sq, hq, hkv, d = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim
+        sk = sq if seqlen_k is None else seqlen_k
+        q, k, v, do = (self._normal(b, n, h, d) for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+        ops, kw = {}, {}
+        if alibi:
+            ops["alibi"] = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
+            kw["alibi_slopes"] = ops["alibi"][0]
+        if bias is not None:
+            ops["bias"] = [self.rng.standard_normal((*bias, sq, sk)).astype(np.float32 if bias_f32 else self.dt)]
+            kw["bias"] = ops["bias"][0]
+        if mask is not None:
+            m = self.rng.random((*mask, sq, sk)) < 0.75
+            m[..., sq // 2, :] = False  # a row that sees no key
+            ops["mask"] = [m]
+            kw["mask"] = m
+        if segment_ids:
+            qs = np.sort(self.rng.integers(0, 3, (b, sq)), axis=1).astype(np.int32)
+            ks = np.sort(self.rng.integers(0, 3, (b, sk)), axis=1).astype(np.int32)
+            qs[:, -max(1, sq // 8):] = 7  # a query segment without keys
+            ops["segment_ids"] = [qs, ks]
+            kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+        names = normalize_extras(tuple(ops))
+        extra_ops = [a for n in names for a in ops[n]]
+        attrs = self._attrs(bottom_right, window, softcap, ",".join(names))
+        family = "extras" if names else "dense"
+        case = _describe(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, bottom_right=bottom_right, window=window,
+                         softcap=softcap, alibi=alibi, bias=bias and f"{bias}{':f32' if bias_f32 else ''}",
+                         mask=mask, segment_ids=segment_ids)
+        ref = reference.attention(q, k, v, causal=self.spec.causal, scale=self.scale, bottom_right=bottom_right,
+                                  window=window, softcap=softcap, do=do if backward else None, **kw)
+        kernels: list[str] = []
+        (o, lse), rows = self._run(family, case, self.spec.target_name("fwd"), [q, k, v, *extra_ops],
+                                   [((b, sq, hq, d), self.dt), ((b, hq, sq), np.float32)], attrs,
+                                   lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
+        if backward:
+            results = [((b, sq, hq, d), self.dt), ((b, sk, hkv, d), self.dt), ((b, sk, hkv, d), self.dt)]
+            if bias is not None:  # dbias: the bias's shape and type
+                results.append((ops["bias"][0].shape, ops["bias"][0].dtype))
+            _, more = self._run(family, case, self.spec.target_name("bwd"), [q, k, v, o, lse, do, *extra_ops],
+                                results, attrs,
+                                lambda out: list(zip(("dq", "dk", "dv", "dbias"), out, ref[2])), kernels)
+            rows += more
+        return CaseResult(rows, kernels)
+
+    def varlen(self, *, seqlens_q=(17, 0, 40), seqlens_k=None, pad_q=3, pad_k=2, heads_q=2, heads_kv=1,
+               bottom_right=False, window=(-1, -1), softcap=0.0, alibi=None, backward=True) -> CaseResult:
+        """Packed variable-length batch; `pad_q` / `pad_k` rows after the last sequence
+        belong to none (o = 0, lse = -inf, zero gradients)."""
+        seqlens_k = seqlens_q if seqlens_k is None else seqlens_k
+        hq, hkv, d = heads_q, heads_kv, self.spec.head_dim
+        cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+        tq, tk = int(cu_q[-1]) + pad_q, int(cu_k[-1]) + pad_k
+        q, k, v, do = (self._normal(n, h, d) for n, h in ((tq, hq), (tk, hkv), (tk, hkv), (tq, hq)))
+        kw, extra_ops = {}, []
+        if alibi:
+            extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (len(seqlens_q), hq))
+                         .astype(np.float32)]
+            kw["alibi_slopes"] = extra_ops[0]
+        attrs = dict(self._attrs(bottom_right, window, softcap, "alibi" if alibi else ""),
+                     max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
+        case = _describe(seqlens_q=tuple(seqlens_q), seqlens_k=tuple(seqlens_k), pad=(pad_q, pad_k), hq=hq,
+                         hkv=hkv, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
+        ref = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=self.spec.causal, scale=self.scale,
+                                         bottom_right=bottom_right, window=window, softcap=softcap,
+                                         do=do if backward else None, **kw)
+        kernels: list[str] = []
+        (o, lse), rows = self._run("varlen", case, self.spec.target_name("fwd_varlen"),
+                                   [q, k, v, cu_q, cu_k, *extra_ops], [((tq, hq, d), self.dt), ((hq, tq), np.float32)],
+                                   attrs, lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
+        if backward:
+            _, more = self._run("varlen", case, self.spec.target_name("bwd_varlen"),
+                                [q, k, v, o, lse, do, cu_q, cu_k, *extra_ops],
+                                [((tq, hq, d), self.dt), ((tk, hkv, d), self.dt), ((tk, hkv, d), self.dt)], attrs,
+                                lambda out: list(zip(("dq", "dk", "dv"), out, ref[2])), kernels)
+            rows += more
+        return CaseResult(rows, kernels)
+
+    def paged(self, *, seqused_k=(300, 0, 41), seqlen_q=1, block_size=16, heads_q=2, heads_kv=1, spare_blocks=2,
+              bottom_right=True, window=(-1, -1), softcap=0.0, alibi=None) -> CaseResult:
+        """Paged-KV forward (decode): a shuffled block table over a cache with spare
+        blocks, table rows longer than seqused_k. Split-KV and its combine kernel run when
+        the handler chooses them (CaseResult.kernels says)."""
+        b, hq, hkv, d, bs = len(seqused_k), heads_q, heads_kv, self.spec.head_dim, block_size
+        max_blocks = max(1, -(-max(seqused_k) // bs)) + 1
+        num_blocks = b * max_blocks + spare_blocks
+        table = self.rng.permutation(num_blocks)[:b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+        q = self._normal(b, seqlen_q, hq, d)
+        kc, vc = self._normal(num_blocks, bs, hkv, d), self._normal(num_blocks, bs, hkv, d)
+        used = np.asarray(seqused_k, np.int32)
+        kw, extra_ops = {}, []
+        if alibi:
+            extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
+            kw["alibi_slopes"] = extra_ops[0]
+        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "")
+        case = _describe(seqused_k=tuple(seqused_k), sq=seqlen_q, block_size=bs, hq=hq, hkv=hkv,
+                         bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
+        ref = reference.attention_paged(q, kc, vc, table, used, causal=self.spec.causal, scale=self.scale,
+                                        bottom_right=bottom_right, window=window, softcap=softcap, **kw)
+        kernels: list[str] = []
+        _, rows = self._run("paged", case, self.spec.target_name("fwd_paged"), [q, kc, vc, table, used, *extra_ops],
+                            [((b, seqlen_q, hq, d), self.dt), ((b, hq, seqlen_q), np.float32)], attrs,
+                            lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
+        return CaseResult(rows, kernels)
+
+
+def _describe(**kw) -> str:
+    """A case's parameters that differ from the defaults, as `key=value` words."""
+    return " ".join(k if v is True else f"{k}={v}" for k, v in kw.items()
+                    if v not in (False, None, "", 0.0, (-1, -1)) or k in ("sq", "sk"))
+
+
+def standard_cases(c: Checker) -> list[CaseResult]:
+    """What `flashgen check --emulate` runs: every entry point of the spec once, small
+    shapes (tile tails, GQA, rows without keys, an empty sequence, split-KV)."""
+    causal = c.spec.causal
+    return [
+        c.dense(seqlen_q=77, seqlen_k=129, heads_q=2, heads_kv=1, bottom_right=causal),
+        c.dense(seqlen_q=70, seqlen_k=90, window=(16, 0 if causal else 8), softcap=3.0),
+        c.dense(batch=2, seqlen_q=33, seqlen_k=40, alibi="BH", bias=(1, 2), mask=(2, 1), segment_ids=True),
+        c.varlen(seqlens_q=(17, 0, 40), bottom_right=causal),
+        c.paged(seqused_k=(300, 0, 41), block_size=16),
+    ]
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("family", "spec", "case", "output", "rel. error", "tolerance", "seconds", "")
+    body = [(r.family, r.spec, r.case, r.output, f"{r.error:.2e}", f"{r.tolerance:g}", f"{r.seconds:.1f}",
+             "ok" if r.ok else "FAIL") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
+
+
+def cmd_check(args) -> int:
+    from flashgen.build import build  # noqa: PLC0415 -- keeps `flashgen --help` light
+    from flashgen.emulate.host import EmulatedLibrary  # noqa: PLC0415
+    from flashgen.errors import UsageError  # noqa: PLC0415
+
+    if not args.emulate:
+        raise UsageError("flashgen check runs the CUDA kernels on the CPU under the PTX emulator: pass --emulate "
+                         "(on a GPU machine, the GPU tests are `pytest -m gpu`)")
+    spec = KernelSpec(args.hdim, args.dtype, bool(args.causal), args.target)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    lib = EmulatedLibrary(build(spec, host="emulate", progress=say))
+    seed = np.random.SeedSequence().entropy if args.seed is None else args.seed
+    c = Checker(lib, spec, np.random.default_rng(seed))
+    say(f"{spec}: running its kernels under emulation (input seed {seed}); correctness only, not speed")
+    t0 = time.perf_counter()
+    rows = [row for case in standard_cases(c) for row in case.rows]
+    print(format_table(rows))
+    failed = sum(not r.ok for r in rows)
+    print(f"{len(rows) - failed}/{len(rows)} outputs within tolerance in {time.perf_counter() - t0:.0f}s")
+    return 1 if failed else 0
+
+
+def register(sub) -> None:
+    from flashgen.cli import add_spec_args  # noqa: PLC0415
+
+    p = sub.add_parser("check", help="run a CUDA spec's kernels under the PTX emulator against float64 "
+                                     "(no GPU needed)")
+    p.add_argument("--target", required=True, choices=["sm80", "sm90a"])
+    p.add_argument("--emulate", action="store_true", help="run on the CPU under flashgen's PTX emulator")
+    add_spec_args(p, multi=False)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--seed", type=int, help="input seed (default: fresh)")
+    p.set_defaults(func=cmd_check)

@@ -1,0 +1,169 @@
+"""The CUDA kernels run on the CPU, through their FFI handlers' own host code, against float64.
+
+Each library is the very objects of the GPU build (build(host="emulate")), its handlers
+called by a minimal XLA FFI host with a stand-in CUDA runtime: validation, parameter
+structs, grid sizing, scratch, poisoning (FLASHGEN_POISON, set in conftest, on top of
+NaN-filled result buffers), the backward's three kernels and split-KV's combine all run as
+compiled, and every launch executes the kernel's PTX in flashgen.emulate. Fresh random
+inputs each run. Specs are chosen by compile cost: d64 bf16 causal and d128 f16 are the
+ones test_cuda_build compiles anyway; the full sweep is marked slow.
+"""
+import functools
+
+import numpy as np
+import pytest
+
+from conftest import needs_nvcc
+from flashgen.build import build
+from flashgen.emulate.check import Checker
+from flashgen.emulate.host import EmulatedLibrary, HandlerError
+from flashgen.spec import DTYPES, KernelSpec
+
+pytestmark = needs_nvcc
+
+
+@functools.cache
+def _library(spec: KernelSpec) -> EmulatedLibrary:
+    return EmulatedLibrary(build(spec, host="emulate"))
+
+
+def checker(rng, head_dim, dtype, causal, arch="sm80") -> Checker:
+    spec = KernelSpec(head_dim, dtype, causal, arch)
+    return Checker(_library(spec), spec, rng)
+
+
+def assert_matches(result):
+    bad = [r for r in result.rows if not r.ok]
+    assert not bad, "\n".join(f"{r.spec} {r.family} [{r.case}] {r.output}: error {r.error:.3g} > {r.tolerance:g}"
+                              for r in bad)
+    return result
+
+
+def launched(result, kernel: str) -> int:
+    return sum(f"{kernel}<" in k for k in result.kernels)
+
+
+# ---- dense, d64 bf16 causal ---------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+def test_dense_causal_bottom_right_gqa(rng, arch):
+    r = assert_matches(checker(rng, 64, "bf16", True, arch).dense(
+        seqlen_q=77, seqlen_k=129, heads_q=4, heads_kv=2, bottom_right=True))
+    assert launched(r, "flash_bwd_pre_kernel") == 1 and launched(r, "flash_bwd_kernel") == 1
+    assert launched(r, "flash_bwd_convert_kernel") == 3  # dq, and dk / dv from the GQA accumulators
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,bottom_right", [(129, 17, False), (17, 77, True), (1, 129, True),
+                                                            (129, 77, True)])
+def test_dense_causal_lengths_mqa(rng, seqlen_q, seqlen_k, bottom_right):
+    # (129, 77) bottom-right: the first 52 rows see no key (o = 0, lse = -inf, zero gradients).
+    assert_matches(checker(rng, 64, "bf16", True).dense(
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=2, heads_kv=1, bottom_right=bottom_right))
+
+
+# ---- dense, d128 f16 non-causal: windows, softcap, every extra ----------------------------------
+@pytest.mark.parametrize("window,softcap", [((16, -1), 0.0), ((8, 5), 0.0), ((-1, -1), 3.0), ((20, 0), 2.0)])
+def test_window_softcap(rng, window, softcap):
+    assert_matches(checker(rng, 128, "f16", False).dense(seqlen_q=70, seqlen_k=90, window=window,
+                                                          softcap=softcap, heads_q=2, heads_kv=1))
+
+
+def test_window_with_causal(rng):
+    assert_matches(checker(rng, 64, "bf16", True).dense(seqlen_q=100, seqlen_k=100, window=(24, 0)))
+
+
+@pytest.mark.parametrize("extras", [
+    dict(alibi="H"), dict(alibi="BH", softcap=2.0),
+    dict(bias=(1, 2)),                 # broadcast over batch: dbias sums over it (atomics)
+    dict(bias=(2, 1), bias_f32=True),  # broadcast over heads, an f32 bias accumulates in place
+    dict(mask=(2, 2)),                 # with a fully masked row
+    dict(segment_ids=True),            # a query segment with no keys
+    dict(bias=(2, 2), mask=(1, 2), segment_ids=True, alibi="H"),
+])
+def test_extras(rng, extras):
+    r = assert_matches(checker(rng, 128, "f16", False).dense(batch=2, seqlen_q=40, seqlen_k=70, **extras))
+    assert ("dbias" in [row.output for row in r.rows]) == ("bias" in extras)
+
+
+def test_extras_causal_bias_gqa(rng):
+    assert_matches(checker(rng, 64, "bf16", True).dense(batch=2, seqlen_q=50, seqlen_k=64, heads_q=4, heads_kv=2,
+                                                         bottom_right=True, bias=(1, 4), mask=(2, 1)))
+
+
+# ---- varlen and paged ---------------------------------------------------------------------------
+def test_varlen_causal_with_empty_sequence(rng):
+    r = assert_matches(checker(rng, 64, "bf16", True).varlen(seqlens_q=(17, 0, 45), seqlens_k=(30, 0, 45),
+                                                             pad_q=3, pad_k=5, bottom_right=True))
+    assert launched(r, "flash_fwd_varlen_fill_kernel") == 1
+
+
+def test_varlen_alibi_window(rng):
+    assert_matches(checker(rng, 128, "f16", False).varlen(seqlens_q=(33, 0, 20), alibi="BH", window=(10, 10)))
+
+
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_paged_split_kv(rng, block_size):
+    # One decode row per (batch, head) leaves the SMs idle: the handler splits the keys and
+    # combines. seqused_k: a long row, an empty one, one shorter than its table row.
+    r = assert_matches(checker(rng, 64, "bf16", True).paged(seqused_k=(300, 0, 41), block_size=block_size))
+    assert launched(r, "flash_fwd_combine_kernel") == 1
+
+
+def test_paged_alibi_softcap_f16(rng):
+    assert_matches(checker(rng, 128, "f16", False).paged(seqused_k=(90, 7), seqlen_q=3, block_size=16,
+                                                          alibi="H", softcap=4.0, bottom_right=True))
+
+
+def test_paged_without_scratch_runs_unsplit(rng):
+    # XLA may refuse scratch: the handler then runs one split, still exact.
+    c = checker(rng, 64, "bf16", True)
+    limited = Checker(_Limited(c.lib, 0), c.spec, rng)
+    r = assert_matches(limited.paged(seqused_k=(300, 41), block_size=16))
+    assert launched(r, "flash_fwd_combine_kernel") == 0
+
+
+class _Limited:
+    """An EmulatedLibrary whose host refuses scratch beyond `limit` bytes."""
+
+    def __init__(self, lib, limit):
+        self.lib, self.limit = lib, limit
+
+    def call(self, *args, **kw):
+        return self.lib.call(*args, scratch_limit=self.limit, **kw)
+
+
+# ---- other dtypes and head dims -----------------------------------------------------------------
+def test_f32_dense(rng):
+    assert_matches(checker(rng, 64, "f32", False).dense(seqlen_q=45, seqlen_k=70, heads_q=2, heads_kv=1))
+
+
+def test_d256_dbias_is_not_doubled(rng):
+    # Head dims > 128 split each key block's dK/dV columns over two CTAs (NSPLIT = 2), both of
+    # which recompute dS: only one may add it into dbias.
+    assert_matches(checker(rng, 256, "bf16", False).dense(batch=2, seqlen_q=40, heads_q=2, heads_kv=2, bias=(1, 2)))
+
+
+# ---- the handler refuses bad arguments before anything runs -------------------------------------
+def test_mismatched_shapes_are_a_handler_error_and_launch_nothing(rng):
+    c = checker(rng, 64, "bf16", True)
+    q = np.zeros((1, 8, 2, 64), c.dt)
+    k = np.zeros((1, 8, 2, 32), c.dt)  # wrong head dim
+    with pytest.raises(HandlerError, match="head") as e:
+        c.lib.call(c.spec.target_name("fwd"), [q, k, k], [((1, 8, 2, 64), c.dt), ((1, 2, 8), np.float32)],
+                   **c._attrs(False, (-1, -1), 0.0))
+    assert e.value.record.launches == [] and e.value.record.host_accesses == []
+
+
+# ---- the full sweep (slow) ----------------------------------------------------------------------
+SWEEP = [(d, t, c) for d in (64, 128) for t in DTYPES for c in (False, True)] + \
+        [(d, "bf16", False) for d in (32, 96, 192, 256)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,dtype,causal", SWEEP)
+def test_sweep(rng, head_dim, dtype, causal):
+    c = checker(rng, head_dim, dtype, causal)
+    assert_matches(c.dense(seqlen_q=77, seqlen_k=129, heads_q=2, heads_kv=1, bottom_right=causal))
+    assert_matches(c.dense(batch=2, seqlen_q=33, seqlen_k=40, bias=(1, 2), mask=(2, 1), segment_ids=True,
+                           alibi="BH", softcap=2.0))
+    assert_matches(c.varlen(seqlens_q=(17, 0, 40)))
+    assert_matches(c.paged(seqused_k=(300, 0, 41), block_size=48))
