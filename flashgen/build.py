@@ -27,6 +27,7 @@ __all__ = ["build", "Library", "BuildError", "cache_root", "resolve_target"]
 
 Progress = Callable[[str], None]
 log = logging.getLogger("flashgen.build")
+EMULATION_RUNTIME_DIR = "flashgen/emulate"  # under csrc/: flashgen.emulate's CUDA runtime and FFI host
 cache_root = cache.root
 # Seconds between "still compiling" lines during a cold compile.
 HEARTBEAT_SECONDS = 10.0
@@ -79,8 +80,13 @@ def _job(source: codegen.Source, target: str, env_key: dict) -> _Job:
     else:
         compiler, flags, extra = "cxx", toolchain.cpu_compile_flags(), toolchain.host_isa()
     key = _digest(source.text, source.language, toolchain.requested(compiler),
-                  flags, extra, env_key)
+                  flags, extra, env_key, "keeps-ptx" if source.language == "cuda" else None)
     return _Job(source, compiler, tuple(flags), key)
+
+
+def ptx_of(obj: pathlib.Path) -> pathlib.Path:
+    """The PTX kept beside a cached CUDA object: what ptxas compiled, what flashgen.emulate runs."""
+    return obj.with_suffix(".ptx")
 
 
 def _object_key(job: _Job) -> str:
@@ -89,7 +95,9 @@ def _object_key(job: _Job) -> str:
 
 def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path,
              group: toolchain.ProcessGroup) -> tuple[pathlib.Path, bool]:
-    """Compile one source into the object cache; returns (object, was_cached)."""
+    """Compile one source into the object cache; returns (object, was_cached).
+    A CUDA compile keeps its PTX (nvcc --keep) beside the object, in place before the
+    object's record makes the entry exist."""
     key = _object_key(job)
     obj = cache.lookup_object(root, key)
     if obj:
@@ -99,16 +107,26 @@ def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path,
         if obj:
             return obj, True
         tmp = cache.temp_path(root / "objects", key, ".o")
+        keep = cache.staging_dir(root / "objects", key) if job.source.language == "cuda" else None
         try:
             compiler = toolchain.compiler(job.compiler)
-            toolchain.run([*compiler.command, *job.flags, "-c", str(src_dir / job.source.name),
+            keep_flags = ["--keep", "--keep-dir", str(keep)] if keep else []
+            toolchain.run([*compiler.command, *job.flags, *keep_flags, "-c", str(src_dir / job.source.name),
                            "-o", str(tmp)], f"compiling {job.source.name}", group)
+            if keep:
+                ptx = sorted(keep.glob("*.ptx"))
+                if len(ptx) != 1:
+                    raise BuildError(f"compiling {job.source.name}: expected one kept PTX file, "
+                                     f"found {[p.name for p in ptx]}")
+                os.replace(ptx[0], ptx_of(cache.object_path(root, key)))
             try:
                 return cache.store_object(root, key, tmp), False
             except cache.CorruptEntry as e:
                 raise BuildError(f"compiling {job.source.name}: {e}") from None
         finally:
             tmp.unlink(missing_ok=True)
+            if keep:
+                shutil.rmtree(keep, ignore_errors=True)
 
 
 def _library_info(specs: list[KernelSpec], target: str) -> dict:
@@ -120,7 +138,7 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
     }
 
 
-HOSTS = ("python", "exla", "c")
+HOSTS = ("python", "exla", "c", "emulate")
 
 
 def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *,
@@ -132,7 +150,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     which must agree). `host` picks the library's extra face: "python" (a
     pybind11 module for jax.ffi.register_ffi_target), "exla" (static
     XLA_FFI_REGISTER_HANDLER registration on load, no Python), "c" (plain C
-    symbols only). Returns the cached Library; with `out`, the library and its
+    symbols only), "emulate" (CUDA targets: plain C symbols, the CUDA runtime left
+    undefined for flashgen.emulate's stand-in, each source's PTX under ptx/). Returns the cached Library; with `out`, the library and its
     manifest are also copied there. `progress` receives one line per step of a
     cold build (default: the "flashgen.build" logger at INFO).
     """
@@ -149,6 +168,9 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     if len(targets) != 1:
         raise ValueError(f"one library serves one target; got specs for {sorted(targets)}")
     (target,) = targets
+    if host == "emulate" and target == "cpu":
+        raise ValueError("host 'emulate' runs CUDA targets (sm80, sm90a) on the CPU; "
+                         "a cpu library runs natively")
     specs = sorted(set(specs))
     say = progress or log.info
 
@@ -157,7 +179,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     for stale in cache.clean_stale(root):
         log.debug("removed %s (left by an interrupted build)", stale)
     ffi = toolchain.ffi_headers()
-    env_key = {"csrc": resources.tree_digest(resources.csrc_dir()), "ffi": ffi["sha256"],
+    env_key = {"csrc": resources.tree_digest(resources.csrc_dir(), skip=(EMULATION_RUNTIME_DIR,)),
+               "ffi": ffi["sha256"],
                "jaxlib": ffi["jaxlib"]}
     info = _library_info(specs, target)
     compile_jobs = [_job(s, target, env_key) for s in codegen.render_library(specs, info)]
@@ -170,6 +193,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
         compile_jobs.append(_job(codegen.render_python_face(module_name), target, env_key))
     linker = "nvcc" if target != "cpu" else "cxx"
     link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
+    if host == "emulate":  # cudart_emu.cc, loaded first by flashgen.emulate, is the runtime
+        link_flags += ["-cudart", "none"]
     lib_key = _digest([j.key for j in compile_jobs], toolchain.requested(linker),
                       link_flags, host)
     lib_dir = root / "libs" / lib_key
@@ -212,6 +237,14 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 link = toolchain.compiler(linker)
                 toolchain.run([*link.command, *link_flags, *map(str, objects), "-o",
                                str(staging / lib_name)], f"linking {lib_name}", group)
+            files = {lib_name: cache.file_record(staging / lib_name)}
+            if host == "emulate":
+                (staging / "ptx").mkdir()
+                for j, obj in zip(compile_jobs, objects):
+                    if j.source.language == "cuda":
+                        name = f"ptx/{pathlib.Path(j.source.name).stem}.ptx"
+                        shutil.copyfile(ptx_of(obj), staging / name)
+                        files[name] = cache.file_record(staging / name)
             compilers = {toolchain.compiler(c) for c in {j.compiler for j in compile_jobs} | {linker}}
             manifest = {
                 "flashgen_library": lib_name,
@@ -222,7 +255,9 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "python_face": host == "python",
                 "python": toolchain.python_identity() if host == "python" else None,
                 "python_module": module_name if host == "python" else None,
-                "undefined_symbols": ["XLA_FFI_GetApi"] if host == "exla" else [],
+                "undefined_symbols": (["XLA_FFI_GetApi"] if host == "exla" else
+                                      ["the CUDA runtime (flashgen.emulate)"] if host == "emulate" else []),
+                "ptx": sorted(n for n in files if n.startswith("ptx/")),
                 "compilers": {c.name: toolchain.compiler_version(c.exe) for c in compilers},
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},
                 "objects": {j.source.name: o.stem for j, o in zip(compile_jobs, objects)},
@@ -230,7 +265,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "cpu_isa": list(toolchain.cpu_isa()) if target == "cpu" else None,
                 "ffi_headers": {k: v for k, v in ffi.items() if k != "include_dir"},
                 "cache_key": lib_key,
-                "files": {lib_name: cache.file_record(staging / lib_name)},
+                "files": files,
                 "build_seconds": round(time.perf_counter() - t0, 3),
             }
             (staging / MANIFEST).write_text(cache.seal(manifest))
@@ -294,3 +329,30 @@ def _export(lib: Library, out: pathlib.Path) -> Library:
         finally:
             tmp.unlink(missing_ok=True)
     return dataclasses.replace(lib, path=out / lib.path.name, manifest_path=out / MANIFEST)
+
+
+def emulation_runtime() -> pathlib.Path:
+    """libflashgen_emu.so (csrc/flashgen/emulate: the stand-in CUDA runtime and XLA FFI host
+    under which flashgen.emulate runs a library built with host="emulate"), cached by content."""
+    root = cache.root()
+    src_dir = resources.csrc_dir() / EMULATION_RUNTIME_DIR
+    flags = ["-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "none",
+             "-I", str(resources.csrc_dir()), "-I", toolchain.ffi_headers()["include_dir"]]
+    nvcc = toolchain.compiler("nvcc")  # knows where the CUDA headers are
+    key = _digest(resources.tree_digest(src_dir), toolchain.requested("nvcc"),
+                  toolchain.compiler_version(nvcc.exe), flags)
+    lib = root / "runtime" / key / "libflashgen_emu.so"
+    if lib.exists():
+        return lib
+    with cache.locked(root, key):
+        if lib.exists():
+            return lib
+        tmp = cache.temp_path(root / "runtime", key, ".so")
+        try:
+            toolchain.run([*nvcc.command, *flags, *map(str, sorted(src_dir.glob("*.cc"))), "-o", str(tmp)],
+                          "building the emulation runtime")
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return lib

@@ -23,6 +23,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from flashgen import cache
 from flashgen.build import Library, emulation_runtime
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.machine import SM_COUNT, SMEM_LIMIT, LaunchStats, launch, short_name
@@ -181,6 +182,8 @@ class EmulatedLibrary:
         count = ctypes.c_size_t()
         entries = table(ctypes.byref(count))
         self.handlers = {entries[i].name.decode(): entries[i].handler for i in range(count.value)}
+        for name in manifest["ptx"]:  # the PTX must be what this build kept, byte for byte
+            cache.check_file(library.path.parent / name, manifest["files"].get(name))
         self.modules = [PtxModule.parse((library.path.parent / p).read_text()) for p in manifest["ptx"]]
         self.kernels = {name: (m, k) for m in self.modules for name, k in m.kernels.items()}
         self.library = library
