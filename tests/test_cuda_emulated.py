@@ -40,7 +40,9 @@ def assert_matches(result):
 
 
 def launched(result, kernel: str) -> int:
-    return sum(f"{kernel}<" in k for k in result.kernels)
+    """How many launches of the case ran `kernel` (a template: its mangled name has
+    `<length><name>I`)."""
+    return sum(f"{len(kernel)}{kernel}I" in k for k in result.kernels)
 
 
 # ---- dense, d64 bf16 causal ---------------------------------------------------------------------

@@ -43,7 +43,7 @@ class Row:
 @dataclasses.dataclass
 class CaseResult:
     rows: list[Row]
-    kernels: list[str]  # every launch of the case, in order
+    kernels: list[str]  # the PTX entry of every launch of the case, in order
 
 
 def relative_error(got, ref) -> float:
@@ -82,7 +82,7 @@ class Checker:
     def _run(self, family, case, target, operands, results, attrs, pairs_of, kernels):
         """Call `target`; pairs_of(outputs) -> [(name, got, ref)]; returns (outputs, rows)."""
         outs, rec = self.lib.call(target, operands, results, seed=self.seed, **attrs)
-        kernels += [l.kernel for l in rec.launches]
+        kernels += [l.entry for l in rec.launches]
         return outs, self._rows(family, case, rec.seconds, pairs_of(outs))
 
     # -----------------------------------------------------------------------------------------

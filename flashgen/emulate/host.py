@@ -52,7 +52,8 @@ class HandlerError(FlashgenError):
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    kernel: str                 # short_name of the PTX entry
+    entry: str                  # the PTX entry (mangled)
+    kernel: str                 # its short_name, for people
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem: int
@@ -195,7 +196,7 @@ class EmulatedLibrary:
         params = [ctypes.string_at(args[i], p.size) for i, p in enumerate(kernel.params)]
         stats = launch(module, name, grid, block, smem, params, call.memory, arch=self.arch,
                        seed=call.seed, race_check=call.race_check)
-        call.record.launches.append(Launch(short_name(name), grid, block, smem, stats))
+        call.record.launches.append(Launch(name, short_name(name), grid, block, smem, stats))
 
     def call(self, target: str, operands, results, *, seed: int | None = None, race_check: bool = True,
              scratch_limit: int | None = None, **attrs):
