@@ -434,7 +434,7 @@ def test_dense_forward_bf16_causal_matches_float64(rng):
     v = rng.standard_normal((b, sk, hkv, d)).astype(NP_DTYPES["bf16"])
     o, lse, stats = run_dense_forward(module, q, k, v, causal=True, dtype="bf16")
     ro, rlse = reference.attention(q, k, v, causal=True)[:2]
-    assert np.abs(o - ro).max() < 2e-2
+    assert (np.abs(o - ro) / (1 + np.abs(ro))).max() < 1e-2     # bf16 outputs
     assert np.abs(lse - rlse).max() < 1e-4
     assert stats.warp_instructions > 1000
     assert stats.opcode_counts["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0

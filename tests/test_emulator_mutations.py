@@ -73,10 +73,11 @@ def _errors(module, direction, rng):
     else:
         grads, _ = run_dense_backward(module, q, k, v, do, causal=True, dtype="bf16")
         got, want = grads, reference.attention(q, k, v, causal=True, do=do)[2]
-    return [float(np.nan_to_num(np.abs(g - w), nan=np.inf).max()) for g, w in zip(got, want)]
+    # |error| relative to 1 + |reference|: bf16 rounding alone gives up to 2^-9 of that
+    return [float(np.nan_to_num(np.abs(g - w) / (1 + np.abs(w)), nan=np.inf).max()) for g, w in zip(got, want)]
 
 
-TOLERANCE = 3e-2   # bf16 outputs of O(1) values; the correct kernels stay near 1e-2
+TOLERANCE = 2e-2   # the correct kernels stay below ~5e-3; the mutants reach 0.3 and more
 
 
 @pytest.fixture(scope="module")
