@@ -300,9 +300,11 @@ def test_float_min_max_fma(micro, rng):
     exact = a.astype(np.float64) * b + c                  # fma: one rounding
     same_bits_or_both_nan(out[:, 2], exact.astype(np.float32))
     assert out[3, 2] == -2.0**-24                         # a*b+c rounded once (mul+add gives 0)
-    want = np.sqrt(np.abs(a)) - a * b
-    ok = ~np.isnan(want)
-    assert (np.abs(out[ok, 3] - want[ok]) <= 2 * np.spacing(np.abs(want[ok]))).all()
+    root = np.sqrt(np.abs(a))                             # sqrt.rn: correctly rounded
+    want = root.astype(np.float64) - a.astype(np.float64) * b
+    ok = ~np.isnan(want)                                  # rounding of the product and the difference:
+    bound = 2 * np.spacing(np.maximum(np.abs(root), np.abs(a * b)))
+    assert (np.abs(out[ok, 3] - want[ok]) <= bound[ok]).all()
 
 
 @needs_nvcc
