@@ -203,3 +203,11 @@ def test_verify_inputs_have_every_kind_of_mask_row():
     assert all(not r[0] and r[-1] for i, r in enumerate(m) if i not in (0, 2))
     assert not rows[1][0].any() and rows[1][1, 0] == 0 and (rows[1][1, 1:] == 3).all()
     assert (rows[2] == 1).all()
+
+
+def test_vmapped_equinox_report_reads_batch_and_heads_from_the_product():
+    # equinox MultiheadAttention under jax.vmap, batch 2, 4 heads (golden equinox_vmap_mha)
+    import pathlib
+    golden = pathlib.Path(__file__).parent / "golden" / "inputs" / "equinox_vmap_mha.mlir"
+    site = fr.rewrite(golden).rewritten[0]
+    assert (site.batch, site.heads, site.kv_heads, site.seq_q) == (2, 4, 4, 8)

@@ -166,6 +166,20 @@ def constant(array: np.ndarray, elt, created) -> ir.Value:
     return op.result
 
 
+def scale_by_scalar(x: ir.Value, scalar: ir.Value, divide: bool, created) -> ir.Value:
+    """x * s (x / s) for a one-element tensor s, computed in f32 and converted back."""
+    f32 = ir.F32Type.get()
+    s = reshape(scalar, [], created) if list(scalar.type.shape) else scalar
+    if s.type.element_type != f32:
+        s = convert(s, f32, created)
+    s = broadcast(s, x.type.shape, [], created)
+    y = x if x.type.element_type == f32 else convert(x, f32, created)
+    op = (stablehlo.DivOp if divide else stablehlo.MulOp)(y, s)
+    created.append(op)
+    y = op.result
+    return y if x.type.element_type == f32 else convert(y, x.type.element_type, created)
+
+
 def binary(kind: str, a: ir.Value, b: ir.Value, created) -> ir.Value:
     cls = {"add": stablehlo.AddOp, "and": stablehlo.AndOp, "multiply": stablehlo.MulOp}[kind]
     op = cls(a, b)

@@ -86,6 +86,11 @@ class MatchState:
         self.fills: list = []          # (how 'select'|'add', fill, dtype) per masking step
         self.add_dtype = None          # element type of the add/subtract being analysed
         self.max_subtracted = True     # the softmax subtracts a row max before exp
+        self.runtime_scales: list = []  # (scalar ir.Value, divide) folded into Q
+        self.score_masks: list = []    # (predicate root, layout, negate) of the masking selects
+        self.twins: dict = {}          # (value, ctx) -> refs of equal selects (softmax where=)
+        self.remasked = False          # the probabilities are masked again by a score mask
+        self.masked_sum = False        # the row sum adds only the unmasked exponentials
         self.probs_layout = None       # the probabilities' layout at the P·V product
         self.tanh = False              # the scores went through tanh (a softcap's first half)
         self.softcap = 0.0             # the cap c multiplied onto tanh (0: no softcap)

@@ -81,6 +81,7 @@ class Plan:
     extras: object = None     # extras.Resolved: the operands after q, k, v
     empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
     backward: object = None   # backward.Backward: a training site's VJP cluster
+    runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
 
 
 class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage):
@@ -346,11 +347,14 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         _, seq_q, _, head_dim = dims["q"]
         seq_k = dims["k"][1]
         head_dim_v = dims["v"][3]
-        # logical sizes for the report: the outermost batching axis is the batch, every
-        # other batching axis and the query's extra axes are heads (GQA groups included)
-        first = batching[:1]
+        # logical sizes for the report: the outermost piece of the Q·K product's first
+        # batching dim is the batch, every other batching piece and the query's extra axes
+        # are heads (GQA groups included). Ordered by the product's dims, not by where the
+        # pieces sit in Q's source: vmap puts the mapped batch anywhere in it.
+        by_dim = sorted(batching, key=lambda p: (int(p[0][1:]), -p[1]))
+        first, rest = by_dim[:1], by_dim[1:]
         batch = prod(p[2] for p in first)
-        heads = prod(p[2] for p in batching[1:]) * prod(p[2] for p in group_q)
+        heads = prod(p[2] for p in rest) * prod(p[2] for p in group_q)
         kv_heads = heads // prod(p[2] for p in group)
         # dtype
         dts = [elt(x) for x in (q_val, k_val, v_val)]
@@ -373,18 +377,23 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                              kernel_dtype=dtype)
         bottom_right = resolved.bottom_right
         m.notes.extend(resolved.notes)
-        empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards),
+        if m.masked_sum and not m.remasked:
+            # a row without a visible key would be e / 0 in the original
+            raise Reject("the softmax sums only the unmasked exponentials, but the "
+                         "probabilities are not masked again")
+        empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards) or m.remasked,
                                      max_subtracted=m.max_subtracted,
                                      runtime_masked=empty_rows.runtime_masked(resolved, seq_q, seq_k))
         if empty in empty_rows.NOTES:
             m.notes.append(empty_rows.NOTES[empty])
         spec = KernelSpec(head_dim, dtype, causal, self.target)
-        layout_text = _layout_letters(q_lay, first, q_seq, batching[1:] + group_q, c_pieces)
+        layout_text = _layout_letters(q_lay, first, q_seq, rest + group_q, c_pieces)
         plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
                     inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
                     kernel=kernel, spec=spec, scale=float(np.float32(scale)),
                     bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
-                    softcap=float(np.float32(m.softcap)), extras=resolved, empty_rows=empty)
+                    softcap=float(np.float32(m.softcap)), extras=resolved, empty_rows=empty,
+                    runtime_scales=tuple(m.runtime_scales))
         return AttentionSite(
             location=where["location"], function=where["function"], op=where["op"],
             q_shape=shape_of(q_val), k_shape=shape_of(k_val), v_shape=shape_of(v_val),
@@ -449,6 +458,9 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                     x = adapters.adapt(value, lay, plan.kernel[name], created)
                     if str(x.type.element_type) != plan.spec.dtype:
                         x = adapters.convert(x, kdt, created)
+                    if name == "q":
+                        for scalar, divide in plan.runtime_scales:
+                            x = adapters.scale_by_scalar(x, scalar, divide, created)
                     operands.append(x)
                 names = plan.extras.names if plan.extras is not None else ()
                 if names:

@@ -3,6 +3,8 @@ fully-masked-row guard; names dropout and other users when the chain does not cl
 """
 from __future__ import annotations
 
+import re
+
 from jaxlib.mlir import ir
 
 from flashgen.rewrite.chain import (
@@ -10,6 +12,9 @@ from flashgen.rewrite.chain import (
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
+
+# private functions jax.random lowers to: their values are random bits
+_RANDOM_FUNCTIONS = re.compile(r"threefry|bernoulli|_uniform|random_bits")
 
 # which users continue the chain of the probabilities
 PROB_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
@@ -45,16 +50,13 @@ class ProbabilitiesStage:
                 if other is None or not other.uniform or float(other.scalar()) != 0.0:
                     raise Reject(self._dropout_or(p, "the probabilities are selected against "
                                                      "a non-zero value"))
-                try:
-                    pred = self._term(m, Ref(user.operands[0], ctx))
-                except Reject:
-                    raise Reject(self._dropout_or(p, "the probabilities are masked after the "
-                                                     "softmax")) from None
-                if pred.full:
-                    raise Reject(self._dropout_or(p, "the probabilities are masked after the "
-                                                     "softmax"))
-                m.guards.append((pred, layout))
-                m.notes.append("fully-masked-row guard after the softmax")
+                if self._is_score_mask(m, Ref(user.operands[0], ctx), layout, idx == 2):
+                    # keras' masked softmax: it changes only rows without a visible key (0)
+                    m.remasked = True
+                    m.notes.append("the scores' mask applied again after the softmax")
+                else:
+                    m.guards.append((self._guard(m, p, Ref(user.operands[0], ctx)), layout))
+                    m.notes.append("fully-masked-row guard after the softmax")
             elif name == "stablehlo.convert":
                 if elt(user.result) not in FLOAT_TYPES:
                     raise Reject("the probabilities are converted to a non-float type")
@@ -63,6 +65,17 @@ class ProbabilitiesStage:
             p = Ref(user.results[0], ctx)
             m.record(p, layout, "probs")
         raise Reject("the chain from the softmax to the P·V product is too long")
+
+    def _guard(self, m: MatchState, p: Ref, pred: Ref):
+        """A row-wise predicate computed from the scores (torch's fully-masked-row guard)."""
+        try:
+            term = self._term(m, pred)
+        except Reject:
+            raise Reject(self._dropout_or(p, "the probabilities are masked after the "
+                                             "softmax")) from None
+        if term.full:
+            raise Reject(self._dropout_or(p, "the probabilities are masked after the softmax"))
+        return term
 
     def _why_not_pv(self, users, p: Ref) -> str:
         for user, idx, ctx in users:
@@ -135,6 +148,8 @@ class ProbabilitiesStage:
             op = r.value.owner
             if op_name(op) in RNG_OPS:
                 return True
+            if r.ctx and _RANDOM_FUNCTIONS.search(self.g.function_name(self.g.function_of(op))):
+                return True     # jax.random inlined as integer ops (threefry from a seed)
             stack.extend(Ref(x, r.ctx) for x in op.operands)
         return False
 

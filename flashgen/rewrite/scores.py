@@ -11,7 +11,7 @@ from jaxlib.mlir import ir
 from flashgen.rewrite import extras as X
 from flashgen.rewrite.chain import (
     FLOAT_TYPES, LARGE_NEGATIVE, MAX_CHAIN, WIDTH, MatchState, back_layout, compare_direction,
-    constant_factor, elt, layout_step, reduce_kind, widening,
+    constant_factor, elt, layout_step, reduce_kind, shape_of, widening,
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Const
@@ -38,6 +38,14 @@ class ScoresStage:
                                  "cap after it (not a softcap c·tanh(x/c))")
                 return ref, layout
             steps = [u for u in users if op_name(u[0]) in SCORE_STEPS]
+            if len(steps) > 1 and self._equal_selects(steps):
+                # jax.nn.softmax(where=): one select for the row max, one for the exponent
+                twins = [Ref(u[0].results[0], u[2]) for u in steps[1:]]
+                for (user, _, ctx), twin in zip(steps[1:], twins):
+                    m.add(user, ctx)
+                    m.record(twin, layout, "scores")
+                steps = steps[:1]
+                m.twins[(steps[0][0].results[0], steps[0][2])] = twins
             if len(steps) != 1:
                 if not steps:
                     raise Reject(why_not_softmax(users))
@@ -97,6 +105,8 @@ class ScoresStage:
             m.matched.append("softcap")
             return layout
         if name == "stablehlo.multiply" or (name == "stablehlo.divide" and idx == 0):
+            if self.folder.fold(other) is None:
+                return self._runtime_scale(m, other, layout, divide=name == "stablehlo.divide")
             s = self._uniform(other, "scale")
             if s == 0 or not np.isfinite(s):
                 raise Reject(f"the scores are scaled by {s}")
@@ -116,6 +126,8 @@ class ScoresStage:
                 raise Reject(f"the mask fill value {value:g} is not a large negative number")
             self._mask_terms(m, Ref(user.operands[0], ctx), layout, idx == 2, 0)
             m.fills.append(("select", value, elt(user.result)))
+            m.score_masks.append(self._predicate_root(Ref(user.operands[0], ctx), layout) +
+                                 (idx == 2,))
             m.matched.append("mask")
             return layout
         if name == "stablehlo.add" or (name == "stablehlo.subtract" and idx == 0):
@@ -329,6 +341,64 @@ class ScoresStage:
                 continue
             stack.extend(op.operands)
         return True
+
+    def _equal_selects(self, steps) -> bool:
+        """Are these users of the scores selects of one predicate and one constant fill, with
+        the scores on the same side?"""
+        keys = set()
+        for user, idx, ctx in steps:
+            if op_name(user) != "stablehlo.select" or idx == 0:
+                return False
+            fill = self.folder.fold(Ref(user.operands[3 - idx], ctx))
+            if fill is None or not fill.uniform:
+                return False
+            layout = tuple(() for _ in shape_of(user.results[0]))
+            keys.add((self._predicate_root(Ref(user.operands[0], ctx), layout)[0], idx,
+                      float(fill.scalar())))
+        return len(keys) == 1
+
+    def _predicate_root(self, ref: Ref, layout):
+        """((value, ctx), layout) of a predicate walked back through calls and layout ops:
+        two predicates with the same root and layout select the same entries."""
+        r = ref
+        for _ in range(MAX_CHAIN):
+            r = self.g.resolve(r)
+            if isinstance(r.value, ir.BlockArgument):
+                break
+            op = r.value.owner
+            if op_name(op) not in ("stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                                   "stablehlo.transpose"):
+                break
+            back = back_layout(op, layout)
+            if back is None:
+                break
+            layout, r = back, Ref(op.operands[0], r.ctx)
+        return (r.value, r.ctx), tuple(layout)
+
+    def _is_score_mask(self, m: MatchState, ref: Ref, layout, negate: bool) -> bool:
+        """Is this predicate (keeping where true, or false with ``negate``) the one select
+        that masked the scores?"""
+        if len(m.fills) != 1 or len(m.score_masks) != 1:
+            return False
+        return self._predicate_root(ref, layout) + (negate,) == m.score_masks[0]
+
+    def _runtime_scale(self, m: MatchState, ref: Ref, layout, *, divide: bool):
+        """A scale known only at run time: a scalar of the site's function, folded into Q when
+        the site is rewritten (the kernel's scale keeps the constant part)."""
+        if m.masks or m.extras or m.biases or m.tanh:
+            # a fill, bias or cap already in the scores would be scaled too (and a negative
+            # scale would unmask the fill)
+            raise Reject("the scores are scaled by a value known only at run time after a mask, "
+                         "bias or softcap")
+        found, _ = self._source(m, ref, layout)
+        if found is None or any(n != 1 for n in shape_of(found[0])) or \
+                elt(found[0]) not in FLOAT_TYPES:
+            raise Reject("the scale is known only at run time and is not a scalar of the "
+                         "function")
+        m.runtime_scales.append((found[0], divide))
+        m.matched.append("run-time scale")
+        m.notes.append("run-time scale folded into Q (the kernel's scale is the constant part)")
+        return layout
 
     def _uniform(self, ref: Ref, what: str) -> float:
         c = self.folder.fold(ref)

@@ -21,7 +21,8 @@ class SoftmaxStage:
         # the row max may be taken on one view of the scores and subtracted from another
         # (JAX transposes between the two): follow the non-reduce users through layout ops
         for _ in range(MAX_CHAIN):
-            users = list(self.g.users(x))
+            users = list(self.g.users(x)) + [u for t in m.twins.get((x.value, x.ctx), ())
+                                             for u in self.g.users(t)]
             if any(op_name(u[0]) in ("stablehlo.subtract", "stablehlo.exponential") for u in users):
                 break
             views = [u for u in users if op_name(u[0]) in (
@@ -88,6 +89,14 @@ class SoftmaxStage:
                     if (den.value, den.ctx) not in m.chain:
                         candidates.append((user, den, uctx))
             i += 1
+        if not candidates and shift is not None:
+            log_softmax = self._log_softmax(m, d, x_layout)
+            if log_softmax is not None:
+                p, R = log_softmax
+                if not rowwise_ok(shift.layout, x_layout, R):
+                    raise Reject("the value subtracted before the exponential is not constant "
+                                 "along the softmax axis")
+                return p, x_layout, R
         if not candidates:
             raise Reject("the exponentials are not divided by their row sum (not a softmax)")
         # with several (a backward pass also multiplies them), take the one by the row sum
@@ -109,6 +118,54 @@ class SoftmaxStage:
         p = Ref(user.result, uctx)
         m.record(p, x_layout, "probs")
         return p, x_layout, R
+
+    def _log_softmax(self, m: MatchState, d: Ref, x_layout):
+        """exp(d - log(rowsum(exp(d)))), i.e. exp(log_softmax(x)) with d = x - rowmax:
+        (probabilities Ref, R), or None."""
+        for user, idx, ctx in self.g.users(d):
+            if op_name(user) != "stablehlo.subtract" or idx != 0:
+                continue
+            saved = set(m.ops)
+            try:
+                term = self._term(m, Ref(user.operands[1], ctx))
+            except Reject:
+                m.ops = saved
+                continue
+            sums = [r for r in term.reduces if r[0] == "add" and r[1] == "exp"]
+            allowed = ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                       "stablehlo.transpose", "stablehlo.log")
+            lse = Ref(user.result, ctx)
+            exps = [u for u in self.g.users(lse) if op_name(u[0]) == "stablehlo.exponential"]
+            if len(term.reduces) != 1 or not sums or term.full or len(exps) != 1 or \
+                    term.ops.count("stablehlo.log") != 1 or \
+                    any(o not in allowed for o in term.ops) or \
+                    not rowwise_ok(term.layout, x_layout, sums[0][2]):
+                m.ops = saved
+                continue
+            m.add(user, ctx)
+            m.record(lse, x_layout, "scores")
+            exp, _, ectx = exps[0]
+            m.add(exp, ectx)
+            p = Ref(exp.result, ectx)
+            m.record(p, x_layout, "probs")
+            m.matched.append("exp(log_softmax)")
+            return p, sums[0][2]
+        return None
+
+    def _masked_by_scores_mask(self, m: MatchState, op, ctx):
+        """select(mask, x, 0) with the scores' own mask (a masked row sum, jax.nn.softmax
+        where=): the Ref of x, else None."""
+        for keep in (1, 2):
+            zero = self.folder.fold(Ref(op.operands[3 - keep], ctx))
+            if zero is None or not zero.uniform or float(zero.scalar()) != 0.0:
+                continue
+            hit = m.chain.get((self.g.resolve(Ref(op.operands[keep], ctx)).value,
+                               self.g.resolve(Ref(op.operands[keep], ctx)).ctx))
+            if hit is None:
+                continue
+            if self._is_score_mask(m, Ref(op.operands[0], ctx), hit[0], keep == 2):
+                return Ref(op.operands[keep], ctx)
+        return None
 
     def _normalizer(self, m: MatchState, user, den: Ref, x_layout):
         """Check ``user`` (divide or multiply) normalizes by the row sum; return R."""
@@ -169,6 +226,11 @@ class SoftmaxStage:
             src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
             lay = term_layout_step(op, src.layout)
             return Term(lay, src.full, src.reduces, src.ops + [name], src.tag)
+        if name == "stablehlo.select":
+            kept = self._masked_by_scores_mask(m, op, r.ctx)
+            if kept is not None:
+                m.masked_sum = True
+                return self._term(m, kept, depth + 1)
         if name in ELEMENTWISE:
             parts = [self._term(m, Ref(x, r.ctx), depth + 1) for x in op.operands]
             lay = merge_layouts([t.layout for t in parts])

@@ -745,14 +745,50 @@ def _():
     return export_fn(f, *qkv())
 
 
-@case("neg_runtime_scale", rejected=["run time"])
+@case("runtime_scale", rewritten=1, targets=[tname(32, "f32", False)], scale=1.0)
 def _():
+    # a scale argument: multiplied into Q before the call, the kernel's scale is 1
     jax, jnp, _ = _jax()
 
     def f(q, k, v, scale):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
     return export_fn(f, *qkv(), spec(()))
+
+
+@case("runtime_scale_divide_bf16", rewritten=1, targets=[tname(32, "bf16", True)], causal=True,
+      scale=0.5)
+def _():
+    # a constant and a run-time divisor; bf16 inputs: the division runs in f32
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, temp):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.5 / temp
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = jnp.where(j <= i, s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32)).astype(q.dtype), v)
+    return export_fn(f, *qkv("bfloat16"), spec((1,)))
+
+
+@case("neg_runtime_scale_after_mask", rejected=["run time after a mask"])
+def _():
+    # a negative run-time scale would turn the fill into +large: refused
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, m, scale):
+        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9) * scale
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"), spec(()))
+
+
+@case("neg_runtime_scale_tensor", rejected=["not a scalar"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, scale):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv(), spec((B, H, T, T)))
 
 
 @case("neg_head_dim_48", rejected=["head dim 48"])
@@ -1196,6 +1232,105 @@ def _():
         return nnx.merge(graphdef, state)(x, mask=nnx.make_attention_mask(pad, pad))
     shapes = jax.tree.map(lambda a: spec(a.shape, a.dtype), state)
     return export_fn(f, shapes, spec((B, T, H * D)), spec((B, T), "bool"))
+
+
+# ----------------------------------------------------------------------------- more spellings
+def _keras():
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    if keras.backend.backend() != "jax":
+        raise RuntimeError("the keras goldens need KERAS_BACKEND=jax")
+    return keras
+
+
+def keras_export(layer_call, weights, *arg_specs):
+    """Export a keras layer call with its weights as arguments (StatelessScope)."""
+    keras = _keras()
+
+    def f(ws, *args):
+        with keras.StatelessScope(state_mapping=list(zip(weights, ws))):
+            return layer_call(*args)
+    return export_fn(f, [spec(w.shape, w.dtype) for w in weights], *arg_specs)
+
+
+@case("keras_mha_dropout_inference", rewritten=1, targets=[tname(32, "f32", False)],
+      extras=["mask"])
+def _():
+    # keras 3 MultiHeadAttention(dropout > 0) at inference: the masked Softmax applies the mask
+    # again after the softmax (where(mask, probs, 0)); rows without a visible key are 0 in both
+    keras = _keras()
+    layer = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, dropout=0.1, seed=0)
+    layer(np.ones((B, T, H * D), np.float32), np.ones((B, T, H * D), np.float32),
+          attention_mask=np.ones((B, T, T), bool))
+    return keras_export(lambda x, m: layer(x, x, attention_mask=m, training=False),
+                        layer.weights, spec((B, T, H * D)), spec((B, T, T), "bool"))
+
+
+@case("neg_keras_mha_dropout_training", rejected=["dropout"])
+def _():
+    # the same layer in training: the probabilities meet a random dropout mask
+    keras = _keras()
+    layer = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, dropout=0.1, seed=0)
+    layer(np.ones((B, T, H * D), np.float32), np.ones((B, T, H * D), np.float32),
+          attention_mask=np.ones((B, T, T), bool))
+    return keras_export(lambda x, m: layer(x, x, attention_mask=m, training=True),
+                        layer.weights, spec((B, T, H * D)), spec((B, T, T), "bool"))
+
+
+@case("keras_hub_gpt2_padding", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def _():
+    # keras_hub GPT2Backbone(dropout > 0) with a padding mask: causal AND padding merged into
+    # one run-time mask, applied again after the softmax
+    _keras()
+    import keras_hub
+    model = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=H,
+                                          hidden_dim=H * D, intermediate_dim=2 * H * D,
+                                          max_sequence_length=16, dropout=0.1)
+    return keras_export(
+        lambda ids, pad: model({"token_ids": ids, "padding_mask": pad}, training=False),
+        model.weights, spec((B, T), "int32"), spec((B, T), "bool"))
+
+
+@case("jnn_softmax_where", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def _():
+    # jax.nn.softmax(s, where=mask): masked max and sum, the exponent of a second select, and a
+    # final select to 0
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v, m):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, where=m), v)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
+
+
+@case("exp_log_softmax", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    # probabilities spelled exp(log_softmax(s)): exp(s - max - log(sum(exp(s - max))))
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        p = jnp.exp(jax.nn.log_softmax(jnp.where(j <= i, s, -jnp.inf)))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return export_fn(f, *qkv())
+
+
+@case("equinox_vmap_mha", rewritten=1, targets=[tname(32, "f32", False)], layout="(HD)BS")
+def _():
+    # equinox MultiheadAttention under jax.vmap: the mapped batch sits in the middle of Q's
+    # source; the report reads batch 2, heads 4 from the Q·K product's batching dims
+    jax, jnp, _ = _jax()
+    import equinox as eqx
+    m = eqx.nn.MultiheadAttention(num_heads=H, query_size=H * D, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(m, eqx.is_array)
+
+    def f(params, x):
+        mm = eqx.combine(params, static)
+        return jax.vmap(lambda xx: mm(xx, xx, xx))(x)
+    return export_fn(f, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, H * D)))
 
 
 # ----------------------------------------------------------------------------- extras: negatives
