@@ -246,6 +246,9 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         site = self._plan(m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
                           exit_op, exit_value, exit_layout, scale)
         if m.training:
+            if m.runtime_scales:
+                raise Reject("a training site with a scale known only at run time (its "
+                             "gradient would need the scale too)")
             view = backward.SiteView(
                 ops=set(m.ops), exit_value=exit_value,
                 probs={k for k, (_, tag) in m.chain.items() if tag == "probs"},
