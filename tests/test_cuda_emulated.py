@@ -144,6 +144,18 @@ def test_d256_dbias_is_not_doubled(rng):
     assert_matches(checker(rng, 256, "bf16", False).dense(batch=2, seqlen_q=40, heads_q=2, heads_kv=2, bias=(1, 2)))
 
 
+def test_every_kernel_entry_point_runs(rng):
+    """Each __global__ entry the spec's PTX holds (dense, extras, varlen, varlen+ALiBi, paged,
+    paged+ALiBi forwards; the backward's pre, four main variants and convert; the varlen fill
+    and split-KV combine) is launched by some handler and matches float64."""
+    c = checker(rng, 64, "bf16", True)
+    cases = [c.dense(seqlen_q=20), c.dense(seqlen_q=20, alibi="H"), c.varlen(seqlens_q=(9, 0, 12)),
+             c.varlen(seqlens_q=(9, 12), alibi="H"), c.paged(seqused_k=(300,), block_size=16),
+             c.paged(seqused_k=(20,), alibi="H")]
+    ran = {k for r in cases for k in assert_matches(r).kernels}
+    assert ran == set(c.lib.kernels), f"never launched: {sorted(set(c.lib.kernels) - ran)}"
+
+
 # ---- the handler refuses bad arguments before anything runs -------------------------------------
 def test_mismatched_shapes_are_a_handler_error_and_launch_nothing(rng):
     c = checker(rng, 64, "bf16", True)
@@ -169,3 +181,19 @@ def test_sweep(rng, head_dim, dtype, causal):
                            alibi="BH", softcap=2.0))
     assert_matches(c.varlen(seqlens_q=(17, 0, 40)))
     assert_matches(c.paged(seqused_k=(300, 0, 41), block_size=48))
+
+
+# ---- the user-facing check ----------------------------------------------------------------------
+def test_cli_check_emulate_prints_the_error_table(capsys):
+    from flashgen.cli import main
+    assert main(["check", "--target", "sm80", "--emulate", "--hdim", "64", "--dtype", "bf16", "--causal"]) == 0
+    out = capsys.readouterr().out
+    for family in ("dense", "extras", "varlen", "paged"):
+        assert family in out
+    assert "FAIL" not in out and "outputs within tolerance" in out
+
+
+def test_cli_check_needs_emulate(capsys):
+    from flashgen.cli import main
+    assert main(["check", "--target", "sm80", "--hdim", "64"]) == 2
+    assert "--emulate" in capsys.readouterr().err
