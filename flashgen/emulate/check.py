@@ -172,11 +172,13 @@ class Checker:
         return CaseResult(rows, kernels)
 
     def paged(self, *, seqused_k=(300, 0, 41), seqlen_q=1, block_size=16, heads_q=2, heads_kv=1, spare_blocks=2,
-              bottom_right=True, window=(-1, -1), softcap=0.0, alibi=None) -> CaseResult:
+              bottom_right=None, window=(-1, -1), softcap=0.0, alibi=None) -> CaseResult:
         """Paged-KV forward (decode): a shuffled block table over a cache with spare
         blocks, table rows longer than seqused_k. Split-KV and its combine kernel run when
-        the handler chooses them (CaseResult.kernels says)."""
+        the handler chooses them (CaseResult.kernels says). bottom_right defaults to the
+        spec's causal flag (decode alignment)."""
         b, hq, hkv, d, bs = len(seqused_k), heads_q, heads_kv, self.spec.head_dim, block_size
+        bottom_right = self.spec.causal if bottom_right is None else bottom_right
         max_blocks = max(1, -(-max(seqused_k) // bs)) + 1
         num_blocks = b * max_blocks + spare_blocks
         table = self.rng.permutation(num_blocks)[:b * max_blocks].reshape(b, max_blocks).astype(np.int32)
