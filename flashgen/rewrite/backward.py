@@ -27,6 +27,7 @@ from jaxlib.mlir import ir
 
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.evaluate import Evaluator
+from flashgen.rewrite.fold import MAX_ELEMENTS
 from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
 
 MAX_CLUSTER = 600          # ops in one backward cluster before giving up
@@ -78,6 +79,12 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
     if len({site.inputs[n] for n in "qkv"}) < 3 and \
             site.inputs["q"] in (site.inputs["k"], site.inputs["v"]):
         raise Reject("the backward of a site whose Q is also its K or V is not supported")
+    scores = max(_size(r) for op, _ in site.ops for r in op.results)
+    if scores > MAX_ELEMENTS:
+        # the check runs the site in float64 at its real size, holding its [.., Sq, Sk]
+        # intermediates (the folder's size limit)
+        raise Reject(f"the site is too large to check its backward ({scores} > 2^24 elements "
+                     "in one intermediate)")
     ops, tails, dv_operand = _walk(g, site)
     if dv_operand is None:
         raise Reject("the backward has no dV = Pᵀ·dO product")
