@@ -192,3 +192,17 @@ def test_evaluator_products_and_reductions():
         got = ev.value(Ref(ret.operands[0]))
     s = np.einsum("bqhd,bkhd->hbkq", a, b)
     np.testing.assert_allclose(got, s.max(axis=2) + s.sum(axis=2), rtol=1e-12)
+
+
+def test_site_too_large_to_check_is_left_alone():
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2)
+    x = jax.ShapeDtypeStruct((1, 2048, 8, 32), jnp.float32)    # scores: 2^25 elements
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                             platforms=["cpu"])(x, x, x).mlir_module()
+    result = fr.rewrite(text)
+    assert not result.rewritten
+    assert any("too large to check its backward" in s.reason for s in result.rejected)
