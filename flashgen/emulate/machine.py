@@ -48,7 +48,9 @@ class LaunchStats:
 
 
 class _CtaRegisters:
-    """The register file of a CTA: one array per register over all its lanes, created on first use."""
+    """The register file of a CTA: one array per register over all its lanes, created on first use.
+    Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
+    is written shows up instead of passing as zero; predicates start false."""
 
     def __init__(self, types, nlanes):
         self.types, self.nlanes, self.arrays = types, nlanes, {}
@@ -56,7 +58,9 @@ class _CtaRegisters:
     def array(self, name):
         a = self.arrays.get(name)
         if a is None:
-            a = self.arrays[name] = np.zeros(self.nlanes, dtype_of(self.types[name]))
+            dt = np.dtype(dtype_of(self.types[name]))
+            a = self.arrays[name] = (np.zeros(self.nlanes, dt) if dt == np.bool_ else
+                                     np.full(self.nlanes * dt.itemsize, 0xFF, np.uint8).view(dt))
         return a
 
 
