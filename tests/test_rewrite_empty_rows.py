@@ -211,3 +211,24 @@ def test_vmapped_equinox_report_reads_batch_and_heads_from_the_product():
     golden = pathlib.Path(__file__).parent / "golden" / "inputs" / "equinox_vmap_mha.mlir"
     site = fr.rewrite(golden).rewritten[0]
     assert (site.batch, site.heads, site.kv_heads, site.seq_q) == (2, 4, 4, 8)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 2)])
+def test_key_padding_rows_found_in_linear_memory(kernels, causal, window):
+    # a key-padding mask (segment ids q 1 / kv mask) under no band, causal, or a window bounded
+    # on the right: the empty rows come from each sequence's first real key, O(B*S) ops
+    def f(q, k, v, pad):
+        s = jnp.where(pad[:, None, None, :], _scores(q, k), jnp.finfo(jnp.float32).min)
+        if causal:
+            i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+            band = (j <= i) if window is None else (j <= i) & (j >= i - window)
+            s = jnp.where(band, s, jnp.finfo(jnp.float32).min)
+        return _attend(s, v)
+    text = _export(f, *_qkv(), ((B, T), "bool"))
+    kind = "mean"
+    site, ref, got, inputs = _run_all_rows(text, kind)
+    assert site.extras == ["segment_ids"] and site.causal == causal
+    body = fr.rewrite(text).text()
+    linear = "applies stablehlo.minimum across dimensions = [1]" in body
+    assert linear == (window is None), body
+    assert (f"tensor<{B}x1x{T}x{T}xi1>" in body) == (window is not None)

@@ -10,10 +10,12 @@ every key masked. The kernel outputs 0 on such a row. The original program gives
          fill (flax, jax.nn, masked_fill), or an added fill absorbs them (s + fill == fill for
          every score, e.g. transformers' finfo(f32).min). The softmax of equal scores is
          uniform, so the row is the mean of V over the row's keys. flashgen emits
-         ``select(no_visible_key, mean over Sk of V, o)`` after the call; no_visible_key is
-         an OR-reduction of the call's own mask operands over the keys (one fused reduction,
-         no [Sq, Sk] buffer) and the mean reads the kernel's V operand (so GQA and broadcast
-         K/V are averaged as the original averages them).
+         ``select(no_visible_key, mean over Sk of V, o)`` after the call. no_visible_key
+         comes from the call's own mask operands: for key padding under no band, causal or a
+         right-bounded window, from each sequence's first real key (O(B·S)); otherwise an
+         OR-reduction of the visibility over the keys (XLA CPU materializes it, one byte an
+         [Sq, Sk] entry). The mean reads the kernel's V operand (so GQA and broadcast K/V
+         are averaged as the original averages them).
   nan    the fill is -inf (or the softmax subtracts no row max, so exp(fill) underflows to
          0 and the row is 0/0): NaN. The rewritten program keeps 0 there; `--verify`
          accepts NaN → 0 where a site reports this.
@@ -98,13 +100,16 @@ def _self_compared(q_side, kv_side, q_seq, k_free) -> bool:
     return q_side[0] == kv_side[0] and roles(q_side[1], q_seq) == roles(kv_side[1], k_free)
 
 
-def visible_parts(names, extra_values) -> list:
-    """The call's mask operands among its extra operands (``names`` order; segment ids
-    are two operands)."""
+def visible_parts(resolved, extra_values) -> list:
+    """The call's mask operands among its extra operands (``resolved.names`` order; segment
+    ids are two operands; a key-padding mask's q ids are all 1)."""
     parts, i = [], 0
-    for name in names:
+    for name, recipe in zip(resolved.names, resolved.recipes):
         if name == "segment_ids":
-            parts.append(("segments", extra_values[i], extra_values[i + 1]))
+            if recipe[0] == "padding":
+                parts.append(("padding", extra_values[i + 1]))
+            else:
+                parts.append(("segments", extra_values[i], extra_values[i + 1]))
             i += 2
             continue
         if name == "mask":
@@ -190,6 +195,11 @@ def emit_bias_floor(x: ir.Value, created) -> ir.Value:
 
 
 def _no_visible_key(parts, b, hq, sq, sk, causal, bottom_right, window, created):
+    """[1|B, 1|Hq, Sq] i1: the query row sees no key."""
+    left, right = window
+    if len(parts) == 1 and parts[0][0] == "padding" and left < 0:
+        return _no_valid_key_before(parts[0][1], sq, sk, causal, bottom_right, right, created)
+    # XLA materializes the [.., Sq, Sk] visibility (1 byte an entry) before reducing it
     i1 = ir.IntegerType.get_signless(1)
     pb, ph = 1, 1
     for part in parts:
@@ -205,6 +215,9 @@ def _no_visible_key(parts, b, hq, sq, sk, causal, bottom_right, window, created)
     for part in parts:
         if part[0] == "mask":
             x = adapters.broadcast_to(part[1], shape, created)
+        elif part[0] == "padding":
+            one = adapters.constant(np.ones(shape, np.int32), part[1].type.element_type, created)
+            x = _compare(adapters.broadcast(part[1], shape, [0, 3], created), one, "EQ", created)
         else:
             _, q_ids, kv_ids = part
             qb = adapters.broadcast(q_ids, shape, [0, 2], created)
@@ -214,6 +227,33 @@ def _no_visible_key(parts, b, hq, sq, sk, causal, bottom_right, window, created)
     false = _scalar(ir.BoolAttr.get(False), i1, created)
     any_key = _reduce(vis, false, stablehlo.OrOp, [3], created)
     return adapters.logical_not(any_key, created)
+
+
+def _no_valid_key_before(kv_ids, sq, sk, causal, bottom_right, right, created):
+    """A key-padding mask (kv ids 1 = a real key) under no band or a band bounded on the right
+    only: row i sees a key iff the first real key is at most i + off + right (or exists).
+    O(B * S): [B, 1, Sq] i1."""
+    i32 = ir.IntegerType.get_signless(32)
+    nb = kv_ids.type.shape[0]
+    j = _op(stablehlo.IotaOp(ir.RankedTensorType.get([nb, sk], i32), 1), created)
+    one = adapters.constant(np.ones((nb, sk), np.int32), kv_ids.type.element_type, created)
+    none = adapters.constant(np.full((nb, sk), sk, np.int32), i32, created)
+    real = _compare(kv_ids, one, "EQ", created)
+    first = _reduce(_op(stablehlo.SelectOp(real, j, none), created),
+                    _scalar(ir.IntegerAttr.get(i32, sk), i32, created), stablehlo.MinOp, [1],
+                    created)                                          # [B]
+    off = (sk - sq) if bottom_right else 0
+    shifts = ([off] if causal else []) + ([off + right] if right >= 0 else [])
+    last = adapters.constant(np.full(sq, sk - 1, np.int32), i32, created)
+    if shifts:              # the last visible key of row i: min(i + shift, Sk - 1)
+        i = _op(stablehlo.IotaOp(ir.RankedTensorType.get([sq], i32), 0), created)
+        shift = adapters.constant(np.full(sq, min(shifts), np.int32), i32, created)
+        hi = _op(stablehlo.MinOp(_op(stablehlo.AddOp(i, shift), created), last), created)
+    else:
+        hi = last
+    first = adapters.broadcast(first, [nb, 1, sq], [0], created)
+    hi = adapters.broadcast(hi, [nb, 1, sq], [2], created)
+    return _compare(first, hi, "GT", created)
 
 
 def _band(sq, sk, causal, bottom_right, window, created):

@@ -476,7 +476,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 o_kernel = o
                 if plan.empty_rows == "mean":
                     o = empty_rows.emit_mean_fixup(
-                        o, operands[2], empty_rows.visible_parts(names, operands[3:]),
+                        o, operands[2], empty_rows.visible_parts(plan.extras, operands[3:]),
                         causal=plan.spec.causal, bottom_right=plan.bottom_right,
                         window=plan.window, created=created)
                 out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created,
@@ -524,7 +524,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             created.append(results[0].owner)
             if plan.empty_rows == "mean":   # the forward's fix-up has a gradient too
                 results[2] = empty_rows.emit_mean_fixup_grad(
-                    results[2], do, empty_rows.visible_parts(names, operands[3:]),
+                    results[2], do, empty_rows.visible_parts(plan.extras, operands[3:]),
                     causal=plan.spec.causal, bottom_right=plan.bottom_right,
                     window=plan.window, created=created)
             out = {}
