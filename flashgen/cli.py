@@ -69,7 +69,8 @@ def cmd_build(args) -> int:
 def cmd_emit(args) -> int:
     from flashgen.emit import attention_module
     spec = KernelSpec(args.hdim, args.dtype, bool(args.causal))
-    module = attention_module(spec, batch=args.batch, seq_q=args.seq_q, seq_k=args.seq_k or args.seq_q,
+    seq_k = args.seq_q if args.seq_k is None else args.seq_k
+    module = attention_module(spec, batch=args.batch, seq_q=args.seq_q, seq_k=seq_k,
                               heads=args.heads, kv_heads=args.kv_heads, scale=args.scale,
                               bottom_right=args.bottom_right, window=(args.window_left, args.window_right),
                               softcap=args.softcap, extras=args.extras, legacy_attrs=args.legacy_attrs)
@@ -142,6 +143,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     for module in _plugin_modules():
         module.register(sub)
+    for command in sub.choices.values():  # `flashgen rewrite ... --debug` as well as before it
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks")
     return p
 
 

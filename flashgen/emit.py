@@ -236,6 +236,7 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
     Extras take their full shapes: alibi_slopes [Hq] f32, bias [B,Hq,Sq,Sk] f32, mask
     [B,Hq,Sq,Sk] i1, q/kv_segment_ids [B,Sq] / [B,Sk] i32."""
     kv_heads = heads if kv_heads is None else kv_heads
+    _check_problem(batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads)
     scale = 1.0 / np.sqrt(spec.head_dim) if scale is None else scale
     extras = normalize_extras(extras)
     with new_context(), ir.Location.unknown():
@@ -262,3 +263,14 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
         if not module.operation.verify():
             raise RuntimeError("flashgen emitted an invalid module")  # a flashgen bug, not user error
         return module
+
+
+def _check_problem(**sizes) -> None:
+    """Sizes checked here, by name: MLIR would only say "invalid tensor dimension size"."""
+    from flashgen.errors import UsageError
+    for name, n in sizes.items():
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise UsageError(f"{name} must be a positive integer, got {n!r}")
+    if sizes["heads"] % sizes["kv_heads"]:
+        raise UsageError(f"heads ({sizes['heads']}) must be a multiple of kv_heads "
+                         f"({sizes['kv_heads']})")

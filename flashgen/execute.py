@@ -157,25 +157,51 @@ def register_library(source, library, platform: str = "cpu") -> list[str]:
 
 
 def coerce_inputs(arrays: Sequence[np.ndarray], params: Sequence[TensorType]) -> list[np.ndarray]:
-    """Check count and shapes; reinterpret 2-byte bf16 carriers; cast within a kind."""
+    """Check count, shapes and element kinds; reinterpret 2-byte bf16/f16 carriers.
+
+    Accepted besides an exact dtype: a uint16 or raw 2-byte (|V2) array for a bf16/f16
+    parameter (its bit patterns: .npz cannot hold bf16), a float array for a float parameter
+    of another width, and integers for an integer parameter when every value fits. Anything
+    else (e.g. integers for a float parameter, whose values a cast would silently change) is a
+    UsageError naming the input."""
     if len(arrays) != len(params):
         raise UsageError(f"@main takes {len(params)} inputs, got {len(arrays)}")
-    out = []
-    for i, (a, p) in enumerate(zip(arrays, params)):
-        a = np.asarray(a)
-        if tuple(a.shape) != p.shape:
-            raise UsageError(f"input arg{i} has shape {list(a.shape)}, @main expects {p}")
-        if a.dtype != p.dtype:
-            if a.dtype.itemsize == 2 and p.dtype.itemsize == 2 and (
-                    a.dtype.kind == "V" or a.dtype == np.uint16) and p.dtype.kind != "u":
-                a = a.view(p.dtype)
-            elif np.can_cast(a.dtype, p.dtype, "same_kind") or (
-                    a.dtype.kind == "f" and p.dtype == np.dtype(ml_dtypes.bfloat16)):
-                a = a.astype(p.dtype)
-            else:
-                raise UsageError(f"input arg{i} has dtype {a.dtype}, @main expects {p}")
-        out.append(a)
-    return out
+    return [_coerce(i, np.asarray(a), p) for i, (a, p) in enumerate(zip(arrays, params))]
+
+
+def _coerce(i: int, a: np.ndarray, p: TensorType) -> np.ndarray:
+    if tuple(a.shape) != p.shape:
+        raise UsageError(f"input arg{i} has shape {list(a.shape)}, @main expects {p}")
+    if a.dtype == p.dtype:
+        return a
+    floats = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
+              np.dtype(ml_dtypes.bfloat16))
+    if p.dtype in (floats[0], floats[3]) and (a.dtype == np.uint16 or (
+            a.dtype.kind == "V" and a.dtype.itemsize == 2)):
+        return a.view(p.dtype)
+    if a.dtype in floats and p.dtype in floats:
+        return a.astype(p.dtype)
+    if a.dtype.kind in "iu" and p.dtype.kind in "iu":
+        info = np.iinfo(p.dtype)
+        if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
+            return a.astype(p.dtype)
+        raise UsageError(f"input arg{i} ({a.dtype}) has values outside {p.element_type}'s range")
+    hint = (" (bf16 bit patterns are read as uint16 only for a bf16/f16 parameter)"
+            if a.dtype == np.uint16 else "")
+    raise UsageError(f"input arg{i} has dtype {a.dtype}, @main expects {p}: refusing to convert "
+                     f"{_kind(a.dtype)} to {_kind(p.dtype)}{hint}")
+
+
+def _kind(dtype: np.dtype) -> str:
+    if dtype == np.bool_:
+        return "booleans"
+    return {"i": "integers", "u": "unsigned integers", "f": "floats", "V": "raw bytes",
+            "c": "complex numbers"}.get(dtype.kind, str(dtype))
+
+
+def needs_x64(types: Sequence[TensorType]) -> bool:
+    """JAX runs 64-bit arrays only with jax_enable_x64; without it, f64/i64 become 32-bit."""
+    return any(t.dtype.itemsize == 8 and t.dtype.kind in "iuf" for t in types)
 
 
 def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
@@ -190,6 +216,9 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     loaded = _as_loaded(source)
     params, results = signature(loaded)
     arrays = coerce_inputs(inputs, params)
+    if needs_x64(params + results) and not jax.config.jax_enable_x64:
+        with jax.enable_x64(True):  # scoped: the caller's JAX settings stay as they were
+            return run(loaded, arrays, platform=platform, register=register)
     try:
         device = jax.devices(platform)[0]
     except RuntimeError:
@@ -265,12 +294,18 @@ def random_inputs(params: Sequence[TensorType], seed: int = 0) -> list[np.ndarra
 
 
 def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
+    """Inputs from an .npz (arg0..argN), or from an .npy when @main takes one input."""
     try:
         data = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise UsageError(f"no such inputs file: {path}") from None
     except (ValueError, OSError) as e:
-        raise UsageError(f"cannot read {path} as .npz: {e}") from None
+        raise UsageError(f"cannot read {path} as .npz or .npy: {e}") from None
+    if isinstance(data, np.ndarray):  # an .npy: one array
+        if len(params) != 1:
+            raise UsageError(f"{path} is an .npy (one array); @main takes {len(params)} inputs: "
+                             "give an .npz with arg0..argN")
+        return coerce_inputs([data], params)
     names = set(data.files)
     want = [f"arg{i}" for i in range(len(params))]
     missing = [n for n in want if n not in names]

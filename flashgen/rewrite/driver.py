@@ -16,7 +16,7 @@ from typing import Optional
 from jaxlib.mlir import ir
 
 from flashgen.errors import FlashgenError
-from flashgen.rewrite.graph import Graph
+from flashgen.rewrite.graph import Graph, nested_ops
 from flashgen.rewrite.patterns import AttentionPattern
 from flashgen.rewrite.report import AttentionSite, Rejection
 
@@ -39,19 +39,8 @@ class RewriteOptions:
 
 
 def collect_dots(module: ir.Module) -> list:
-    found: list = []
-
-    def visit(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.dot_general":
-                        found.append(inner)
-                    elif len(inner.operation.regions):
-                        visit(inner.operation)
-
-    visit(module.operation)
-    return found
+    return [op for op in nested_ops(module.operation)
+            if op.operation.name == "stablehlo.dot_general"]
 
 
 def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict] = None) -> list:
@@ -97,8 +86,10 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
             continue
         pattern = AttentionPattern(Graph(module), legacy_attrs=options.legacy_attrs,
                                    target=options.target, proven=proven)
-        site = pattern.match(op)
+        site = pattern.match(op, describe=False)
         if not isinstance(site, AttentionSite):  # an earlier rewrite changed its surroundings
+            if site is not None:
+                site.op, site.location = first.op, first.location
             records.append(site if site is not None else Rejection(
                 first.location, first.function, first.op, "no longer matches after earlier rewrites"))
             continue
@@ -148,24 +139,45 @@ def _erasable(graph: Graph, op, pure_funcs: dict) -> bool:
 
 
 def _pure_function(graph: Graph, fn, memo: dict) -> bool:
-    key = Graph.function_name(fn)
-    if key in memo:
-        return memo[key]
-    memo[key] = False  # recursion: assume impure
+    """Whether every op ``fn`` runs is pure, through calls to private functions at any depth.
 
-    def pure(op) -> bool:
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    o = inner.operation
-                    if o.name in ("func.return", "stablehlo.return"):
-                        continue
-                    if not _erasable(graph, o, memo) or not pure(o):
-                        return False
-        return True
+    A depth-first walk of the call graph on an explicit stack (call chains can be thousands
+    deep); a call cycle counts as impure. ``memo`` maps function names to the answer."""
+    name = Graph.function_name
+    if name(fn) in memo:
+        return bool(memo[name(fn)])
+    memo[name(fn)] = None  # on the current call path
+    stack = [[fn, _local_callees(graph, fn), 0]]
+    while stack:
+        frame = stack[-1]
+        f, callees, i = frame
+        if callees is not None and i < len(callees):
+            c = callees[i]
+            if name(c) not in memo:
+                memo[name(c)] = None
+                stack.append([c, _local_callees(graph, c), 0])
+                continue
+            if memo[name(c)]:
+                frame[2] += 1
+                continue
+            callees = None  # the callee is impure, or on the path (a cycle)
+        memo[name(f)] = callees is not None
+        stack.pop()
+    return bool(memo[name(fn)])
 
-    memo[key] = pure(fn)
-    return memo[key]
+
+def _local_callees(graph: Graph, fn) -> list | None:
+    """The private functions ``fn`` calls, or None when ``fn`` itself has an impure op."""
+    callees = []
+    for inner in nested_ops(fn):
+        o = inner.operation
+        if o.name in ("func.return", "stablehlo.return") or o.name in _PURE:
+            continue
+        callee = graph.callee(o) if o.name == "func.call" else None
+        if callee is None:
+            return None
+        callees.append(callee)
+    return callees
 
 
 def _erase_dead(graph: Graph, roots: list, erased: set) -> set:
@@ -217,19 +229,11 @@ def _erase_unused_functions(module: ir.Module, candidates: set) -> None:
 def _callees_of(fn) -> set:
     """Names of the functions `fn` (an op: a function or the module) calls or references."""
     out = set()
-
-    def visit(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    o = inner.operation
-                    if o.name == "func.call":
-                        out.add(ir.FlatSymbolRefAttr(o.attributes["callee"]).value)
-                    elif "called_computations" in o.attributes:
-                        for a in ir.ArrayAttr(o.attributes["called_computations"]):
-                            out.add(ir.FlatSymbolRefAttr(a).value)
-                    if len(o.regions):
-                        visit(o)
-
-    visit(fn)
+    for inner in nested_ops(fn):
+        o = inner.operation
+        if o.name == "func.call":
+            out.add(ir.FlatSymbolRefAttr(o.attributes["callee"]).value)
+        elif "called_computations" in o.attributes:
+            for a in ir.ArrayAttr(o.attributes["called_computations"]):
+                out.add(ir.FlatSymbolRefAttr(a).value)
     return out

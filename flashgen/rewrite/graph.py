@@ -158,6 +158,26 @@ class Graph:
                 yield user, idx, r.ctx
 
 
+def nested_ops(op) -> Iterator:
+    """Every operation inside ``op``'s regions, at any depth, in program order (pre-order).
+
+    An explicit stack instead of recursion: region nesting and layer chains of real
+    models run deeper than Python's recursion limit."""
+    stack = [iter(_ops_of(op.operation))]
+    while stack:
+        inner = next(stack[-1], None)
+        if inner is None:
+            stack.pop()
+            continue
+        yield inner
+        if len(inner.operation.regions):
+            stack.append(iter(_ops_of(inner.operation)))
+
+
+def _ops_of(op):
+    return [inner for region in op.regions for block in region.blocks for inner in block.operations]
+
+
 def _terminator(block):
     ops = block.operations
     return ops[len(ops) - 1]

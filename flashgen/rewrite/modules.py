@@ -74,28 +74,44 @@ def detect_format(data: bytes) -> str:
 
 
 def load(source) -> LoadedModule:
-    """Parse a module from a path, bytes or text. LoadError on anything unreadable."""
+    """Parse a module from a path, bytes or text. LoadError on anything unreadable, and on
+    input nested deeper than the MLIR reader can take (flashgen.rewrite.probe)."""
+    from flashgen.rewrite import probe
     data, path = read_source(source)
     fmt = detect_format(data)
+    exported = None
+    if fmt == "jax_exported":  # a flatbuffer read by pure Python: only its artifact is probed
+        exported = _deserialize_exported(data)
+        probe.check(exported.mlir_module_serialized, "portable")
+    else:
+        probe.check(data, fmt)
     ctx = new_context()
-    exported, version = None, None
     with ctx:
-        if fmt == "mlir":
-            module = _parse(data.decode("utf-8"), "StableHLO text")
-        elif fmt == "mlirbc":
-            module = _parse(data, "MLIR bytecode")
-        elif fmt == "portable":
-            version = _VERSION.search(data[:64]).group(1).decode()
-            module = _deserialize_artifact(data)
-        else:
-            exported = _deserialize_exported(data)
-            art = exported.mlir_module_serialized
-            m = _VERSION.search(art[:64])
-            version = m.group(1).decode() if m else None
-            module = _deserialize_artifact(art)
+        module, exported, version = parse(data, fmt, exported)
         check_stablehlo(module)
     has_locs = b"loc(" in data if fmt == "mlir" else True
     return LoadedModule(fmt, module, ctx, data, exported, version, has_locs, path)
+
+
+def parse(data: bytes, fmt: str, exported=None):
+    """(module, Exported or None, StableHLO version or None) of ``data`` in the current
+    context, without any safety check: use ``load``. ``exported``: ``data`` deserialized
+    already (jax_exported)."""
+    version = None
+    if fmt == "mlir":
+        module = _parse(data.decode("utf-8"), "StableHLO text")
+    elif fmt == "mlirbc":
+        module = _parse(data, "MLIR bytecode")
+    elif fmt == "portable":
+        version = _VERSION.search(data[:64]).group(1).decode()
+        module = _deserialize_artifact(data)
+    else:
+        exported = exported or _deserialize_exported(data)
+        art = exported.mlir_module_serialized
+        m = _VERSION.search(art[:64])
+        version = m.group(1).decode() if m else None
+        module = _deserialize_artifact(art)
+    return module, exported, version
 
 
 def _parse(text_or_bytes, what: str) -> ir.Module:
@@ -151,16 +167,11 @@ def check_stablehlo(module: ir.Module) -> None:
 
 
 def _foreign_op(op) -> Optional[str]:
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                name = inner.operation.name
-                if name.split(".")[0] not in _ALLOWED_DIALECTS:
-                    return name
-                if len(inner.operation.regions):
-                    found = _foreign_op(inner.operation)
-                    if found:
-                        return found
+    from flashgen.rewrite.graph import nested_ops
+    for inner in nested_ops(op):
+        name = inner.operation.name
+        if name.split(".")[0] not in _ALLOWED_DIALECTS:
+            return name
     return None
 
 

@@ -131,13 +131,17 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         return False
 
     # ------------------------------------------------------------------ match
-    def match(self, op):
-        """An AttentionSite, a Rejection, or None when ``op`` is no attention candidate."""
+    def match(self, op, describe: bool = True):
+        """An AttentionSite, a Rejection, or None when ``op`` is no attention candidate.
+
+        ``describe=False`` leaves the op's printed name empty: naming SSA values prints the
+        whole function, and a caller that already named the op (the driver's re-match before
+        each rewrite) would otherwise pay that once per site, quadratic in the model's depth."""
         if not self.is_candidate(op):
             return None
         fn = self.g.function_of(op)
         where = dict(location=str(op.location), function=self.g.function_name(fn),
-                     op=_describe_op(op, self.g.asm_state(fn)))
+                     op=_describe_op(op, self.g.asm_state(fn)) if describe else "")
         m = MatchState()
         try:
             site = self._match(op, m, where)

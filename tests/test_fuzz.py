@@ -1,0 +1,188 @@
+"""Fuzzing the rewriter's input handling, the CLI and the CPU FFI handlers (issue 15).
+
+Every input must end in a result or a clean flashgen error (LoadError, UsageError,
+FlashgenError); any other exception is a bug, and so is a crash. A crash cannot be caught in
+the process it kills, so the fuzz runs in a child pytest (FLASHGEN_FUZZ_CHILD=1) that writes
+each input to a file before trying it: if the child dies, the parent test fails naming the
+signal and the saved input.
+
+    FLASHGEN_FUZZ_EXAMPLES=2000 python3 -m pytest -q tests/test_fuzz.py   # a long campaign
+
+In CI each target tries a few dozen inputs (under a minute in all).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+CHILD = os.environ.get("FLASHGEN_FUZZ_CHILD") == "1"
+EXAMPLES = int(os.environ.get("FLASHGEN_FUZZ_EXAMPLES", "40"))
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "inputs"
+TARGETS = ("random_bytes", "mutated_text", "mutated_binary", "cli_emit", "handler_attributes")
+
+
+# ------------------------------------------------------------------------------ parent side
+@pytest.mark.skipif(CHILD, reason="the parent test")
+@pytest.mark.parametrize("target", TARGETS)
+def test_fuzz(tmp_path, target):
+    current = tmp_path / "current.bin"
+    stats = tmp_path / "stats.json"
+    env = dict(os.environ, FLASHGEN_FUZZ_CHILD="1", FLASHGEN_FUZZ_CURRENT=str(current),
+               FLASHGEN_FUZZ_STATS=str(stats))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", f"child_{target}"], env=env, capture_output=True, text=True, timeout=3000)
+    if proc.returncode < 0 or proc.returncode in (-signal.SIGSEGV, 139, 134, 135):
+        saved = current.read_bytes() if current.exists() else b""
+        keep = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"flashgen-fuzz-crash-{target}.bin"
+        keep.write_bytes(saved)
+        pytest.fail(f"the {target} fuzz child crashed (exit {proc.returncode}); input saved to "
+                    f"{keep} ({len(saved)} bytes)\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    tried = json.loads(stats.read_text())["tried"]
+    print(f"{target}: {tried} inputs, no crash")
+    assert tried >= min(EXAMPLES, 4)
+
+
+# ------------------------------------------------------------------------------ child side
+if CHILD:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from flashgen.errors import FlashgenError
+
+    FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck))
+    _tried = 0
+
+    def _attempt(data: bytes) -> None:
+        """Record the input (for a post-mortem), then count it."""
+        global _tried
+        pathlib.Path(os.environ["FLASHGEN_FUZZ_CURRENT"]).write_bytes(data)
+        _tried += 1
+        pathlib.Path(os.environ["FLASHGEN_FUZZ_STATS"]).write_text(json.dumps({"tried": _tried}))
+
+    def _rewrite_cleanly(data: bytes) -> None:
+        import flashgen.rewrite as fr
+        _attempt(data)
+        try:
+            result = fr.rewrite(data)
+        except FlashgenError:
+            return
+        result.to_bytes()  # what was read must also write back
+        result.report().dumps()
+
+    def _corpus(binary: bool) -> list[bytes]:
+        files = sorted(GOLDEN.iterdir())
+        picked = [p.read_bytes() for p in files if (p.suffix != ".mlir") == binary]
+        return picked + [b"ML\xefR" + bytes(64)] if binary else picked  # bare bytecode magic
+
+    def _mutate(data: bytes, ops) -> bytes:
+        b = bytearray(data)
+        for kind, pos, arg in ops:
+            if not b:
+                break
+            i = pos % len(b)
+            if kind == "flip":
+                b[i] ^= 1 << (arg % 8)
+            elif kind == "byte":
+                b[i] = arg % 256
+            elif kind == "delete":
+                del b[i:i + 1 + arg % 64]
+            elif kind == "duplicate":
+                b[i:i] = b[i:i + 1 + arg % 256]
+            elif kind == "truncate":
+                del b[i:]
+            elif kind == "digit":  # numbers drive shapes and dims: the likeliest to hurt
+                digits = [j for j in range(len(b)) if 48 <= b[j] <= 57]
+                if digits:
+                    b[digits[pos % len(digits)]] = 48 + arg % 10
+        return bytes(b)
+
+    MUTATIONS = st.lists(st.tuples(
+        st.sampled_from(["flip", "byte", "delete", "duplicate", "truncate", "digit", "digit"]),
+        st.integers(0, 1 << 30), st.integers(0, 1 << 16)), min_size=1, max_size=6)
+
+    @FUZZ
+    @given(st.binary(max_size=4096) | st.text(max_size=2048).map(str.encode))
+    def test_child_random_bytes(data):
+        _rewrite_cleanly(data)
+
+    @FUZZ
+    @given(st.integers(0, 1 << 20), MUTATIONS)
+    def test_child_mutated_text(which, ops):
+        corpus = _corpus(binary=False)
+        _rewrite_cleanly(_mutate(corpus[which % len(corpus)], ops))
+
+    @settings(FUZZ, max_examples=max(4, EXAMPLES // 4))  # each binary input costs a probe process
+    @given(st.integers(0, 1 << 20), MUTATIONS)
+    def test_child_mutated_binary(which, ops):
+        corpus = _corpus(binary=True)
+        _rewrite_cleanly(_mutate(corpus[which % len(corpus)], ops))
+
+    SIZES = st.one_of(st.integers(-3, 300), st.sampled_from([0, 1, 2**31, -(2**40), 10**30]))
+
+    @FUZZ
+    @given(st.fixed_dictionaries({
+        "--hdim": SIZES, "--seq-q": SIZES, "--heads": SIZES,
+    }, optional={
+        "--seq-k": SIZES, "--kv-heads": SIZES, "--batch": SIZES, "--dtype": st.sampled_from(
+            ["bf16", "f16", "f32", "f64", "int8", ""]), "--window-left": SIZES,
+        "--window-right": SIZES, "--softcap": st.floats(allow_nan=True),
+        "--scale": st.floats(allow_nan=True), "--extras": st.sampled_from(
+            ["", "alibi", "bias,mask", "segment_ids", "mask,mask", "bogus", ","]),
+    }), st.booleans(), st.booleans())
+    def test_child_cli_emit(flags, causal, module):
+        from flashgen import cli
+        argv = ["emit"] + [x for k, v in flags.items() for x in (k, str(v))]
+        argv += ["--causal"] * causal + ["--module"] * module
+        _attempt(" ".join(argv).encode())
+        assert cli.main(argv) in (0, 1, 2)
+
+    _SPEC_DIMS = (32, "f32")
+
+    @FUZZ
+    @given(
+        causal=st.booleans(), bottom_right=st.booleans(),
+        scale=st.floats(allow_nan=True, width=32), softcap=st.floats(allow_nan=True, width=32),
+        window=st.tuples(st.integers(-5, 40), st.integers(-5, 40)) | st.tuples(
+            st.sampled_from([-(2**31), 2**31 - 1]), st.sampled_from([-1, 0, 2**31 - 1])),
+        extras=st.sampled_from(["", "alibi", "bias", "mask", "segment_ids", "bogus"]),
+        sq=st.integers(1, 40), sk=st.integers(1, 40), h=st.sampled_from([1, 2, 4]),
+        kvh=st.sampled_from([1, 2, 3]), d=st.sampled_from([32, 32, 16, 64]),
+        api=st.sampled_from([4, 4, 4, 1]), lse_rank=st.sampled_from([3, 3, 2]))
+    def test_child_handler_attributes(causal, bottom_right, scale, softcap, window, extras, sq,
+                                      sk, h, kvh, d, api, lse_rank):
+        """Hand-written custom calls with any attributes and (possibly wrong) shapes reach the
+        real CPU handler: it must answer with an error or compute, never crash."""
+        from flashgen import execute
+        from flashgen.spec import KernelSpec
+        spec = KernelSpec(_SPEC_DIMS[0], _SPEC_DIMS[1], causal, "cpu")
+        q_t = f"tensor<1x{sq}x{h}x{d}xf32>"
+        kv_t = f"tensor<1x{sk}x{kvh}x{d}xf32>"
+        lse_t = f"tensor<1x{h}x{sq}xf32>" if lse_rank == 3 else f"tensor<{h}x{sq}xf32>"
+        attrs = (f"bottom_right = {str(bottom_right).lower()}, causal = {str(causal).lower()}, "
+                 f"extras = \"{extras}\", scale = {float(scale)!r} : f32, softcap = "
+                 f"{float(softcap)!r} : f32, window_left = {window[0]} : i32, "
+                 f"window_right = {window[1]} : i32").replace("nan :", "0x7FC00000 :").replace(
+                 "inf :", "0x7F800000 :").replace("-0x7F800000", "0xFF800000")
+        text = (f"module {{ func.func public @main(%q: {q_t}, %k: {kv_t}, %v: {kv_t}) -> "
+                f"({q_t}, {lse_t}) {{\n  %0:2 = stablehlo.custom_call "
+                f"@{spec.target_name('fwd')}(%q, %k, %v) {{api_version = {api} : i32, "
+                f"backend_config = {{{attrs}}}}} : ({q_t}, {kv_t}, {kv_t}) -> ({q_t}, {lse_t})\n"
+                f"  return %0#0, %0#1 : {q_t}, {lse_t}\n}} }}\n")
+        _attempt(text.encode())
+        rng = np.random.default_rng()
+        x = [rng.standard_normal(s).astype(np.float32)
+             for s in ((1, sq, h, d), (1, sk, kvh, d), (1, sk, kvh, d))]
+        try:
+            execute.run(text, x)
+        except FlashgenError:
+            pass
