@@ -374,6 +374,17 @@ def test_race_detector(micro, rng):
 
 
 @needs_nvcc
+def test_lanes_of_one_warp_need_syncwarp(micro, rng):
+    a = rng.standard_normal(32).astype(np.float32)
+    out = np.full(32, np.nan, np.float32)
+    with pytest.raises(EmulationError, match=r"race in warp 0: lane \d+ reads offset \d+, written by lane \d+ "
+                                             r"with no __syncwarp"):
+        run(micro, "lane_exchange", [a, out, 0])
+    run(micro, "lane_exchange", [a, out, 1])
+    assert (out == a[np.arange(32) ^ 1]).all()
+
+
+@needs_nvcc
 def test_race_within_one_instruction_of_two_warps(micro):
     """Warps executing together as a gang are still checked warp by warp."""
     for seed in range(4):

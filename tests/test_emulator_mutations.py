@@ -50,6 +50,8 @@ MUTATIONS = [
     ("causal_mask_off_by_one", "fwd.cuh",
      "bool masked = col >= Sk || dist < band_lo || dist > band_hi;",
      "bool masked = col >= Sk || dist < band_lo || dist >= band_hi;", "fwd"),
+    ("missing_epilogue_syncwarp", "fwd.cuh",
+     "  }\n  __syncwarp();\n  constexpr int kEpc", "  }\n  constexpr int kEpc", "fwd"),
     ("dsum_reduction_one_step_short", "bwd.cuh",
      "for (int off = kLanes / 2; off > 0; off >>= 1)", "for (int off = kLanes / 2; off > 1; off >>= 1)", "bwd"),
 ]

@@ -8,12 +8,14 @@ Within one launch GlobalMemory can also track which CTA wrote each byte (start_l
 write of a byte another CTA wrote or read-modified atomically, and a read of a byte another CTA
 wrote, are races (CTAs of a grid have no order); atomics may mix freely.
 
-SharedMemory: one CTA's shared memory, with the two checks the hardware does not do for us:
+SharedMemory: one CTA's shared memory, with the checks the hardware does not do for us:
  - cp.async tracking: bytes an issued cp.async has not delivered (no wait_group yet) cannot be
    read or written;
  - a race detector: within one barrier epoch (between two bar.sync), a byte written by one warp
    must not be read or written by another warp, and a byte read by one warp must not be written
-   by another. The verdict does not depend on the warp schedule.
+   by another. The verdict does not depend on the warp schedule;
+ - within a warp, a lane must not read a byte another lane of the warp wrote since the warp's last
+   __syncwarp (bar.warp.sync) or barrier: lanes of a warp are not ordered either (sm_70+).
 """
 from __future__ import annotations
 
@@ -197,9 +199,18 @@ class SharedMemory:
         if race_check:
             self.w_stamp = np.zeros(nbytes, np.int64)
             self.r_stamp = np.zeros(nbytes, np.int64)
+            self.w_lane = np.full(nbytes, -1, np.int8)       # writer lane (-1: the whole warp)
+            self.w_wsync = np.zeros(nbytes, np.int64)        # the writer warp's __syncwarp count then
+            self.warp_syncs = np.zeros(32, np.int64)
 
     def barrier(self) -> None:
         self.epoch += 1
+
+    def warp_sync(self, warps) -> None:
+        """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""
+        if self.race_check:
+            for w in warps:
+                self.warp_syncs[w.wid] += 1
 
     def _bytes(self, offs: np.ndarray, nbytes: int, what: str) -> np.ndarray:
         o = offs.astype(np.int64, copy=False)
@@ -229,18 +240,18 @@ class SharedMemory:
         return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x}, {how} by {who} "
                               f"with no barrier in between")
 
-    def _per_warp(self, check, idx, warp):
+    def _per_warp(self, check, idx, warp, lanes):
         """Rows of a gang's access (one warp per row) are checked warp after warp, so that two
         warps touching the same byte within one instruction are seen too."""
         if isinstance(warp, int):
-            check(idx, warp)
+            check(idx, warp, lanes)
             return
         for w in range(int(warp.min()), int(warp.max()) + 1):
             rows = warp == w
             if rows.any():
-                check(idx[rows], w)
+                check(idx[rows], w, None if lanes is None else lanes[rows])
 
-    def _race_read(self, idx, warp):
+    def _race_read(self, idx, warp, lanes):
         base = self.epoch << 8
         mine = base | warp
         ws = self.w_stamp[idx]
@@ -248,10 +259,21 @@ class SharedMemory:
         if bad.any():
             pos = tuple(np.argwhere(bad)[0])
             raise self._race(int(idx[pos]), warp, int(ws[pos]), "reads", "written")
+        own = ws == mine
+        if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
+            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[warp])
+            other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
+            if other.any():
+                pos = tuple(np.argwhere(other)[0])
+                reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
+                writer = int(self.w_lane[idx][pos])
+                raise EmulationError(
+                    f"shared-memory race in warp {warp}: {reader} reads offset {int(idx[pos])}, written by "
+                    f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
         rs = self.r_stamp[idx]
         self.r_stamp[idx] = np.where((rs >= base) & (rs != mine), base | self.MANY, mine)
 
-    def _race_write(self, idx, warp):
+    def _race_write(self, idx, warp, lanes):
         base = self.epoch << 8
         mine = base | warp
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
@@ -262,34 +284,38 @@ class SharedMemory:
             stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
             raise self._race(int(idx[pos]), warp, stamp, "writes", how)
         self.w_stamp[idx] = mine
+        self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
+        self.w_wsync[idx] = self.warp_syncs[warp]
 
-    def load(self, offs: np.ndarray, nbytes: int, warp: int, what: str = "load") -> np.ndarray:
+    # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
+    # None when the rows are read on behalf of the whole warp (ldmatrix).
+    def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None) -> np.ndarray:
         idx = self._bytes(offs, nbytes, what)
         self._check_pending(idx, what)
         if self.race_check:
-            self._per_warp(self._race_read, idx, warp)
+            self._per_warp(self._race_read, idx, warp, lanes)
         return self.data[idx]
 
-    def store(self, offs: np.ndarray, data: np.ndarray, warp: int, what: str = "store") -> None:
+    def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None) -> None:
         idx = self._bytes(offs, data.shape[1], what)
         self._check_pending(idx, what)
         if self.race_check:
-            self._per_warp(self._race_write, idx, warp)
+            self._per_warp(self._race_write, idx, warp, lanes)
         self.data[idx] = data
 
-    def async_issue(self, offs: np.ndarray, nbytes: int, warp: int) -> np.ndarray:
+    def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None) -> np.ndarray:
         """A cp.async targets these bytes: check them like a write, then mark them in flight."""
         idx = self._bytes(offs, nbytes, "cp.async destination")
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
-            self._per_warp(self._race_write, idx, warp)
+            self._per_warp(self._race_write, idx, warp, lanes)
         self.pending[idx] += 1
         self.in_flight += idx.size
         return idx
 
-    def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int) -> None:
+    def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int, lanes=None) -> None:
         self.pending[idx] -= 1
         self.in_flight -= idx.size
         if self.race_check:
-            self._race_write(idx, warp)   # the bytes land now: a write in the current epoch
+            self._race_write(idx, warp, lanes)   # the bytes land now: a write in the current epoch
         self.data[idx] = data

@@ -176,3 +176,10 @@ extern "C" __global__ void same_smem_slot(float* out) {
   __syncthreads();
   out[threadIdx.x] = s[threadIdx.x % 32];
 }
+// Lane i reads what lane i ^ 1 stored; `sync` = 1 puts __syncwarp between them (the correct kernel).
+extern "C" __global__ void lane_exchange(const float* a, float* out, int sync) {
+  __shared__ float s[32];
+  s[threadIdx.x] = a[threadIdx.x];
+  if (sync) __syncwarp();
+  out[threadIdx.x] = s[threadIdx.x ^ 1];
+}

@@ -42,6 +42,10 @@ def _who(w, lanes):
     return w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp[lanes]
 
 
+def _lane_ids(w, lanes):
+    return w.special[("laneid", 0)][lanes]
+
+
 @handles("ld")
 def load(ins, ops):
     space = _space(ins)
@@ -69,7 +73,7 @@ def load(ins, ops):
     else:
         def fetch(w, m):
             lanes = _lanes(m)
-            return w.cta.smem.load(addr(w)[lanes], nbytes, _who(w, lanes))
+            return w.cta.smem.load(addr(w)[lanes], nbytes, _who(w, lanes), lanes=_lane_ids(w, lanes))
 
     def run(w, m):
         raw = fetch(w, m)
@@ -102,7 +106,7 @@ def store(ins, ops):
         if space == "global":
             w.cta.gmem.store(a, raw, cta=w.cta.index)
         else:
-            w.cta.smem.store(a, raw, _who(w, lanes))
+            w.cta.smem.store(a, raw, _who(w, lanes), lanes=_lane_ids(w, lanes))
     return run
 
 
@@ -164,8 +168,8 @@ def cp_async(ins, ops):
                     warp.cp_groups.append(warp.cp_open)
                     warp.cp_open = []
                 while len(warp.cp_groups) > keep:
-                    for idx, data in warp.cp_groups.pop(0):
-                        w.cta.smem.async_deliver(idx, data, warp.wid)
+                    for idx, data, lane_ids in warp.cp_groups.pop(0):
+                        w.cta.smem.async_deliver(idx, data, warp.wid, lane_ids)
         return wait
     # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
     if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:
@@ -195,15 +199,15 @@ def cp_async(ins, ops):
         part = (k > 0) & ~full
         for i in np.nonzero(part)[0]:
             data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]))
-        who = _who(w, lanes)
-        idx = w.cta.smem.async_issue(d, n, who)
+        who, lane_ids = _who(w, lanes), _lane_ids(w, lanes)
+        idx = w.cta.smem.async_issue(d, n, who, lane_ids)
         if isinstance(who, int):
-            w.cp_open.append((idx, data))
+            w.cp_open.append((idx, data, lane_ids))
         else:
             for warp in w.members:
                 mine = who == warp.wid
                 if mine.any():
-                    warp.cp_open.append((idx[mine], data[mine]))
+                    warp.cp_open.append((idx[mine], data[mine], lane_ids[mine]))
     return issue
 
 

@@ -208,4 +208,8 @@ def bar_warp(ins, ops):
     if ins.mods != ("warp", "sync"):
         raise unsupported(ins)
     rmask = ops.read(ins.operands[0], "u32")
-    return lambda w, m: _member_lanes(w, rmask, m, ins)
+
+    def run(w, m):
+        _member_lanes(w, rmask, m, ins)
+        w.cta.smem.warp_sync(w.members)
+    return run
