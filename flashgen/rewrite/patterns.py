@@ -167,7 +167,8 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         for v in list(dot1.operands) + [dot1.result]:
             t = v.type
             if not isinstance(t, ir.RankedTensorType) or not t.has_static_shape:
-                raise Reject("dynamic shapes are not supported")
+                raise Reject("dynamic shapes are not supported (a shape-polymorphic export: "
+                             "flashgen rewrites static shapes; export with concrete shapes)")
         lb, rb, lc, rc = dot_dims(dot1)
         lhs, rhs = dot1.operands
         ls, rs = shape_of(lhs), shape_of(rhs)

@@ -1292,6 +1292,31 @@ def _():
         model.weights, spec((B, T), "int32"), spec((B, T), "bool"))
 
 
+@case("keras_hub_gemma_mqa_padding", rewritten=1, targets=[tname(32, "f32", False)],
+      kv_heads=1, extras=["mask"])
+def _():
+    # keras_hub GemmaBackbone (one kv head) with a padding mask: the 5-D einsum
+    # btkgh,bskh->bkgts, the masked Softmax applying its mask again after the softmax
+    _keras()
+    import keras_hub
+    model = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=H,
+                                           num_key_value_heads=1, hidden_dim=H * D,
+                                           intermediate_dim=2 * H * D, head_dim=D)
+    return keras_export(
+        lambda ids, pad: model({"token_ids": ids, "padding_mask": pad}, training=False),
+        model.weights, spec((B, T), "int32"), spec((B, T), "bool"))
+
+
+@case("neg_shape_polymorphic", fmt="jax_exported", rejected=["shape-polymorphic"])
+def _():
+    # jax.export with symbolic batch and sequence dims: still refused (issue 14 gap 3)
+    jax, jnp, export = _jax()
+    b, t = export.symbolic_shape("b, t")
+    shapes = [jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)] * 3
+    return export.export(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True)), platforms=["cpu"])(*shapes)
+
+
 @case("jnn_softmax_where", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
 def _():
     # jax.nn.softmax(s, where=mask): masked max and sum, the exponent of a second select, and a
