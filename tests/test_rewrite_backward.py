@@ -89,8 +89,10 @@ def _inputs(params, seed):
             out.append(np.arange(p.shape[-1]) < lengths[..., None])
             continue
         x = rng.standard_normal(p.shape)
-        if len(p.shape) >= 2 and p.shape[-2] >= 64:   # a weight matrix
+        if len(p.shape) >= 2 and p.shape[-2] >= 64:   # a weight matrix [.., in, out]
             x /= np.sqrt(p.shape[-2])
+        elif len(p.shape) == 3 and p.shape[0] >= 64:  # flax's [in, heads, head_dim]
+            x /= np.sqrt(p.shape[0])
         out.append(x.astype(np.float32).astype(p.dtype))
     return out
 
@@ -103,10 +105,13 @@ def test_training_gradients_match(name, kernels):
     got = execute.run(result.to_bytes(), inputs)
     dtype = min((s.dtype for s in result.rewritten), key={"bf16": 0, "f32": 2}.get)
     assert len(ref) == len(got)
+    # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a per-row
+    # shift) is rounding noise in both programs: measure it against the others' scale
+    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(r, np.float64)))) for r in ref)
     for i, (r, g) in enumerate(zip(ref, got)):
         r64, g64 = np.asarray(r, np.float64), np.asarray(g, np.float64)
         assert np.all(np.isfinite(g64)), f"gradient {i} has non-finite entries"
-        err = np.max(np.abs(r64 - g64)) / np.max(np.abs(r64))
+        err = np.max(np.abs(r64 - g64)) / max(float(np.max(np.abs(r64))), floor)
         assert err <= TOLERANCE[dtype], f"gradient {i}: relative error {err:.2e}"
 
 

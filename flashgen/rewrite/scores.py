@@ -26,6 +26,14 @@ SCORE_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
 class ScoresStage:
     """Mixin of AttentionPattern: the scores up to the softmax, masks and biases."""
 
+    def _forward_step(self, m: MatchState, use) -> bool:
+        user, idx, ctx = use
+        if op_name(user) == "stablehlo.subtract" and idx == 1:
+            return False
+        return all(self.folder.fold(Ref(x, ctx)) is not None or
+                   (not ctx and self._independent(m, x))
+                   for i, x in enumerate(user.operands) if i != idx)
+
     def _walk_scores(self, m: MatchState, ref: Ref, layout):
         for _ in range(MAX_CHAIN):
             m.record(ref, layout, "scores")
@@ -46,9 +54,14 @@ class ScoresStage:
                     m.record(twin, layout, "scores")
                 steps = steps[:1]
                 m.twins[(steps[0][0].results[0], steps[0][2])] = twins
+            if len(steps) > 1 and m.training:
+                # a backward also reads the scores (softcap: tanh's derivative 1 - t²): the
+                # forward step is the one whose other operands do not depend on the scores
+                steps = [u for u in steps if self._forward_step(m, u)]
             if len(steps) != 1:
                 if not steps:
                     raise Reject(why_not_softmax(users))
+                m.escaped = len(steps) > 1
                 raise Reject(f"the scores have {len(users)} users "
                              f"({', '.join(op_name(u[0]) for u in users)})")
             user, idx, ctx = steps[0]

@@ -157,6 +157,66 @@ def _():
                      spec((B, T, H * D)))
 
 
+def attention_grad(attention, *extra):
+    """grad over (q, k, v) of sum(sin(attention(q, k, v, *extra))): one site, any spelling."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v, *e):
+        return jnp.sum(jnp.sin(attention(q, k, v, *e)))
+    return export_fn(jax.grad(loss, argnums=(0, 1, 2)), *[spec((B, T, H, D))] * 3, *extra)
+
+
+@case("train_window", sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    import jax
+    return attention_grad(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(4, 0)))
+
+
+@case("train_softcap", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # the backward reads tanh's output again (1 - t²): the scores have three users
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(30.0 * jnp.tanh(s / 30.0)), v)
+    return attention_grad(attention)
+
+
+@case("train_alibi", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = s - (0.5 ** jnp.arange(1, H + 1))[:, None, None] * jnp.abs(i - j)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return attention_grad(attention)
+
+
+@case("train_flax_nnx", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    mha = nnx.MultiHeadAttention(num_heads=H, in_features=H * D, qkv_features=H * D,
+                                 decode=False, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(mha)
+
+    def loss(state, x):
+        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1)),
+                     jax.tree.map(lambda a: spec(a.shape, a.dtype), state), spec((B, T, H * D)))
+
+
 @case("train_neg_scan_residual", rejected=["a residual kept for a backward elsewhere"])
 def _():
     # without remat, scan saves the probabilities of every layer as a loop output for the
