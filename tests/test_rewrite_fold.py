@@ -149,3 +149,33 @@ def test_folds_a_loop_invariant_carry_inside_a_scan_body():
         # the accumulated carry changes every iteration: never constant
         assert folder.fold(Ref(acc.result, (call.operation,))) is None
         assert folder.fold(Ref(loop.results[len(loop.results) - 1])) is None
+
+
+def test_a_band_from_positions_is_folded_as_a_diagonal():
+    """transformers' spelling at a long sequence: positions gathered, compared and combined.
+    The folded value keeps one entry per diagonal (2S - 1), never S² -- and reads the same."""
+    import jax.numpy as jnp
+
+    s = 16384  # S² booleans would be 256 MiB
+
+    def f():
+        pos = jnp.take(jnp.arange(s, dtype=jnp.int32) + 5, jnp.arange(s))
+        q, k = pos[:, None], pos[None, :]
+        visible = (k <= q) & (k > q - 100)
+        return jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)[None, None]
+
+    import jax
+    exp = jax.export.export(jax.jit(f), platforms=["cpu"])()
+    ctx, m = _module(exp.mlir_module())
+    with ctx:
+        c = Folder(Graph(m)).fold(Ref(_result_of_main(m)))
+    assert c is not None and c.diagonal is not None
+    assert c.diagonal.values.size == 2 * s - 1 and c.shape == (1, 1, s, s)
+    rows = np.array([0, 1, 99, 100, 5000, s - 1])
+    j = np.arange(s)[None, :]
+    want = np.where((j <= rows[:, None]) & (j > rows[:, None] - 100), 0.0,
+                    np.finfo(np.float32).min)
+    np.testing.assert_array_equal(c.array[0, 0, rows], want)
+    from flashgen.rewrite import masks
+    vis = c.map(lambda a: a == 0)
+    assert masks.band(vis.array[0, 0]) == (True, False, (99, -1))

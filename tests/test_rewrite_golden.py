@@ -81,7 +81,10 @@ def test_golden_idempotent_and_same_format(name):
     assert modules.detect_format(data) == modules.detect_format(
         (GOLDEN / CASES[name]["file"]).read_bytes())
     again = fr.rewrite(data)
-    assert not again.rewritten and not again.rejected
+    assert not again.rewritten
+    # what is left is what the case expects to be left (e.g. a rotary-embedding matmul)
+    for s in again.rejected:
+        assert any(expected in s.reason for expected in CASES[name]["rejected"]), s.reason
     assert again.to_bytes() == data
 
 

@@ -18,6 +18,7 @@ from jaxlib.mlir import ir
 from flashgen.rewrite.graph import Graph, Ref
 
 MAX_ELEMENTS = 1 << 24
+_SQUEEZE_LIMIT = 1 << 20
 
 _NP_TYPES = {
     "i1": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
@@ -32,20 +33,59 @@ def np_dtype(element_type) -> np.dtype | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Diagonal:
+    """Where a value depends only on the distance ``idx[q] - idx[p]`` between two of its
+    axes (``q`` minus ``p``) and on no other axis: a causal or sliding-window band over
+    (query, key), as libraries build it from two position vectors. ``values[d + n_p - 1]``
+    is the value at distance d, so an S x S mask costs 2S - 1 entries, not S²."""
+    p: int
+    q: int
+    values: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class Const:
     array: np.ndarray  # compact: each dim is 1 or shape[i]
     shape: tuple
+    diagonal: Diagonal | None = None  # set when ``array`` is a read-only view of a Diagonal
 
     @property
     def uniform(self) -> bool:
-        a = self.array
-        return a.size == 1 or bool(np.all(a == a.reshape(-1)[0]))
+        a = self.elements()
+        return a.size == 1 or bool(np.all(a == a.flat[0]))
 
     def scalar(self):
-        return self.array.reshape(-1)[0].item()
+        return self.array.flat[0].item()
 
     def full(self) -> np.ndarray:
         return np.broadcast_to(self.array, self.shape)
+
+    def map(self, fn) -> "Const":
+        """An elementwise function of this value, computed on its diagonal when it has one."""
+        if self.diagonal is not None:
+            d = self.diagonal
+            return on_diagonal(np.asarray(fn(d.values)), d.p, d.q, self.shape)
+        return Const(np.asarray(fn(self.array)), self.shape)
+
+    def elements(self) -> np.ndarray:
+        """Every value this holds (each at least once), without expanding a diagonal."""
+        return self.diagonal.values if self.diagonal is not None else self.array
+
+    def any(self) -> bool:
+        return bool(np.any(self.elements()))
+
+
+def on_diagonal(values: np.ndarray, p: int, q: int, shape) -> Const:
+    """A Const over ``shape`` whose value at idx is ``values[idx[q] - idx[p] + shape[p] - 1]``
+    (other axes broadcast); its array is a strided view of ``values`` (a Toeplitz matrix)."""
+    values = np.ascontiguousarray(values)
+    view_shape = [1] * len(shape)
+    view_shape[p], view_shape[q] = shape[p], shape[q]
+    strides = [0] * len(shape)
+    strides[p], strides[q] = -values.itemsize, values.itemsize
+    view = np.lib.stride_tricks.as_strided(values[shape[p] - 1:], view_shape, strides,
+                                           writeable=False)
+    return Const(view, tuple(shape), Diagonal(p, q, values))
 
 
 def compact(a: np.ndarray, shape) -> Const:
@@ -188,7 +228,7 @@ class Folder:
         if np_dtype(rtype.element_type) is None:
             return None
         if isinstance(v, ir.BlockArgument):
-            init = self._loop_invariant_init(r)
+            init = self._loop_invariant_init(r) or self._argument_of_only_call(r)
             return None if init is None else [self.graph.resolve(init)]
         op = v.owner
         name = op.operation.name
@@ -228,6 +268,9 @@ class Folder:
             arr = np.arange(shape[dim], dtype=dtype).reshape(
                 [shape[dim] if i == dim else 1 for i in range(len(shape))])
             return Const(arr, shape)
+        banded = _banded(name, op, a, shape, dtype)
+        if banded is not None:
+            return banded
         if name == "stablehlo.broadcast_in_dim":
             (x,) = a
             dims = list(ir.DenseI64ArrayAttr(attrs["broadcast_dimensions"]))
@@ -251,31 +294,9 @@ class Folder:
             if x.array.size == 1:
                 return Const(x.array.reshape((1,) * len(shape)), shape)
             return compact(x.full().reshape(shape), shape)
-        if name == "stablehlo.convert":
-            return Const(a[0].array.astype(dtype, copy=False), shape)
-        if name in _UNARY:
-            with np.errstate(all="ignore"):
-                return Const(np.asarray(_UNARY[name](a[0].array)).astype(dtype, copy=False), shape)
-        if name in _BINARY:
-            with np.errstate(all="ignore"):
-                return self._sized(np.asarray(_BINARY[name](a[0].array, a[1].array)).astype(dtype, copy=False), shape)
-        if name == "stablehlo.divide":
-            with np.errstate(all="ignore"):
-                if np.issubdtype(dtype, np.integer):
-                    q = np.trunc(a[0].array.astype(np.float64) / a[1].array).astype(dtype)
-                else:
-                    q = np.divide(a[0].array, a[1].array)
-                return self._sized(np.asarray(q).astype(dtype, copy=False), shape)
-        if name == "stablehlo.remainder":
-            with np.errstate(all="ignore"):
-                return self._sized(np.fmod(a[0].array, a[1].array).astype(dtype), shape)
-        if name == "stablehlo.compare":
-            direction = str(attrs["comparison_direction"]).split()[-1].strip(">").upper()
-            return self._sized(_cmp(direction, a[0].array, a[1].array), shape)
-        if name == "stablehlo.select":
-            return self._sized(np.where(a[0].array, a[1].array, a[2].array).astype(dtype, copy=False), shape)
-        if name == "stablehlo.clamp":
-            return self._sized(np.clip(a[1].array, a[0].array, a[2].array).astype(dtype), shape)
+        if name in _ELEMENTWISE:
+            out = _elementwise(name, attrs, a, dtype)
+            return None if out is None else self._sized(out, shape)
         if name == "stablehlo.slice":
             start = list(ir.DenseI64ArrayAttr(attrs["start_indices"]))
             limit = list(ir.DenseI64ArrayAttr(attrs["limit_indices"]))
@@ -313,13 +334,31 @@ class Folder:
         """A dense result, kept compact; None when it is too large to hold."""
         if a is None or a.size > MAX_ELEMENTS:
             return None
-        return compact(a, shape)
+        c = compact(a, shape)
+        if c.array.size <= _SQUEEZE_LIMIT:
+            # gathered ids that are all equal (transformers' packed-sequence ids of a single
+            # sequence) become one value, so what is computed from them stays small
+            arr = c.array
+            for ax in range(arr.ndim):
+                if arr.shape[ax] > 1 and np.all(arr == arr.take([0], axis=ax)):
+                    arr = arr.take([0], axis=ax)
+            c = Const(arr, tuple(shape))
+        return c
 
     @staticmethod
     def _sized(a: np.ndarray, shape) -> Const | None:
         if a.size > MAX_ELEMENTS:
             return None
         return Const(a, shape)
+
+    def _argument_of_only_call(self, r: Ref) -> Ref | None:
+        """An argument of a private function reached without a call context (a site inside
+        a scan body is matched in its own function) has the value its only caller passes."""
+        holder = r.value.owner.owner
+        if r.ctx or holder.operation.name != "func.func":
+            return None
+        call = self.graph.only_call_site(holder.operation)
+        return None if call is None else Ref(call.operands[r.value.arg_number], ())
 
     @staticmethod
     def _loop_invariant_init(r: Ref) -> Ref | None:
@@ -486,3 +525,119 @@ def _reduce_window(op, x: Const, init: Const, attrs, shape) -> np.ndarray | None
     out = f(arr, init.scalar())  # each window's reduction starts from the init value
     assert out.shape == tuple(shape)
     return out
+
+
+# ----------------------------------------------------------------------------- bands
+_ELEMENTWISE = set(_UNARY) | set(_BINARY) | {
+    "stablehlo.convert", "stablehlo.compare", "stablehlo.select", "stablehlo.clamp",
+    "stablehlo.divide", "stablehlo.remainder"}
+
+
+def _banded(name, op, a: list, shape, dtype) -> Const | None:
+    """The result as a Diagonal when it is one, computed in O(Sq + Sk): an elementwise op
+    on diagonals (and single values), a difference or comparison of two position vectors
+    along different axes, or a layout op that moves a diagonal's axes. None otherwise."""
+    attrs = op.operation.attributes
+    if name in _ELEMENTWISE:
+        axes = _common_diagonal(a)
+        if axes is not None:
+            p, q = axes
+            vals = [c.diagonal.values if c.diagonal is not None else c.array.reshape(())
+                    for c in a]
+            out = _elementwise(name, attrs, [Const(v, v.shape) for v in vals], dtype)
+            return None if out is None else on_diagonal(out, p, q, shape)
+        if name in ("stablehlo.compare", "stablehlo.subtract"):
+            return _outer_positions(name, attrs, a, shape, dtype)
+        return None
+    if not any(c.diagonal is not None for c in a):
+        return None
+    d = a[0].diagonal
+    if name == "stablehlo.broadcast_in_dim":
+        dims = list(ir.DenseI64ArrayAttr(attrs["broadcast_dimensions"]))
+        return on_diagonal(d.values, dims[d.p], dims[d.q], shape)
+    if name == "stablehlo.transpose":
+        perm = list(ir.DenseI64ArrayAttr(attrs["permutation"]))
+        return on_diagonal(d.values, perm.index(d.p), perm.index(d.q), shape)
+    if name == "stablehlo.reshape":
+        # only unit dims added or removed: the two axes keep their order among the others
+        src_shape = a[0].shape
+        big_src = [i for i, n in enumerate(src_shape) if n > 1]
+        big_dst = [i for i, n in enumerate(shape) if n > 1]
+        if [src_shape[i] for i in big_src] != [shape[i] for i in big_dst]:
+            return None
+        return on_diagonal(d.values, big_dst[big_src.index(d.p)], big_dst[big_src.index(d.q)],
+                           shape)
+    return None
+
+
+def _common_diagonal(a: list):
+    """(p, q) when every operand is a diagonal over the same axes or a single value, and at
+    least one is a diagonal; else None."""
+    axes = None
+    for c in a:
+        if c.diagonal is not None:
+            here = (c.diagonal.p, c.diagonal.q)
+            if axes is not None and here != axes:
+                return None
+            axes = here
+        elif c.array.size != 1:
+            return None
+    return axes
+
+
+def _elementwise(name, attrs, a: list, dtype) -> np.ndarray | None:
+    """An elementwise op on numpy operands (broadcast), as stablehlo computes it."""
+    x = [c.array for c in a]
+    with np.errstate(all="ignore"):
+        if name == "stablehlo.convert":
+            return x[0].astype(dtype, copy=False)
+        if name in _UNARY:
+            return np.asarray(_UNARY[name](x[0])).astype(dtype, copy=False)
+        if name in _BINARY:
+            return np.asarray(_BINARY[name](x[0], x[1])).astype(dtype, copy=False)
+        if name == "stablehlo.divide":
+            if np.issubdtype(dtype, np.integer):
+                return np.trunc(x[0].astype(np.float64) / x[1]).astype(dtype, copy=False)
+            return np.asarray(np.divide(x[0], x[1])).astype(dtype, copy=False)
+        if name == "stablehlo.remainder":
+            return np.fmod(x[0], x[1]).astype(dtype, copy=False)
+        if name == "stablehlo.compare":
+            return _cmp(_direction(attrs), x[0], x[1])
+        if name == "stablehlo.select":
+            return np.where(x[0], x[1], x[2]).astype(dtype, copy=False)
+        if name == "stablehlo.clamp":
+            return np.clip(x[1], x[0], x[2]).astype(dtype, copy=False)
+    return None
+
+
+def _direction(attrs) -> str:
+    return str(attrs["comparison_direction"]).split()[-1].strip(">").upper()
+
+
+def _outer_positions(name, attrs, a: list, shape, dtype) -> Const | None:
+    """x[i] - y[j] or compare(x[i], y[j]) where x varies along one axis only, y along another,
+    both integer vectors of the same constant step (positions, as transformers gathers them):
+    the value depends on j - i only."""
+    x, y = a
+    ax, ay = _single_axis(x), _single_axis(y)
+    if ax is None or ay is None or ax == ay or not np.issubdtype(x.array.dtype, np.integer):
+        return None
+    xv, yv = x.array.reshape(-1).astype(np.int64), y.array.reshape(-1).astype(np.int64)
+    step = xv[1] - xv[0]
+    if step == 0 or yv[1] - yv[0] != step or np.any(np.diff(xv) != step) \
+            or np.any(np.diff(yv) != step):
+        return None
+    n_x, n_y = len(xv), len(yv)
+    dist = np.arange(-(n_x - 1), n_y)  # idx[ay] - idx[ax]
+    i = np.maximum(0, -dist)
+    out = _elementwise(name, attrs, [Const(x.array.reshape(-1)[i], i.shape),
+                                     Const(y.array.reshape(-1)[i + dist], i.shape)], dtype)
+    return on_diagonal(out, ax, ay, shape)
+
+
+def _single_axis(c: Const) -> int | None:
+    """The one axis along which a (non-diagonal) value has more than one entry, or None."""
+    if c.diagonal is not None:
+        return None
+    big = [i for i, n in enumerate(c.array.shape) if n > 1]
+    return big[0] if len(big) == 1 else None

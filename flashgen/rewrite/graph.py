@@ -49,6 +49,7 @@ class Graph:
                 self.funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op.operation
         self._users: dict = {}
         self._asm: dict = {}
+        self._calls: dict | None = None
 
     def asm_state(self, fn):
         """One naming state per function, so that SSA names print as in the module."""
@@ -70,6 +71,25 @@ class Graph:
         if vis is None or ir.StringAttr(vis).value != "private":
             return None
         return fn
+
+    def only_call_site(self, fn):
+        """The one func.call that reaches private function ``fn`` in the module, or None
+        when there are several or none (so its arguments have one known value each)."""
+        if self._calls is None:
+            self._calls = {}
+            ops = [self.module.operation]
+            while ops:  # every op of the module, regions included, without recursion
+                o = ops.pop()
+                for region in o.regions:
+                    for block in region.blocks:
+                        for inner in block.operations:
+                            if inner.operation.name == "func.call":
+                                name = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
+                                self._calls.setdefault(name, []).append(inner.operation)
+                            if len(inner.operation.regions):
+                                ops.append(inner.operation)
+        found = self._calls.get(self.function_name(fn), [])
+        return found[0] if len(found) == 1 and self.callee(found[0]) is not None else None
 
     @staticmethod
     def function_of(op) -> object | None:

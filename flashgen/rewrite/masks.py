@@ -102,18 +102,26 @@ def band(full: np.ndarray):
     window with right = 0; where several forms fit, causal wins, then no left bound, then
     top-left alignment."""
     sq, sk = full.shape
-    if not full.any():
+    # per row: the first and last visible key, and whether those in between are all visible
+    # (a few passes over the booleans, no Sq x Sk integer temporaries: cheap at S = 8192)
+    seen = full.any(axis=1)
+    if not seen.any():
         return None
-    i = np.arange(sq)[:, None]
-    j = np.arange(sk)[None, :]
+    first = np.argmax(full, axis=1)
+    last = sk - 1 - np.argmax(full[:, ::-1], axis=1)
+    if not np.array_equal(np.count_nonzero(full, axis=1)[seen], (last - first + 1)[seen]):
+        return None
+    i = np.arange(sq)
     found = []
     for bottom_right in (False, True):
         off = sk - sq if bottom_right else 0
-        d = j - i - off
-        lo, hi = int(d[full].min()), int(d[full].max())
-        if not np.array_equal(full, (d >= lo) & (d <= hi)):
+        lo, hi = int((first - i - off)[seen].min()), int((last - i - off)[seen].max())
+        lo_j, hi_j = np.maximum(0, i + off + lo), np.minimum(sk - 1, i + off + hi)
+        nonempty = lo_j <= hi_j
+        if not (np.array_equal(nonempty, seen) and np.array_equal(first[seen], lo_j[seen])
+                and np.array_equal(last[seen], hi_j[seen])):
             continue
-        dmin, dmax = int(d.min()), int(d.max())
+        dmin, dmax = -(sq - 1) - off, sk - 1 - off
         if hi >= dmax:
             right = -1
         elif hi >= 0:

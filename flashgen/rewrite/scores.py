@@ -14,7 +14,6 @@ from flashgen.rewrite.chain import (
     constant_factor, elt, layout_step, reduce_kind, shape_of, widening,
 )
 from flashgen.rewrite.errors import Reject
-from flashgen.rewrite.fold import Const
 from flashgen.rewrite.graph import Ref, op_name
 
 # which users continue the chain of the scores
@@ -160,8 +159,7 @@ class ScoresStage:
             raise Reject("the mask expression is too deep to analyse")
         c = self.folder.fold(ref)
         if c is not None:
-            visible = c.array.astype(bool)
-            m.masks.append((Const(~visible if negate else visible, c.shape), layout, "select"))
+            m.masks.append((c.map(lambda a: a.astype(bool) != negate), layout, "select"))
             return
         op, r = self.g.producer(ref)
         name = op_name(op) if op is not None else None
@@ -171,6 +169,8 @@ class ScoresStage:
             return
         if name == "stablehlo.not":
             return self._mask_terms(m, Ref(op.operands[0], r.ctx), layout, not negate, depth + 1)
+        if name == "stablehlo.convert" and elt(op.operands[0]) == elt(op.result) == "i1":  # keras
+            return self._mask_terms(m, Ref(op.operands[0], r.ctx), layout, negate, depth + 1)
         if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
             back = back_layout(op, layout)
             if back is not None:
@@ -181,10 +181,14 @@ class ScoresStage:
                 zero = self.folder.fold(Ref(op.operands[1 - i], r.ctx))
                 if zero is None or not zero.uniform or float(zero.scalar()) != 0:
                     continue
-                found = self._bool_of(Ref(op.operands[i], r.ctx), layout)
-                if found is not None:
-                    return self._mask_terms(m, found[0], found[1],
-                                            negate != (compare_direction(op) == "EQ"), depth + 1)
+                found = self._bools_of(Ref(op.operands[i], r.ctx), layout, depth)
+                visible_if_true = negate == (compare_direction(op) == "EQ")
+                # a product of several 0/1 numbers is nonzero where all its booleans hold:
+                # a conjunction only when "nonzero" means visible
+                if found is not None and (len(found) == 1 or visible_if_true):
+                    for b, lay in found:
+                        self._mask_terms(m, b, lay, not visible_if_true, depth + 1)
+                    return
         leaf = self._value_mask(m, ref, layout, negate)
         if name == "stablehlo.compare" and not negate and compare_direction(op) == "EQ" and \
                 elt(op.operands[0]).lstrip("u").startswith("i") and elt(op.operands[0]) != "i1":
@@ -199,9 +203,12 @@ class ScoresStage:
         m.extras.append(leaf)
         m.notes.append("run-time mask passed as an operand")
 
-    def _bool_of(self, ref: Ref, layout):
-        """(Ref, layout) of the i1 value that ``ref`` converts to numbers (through layout
-        ops and float converts), or None."""
+    def _bools_of(self, ref: Ref, layout, depth: int):
+        """[(Ref, layout)] of the i1 values whose product ``ref`` is, as numbers: one boolean
+        converted to numbers (through layout ops and converts), or the integer ``minimum`` /
+        ``multiply`` of such 0/1 numbers (keras_hub merges its causal and padding masks so).
+        None otherwise -- e.g. a padding mask given as arbitrary integers, where minimum is
+        not a conjunction (a negative entry would show masked keys)."""
         r = ref
         for _ in range(MAX_CHAIN):
             op, r = self.g.producer(r)
@@ -217,10 +224,15 @@ class ScoresStage:
             if name == "stablehlo.convert":
                 src = elt(op.operands[0])
                 if src == "i1":
-                    return Ref(op.operands[0], r.ctx), layout
+                    return [(Ref(op.operands[0], r.ctx), layout)]
                 if src in WIDTH and elt(op.result) in WIDTH:
                     r = Ref(op.operands[0], r.ctx)
                     continue
+            if name in ("stablehlo.minimum", "stablehlo.multiply") and depth < MAX_CHAIN:
+                parts = [self._bools_of(Ref(x, r.ctx), layout, depth + 1) for x in op.operands]
+                if any(p is None for p in parts):
+                    return None
+                return [b for p in parts for b in p]
             return None
         return None
 
@@ -238,14 +250,16 @@ class ScoresStage:
             raise Reject("the additive bias expression is too deep to analyse")
         c = self.folder.fold(ref)
         if c is not None:
-            b = c.array.astype(np.float64) * factor
-            masked = b <= LARGE_NEGATIVE
-            if np.any(masked):
-                m.masks.append((Const(~masked, c.shape), layout, "bias"))
-                m.fills += [("add", float(f), m.add_dtype) for f in np.unique(b[masked])]
-                b = np.where(masked, 0.0, b)
-            if np.any(b != 0):
-                m.biases.append(X.ConstBias(Const(b, c.shape), layout, 1.0, m.scale))
+            # elementwise through Const.map: a band built from positions stays O(Sq + Sk)
+            b = c.map(lambda a: a.astype(np.float64) * factor)
+            if b.map(lambda a: a <= LARGE_NEGATIVE).any():
+                m.masks.append((b.map(lambda a: a > LARGE_NEGATIVE), layout, "bias"))
+                el = b.elements()
+                m.fills += [("add", float(f), m.add_dtype)
+                            for f in np.unique(el[el <= LARGE_NEGATIVE])]
+                b = b.map(lambda a: np.where(a <= LARGE_NEGATIVE, 0.0, a))
+            if b.map(lambda a: a != 0).any():
+                m.biases.append(X.ConstBias(b, layout, 1.0, m.scale))
             return
         found, (r, lay, f) = self._source(m, ref, layout, scale=True)
         op = None if isinstance(r.value, ir.BlockArgument) else r.value.owner

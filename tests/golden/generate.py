@@ -1438,6 +1438,113 @@ def _():
     return export_fn(f, *qkv(), spec((B, H, T, T)), spec(()))
 
 
+# ----------------------------------------------------------------------------- library mask builders
+# Causal and sliding-window masks as libraries build them (issue 14 gap 2): from position ids
+# gathered out of an iota, cumsum-based packed-sequence checks, keras' integer minimum, an
+# iota carried through lax.scan. All must become causal/window attributes, with no S x S
+# operand left in the rewritten module.
+def _hf_export(config_cls, model_cls, **extra):
+    """A one-layer transformers decoder (eager attention, no attention_mask) via torchax."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=H * D // 2, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=H // 2, max_position_embeddings=64, **extra)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config).eval()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).last_hidden_state
+    return torch_export(M(), torch.randint(0, 4, (1, T)))
+
+
+_ROTARY = "known only at run time"  # the rotary-embedding matmul: a dot, not attention
+
+
+@case("hf_llama_causal", rewritten=1, rejected=[_ROTARY], targets=[tname(32, "f32", True)],
+      causal=True, window=[-1, -1], extras=[])
+def _():
+    return _hf_export("LlamaConfig", "LlamaModel", num_key_value_heads=H // 2)
+
+
+@case("hf_mistral_sliding_window", rewritten=1, rejected=[_ROTARY],
+      targets=[tname(32, "f32", True)], causal=True, window=[3, -1], extras=[])
+def _():
+    # sliding_window = 4: a query sees itself and the 3 keys before it
+    return _hf_export("MistralConfig", "MistralModel", num_key_value_heads=H // 2,
+                      sliding_window=4)
+
+
+@case("hf_gpt2_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      window=[-1, -1], extras=[])
+def _():
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=H * D // 2, n_layer=1, n_head=H // 2,
+                                     n_positions=64)
+    config._attn_implementation = "eager"
+    model = transformers.GPT2Model(config).eval()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).last_hidden_state
+    return torch_export(M(), torch.randint(0, 4, (1, T)))
+
+
+def _keras_hub_llama(padding_dtype):
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    import keras_hub
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=H // 2, num_key_value_heads=H // 2,
+        hidden_dim=H * D // 2, intermediate_dim=128, max_sequence_length=64)
+    return export_fn(lambda ids, pad: backbone({"token_ids": ids, "padding_mask": pad}),
+                     spec((B, T), "int32"), spec((B, T), padding_dtype))
+
+
+@case("keras_hub_llama_padding", rewritten=1, rejected=[_ROTARY],
+      targets=[tname(32, "f32", True)], causal=True, window=[-1, -1], extras=["segment_ids"])
+def _():
+    # causal and a boolean padding mask merged as minimum(int(padding), int(causal)) != 0:
+    # causal attribute + O(S) key padding
+    return _keras_hub_llama("bool")
+
+
+@case("keras_hub_llama_int_padding", rewritten=1, rejected=[_ROTARY],
+      targets=[tname(32, "f32", False)], causal=False, extras=["mask"])
+def _():
+    # the same with an int32 padding mask: minimum(p, causal) != 0 is no conjunction when p
+    # may be negative (a negative entry shows masked keys), so the merged mask stays an operand
+    return _keras_hub_llama("int32")
+
+
+@case("jnn_local_window_scan", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      window=[3, -1], extras=[])
+def _():
+    # inside lax.scan jax hoists the position iota out of the body into a carried constant
+    jax, _, _ = _jax()
+
+    def f(q, k, v):
+        def body(c, _):
+            return jax.nn.dot_product_attention(c, k, v, local_window_size=(3, 0),
+                                                is_causal=True), None
+        return jax.lax.scan(body, q, None, length=2)[0]
+    return export_fn(f, *qkv())
+
+
 # ----------------------------------------------------------------------------- writing
 def write(name: str, meta: dict) -> pathlib.Path:
     exported = meta["fn"]()
