@@ -1,0 +1,119 @@
+"""Temporary memory of a transformers decoder before and after `flashgen rewrite` (issue 14).
+
+transformers builds its causal (and Mistral's sliding-window) mask from gathered position ids;
+the rewriter folds that into causal/window attributes, so the rewritten model keeps no S x S
+mask or score buffer. This script exports a small Llama or Mistral (eager attention, no
+attention_mask) through torchax, rewrites it, and prints XLA's compiled temporary memory
+(`memory_analysis().temp_size_in_bytes`) of the original, of the rewritten module (plus the
+CPU kernel's own scratch, which XLA does not see), and of one `flashgen.jax.flash_attention`
+call of the model's attention shape for scale.
+
+    python examples/library_mask_memory.py --model mistral --seq 4096
+
+Needs torch, torchax and transformers; compiles on CPU, runs nothing but the compiler.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def export_model(kind: str, seq: int, layers: int, hidden: int, heads: int, kv_heads: int,
+                 window: int):
+    import torch
+    import transformers
+    from flashgen.frontends.torchax_compat import import_torchax
+    torchax = import_torchax()
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=seq)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaModel
+    else:
+        config = transformers.MistralConfig(**common, sliding_window=window)
+        model = transformers.MistralModel
+    config._attn_implementation = "eager"
+    net = model(config).eval()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = net
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).last_hidden_state
+    ep = torch.export.export(M(), (torch.randint(0, 128, (1, seq)),))
+    _, exported = torchax.export.exported_program_to_stablehlo(ep)
+    return exported.mlir_module()
+
+
+def temp_bytes(source) -> int:
+    """XLA's temporary memory for the module's @main, compiled for CPU (flashgen targets
+    registered, nothing executed)."""
+    import jax
+    from flashgen import execute
+    loaded = execute._as_loaded(source)
+    params, results = execute.signature(loaded)
+    execute.register_targets(loaded, "cpu")
+    exp = execute._exported(loaded, params, results, "cpu")
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
+    return jax.jit(exp.call).lower(*avals).compile().memory_analysis().temp_size_in_bytes
+
+
+def flash_temp_bytes(seq, heads, kv_heads, hdim, causal, window) -> int:
+    import jax
+    import jax.numpy as jnp
+    from flashgen.jax import flash_attention
+    q = jax.ShapeDtypeStruct((1, seq, heads, hdim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq, kv_heads, hdim), jnp.float32)
+    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal, window=window))
+    return fn.lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("llama", "mistral"), default="llama")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--window", type=int, default=1024, help="Mistral's sliding_window")
+    args = ap.parse_args(argv)
+    import flashgen.rewrite as fr
+    from flashgen.bench import kernel_scratch_bytes
+
+    text = export_model(args.model, args.seq, args.layers, args.hidden, args.heads,
+                        args.kv_heads, args.window)
+    result = fr.rewrite(text)
+    for s in result.rewritten:
+        print(f"rewritten: {s.target} causal={s.causal} window={list(s.window)} "
+              f"extras={s.extras_detail or '-'}")
+    assert result.rewritten and not any(s.extras for s in result.rewritten), \
+        "expected causal/window attributes and no mask operand"
+    site = result.rewritten[0]
+    hdim = args.hidden // args.heads
+    original = temp_bytes(text)
+    rewritten = temp_bytes(result.to_bytes())
+    scratch = kernel_scratch_bytes("fwd", hdim, "f32", 1, args.heads, args.kv_heads, args.seq,
+                                   args.seq, os.cpu_count() or 1)
+    flash = flash_temp_bytes(args.seq, args.heads, args.kv_heads, hdim, site.causal,
+                             tuple(site.window))
+    print(f"{args.model} S={args.seq} layers={args.layers} heads={args.heads}/{args.kv_heads} "
+          f"d={hdim} f32: temp original {mib(original)}, rewritten {mib(rewritten)} "
+          f"(+ kernel scratch {mib(scratch)}), ratio {original / max(rewritten + scratch, 1):.0f}x; "
+          f"one flashgen.jax.flash_attention call {mib(flash)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
