@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=1024, help="Mistral's sliding_window")
     args = ap.parse_args(argv)
     import flashgen.rewrite as fr
-    from flashgen.bench import kernel_scratch_bytes
+    from flashgen.bench_cpu import kernel_scratch_bytes
 
     text = export_model(args.model, args.seq, args.layers, args.hidden, args.heads,
                         args.kv_heads, args.window)

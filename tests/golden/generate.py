@@ -1443,14 +1443,18 @@ def _():
 # gathered out of an iota, cumsum-based packed-sequence checks, keras' integer minimum, an
 # iota carried through lax.scan. All must become causal/window attributes, with no S x S
 # operand left in the rewritten module.
-def _hf_export(config_cls, model_cls, **extra):
+def _hf_config(config_cls, **extra):
+    import transformers
+    return getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=H * D // 2, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=H // 2, max_position_embeddings=64, **extra)
+
+
+def _hf_export(config, model_cls):
     """A one-layer transformers decoder (eager attention, no attention_mask) via torchax."""
     import torch
     import transformers
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(
-        vocab_size=64, hidden_size=H * D // 2, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=H // 2, max_position_embeddings=64, **extra)
     config._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(config).eval()
 
@@ -1470,36 +1474,24 @@ _ROTARY = "known only at run time"  # the rotary-embedding matmul: a dot, not at
 @case("hf_llama_causal", rewritten=1, rejected=[_ROTARY], targets=[tname(32, "f32", True)],
       causal=True, window=[-1, -1], extras=[])
 def _():
-    return _hf_export("LlamaConfig", "LlamaModel", num_key_value_heads=H // 2)
+    return _hf_export(_hf_config("LlamaConfig", num_key_value_heads=H // 2), "LlamaModel")
 
 
 @case("hf_mistral_sliding_window", rewritten=1, rejected=[_ROTARY],
       targets=[tname(32, "f32", True)], causal=True, window=[3, -1], extras=[])
 def _():
     # sliding_window = 4: a query sees itself and the 3 keys before it
-    return _hf_export("MistralConfig", "MistralModel", num_key_value_heads=H // 2,
-                      sliding_window=4)
+    return _hf_export(_hf_config("MistralConfig", num_key_value_heads=H // 2, sliding_window=4),
+                      "MistralModel")
 
 
 @case("hf_gpt2_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
       window=[-1, -1], extras=[])
 def _():
-    import torch
     import transformers
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_embd=H * D // 2, n_layer=1, n_head=H // 2,
-                                     n_positions=64)
-    config._attn_implementation = "eager"
-    model = transformers.GPT2Model(config).eval()
-
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).last_hidden_state
-    return torch_export(M(), torch.randint(0, 4, (1, T)))
+    return _hf_export(transformers.GPT2Config(vocab_size=64, n_embd=H * D // 2, n_layer=1,
+                                              n_head=H // 2, n_positions=64, bos_token_id=0,
+                                              eos_token_id=0), "GPT2Model")
 
 
 def _keras_hub_llama(padding_dtype):
