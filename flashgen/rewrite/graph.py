@@ -77,17 +77,10 @@ class Graph:
         when there are several or none (so its arguments have one known value each)."""
         if self._calls is None:
             self._calls = {}
-            ops = [self.module.operation]
-            while ops:  # every op of the module, regions included, without recursion
-                o = ops.pop()
-                for region in o.regions:
-                    for block in region.blocks:
-                        for inner in block.operations:
-                            if inner.operation.name == "func.call":
-                                name = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
-                                self._calls.setdefault(name, []).append(inner.operation)
-                            if len(inner.operation.regions):
-                                ops.append(inner.operation)
+            for inner in nested_ops(self.module):
+                if inner.operation.name == "func.call":
+                    name = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
+                    self._calls.setdefault(name, []).append(inner.operation)
         found = self._calls.get(self.function_name(fn), [])
         return found[0] if len(found) == 1 and self.callee(found[0]) is not None else None
 
