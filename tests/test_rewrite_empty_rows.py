@@ -232,3 +232,14 @@ def test_key_padding_rows_found_in_linear_memory(kernels, causal, window):
     linear = "applies stablehlo.minimum across dimensions = [1]" in body
     assert linear == (window is None), body
     assert (f"tensor<{B}x1x{T}x{T}xi1>" in body) == (window is not None)
+
+
+def test_verify_catches_a_rewrite_without_the_fixup(kernels, monkeypatch):
+    # the inputs --verify draws reach the fully padded queries of flax's padding mask: the
+    # kernel's 0 there (no fix-up) is reported as a difference
+    import pathlib
+    golden = pathlib.Path(__file__).parent / "golden" / "inputs" / "flax_linen_padding_mask.mlir"
+    assert all(r["ok"] for r in verify.verify(fr.rewrite(golden), seed=0)["outputs"])
+    monkeypatch.setattr(empty_rows, "emit_mean_fixup", lambda o, *a, **k: o)
+    rows = verify.verify(fr.rewrite(golden), seed=0)["outputs"]
+    assert not rows[0]["ok"] and rows[0]["max_error"] > 0.1
