@@ -320,14 +320,12 @@ def _compile_all(compile_jobs: list[_Job], root: pathlib.Path, src_dir: pathlib.
 def _export(lib: Library, out: pathlib.Path) -> Library:
     """Copy the library and its manifest into `out` (files get the umask's modes: a library
     shipped to another user stays readable)."""
+    from flashgen import output_files
     out.mkdir(parents=True, exist_ok=True)
-    for src, name in ((lib.path, lib.path.name), (lib.manifest_path, MANIFEST)):
-        tmp = cache.temp_path(out, "export")
-        try:
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, out / name)
-        finally:
-            tmp.unlink(missing_ok=True)
+    files = output_files.check([("--out", str(out / lib.path.name)), ("--out", str(out / MANIFEST))],
+                               inputs=[str(lib.path), str(lib.manifest_path)])
+    for src, dst in zip((lib.path, lib.manifest_path), files):
+        dst.write(src.read_bytes())
     return dataclasses.replace(lib, path=out / lib.path.name, manifest_path=out / MANIFEST)
 
 

@@ -53,6 +53,9 @@ def _causal_values(args) -> list[bool]:
 
 def cmd_build(args) -> int:
     from flashgen.build import build, resolve_target
+    if args.out:  # checked before minutes of compiling
+        from flashgen.output_files import check_directory
+        check_directory("--out", args.out)
     target, why = resolve_target(args.target)
     specs = [KernelSpec(d, t, c, target) for d in args.hdim for t in args.dtype for c in _causal_values(args)]
     print(f"target: {target} ({why})", file=sys.stderr)

@@ -196,3 +196,22 @@ def test_check_messages(tmp_path):
     made = output_files.check([("--json", str(tmp_path / "a" / "b" / "r.json"))], make_dirs=True)
     assert made[0].path.endswith("r.json")
     assert not (tmp_path / "a").exists(), "checking must not create anything"
+
+
+def test_build_out_checked_before_compiling(tmp_path, capsys):
+    not_dir = tmp_path / "file"
+    not_dir.write_text("x")
+    rc, io_ = run_cli(capsys, "build", "--hdim", "32", "--dtype", "f32", "--target", "cpu",
+                      "--out", not_dir)
+    assert rc == 2 and "--out" in io_.err and "is not a directory" in io_.err
+    assert "compil" not in io_.err
+
+
+def test_build_out_follows_symlinks(tmp_path, capsys):
+    out, real = tmp_path / "lib", tmp_path / "real.json"
+    out.mkdir()
+    (out / "manifest.json").symlink_to(real)
+    rc, io_ = run_cli(capsys, "build", "--hdim", "32", "--dtype", "f32", "--target", "cpu",
+                      "--out", out)
+    assert rc == 0, io_.err
+    assert (out / "manifest.json").is_symlink() and '"specs"' in real.read_text()
