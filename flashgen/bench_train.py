@@ -13,7 +13,6 @@ are built from (tests/golden/generate_train.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -117,7 +116,7 @@ def markdown(rec: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from flashgen.bench_common import environment
+    from flashgen.bench_common import environment, json_output, write_json
     p = argparse.ArgumentParser(prog="python3 -m flashgen.bench_train", description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
@@ -130,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None, help="write the records (and the environment) here")
     a = p.parse_args(argv)
+    json_output(a.json)  # a bad --json path fails now, not after the measurements
     records = []
     for dtype in a.dtype.split(","):
         rec = measure(dtype, layers=a.layers, batch=a.batch, seq=a.seq, heads=a.heads,
@@ -137,10 +137,7 @@ def main(argv=None) -> int:
                       min_time=a.min_time, repeats=a.repeats)
         records.append(rec)
         print(markdown(rec), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(environment=environment("cpu"), records=records), f, indent=1)
-            f.write("\n")
+    write_json(a.json, dict(environment=environment("cpu"), records=records))
     return 0
 
 
