@@ -97,10 +97,9 @@ def cmd_rewrite(args) -> int:
             _write_report(report_file, report)
             if args.explain:
                 print(report.explain())
-            worst = max(bad, key=lambda row: row["max_error"])
-            raise FlashgenError(
-                f"--verify failed: output {worst['output']} differs by {worst['max_error']:.3g} "
-                f"(tolerance {worst['tolerance']:.3g} for {worst['dtype']}); nothing written")
+            from flashgen import execute
+            raise FlashgenError("--verify failed: " + "; ".join(execute.describe(row) for row in bad)
+                                + "; nothing written")
     elif args.verify:
         report.verified = {"outputs": [], "note": "nothing was rewritten"}
 

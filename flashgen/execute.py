@@ -338,10 +338,13 @@ def npz_bytes(outputs: Sequence[np.ndarray]) -> bytes:
 
 def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
             dtype: Optional[str] = None) -> list[dict]:
-    """Per output: max error relative to max(1, max|reference|) and whether it is in tolerance.
+    """Per output: max error relative to max(1, max|reference|) over the elements finite in
+    both, whether NaN and ±inf sit at the same places, and whether all is in tolerance.
 
     ``dtype`` (a flashgen dtype) loosens the tolerance to that precision when it is
-    coarser than the output's own type.
+    coarser than the output's own type. A row's ``nonfinite_mismatch`` counts the elements
+    where one side is NaN or ±inf and the other is not the same value; ``first_mismatch``
+    is the first such element (index, reference value, candidate value). describe() words it.
     """
     rows = []
     for i, (r, c) in enumerate(zip(reference, candidate)):
@@ -350,17 +353,37 @@ def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
         if r.dtype.kind not in "fV" and r.dtype != np.dtype(ml_dtypes.bfloat16):
             ok = bool(np.array_equal(r, c))
             rows.append({"output": i, "dtype": name, "max_error": 0.0 if ok else float("inf"),
-                         "tolerance": 0.0, "ok": ok})
+                         "tolerance": 0.0, "nonfinite_mismatch": 0, "ok": ok})
             continue
         r64, c64 = r.astype(np.float64), c.astype(np.float64)
-        same_nan = np.array_equal(np.isnan(r64), np.isnan(c64))
-        fin = ~np.isnan(r64)
-        err = float(np.max(np.abs(r64[fin] - c64[fin]), initial=0.0))
-        scale = max(1.0, float(np.max(np.abs(r64[fin]), initial=0.0)))
+        both = np.isfinite(r64) & np.isfinite(c64)
+        # Non-finite elements must agree exactly: NaN with NaN, +inf with +inf.
+        same = both | (np.isnan(r64) & np.isnan(c64)) | (~np.isnan(r64) & (r64 == c64))
+        bad = ~same
+        err = float(np.max(np.abs(r64[both] - c64[both]), initial=0.0))
+        scale = max(1.0, float(np.max(np.abs(r64[both]), initial=0.0)))
         tol = TOLERANCE.get(name, 1e-2)
         if dtype:
             tol = max(tol, TOLERANCE.get(dtype, tol))
         rel = err / scale
-        rows.append({"output": i, "dtype": name, "max_error": rel, "tolerance": tol,
-                     "ok": bool(same_nan and rel <= tol)})
+        row = {"output": i, "dtype": name, "max_error": rel, "tolerance": tol,
+               "nonfinite_mismatch": int(np.count_nonzero(bad)),
+               "ok": bool(not bad.any() and rel <= tol)}
+        if bad.any():
+            at = tuple(int(x) for x in np.argwhere(bad)[0])
+            row["first_mismatch"] = {"index": list(at), "reference": float(r64[at]),
+                                     "candidate": float(c64[at])}
+        rows.append(row)
     return rows
+
+
+def describe(row: dict, reference: str = "the original", candidate: str = "the rewrite") -> str:
+    """One line for a compare() row: the error among finite values and where NaN / ±inf differ."""
+    text = (f"output {row['output']} ({row['dtype']}): max error {row['max_error']:.3g} "
+            f"(tolerance {row['tolerance']:.3g})")
+    n = row.get("nonfinite_mismatch", 0)
+    if n:
+        m = row["first_mismatch"]
+        text += (f"; {n} element(s) NaN or infinite in one and not the other, first at "
+                 f"{m['index']}: {reference} {m['reference']!r}, {candidate} {m['candidate']!r}")
+    return text

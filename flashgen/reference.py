@@ -39,6 +39,12 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     c·tanh(x/c) before masking. Then (README "Variants"): alibi_slopes [Hq] | [B,Hq] adds
     -slope·|i + off - j|, bias [1|B,1|Hq,Sq,Sk] is added, mask (same shapes, bool) and
     segment ids (equal ids) restrict visibility. `dlse` (with `do`) adds a cotangent of lse.
+
+    NaN and overflow follow IEEE arithmetic over the keys a row sees (README "NaN and
+    overflow"): a NaN or infinite score makes its row NaN, and a row whose visible scores are
+    all -inf is NaN (o and lse). Masks — causal, window, `mask`, segment ids and a bias of
+    -inf — select: a key a row does not see contributes nothing to it, not even a NaN of its
+    score, of its V row or of the gradient terms it would meet.
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, sq, hq, d = q.shape
@@ -61,38 +67,62 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     if bias is not None:
         s = s + np.asarray(bias, np.float64)
     visible = _mask(sq, sk, causal, bottom_right, window)[None, None]
+    if bias is not None:  # a -inf bias is a mask too (the usual spelling of one)
+        visible = visible & (np.asarray(bias, np.float64) != -np.inf)
     if mask is not None:
         visible = visible & np.asarray(mask, bool)
     if q_segment_ids is not None:
         visible = visible & (np.asarray(q_segment_ids)[:, None, :, None]
                              == np.asarray(kv_segment_ids)[:, None, None, :])
+    visible = np.broadcast_to(visible, s.shape)
+    seen = visible.any(axis=-1, keepdims=True)  # rows with a visible key
     s = np.where(visible, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True) if sk else np.full((b, hq, sq, 1), -np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m_safe)
-    l = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(l > 0, p / np.where(l > 0, l, 1), 0.0)
-        lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1)) + m_safe[..., 0], -np.inf)
-    o = np.einsum("bhqk,bkhd->bqhd", p, vr)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = s.max(axis=-1, keepdims=True) if sk else np.full((b, hq, sq, 1), -np.inf)
+        # -inf - -inf is NaN: a row whose visible scores are all -inf is NaN, as IEEE has it.
+        m_sub = np.where(seen, m, 0.0)
+        p = np.where(visible, np.exp(s - m_sub), 0.0)
+        l = p.sum(axis=-1, keepdims=True)
+        p = np.where(visible, p / np.where(seen, l, 1.0), 0.0)  # a NaN l must not reach masked pairs
+        lse = np.where(seen[..., 0], np.log(np.where(seen, l, 1.0)[..., 0]) + m_sub[..., 0], -np.inf)
+    o = _masked_product("bhqk,bkhd->bqhd", p, vr, visible)
     if do is None:
         return o, lse
     do = np.asarray(do, np.float64)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
-    ds = p * (dp - np.einsum("bqhd,bqhd->bhq", do, o)[..., None])
-    if dlse is not None:
-        ds = ds + p * np.asarray(dlse, np.float64)[..., None]  # d lse / d s = p
-    grads = ()
-    if bias is not None:  # d score / d bias = 1, summed over the dims bias broadcasts
-        shape = np.shape(bias)
-        grads = (ds.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True),)
-    if softcap > 0:
-        ds = ds * (1.0 - tanh ** 2)
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    with np.errstate(invalid="ignore", over="ignore"):
+        dv = _masked_product("bhqk,bqhd->bkhd", p, do, visible)
+        dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
+        drow = np.einsum("bqhd,bqhd->bhq", do, o)[..., None]
+        ds = np.where(visible, p * (dp - drow), 0.0)
+        if dlse is not None:
+            ds = ds + np.where(visible, p * np.asarray(dlse, np.float64)[..., None], 0.0)  # d lse / d s = p
+        grads = ()
+        if bias is not None:  # d score / d bias = 1, summed over the dims bias broadcasts
+            shape = np.shape(bias)
+            grads = (ds.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True),)
+        if softcap > 0:
+            ds = np.where(visible, ds * (1.0 - tanh ** 2), 0.0)
+        dq = _masked_product("bhqk,bkhd->bqhd", ds, kr, visible) * scale
+        dk = _masked_product("bhqk,bqhd->bkhd", ds, q, visible) * scale
     fold = lambda x: x.reshape(b, sk, hkv, group, d).sum(axis=3)
     return o, lse, (dq, fold(dk), fold(dv)) + grads
+
+
+def _masked_product(spec, w, x, visible):
+    """einsum(spec, w, x) over the (query, key) pairs in `visible` only: a masked pair adds
+    nothing even where x is NaN or infinite (0 · NaN would). Exact, O(B·H·Sq·Sk·D), only when
+    x has such values."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.einsum(spec, w, np.where(np.isfinite(x), x, 0.0))
+        if np.all(np.isfinite(x)):
+            return out
+        # Per-pair terms with the masked ones dropped, summed over the contracted axis.
+        lhs, rest = spec.split(",")
+        rhs, res = rest.split("->")
+        full = lhs + "".join(c for c in rhs if c not in lhs)  # bhqk + d
+        terms = np.einsum(f"{lhs},{rhs}->{full}", w, x)
+        terms = np.where(visible[..., None], terms, 0.0)
+        return np.einsum(f"{full}->{res}", terms)
 
 
 def _per_sequence(kw, b):

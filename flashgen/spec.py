@@ -188,6 +188,10 @@ def normalize_softcap(softcap) -> float:
     c = float(np.float32(softcap))
     if not (c >= 0 and math.isfinite(c)):
         raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    if 0 < c < np.finfo(np.float32).tiny:
+        # XLA's CPU threads flush subnormals to zero: the kernels would see softcap = 0 (off).
+        raise ValueError(f"softcap {softcap} is below the smallest normal f32 "
+                         f"({np.finfo(np.float32).tiny:.8g}); use 0 for no softcap")
     return c
 
 

@@ -3,6 +3,7 @@
 // buffers, and the answer to a mismatch is an ffi::Error, never a crash.
 #pragma once
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -62,11 +63,23 @@ inline ffi::Error expect_dims(const char* target, const char* name, Dims got,
   return invalid(target, std::string(name) + " has shape " + dims_str(got) + ", expected " + w + "]");
 }
 
+inline bool is_subnormal(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u & 0x7f800000u) == 0 && (u & 0x007fffffu) != 0;
+}
+
 inline ffi::Error check_attrs(const char* target, bool spec_causal, const AttentionAttrs& a,
                               bool has_alibi = false) {
   if (a.causal != spec_causal)
     return invalid(target, std::string("attribute causal=") + (a.causal ? "true" : "false") +
                                " does not match this kernel (causal=" + (spec_causal ? "true" : "false") + ")");
+  // Subnormal scale / softcap: XLA's CPU threads flush them to zero (softcap would be
+  // off, every score 0), so refuse them; tested on the bits, which no flush mode changes.
+  if (is_subnormal(a.scale) || is_subnormal(a.softcap))
+    return invalid(target, std::string(is_subnormal(a.scale) ? "scale" : "softcap") +
+                               " is a subnormal f32 (below 1.1754944e-38); use a normal value" +
+                               (is_subnormal(a.scale) ? "" : " or 0 for no softcap"));
   if (!(a.scale > 0.0f) || a.scale != a.scale || a.scale == 1.0f / 0.0f)
     return invalid(target, "scale must be a finite positive f32, got " + std::to_string(a.scale));
   if (a.window_left < -1 || a.window_right < -1)
@@ -296,13 +309,17 @@ inline ffi::Error check_cu_seqlens(const char* target, const char* name, const i
 }
 
 // FLASHGEN_POISON=1 makes handlers fill every output with NaN bytes (0xFF) before
-// the kernels run, so a test catches any element a kernel forgets to write.
-inline bool poison_outputs() {
-  static const bool on = [] {
+// the kernels run, so a test catches any element a kernel forgets to write;
+// FLASHGEN_POISON=finite fills 0x7B bytes (about 1.3e36 in f32, bf16 and f16 alike:
+// finite), for tests whose expected outputs are NaN.
+inline int poison_byte() {
+  static const int byte = [] {
     const char* v = std::getenv("FLASHGEN_POISON");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
+    if (v == nullptr || v[0] == '\0' || v[0] == '0') return 0;
+    return std::string_view(v) == "finite" ? 0x7B : 0xFF;
   }();
-  return on;
+  return byte;
 }
+inline bool poison_outputs() { return poison_byte() != 0; }
 
 }  // namespace flashgen

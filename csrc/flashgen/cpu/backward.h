@@ -69,6 +69,7 @@ __attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const
   bwd_extras_row(e, i, k0, nk, nkp, aoff, ksegb, xrow);
   const bool capped = a.softcap > 0.0f;
   const vf zero = splat(0.0f), scv = splat(a.scale), Lv = splat(-lse2), Dv = splat(drow);
+  const vf ninfv = splat(-std::numeric_limits<float>::infinity()), masked_p = splat(-0.0f);
   const vi iota = iota_i(), lov = splat_i(static_cast<int32_t>(lo)), hiv = splat_i(static_cast<int32_t>(hi));
   alignas(64) float du[BK];
   vf cx = splat(a.scale * kLog2e);
@@ -84,10 +85,12 @@ __attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const
   float* dbr = e.dbias != nullptr ? e.dbias + i * e.ld + k0 : nullptr;
   for (int64_t t = 0; t < nkp; t += W) {
     const vi idx = iota + splat_i(static_cast<int32_t>(t));
-    vf pv = exp2v(vfma(loadv(prow + t), cx, Lv) + loadv(xrow + t));
-    pv = ((idx >= lov) & (idx <= hiv)) ? pv : zero;
+    const vf xv = loadv(xrow + t);
+    // Masked pairs get P = dS = 0 whatever their S, dP or softcap factor (NaN included).
+    const vi vis = (idx >= lov) & (idx <= hiv) & (xv != ninfv);
+    const vf pv = vis ? exp2v(vfma(loadv(prow + t), cx, Lv) + xv) : masked_p;
     storev(prow + t, pv);
-    const vf ds0 = pv * (loadv(dr + t) - Dv);
+    const vf ds0 = vis ? pv * (loadv(dr + t) - Dv) : zero;
     if (dbr != nullptr) {
       if (t + W <= nk) {
         storev(dbr + t, loadv(dbr + t) + ds0);
@@ -96,7 +99,7 @@ __attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const
       }
     }
     vf ds = ds0 * scv;
-    if (capped) ds *= loadv(du + t);
+    if (capped) ds = vis ? ds * loadv(du + t) : zero;
     storev(dr + t, ds);
   }
 }
@@ -152,6 +155,9 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
 
   const float c = a.scale * kLog2e;
   const vf cv = splat(c), scv = splat(a.scale), zero = splat(0.0f);
+  // Masked pairs get P = -0 (a visible P is +0 or more, or NaN): how the non-finite
+  // row terms below tell them apart (tiles.h, "Non-finite operand rows").
+  const vf masked_p = splat(-0.0f);
   // Causal and sliding window as one band lo <= j - i <= hi (attention.h).
   const VisibleBand band = visible_band(s, a);
   const bool banded = band_masks_anything(s, band);
@@ -182,6 +188,17 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
 #endif
   } else {
     Kp = rows_f32<T, D>(kblk, ldkv, nk, Kc, &ldk);
+  }
+  // K rows with a NaN or an infinity: zeroed for dQ += dS K, added back for visible pairs.
+  int32_t badk[BK];
+  int nbadk = 0;
+  if constexpr (BF) {
+#if FLASHGEN_CPU_BF16_DOT
+    nbadk = take_nonfinite_rows_bf16<D>([&](int64_t r) { return reinterpret_cast<const bf16*>(kblk) + r * ldkv; },
+                                        nk, reinterpret_cast<uint32_t*>(Kc), badk);
+#endif
+  } else {
+    nbadk = take_nonfinite_rows<D>(Kc, nk, D, badk);
   }
   std::memset(dKa, 0, sizeof(float) * size_t(nk) * D);
   std::memset(dVa, 0, sizeof(float) * size_t(nk) * D);
@@ -261,22 +278,32 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
           const vf lv2 = splat(kLog2e);
           for (int64_t t = 0; t < nkp; t += W) {
             const vi idx = iota + splat_i(static_cast<int32_t>(t));
-            vf pv = exp2v(vfma(loadv(prow + t), lv2, Lv));
-            pv = ((idx >= lov) & (idx <= hiv)) ? pv : zero;
+            const vi vis = (idx >= lov) & (idx <= hiv);
+            const vf pv = vis ? exp2v(vfma(loadv(prow + t), lv2, Lv)) : masked_p;
             storev(prow + t, pv);
-            storev(dr + t, pv * (loadv(dr + t) - Dv) * scv * loadv(du + t));
+            storev(dr + t, vis ? pv * (loadv(dr + t) - Dv) * scv * loadv(du + t) : zero);
           }
           continue;
         }
         for (int64_t t = 0; t < nkp; t += W) {
+          // Masked pairs: P = dS = 0 even where S or dP is NaN (a NaN key or V row of a
+          // key this row does not see must not reach it).
           const vi idx = iota + splat_i(static_cast<int32_t>(t));
-          vf pv = exp2v(vfma(loadv(prow + t), cv, Lv));
-          pv = ((idx >= lov) & (idx <= hiv)) ? pv : zero;
+          const vi vis = (idx >= lov) & (idx <= hiv);
+          const vf pv = vis ? exp2v(vfma(loadv(prow + t), cv, Lv)) : masked_p;
           storev(prow + t, pv);
-          storev(dr + t, pv * (loadv(dr + t) - Dv) * scv);
+          storev(dr + t, vis ? pv * (loadv(dr + t) - Dv) * scv : zero);
         }
       }
       float* dq_rows = pr.dqacc + (q0 * Hq + h) * D;
+      // Q and dO rows with a NaN or an infinity: zeroed for dK += dS^T Q and dV += P^T dO
+      // (S and dP are done), added back for visible pairs below.
+      int32_t badq[BQ], bado[BQ];
+      int nbadq = 0, nbado = 0;
+      if constexpr (!BF) {
+        nbadq = take_nonfinite_rows<D>(Qc, nq, D, badq);
+        nbado = take_nonfinite_rows<D>(dOc, nq, D, bado);
+      }
       if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
         // P, dS rounded to bf16 (as GPU FlashAttention-2 does); Q, dO, K are bf16 inputs.
@@ -287,6 +314,10 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         uint32_t* dSb = reinterpret_cast<uint32_t*>(dSbuf);
         interleave_row_pairs<D>(reinterpret_cast<const bf16*>(qrows), ldq, nq, Qi);
         interleave_row_pairs<D>(reinterpret_cast<const bf16*>(dorows), ldq, nq, dOi);
+        nbadq = take_nonfinite_rows_bf16<D>(
+            [&](int64_t r) { return reinterpret_cast<const bf16*>(qrows) + r * ldq; }, nq, Qi, badq);
+        nbado = take_nonfinite_rows_bf16<D>(
+            [&](int64_t r) { return reinterpret_cast<const bf16*>(dorows) + r * ldq; }, nq, dOi, bado);
         pack_p_pairs(P, BK, nq, nkp, Pp, BK);
         pack_p_pairs(dS, BK, nq, nkp, dSp, BK);
         rows_to_bf16_pairs(dS, BK, nq, nkp, dSb, BK / 2);
@@ -300,6 +331,22 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         gemm<float, true>(nk, D, nq, P, 1, BK, dOp, lddo, dVa, D);       // dV += P^T dO
         gemm<float, true>(nk, D, nq, dS, 1, BK, Qp, ldqf, dKa, D);       // dK += dS^T Q
         gemm<float, true>(nq, D, nk, dS, BK, 1, Kp, ldk, dq_rows, ldq);  // dQ += dS K
+      }
+      if (nbado + nbadq + nbadk > 0) {
+        auto weight = [&](const float* W, int64_t i, int64_t j, float* w) {
+          if (std::signbit(P[i * BK + j])) return false;  // masked pair
+          *w = W[i * BK + j];
+          return true;
+        };
+        add_nonfinite_terms<D>(
+            nk, bado, nbado, [&](int64_t j, int32_t i, float* w) { return weight(P, i, j, w); },
+            [&](int32_t i, float* dst) { load_f32<T>(dorows + i * ldq, dst, D); }, dVa, D);
+        add_nonfinite_terms<D>(
+            nk, badq, nbadq, [&](int64_t j, int32_t i, float* w) { return weight(dS, i, j, w); },
+            [&](int32_t i, float* dst) { load_f32<T>(qrows + i * ldq, dst, D); }, dKa, D);
+        add_nonfinite_terms<D>(
+            nq, badk, nbadk, [&](int64_t i, int32_t j, float* w) { return weight(dS, i, j, w); },
+            [&](int32_t j, float* dst) { load_f32<T>(kblk + j * ldkv, dst, D); }, dq_rows, ldq);
       }
     }
   }

@@ -67,12 +67,12 @@ void with_threads(ffi::ThreadPool& pool, Kernel&& kernel) {
 
 template <typename... Results>
 void poison(Results&... results) {
-  if (poison_outputs()) (std::memset(results->untyped_data(), 0xFF, results->size_bytes()), ...);
+  if (poison_outputs()) (std::memset(results->untyped_data(), poison_byte(), results->size_bytes()), ...);
 }
 
 // Poisons an extra result (dbias) when FLASHGEN_POISON is set.
 inline void poison_raw(void* data, size_t bytes) {
-  if (poison_outputs() && data != nullptr) std::memset(data, 0xFF, bytes);
+  if (poison_outputs() && data != nullptr) std::memset(data, poison_byte(), bytes);
 }
 
 template <ffi::DataType T, int D, bool Causal>

@@ -90,9 +90,9 @@ __attribute__((noinline)) inline void fwd_extras_tile(const HeadExtras& e, int64
     }
 }
 
-// Scores with extras: St[j][i] = St * cv, -inf outside the band when `masked`
-// (query i sees key j iff band.lo <= j + dk - i <= band.hi, dk = k0 - q0), plus
-// Xt; mx = the lane-wise max over j.
+// Scores with extras: St[j][i] = St * cv + Xt, -inf outside the band when `masked`
+// (query i sees key j iff band.lo <= j + dk - i <= band.hi, dk = k0 - q0) and where
+// Xt is -inf; mx = the lane-wise max over j.
 __attribute__((noinline)) inline void fwd_extras_scores(float* St, const float* Xt, int64_t nk, int nv, vf cv,
                                                         bool masked, int64_t dk, VisibleBand band, vf* mx) {
   constexpr int BQ = kFwdBq;
@@ -108,15 +108,20 @@ __attribute__((noinline)) inline void fwd_extras_scores(float* St, const float* 
     const vi ilov = splat_i(static_cast<int32_t>(ilo)), ihiv = splat_i(static_cast<int32_t>(ihi));
     const float* xr = Xt + j * BQ;
     for (int t = 0; t < nv; ++t) {
-      vf y = loadv(sr + t * W) * cv;
+      const vf x = loadv(xr + t * W);
       const vi idx = iota + splat_i(t * W);
-      y = ((idx >= ilov) & (idx <= ihiv)) ? y : ninfv;
-      y = y + loadv(xr + t * W);
+      // Masked (outside the band, or x = -inf: mask, segments, a -inf bias): -inf whatever
+      // the score is, NaN included; visible: IEEE (a NaN score or bias stays NaN).
+      const vf y = ((idx >= ilov) & (idx <= ihiv) & (x != ninfv)) ? loadv(sr + t * W) * cv + x : ninfv;
       storev(sr + t * W, y);
       mx[t] = vmax(mx[t], y);
     }
   }
 }
+
+// The lse of a split-KV partial whose visible scores were all -inf (below any real
+// partial's lse, which is >= its max score * ln 2 >= -FLT_MAX * ln 2).
+constexpr float kAllNegInfPartial = -std::numeric_limits<float>::max();
 
 // One forward problem at one q head. Rows of q / o are Hq * D elements apart,
 // lse rows are contiguous. With opart set, the item writes its normalized o in
@@ -297,11 +302,16 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
     // O = diag(alpha) O + P V; in a diagonal block a row group stops at its
     // last visible key, and rows that see nothing of the block (alpha = 1) are
     // skipped.
+    // V rows with a NaN or an infinity are zeroed for the product and added back
+    // below for the rows that see them (tiles.h, "Non-finite operand rows").
+    int32_t badv[BK];
+    int nbad = 0;
     if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
       uint32_t* Vp = reinterpret_cast<uint32_t*>(Vc);
       uint32_t* Pb = reinterpret_cast<uint32_t*>(Pbuf);
       interleave_rows<D>(vrows, k0, nk, Vp);
+      nbad = take_nonfinite_rows_bf16<D>([&](int64_t r) { return vrows(k0 + r); }, nk, Vp, badv);
       pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
       const int64_t kp = (nk + 1) / 2;
       if (diag)
@@ -310,32 +320,55 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
         gemm<uint32_t, true, true>(nq, D, kp, Pb, 1, BQ, Vp, D, Oacc, D, alpha);
 #endif
     } else {
-      const float* Vp = gather_f32<T, D>(vrows, k0, nk, Vc);
+      const float* Vp = gather_f32<T, D>(vrows, k0, nk, Vc);  // = Vc
+      nbad = take_nonfinite_rows<D>(Vc, nk, D, badv);
       if (diag)
         gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, D, Oacc, D, alpha, ValueTiles<1>{off + q0 - k0});
       else
         gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, D, Oacc, D, alpha);
     }
+    if (nbad > 0)
+      add_nonfinite_terms<D>(
+          nq, badv, nbad,
+          [&](int64_t i, int32_t j, float* w) {  // visible: in the band and not masked by the extras
+            const int64_t dist = k0 + j - (q0 + i);
+            if (dist < band.lo || dist > band.hi || (x != nullptr && Xt[j * BQ + i] == ninf)) return false;
+            *w = St[j * BQ + i];
+            return true;
+          },
+          [&](int32_t j, float* dst) { load_f32<T>(vrows(k0 + j), dst, D); }, Oacc, D);
   }
 
-  // Normalize and write o, lse (or the fp32 partials).
+  // Normalize and write o, lse (or the fp32 partials). A NaN l (a NaN or overflowed
+  // score) makes o and lse NaN. l == 0: no key the row sees here had a score above
+  // -inf; if it sees none, o = 0 and lse = -inf (nothing to contribute), else all its
+  // scores were -inf (an overflow, not a mask) and the row is NaN as IEEE softmax has
+  // it (-inf - -inf); a split-KV partial marks that with lse = -FLT_MAX (merge_splits).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t i = 0; i < nq; ++i) {
     const float l = lrow[i];
+    bool all_ninf = false;
+    if (l == 0.0f) {
+      const int64_t r = q0 + i;
+      const int64_t lo = std::max({int64_t(0), p.kmin, r + band.lo});
+      const int64_t hi = std::min({Sk, p.kmax, r + band.hi + 1});
+      all_ninf = lo < hi && (x == nullptr || extras_see_a_key(*x, r, lo, hi));
+    }
     if (p.opart != nullptr) {
       float* orow = p.opart + (q0 + i) * ldq;
-      const float r = l > 0.0f ? 1.0f / l : 0.0f;
-      for (int d = 0; d < D; ++d) orow[d] = l > 0.0f ? Oacc[i * D + d] * r : 0.0f;
-      p.lpart[q0 + i] = l > 0.0f ? mrow[i] * kLn2 + std::log(l) : ninf;
+      const float inv = l != 0.0f ? 1.0f / l : 0.0f;
+      for (int d = 0; d < D; ++d) orow[d] = l != 0.0f ? Oacc[i * D + d] * inv : 0.0f;
+      p.lpart[q0 + i] = l != 0.0f ? mrow[i] * kLn2 + std::log(l) : all_ninf ? kAllNegInfPartial : ninf;
       continue;
     }
     T* orow = p.o + (q0 + i) * ldq;
     float* lrow_out = p.lse + q0 + i;
-    if (l > 0.0f) {
+    if (l != 0.0f) {
       store_from_f32<T>(Oacc + i * D, orow, D, 1.0f / l);
       *lrow_out = mrow[i] * kLn2 + std::log(l);
     } else {
-      for (int d = 0; d < D; ++d) orow[d] = from_f32<T>(0.0f);
-      *lrow_out = ninf;
+      for (int d = 0; d < D; ++d) orow[d] = from_f32<T>(all_ninf ? nan : 0.0f);
+      *lrow_out = all_ninf ? nan : ninf;
     }
   }
 }
@@ -352,7 +385,9 @@ inline int64_t pick_splits(int64_t items, int64_t nkb, int want, int forced) {
 
 // o, lse = the log-sum-exp merge of nsplit partials (o in fp32 laid out like o,
 // lse like lse, parts o_elems / l_elems apart) for B x Sq x Hq rows. A partial
-// whose lse is -inf contributes nothing; rows without any give o = 0, lse = -inf.
+// whose lse is -inf contributes nothing; rows without any give o = 0, lse = -inf;
+// a NaN lse in any partial makes the row NaN, and so does kAllNegInfPartial as the
+// largest (the keys the row sees all had -inf scores).
 template <typename T, int D>
 void merge_splits(const float* opart, const float* lpart, int64_t nsplit, int64_t B, int64_t Sq, int64_t Hq, T* o,
                   float* lse, int num_threads, Workers* workers) {
@@ -366,7 +401,22 @@ void merge_splits(const float* opart, const float* lpart, int64_t nsplit, int64_
         for (int64_t h = 0; h < Hq; ++h) {
           const int64_t li = (b * Hq + h) * Sq + i, oi = (r * Hq + h) * D;
           float m = -std::numeric_limits<float>::infinity();
-          for (int64_t c = 0; c < nsplit; ++c) m = std::max(m, lpart[c * l_elems + li]);
+          bool nan = false;
+          for (int64_t c = 0; c < nsplit; ++c) {
+            const float l = lpart[c * l_elems + li];
+            nan |= l != l;
+            m = std::max(m, l);
+          }
+          if (nan) {  // a NaN partial (NaN or overflowed scores) makes the row NaN
+            for (int d = 0; d < D; ++d) o[oi + d] = from_f32<T>(std::numeric_limits<float>::quiet_NaN());
+            lse[li] = std::numeric_limits<float>::quiet_NaN();
+            continue;
+          }
+          if (m == kAllNegInfPartial) {  // keys seen, every score -inf: NaN (fwd_item)
+            for (int d = 0; d < D; ++d) o[oi + d] = from_f32<T>(std::numeric_limits<float>::quiet_NaN());
+            lse[li] = std::numeric_limits<float>::quiet_NaN();
+            continue;
+          }
           if (m == -std::numeric_limits<float>::infinity()) {
             for (int d = 0; d < D; ++d) o[oi + d] = from_f32<T>(0.0f);
             lse[li] = m;

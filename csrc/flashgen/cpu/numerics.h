@@ -238,6 +238,8 @@ FLASHGEN_CPU_INLINE vf vfma(vf a, vf b, vf c) {
   return a * b + c;
 #endif
 }
+// max / min lane-wise; where either lane is NaN the result is b's lane (as vmaxps):
+// vmax(bound, x) keeps a NaN x, vmax(x, bound) drops it.
 FLASHGEN_CPU_INLINE vf vmax(vf a, vf b) {
 #if defined(__AVX512F__)
   // Masked forms: the unmasked intrinsics trip -Wmaybe-uninitialized in GCC 12.
@@ -246,11 +248,19 @@ FLASHGEN_CPU_INLINE vf vmax(vf a, vf b) {
   return a > b ? a : b;
 #endif
 }
+FLASHGEN_CPU_INLINE vf vmin(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_mask_min_ps((__m512)a, __mmask16(0xffff), (__m512)a, (__m512)b);
+#else
+  return a < b ? a : b;
+#endif
+}
 
-// 2^x, ~2 ulp for x in [-126, 127]; x <= -127 (including -inf) gives 0.
+// 2^x, ~2 ulp for x in [-126, 127]; x <= -127 (including -inf) gives 0, +inf gives
+// +inf, NaN gives NaN (a NaN score must reach its row, never read as a masked one).
 FLASHGEN_CPU_INLINE vf exp2v(vf x) {
 #if defined(__AVX512F__)
-  x = vmax(x, splat(-150.0f));
+  x = vmin(splat(128.0f), vmax(splat(-150.0f), x));  // bounds first: NaN passes through
   const vf n = (vf)_mm512_mask_roundscale_ps((__m512)x, __mmask16(0xffff), (__m512)x,
                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
@@ -258,7 +268,7 @@ FLASHGEN_CPU_INLINE vf exp2v(vf x) {
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   // n = floor(x + 0.5) without relying on the rounding mode.
-  const vf xr = x + splat(0.5f);
+  const vf xr = (x == x ? x : splat(0.0f)) + splat(0.5f);  // NaN lanes: any n (the result is NaN)
   vi ni = __builtin_convertvector(xr, vi);  // truncation toward zero
   ni += (vi)(__builtin_convertvector(ni, vf) > xr);  // -1 where truncation rounded up
   const vf n = __builtin_convertvector(ni, vf);
@@ -275,7 +285,7 @@ FLASHGEN_CPU_INLINE vf exp2v(vf x) {
 #if defined(__AVX512F__)
   return (vf)_mm512_mask_scalef_ps((__m512)p, __mmask16(0xffff), (__m512)p, (__m512)n);
 #else
-  return p * (vf)((ni + splat_i(127)) << 23);  // n = -127 gives the bit pattern 0, i.e. 0.0f
+  return p * (vf)((ni + splat_i(127)) << 23);  // n = -127 gives the bit pattern 0, i.e. 0.0f; NaN p stays
 #endif
 }
 

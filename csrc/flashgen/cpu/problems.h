@@ -111,6 +111,23 @@ inline void bias_f32(const HeadExtras& e, int64_t idx, int64_t n, float* dst) {
   }
 }
 
+// Whether query row i sees some key of [lo, hi) through the extras: the mask lets it,
+// the segment ids match, the bias there is not -inf (the band is the caller's). Only
+// for rows that ended without any probability mass, so a scalar scan is fine.
+inline bool extras_see_a_key(const HeadExtras& e, int64_t i, int64_t lo, int64_t hi) {
+  for (int64_t j = lo; j < hi; ++j) {
+    if (e.mask != nullptr && !e.mask[i * e.ld + j]) continue;
+    if (e.qseg != nullptr && e.qseg[i] != e.kseg[j]) continue;
+    if (e.bias != nullptr) {
+      float b;
+      bias_f32(e, i * e.ld + j, 1, &b);
+      if (b == -std::numeric_limits<float>::infinity()) continue;
+    }
+    return true;
+  }
+  return false;
+}
+
 // Segment ids: [lo, hi] of ids[0, n); the segment ids of a query block and a key
 // block whose ranges do not overlap are all different (the block is masked).
 inline void id_range(const int32_t* ids, int64_t n, int32_t* lo, int32_t* hi) {

@@ -329,6 +329,83 @@ inline void rows_to_bf16_pairs(const float* src, int64_t ld, int64_t n, int64_t 
 }
 #endif
 
+// ---------------------------------------------------------------------------
+// Non-finite operand rows. A product C += W X over (query, key) pairs multiplies
+// masked pairs' zero weights too, and 0 * NaN (or 0 * inf) is NaN: a NaN in a V
+// row would reach rows that never see that key. So the kernels zero the rows of
+// X holding a NaN or an infinity before the GEMM (take_nonfinite_rows; rare, and
+// a vector test per element when there are none) and add those rows' terms back
+// for the visible pairs only (add_nonfinite_terms): NaN and inf reach exactly the
+// rows that see them, IEEE there.
+// ---------------------------------------------------------------------------
+
+// Whether n contiguous floats hold a NaN or an infinity (x - x is NaN exactly then).
+template <int D>
+FLASHGEN_CPU_INLINE bool row_nonfinite(const float* x) {
+  static_assert(D % W == 0, "D a multiple of the vector width");
+  vi any = splat_i(0);
+  for (int d = 0; d < D; d += W) {
+    const vf v = loadv(x + d), z = v - v;
+    any |= (vi)(z != z);
+  }
+  for (int l = 0; l < W; ++l)
+    if (any[l]) return true;
+  return false;
+}
+template <int D>
+FLASHGEN_CPU_INLINE bool row_nonfinite(const bf16* x) {
+  uint16_t any = 0;
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
+  for (int d = 0; d < D; ++d) any |= uint16_t((u[d] & 0x7f80u) == 0x7f80u);
+  return any != 0;
+}
+
+// Rows [0, n) of fp32 x (row stride ld) holding a NaN or an infinity: their
+// indices go to bad[], the rows are zeroed; returns how many.
+template <int D>
+inline int take_nonfinite_rows(float* x, int64_t n, int64_t ld, int32_t* bad) {
+  int nbad = 0;
+  for (int64_t r = 0; r < n; ++r)
+    if (row_nonfinite<D>(x + r * ld)) {
+      bad[nbad++] = static_cast<int32_t>(r);
+      std::memset(x + r * ld, 0, sizeof(float) * D);
+    }
+  return nbad;
+}
+
+#if FLASHGEN_CPU_BF16_DOT
+// The same for n bf16 rows row(r) whose interleaved pairs (interleave_rows: row r
+// is the low (r even) or high half of pair r / 2, D pairs per pair row) are in il.
+template <int D, typename Row>
+inline int take_nonfinite_rows_bf16(const Row& row, int64_t n, uint32_t* il, int32_t* bad) {
+  int nbad = 0;
+  for (int64_t r = 0; r < n; ++r)
+    if (row_nonfinite<D>(row(r))) {
+      bad[nbad++] = static_cast<int32_t>(r);
+      uint16_t* h = reinterpret_cast<uint16_t*>(il + (r / 2) * D) + (r & 1);
+      for (int d = 0; d < D; ++d) h[2 * d] = 0;
+    }
+  return nbad;
+}
+#endif
+
+// C[o][:] += w * row(k) for each bad row k and output row o in [0, nout) with
+// weight(o, k, &w) true (a visible pair); row(k, dst) writes row k as fp32 [D].
+template <int D, typename Weight, typename Row>
+inline void add_nonfinite_terms(int64_t nout, const int32_t* bad, int nbad, Weight&& weight, Row&& row, float* C,
+                                int64_t ldc) {
+  alignas(64) float r[D];
+  for (int b = 0; b < nbad; ++b) {
+    row(bad[b], r);
+    for (int64_t o = 0; o < nout; ++o) {
+      float w;
+      if (!weight(o, bad[b], &w)) continue;
+      float* co = C + o * ldc;
+      for (int d = 0; d < D; ++d) co[d] += w * r[d];
+    }
+  }
+}
+
 }  // namespace detail
 
 }  // namespace cpu

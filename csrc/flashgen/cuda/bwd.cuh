@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
               bool vis = row < Sq && kj < Sk && dist >= FG_BAND_LO && dist <= FG_BAND_HI;
               if (vis) vis = xv.term(row, kj, add);
               const float x = capped ? p.softcap * tanhf(s[j][e] * p.cap_in) : s[j][e] * p.scale;
-              s[j][e] = vis ? fast_exp2(fmaf(x + add, kLog2e, -sLse[qi])) : 0.f;
+              s[j][e] = vis ? fast_exp2(fmaf(x + add, kLog2e, -sLse[qi])) : -0.f;  // -0: masked
             }
         } else {
 #pragma unroll
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
               if (need_mask) {
                 const int dist = kj - (q0 + qi);
                 const bool masked = kj >= Sk || dist < FG_BAND_LO || dist > FG_BAND_HI;
-                if (masked) pv = 0.f;
+                if (masked) pv = -0.f;  // -0 marks masked (visible P is +0 or more, or NaN)
               }
               s[j][e] = pv;
             }
@@ -377,18 +377,26 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
         warp_gemm_abt<Ops, D, QC>(dpt, sV, LD, wrow0, sdO, LD, c0);
         // ---- dS^T = P^T * (dP^T - Dsum)   (in place of P^T)
         // Softcap: times 1 - u^2 with u = tanh(x / c), recovered from P instead of
-        // kept in registers: log2(P) = c*u*log2(e) - lse*log2(e). P = 0 gives dS = 0.
+        // kept in registers: log2(P) = c*u*log2(e) - lse*log2(e). P = 0 gives dS = 0
+        // (or NaN from a NaN dP), P NaN a NaN dS: neither needs the factor.
 #pragma unroll
         for (int j = 0; j < kQT; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int qi = c0 + j * 8 + 2 * t + (e & 1);
-            float ds = s[j][e] * (dpt[j][e] - sDsum[qi]);
+            // Masked (P = -0): dS = 0 even where dP is NaN (a NaN V or dO must not reach
+            // pairs the row does not see); visible: IEEE, NaN included.
+            const bool masked = signbit(s[j][e]);
+            float ds = masked ? 0.f : s[j][e] * (dpt[j][e] - sDsum[qi]);
             if constexpr (kExtras) {
-              if (s[j][e] > 0.f) {  // visible: row < Sq, key < Sk
+              // Visible (row < Sq, key < Sk), NaN included. With NSPLIT > 1 every split
+              // recomputes this dS: one of them adds it.
+              if (ds != 0.f && xv.dbias != nullptr && split == 0) {
                 const int row = q0 + qi, kj = k0 + wrow0 + g + (e >> 1) * 8;
-                // With NSPLIT > 1 every split recomputes this dS: one of them adds it.
-                if (xv.dbias != nullptr && split == 0) xv.add_dbias(row, kj, ds);
+                xv.add_dbias(row, kj, ds);
+              }
+              if (s[j][e] > 0.f) {
+                const int row = q0 + qi, kj = k0 + wrow0 + g + (e >> 1) * 8;
                 if (capped) {
                   const float u = (__log2f(s[j][e]) + sLse[qi] - xv.add_only(row, kj) * kLog2e) * p.cap_out;
                   ds *= 1.f - u * u;

@@ -142,7 +142,12 @@ struct LseMerge {
 };
 FLASHGEN_HD LseMerge lse_merge(const float* lse, int64_t stride, int nsplit) {
   float m = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) m = fmaxf(m, lse[s * stride]);
+  bool nan = false;
+  for (int s = 0; s < nsplit; ++s) {
+    nan |= lse[s * stride] != lse[s * stride];
+    m = fmaxf(m, lse[s * stride]);  // fmaxf drops NaN: hence `nan`
+  }
+  if (nan) return LseMerge{NAN, NAN, NAN};  // a NaN partial makes the row NaN (weights NaN)
   if (m == -INFINITY) return LseMerge{m, 0.f, -INFINITY};
   float total = 0.f;
   for (int s = 0; s < nsplit; ++s) {

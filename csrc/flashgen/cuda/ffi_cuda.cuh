@@ -104,7 +104,7 @@ ffi::Error poison_async(const char* target, cudaStream_t stream, Results&... res
   if (!poison_outputs()) return ffi::Error::Success();
   ffi::Error err = ffi::Error::Success();
   ((err.success() ? (void)(err = memset_async(target, "poison", results->untyped_data(), results->size_bytes(),
-                                               stream, 0xFF))
+                                               stream, poison_byte()))
                   : (void)0),
    ...);
   return err;
@@ -671,7 +671,7 @@ ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocat
     ffi::AnyBuffer db = *r.value();
     dbias_elems = db.element_count();
     if (poison_outputs())
-      if (auto e = memset_async(target, "poison", x.dbias, db.size_bytes(), stream, 0xFF); e.failure()) return e;
+      if (auto e = memset_async(target, "poison", x.dbias, db.size_bytes(), stream, poison_byte()); e.failure()) return e;
   }
   const BwdBuffers buf{q.untyped_data(),   k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
                        lse.typed_data(),   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),

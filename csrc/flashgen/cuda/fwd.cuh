@@ -427,8 +427,17 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
-    lse_val[r] = l > 0.f ? row_max[r] * lse_mul + logf(l) : -INFINITY;
+    // A NaN l (a NaN or overflowed score) makes o and lse NaN, never 0. l == 0: the row
+    // saw no key (o = 0, lse = -inf) or, when its band holds keys, only -inf scores (an
+    // overflow, not a mask): NaN as IEEE softmax. (Extras masks and paged splits keep
+    // o = 0 there: README "What needs a GPU".)
+    bool all_ninf = false;
+    if constexpr (!kExtras && !kPaged) {
+      const long long row = q0 + wrow0 + g + 8 * r;
+      all_ninf = l == 0.f && max(0LL, row + band_lo) < min(static_cast<long long>(Sk), row + band_hi + 1);
+    }
+    inv[r] = l != 0.f ? 1.f / l : all_ninf ? NAN : 0.f;
+    lse_val[r] = l != 0.f ? row_max[r] * lse_mul + logf(l) : all_ninf ? NAN : -INFINITY;
   }
   if constexpr (kPaged) {
     if (p.nsplit > 1) {
@@ -481,7 +490,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
 // ---------------------------------------------------------------------------
 // Split-KV combine: one warp per (b, h, i) row merges the nsplit partials by
 // log-sum-exp (a partial with lse = -inf contributes nothing; all -inf: o = 0,
-// lse = -inf) into o [B, Sq, Hq, D] (T) and lse [B, Hq, Sq].
+// lse = -inf; a NaN partial: NaN) into o [B, Sq, Hq, D] (T) and lse [B, Hq, Sq].
 // ---------------------------------------------------------------------------
 template <class T, int D>
 __global__ void __launch_bounds__(256)
