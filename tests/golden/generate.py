@@ -1497,6 +1497,29 @@ def _():
                                               eos_token_id=0), "GPT2Model")
 
 
+@case("hf_qwen2_causal", rewritten=1, rejected=[_ROTARY], targets=[tname(32, "f32", True)],
+      causal=True, window=[-1, -1], extras=[])
+def _():
+    return _hf_export(_hf_config("Qwen2Config", num_key_value_heads=H // 2), "Qwen2Model")
+
+
+@case("hf_phi_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      window=[-1, -1], extras=[])
+def _():
+    return _hf_export(_hf_config("PhiConfig"), "PhiModel")
+
+
+@case("hf_gemma2_window_softcap", rewritten=2, targets=[tname(32, "f32", True)], causal=True,
+      softcap=50.0, extras=[])
+def _():
+    # two layers: the first with a sliding window of 4, the second global; logits softcapped
+    config = _hf_config("Gemma2Config", num_key_value_heads=H // 2, head_dim=D,
+                        sliding_window=4)
+    config.num_hidden_layers = 2
+    config.layer_types = ["sliding_attention", "full_attention"]
+    return _hf_export(config, "Gemma2Model")
+
+
 def _keras_hub_llama(padding_dtype):
     import os
     os.environ.setdefault("KERAS_BACKEND", "jax")
