@@ -211,3 +211,11 @@ def test_site_too_large_to_check_is_left_alone():
     result = fr.rewrite(text)
     assert not result.rewritten
     assert any("too large to check its backward" in s.reason for s in result.rejected)
+
+
+def test_verify_passes_on_a_training_step(kernels):
+    """`flashgen rewrite --verify`'s own inputs (masks with rows that see no key; weights
+    scaled by their fan-in) on a padded training step: every gradient in tolerance."""
+    from flashgen.rewrite import verify
+    rows = verify.verify(_rewrite("train_padding_mask"), seed=3)["outputs"]
+    assert rows and all(r["ok"] for r in rows), rows
