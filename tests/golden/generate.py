@@ -1450,22 +1450,25 @@ def _hf_config(config_cls, **extra):
         num_attention_heads=H // 2, max_position_embeddings=64, **extra)
 
 
-def _hf_export(config, model_cls):
-    """A one-layer transformers decoder (eager attention, no attention_mask) via torchax."""
+def _hf_export(config, model_cls, **inputs):
+    """A small transformers model (eager attention, no attention_mask) via torchax, called
+    with ``inputs`` (default: input_ids [1, T]); returns its last hidden state."""
     import torch
     import transformers
     torch.manual_seed(0)
     config._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(config).eval()
+    inputs = inputs or {"input_ids": torch.randint(0, 4, (1, T))}
+    names = list(inputs)
 
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.m = model
 
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).last_hidden_state
-    return torch_export(M(), torch.randint(0, 4, (1, T)))
+        def forward(self, *args):
+            return self.m(**dict(zip(names, args)), use_cache=False).last_hidden_state
+    return torch_export(M(), *inputs.values())
 
 
 # matmuls that are not attention, correctly left alone: transformers' rotary embedding
@@ -1518,6 +1521,24 @@ def _():
     config.num_hidden_layers = 2
     config.layer_types = ["sliding_attention", "full_attention"]
     return _hf_export(config, "Gemma2Model")
+
+
+@case("hf_whisper", rewritten=3, rejected=["known only at run time"],
+      targets=[tname(32, "f32", False), tname(32, "f32", True)], extras=[])
+def _():
+    # encoder self-attention (no mask), decoder causal self-attention, cross-attention; the
+    # two feed-forward matmuls (fc1, then GELU) are candidates correctly left alone
+    import torch
+    import transformers
+    config = transformers.WhisperConfig(
+        vocab_size=64, d_model=H * D // 2, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=H // 2, decoder_attention_heads=H // 2, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, num_mel_bins=8, max_source_positions=T, max_target_positions=64,
+        pad_token_id=1, decoder_start_token_id=2, bos_token_id=2, eos_token_id=3)
+    g = torch.Generator().manual_seed(0)
+    return _hf_export(config, "WhisperModel",
+                      input_features=torch.randn(1, 8, 2 * T, generator=g),
+                      decoder_input_ids=torch.randint(0, 4, (1, T), generator=g))
 
 
 def _keras_hub_llama(padding_dtype):
