@@ -79,6 +79,10 @@ def _cases():
 
     return {
         "cumsum": lambda: jnp.cumsum((pos() % 3 == 0).astype(jnp.int32)),
+        "window_sum_strided": lambda: lax.reduce_window(
+            pos().reshape(3, 4) * 3 - 7, 0, lax.add, (2, 3), (1, 2), [(1, 0), (2, 1)]),
+        "cumsum_wraps": lambda: jnp.cumsum(jnp.full(s, 2**30, jnp.int32)),
+        "cumsum_float": lambda: jnp.cumsum(jnp.sin(pos().astype(jnp.float32))),
         "cummax_2d": lambda: lax.cummax(jnp.sin(pos().reshape(3, 4).astype(jnp.float32)), axis=1),
         "gather_positions": lambda: jnp.take(pos() * 7 % 5, (pos()[::-1] + 2) % s),
         "gather_2d": lambda: (pos().reshape(3, 4) * 3)[jnp.array([2, 0, 1]), 1:3],

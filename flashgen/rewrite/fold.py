@@ -517,11 +517,22 @@ def _reduce_window(op, x: Const, init: Const, attrs, shape) -> np.ndarray | None
     for d in range(n):
         if window[d] == 1 and strides[d] == 1:
             continue
+        every = tuple(slice(None, None, strides[d]) if i == d else slice(None) for i in range(n))
+        if f is np.add and np.issubdtype(arr.dtype, np.integer):
+            # integer window sums (jax's cumsum: a window as long as the axis) as differences
+            # of one running sum: O(n), exact also where the sum wraps around
+            run = np.cumsum(arr, axis=d, dtype=arr.dtype)
+            run = np.concatenate([np.zeros_like(np.take(run, [0], axis=d)), run], axis=d)
+            m = arr.shape[d] - window[d] + 1
+            hi = np.take(run, np.arange(window[d], window[d] + m), axis=d)
+            lo = np.take(run, np.arange(m), axis=d)
+            with np.errstate(over="ignore"):
+                arr = (hi - lo)[every]
+            continue
         if arr.size * window[d] > 4 * MAX_ELEMENTS:
             raise ValueError("too large to fold")
         view = np.lib.stride_tricks.sliding_window_view(arr, window[d], axis=d)
-        arr = f.reduce(view, axis=-1)[tuple(slice(None, None, strides[d]) if i == d
-                                            else slice(None) for i in range(n))]
+        arr = f.reduce(view, axis=-1)[every]
     out = f(arr, init.scalar())  # each window's reduction starts from the init value
     assert out.shape == tuple(shape)
     return out
