@@ -269,8 +269,8 @@ def _check_problem(**sizes) -> None:
     """Sizes checked here, by name: MLIR would only say "invalid tensor dimension size"."""
     from flashgen.errors import UsageError
     for name, n in sizes.items():
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise UsageError(f"{name} must be a positive integer, got {n!r}")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 1 <= n < 2**31:
+            raise UsageError(f"{name} must be a positive integer below 2**31, got {n!r}")
     if sizes["heads"] % sizes["kv_heads"]:
         raise UsageError(f"heads ({sizes['heads']}) must be a multiple of kv_heads "
                          f"({sizes['kv_heads']})")

@@ -90,9 +90,10 @@ def test_run_64_bit_module_in_64_bits(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--seq-q", "-1"], "seq_q must be a positive integer, got -1"),
+    (["--seq-q", "-1"], "seq_q must be a positive integer below 2**31, got -1"),
     (["--seq-q", "8", "--seq-k", "0"], "seq_k must be a positive integer"),
     (["--seq-q", "8", "--batch", "-2"], "batch must be a positive integer"),
+    (["--seq-q", str(10**30)], "seq_q must be a positive integer below 2**31"),  # found by fuzz
     (["--seq-q", "8", "--kv-heads", "3"], "heads (2) must be a multiple of kv_heads (3)"),
 ])
 def test_emit_bad_sizes_one_line_error(capsys, flags, needle):
