@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ import pytest
 CHILD = os.environ.get("FLASHGEN_FUZZ_CHILD") == "1"
 EXAMPLES = int(os.environ.get("FLASHGEN_FUZZ_EXAMPLES", "40"))
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "inputs"
-TARGETS = ("random_bytes", "mutated_text", "mutated_binary", "cli_emit", "handler_attributes")
+TARGETS = ("random_bytes", "mutated_text", "mutated_binary", "mutated_numerics", "cli_emit",
+           "handler_attributes")
 
 
 # ------------------------------------------------------------------------------ parent side
@@ -122,10 +124,17 @@ if CHILD:
                 digits = [j for j in range(len(b)) if 48 <= b[j] <= 57]
                 if digits:
                     b[digits[pos % len(digits)]] = 48 + arg % 10
+            elif kind == "constant":  # a digit of a dense<...> value: the module stays valid,
+                spans = [m.span() for m in re.finditer(rb"dense<[^>]*>", bytes(b))]  # masks,
+                digits = [j for lo, hi in spans for j in range(lo, hi)  # scales, fills change
+                          if 48 <= b[j] <= 57]
+                if digits:
+                    b[digits[pos % len(digits)]] = 48 + arg % 10
         return bytes(b)
 
     MUTATIONS = st.lists(st.tuples(
-        st.sampled_from(["flip", "byte", "delete", "duplicate", "truncate", "digit", "digit"]),
+        st.sampled_from(["flip", "byte", "delete", "duplicate", "truncate", "digit", "digit",
+                         "constant", "constant", "constant"]),
         st.integers(0, 1 << 30), st.integers(0, 1 << 16)), min_size=1, max_size=6)
 
     @FUZZ
@@ -144,6 +153,40 @@ if CHILD:
     def test_child_mutated_binary(which, ops):
         corpus = _corpus(binary=True)
         _rewrite_cleanly(_mutate(corpus[which % len(corpus)], ops))
+
+    CONSTANTS = st.lists(st.tuples(st.just("constant"), st.integers(0, 1 << 30),
+                                   st.integers(0, 9)), min_size=1, max_size=3)
+
+    @settings(FUZZ, max_examples=max(4, EXAMPLES // 5))  # each rewritten input runs twice
+    @given(st.integers(0, 1 << 20), CONSTANTS, st.integers(0, 1 << 30))
+    def test_child_mutated_numerics(which, ops, seed):
+        """Constants (masks, fills, scales, biases) changed: whatever the rewriter then still
+        rewrites must compute what the changed module computes -- a wrong answer is a bug too."""
+        import flashgen.rewrite as fr
+        from flashgen import execute
+        from flashgen.rewrite import modules, verify
+        corpus = _corpus(binary=False)
+        data = _mutate(corpus[which % len(corpus)], ops)
+        _attempt(data)
+        try:
+            result = fr.rewrite(data)
+        except FlashgenError as e:
+            _outcome(_error_kind(e))
+            return
+        if not result.rewritten:
+            _outcome("read, nothing rewritten")
+            return
+        original = modules.load(data)
+        inputs = verify.inputs_for(original, seed)
+        try:
+            ref = execute.run(original, inputs, register=False)
+        except FlashgenError:
+            _outcome("the changed original does not run")
+            return
+        got = execute.run(modules.load(result.to_bytes()), inputs)
+        rows = verify.compare(ref, got, result.rewritten)
+        assert all(r["ok"] for r in rows), (rows, data.decode(errors="replace"))
+        _outcome("rewritten, outputs equal")
 
     SIZES = st.one_of(st.integers(1, 64), st.integers(-3, 300),
                       st.sampled_from([0, 1, 2**31, -(2**40), 10**30]))
