@@ -21,8 +21,9 @@ from flashgen.spec import EXTRAS, KernelSpec, normalize_extras
 
 NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 # Relative error allowed per element type: a few units in the last place of the
-# output type (bf16 8 bits, f16 11 bits; f32 goes through 3xTF32 MMAs).
-TOLERANCE = {"bf16": 2e-2, "f16": 4e-3, "f32": 2e-4}
+# output type (bf16 8 bits, f16 11 bits; f32 goes through 3xTF32 MMAs). The largest
+# errors seen over the slow sweep (14 specs, every family) were 6.1e-3, 7.3e-4, 8.4e-7.
+TOLERANCE = {"bf16": 1.5e-2, "f16": 2e-3, "f32": 1e-5}
 
 
 @dataclasses.dataclass(frozen=True)
