@@ -54,6 +54,18 @@ def test_fuzz(tmp_path, target):
     assert tried >= min(EXAMPLES, 4)
 
 
+def test_finding_nan_in_constant_bias_is_not_a_mask():
+    """mutated_numerics turned one -inf of a causal bias into NaN: the rewriter took the NaN
+    for a masked key and the rewritten row came out finite where the original is NaN."""
+    import flashgen.rewrite as fr
+    text = (GOLDEN / "einsum_additive_bias.mlir").read_text()
+    assert fr.rewrite(text).rewritten
+    at = text.index("dense<[[")  # the bias table; the first -inf in it becomes a NaN
+    nan = text[:at] + text[at:].replace("0xFF800000", "0xFF810000", 1)
+    result = fr.rewrite(nan)
+    assert not result.rewritten and "NaN" in result.rejected[0].reason
+
+
 # ------------------------------------------------------------------------------ child side
 if CHILD:
     from hypothesis import HealthCheck, given, settings

@@ -252,6 +252,9 @@ class ScoresStage:
         if c is not None:
             # elementwise through Const.map: a band built from positions stays O(Sq + Sk)
             b = c.map(lambda a: a.astype(np.float64) * factor)
+            if b.map(np.isnan).any():  # found by tests/test_fuzz.py (mutated_numerics)
+                raise Reject("a constant bias holds NaN: the original's rows there are NaN, "
+                             "a kernel mask would hide it")
             if b.map(lambda a: a <= LARGE_NEGATIVE).any():
                 m.masks.append((b.map(lambda a: a > LARGE_NEGATIVE), layout, "bias"))
                 el = b.elements()
