@@ -177,7 +177,8 @@ if CHILD:
         import flashgen.rewrite as fr
         from flashgen import execute
         from flashgen.rewrite import modules, verify
-        corpus = _corpus(binary=False)
+        # no loops: a changed trip count or step (dense<1> -> dense<0>) runs forever
+        corpus = [t for t in _corpus(binary=False) if b"stablehlo.while" not in t]
         data = _mutate(corpus[which % len(corpus)], ops)
         _attempt(data)
         try:
