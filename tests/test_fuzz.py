@@ -66,6 +66,17 @@ def test_finding_nan_in_constant_bias_is_not_a_mask():
     assert not result.rewritten and "NaN" in result.rejected[0].reason
 
 
+def test_finding_nan_softmax_max_init_refused():
+    """mutated_numerics turned the softmax max's -inf initial value into NaN: every row of
+    the original is NaN, the rewritten one was finite."""
+    import flashgen.rewrite as fr
+    text = (GOLDEN / "jnn_f32.mlir").read_text()
+    assert "dense<0xFF800000> : tensor<f32>" in text and fr.rewrite(text).rewritten
+    result = fr.rewrite(text.replace("dense<0xFF800000> : tensor<f32>",
+                                     "dense<0xFF810000> : tensor<f32>"))
+    assert not result.rewritten and "nan" in result.rejected[0].reason.lower()
+
+
 # ------------------------------------------------------------------------------ child side
 if CHILD:
     from hypothesis import HealthCheck, given, settings

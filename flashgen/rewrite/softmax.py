@@ -3,12 +3,13 @@ spelling of the row max, the sum and its reciprocal, and reports R.
 """
 from __future__ import annotations
 
+import numpy as np
 from jaxlib.mlir import ir
 
 from flashgen.rewrite import layout as L
 from flashgen.rewrite.chain import (
-    ELEMENTWISE, FLOAT_TYPES, MAX_CHAIN, MatchState, Term, elt, ints, layout_step, merge_layouts,
-    reduce_kind, shape_of,
+    ELEMENTWISE, FLOAT_TYPES, LARGE_NEGATIVE, MAX_CHAIN, MatchState, Term, elt, ints, layout_step,
+    merge_layouts, reduce_kind, shape_of,
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
@@ -196,6 +197,8 @@ class SoftmaxStage:
         if c is not None:
             if not c.uniform:
                 raise Reject("the softmax's row statistics use a non-uniform constant")
+            if c.array.dtype.kind == "f" and c.array.size and np.isnan(c.scalar()):
+                raise Reject("the softmax's row statistics use a NaN constant")
             return Term(tuple([None] * len(c.shape)), False, [], [])
         if isinstance(r.value, ir.BlockArgument):
             raise Reject("the softmax uses a value from outside the attention site")
@@ -218,6 +221,9 @@ class SoftmaxStage:
                 raise Reject("the softmax reduces a broadcast axis")
             if kind == "add" and float(init.scalar()) != 0.0:
                 raise Reject("the softmax sum starts from a nonzero value")
+            if kind == "maximum" and not float(init.scalar()) <= LARGE_NEGATIVE:
+                # NaN included (found by tests/test_fuzz.py): the original's rows are all NaN
+                raise Reject(f"the softmax max starts from {float(init.scalar())}, not -inf")
             tag = src.tag
             out = tuple(d for i, d in enumerate(src.layout) if i not in dims)
             return Term(out, False, [(kind, tag, reduced)], [])
