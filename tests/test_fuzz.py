@@ -77,6 +77,17 @@ def test_finding_nan_softmax_max_init_refused():
     assert not result.rewritten and "nan" in result.rejected[0].reason.lower()
 
 
+def test_finding_finite_softmax_max_init_refused():
+    """mutated_numerics made the max's init -1.7e38 instead of -inf in a padding-masked model:
+    the original's fully masked rows stay NaN, the rewrite gave them finite values."""
+    import flashgen.rewrite as fr
+    text = (GOLDEN / "flax_nnx_padding_mask.mlir").read_text()
+    assert fr.rewrite(text).rewritten
+    result = fr.rewrite(text.replace("dense<0xFF800000> : tensor<f32>",
+                                     "dense<0xFF000000> : tensor<f32>", 1))
+    assert not result.rewritten and "not -inf" in result.rejected[0].reason
+
+
 # ------------------------------------------------------------------------------ child side
 if CHILD:
     from hypothesis import HealthCheck, given, settings
