@@ -73,7 +73,7 @@ def _depth_in_child(data: bytes, fmt: str) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
     try:
-        proc = subprocess.run([sys.executable, "-m", "flashgen.rewrite.probe", fmt], input=data,
+        proc = subprocess.run([sys.executable, "-m", "flashgen.rewrite.probe_child", fmt], input=data,
                               capture_output=True, env=env, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise LoadError(f"reading the input took over {PROBE_TIMEOUT_S} s in the probe process; "
@@ -91,25 +91,6 @@ def _depth_in_child(data: bytes, fmt: str) -> int:
                     f"{tail[-1] if tail else 'no message'}")
 
 
-def _child(fmt: str) -> int:
-    """Parse stdin as ``fmt``, print it, and write the printed text's nesting depth."""
-    from flashgen.mlir_context import new_context
-    from flashgen.rewrite import modules
-    data = sys.stdin.buffer.read()
-    try:
-        with new_context():
-            module, _, _ = modules.parse(data, fmt)
-            # regions first, without recursion: printing costs depth squared in indentation
-            depth = region_depth(module.operation)
-            if depth <= MAX_NESTING:  # then attributes, types and locations, from the text
-                depth = nesting_depth(modules.module_text(module, True).encode())
-    except LoadError as e:
-        print(e, file=sys.stderr)
-        return 3
-    print(depth)
-    return 0
-
-
 def region_depth(op) -> int:
     """How deep regions nest inside ``op`` (an explicit stack: no recursion)."""
     deepest = 0
@@ -124,6 +105,3 @@ def region_depth(op) -> int:
                         stack.append((inner.operation, d + 1))
     return deepest
 
-
-if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1]))
