@@ -106,7 +106,7 @@ def run_dense_backward(module: PtxModule, q, k, v, do, *, causal: bool, dtype: s
     assert dtype != "f32" and k.shape[2] == h
     q, k, v, do = (np.ascontiguousarray(x, dt) for x in (q, k, v, do))
     ro, rlse = reference.attention(q, k, v, causal=causal)[:2]
-    o = ro.astype(dt)
+    o = np.ascontiguousarray(ro, dt)  # astype keeps a transposed view's strides
     lse = np.ascontiguousarray(rlse, np.float32)
     dsum = np.full((b, h, sq), np.nan, np.float32)
     dq_acc = np.zeros((b, sq, h, d), np.float32)
