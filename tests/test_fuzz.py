@@ -120,13 +120,19 @@ if CHILD:
             return "refused: nested too deep"
         return type(e).__name__
 
-    def _rewrite_cleanly(data: bytes) -> None:
+    def _rewrite_recorded(data: bytes):
+        """The rewrite of ``data``, or None when it is refused (the refusal counted)."""
         import flashgen.rewrite as fr
         _attempt(data)
         try:
-            result = fr.rewrite(data)
+            return fr.rewrite(data)
         except FlashgenError as e:
             _outcome(_error_kind(e))
+            return None
+
+    def _rewrite_cleanly(data: bytes) -> None:
+        result = _rewrite_recorded(data)
+        if result is None:
             return
         result.to_bytes()  # what was read must also write back
         result.report().dumps()
@@ -196,17 +202,13 @@ if CHILD:
     def test_child_mutated_numerics(which, ops, seed):
         """Constants (masks, fills, scales, biases) changed: whatever the rewriter then still
         rewrites must compute what the changed module computes -- a wrong answer is a bug too."""
-        import flashgen.rewrite as fr
         from flashgen import execute
         from flashgen.rewrite import modules, verify
         # no loops: a changed trip count or step (dense<1> -> dense<0>) runs forever
         corpus = [t for t in _corpus(binary=False) if b"stablehlo.while" not in t]
         data = _mutate(corpus[which % len(corpus)], ops)
-        _attempt(data)
-        try:
-            result = fr.rewrite(data)
-        except FlashgenError as e:
-            _outcome(_error_kind(e))
+        result = _rewrite_recorded(data)
+        if result is None:
             return
         if not result.rewritten:
             _outcome("read, nothing rewritten")
