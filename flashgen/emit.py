@@ -58,15 +58,20 @@ def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
     return ir.DictAttr.get(attrs)
 
 
-def _tensor(v: ir.Value, name: str, rank: int = 4, layout: str = "[batch, seq, heads, head_dim] (BSHD)"
-            ) -> ir.RankedTensorType:
+def _tensor(v: ir.Value, name: str, rank: int = 4, layout: str = "[batch, seq, heads, head_dim] (BSHD)",
+            dynamic: bool = False) -> ir.RankedTensorType:
+    """``dynamic``: batch and sequence (the leading two dims) may be dynamic; the handlers
+    read them from the buffers, heads and head_dim select the kernel and stay static."""
     t = v.type
     if not isinstance(t, ir.RankedTensorType):
         raise ValueError(f"{name} must be a ranked tensor, got {t}")
     if t.rank != rank:
         raise ValueError(f"{name} must be rank {rank} {layout}, got {t}")
-    if not t.has_static_shape:
-        raise ValueError(f"{name} must have a static shape, got {t}")
+    static = t.has_static_shape or (dynamic and rank == 4 and
+                                    not any(t.is_dynamic_dim(i) for i in (2, 3)))
+    if not static:
+        raise ValueError(f"{name} must have a static shape" +
+                         (" except batch and sequence" if dynamic else "") + f", got {t}")
     return t
 
 
@@ -107,10 +112,14 @@ def _check_extras(extras, operands, b, sq, sk, hq, q_elt: str) -> list[ir.Type]:
 
 
 def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
-                 extras=(), dbias: bool = True) -> list[ir.Type]:
+                 extras=(), dbias: bool = True, dynamic: bool = False) -> list[ir.Type]:
     """Check operand types against the spec (README "KernelSpec and the custom calls");
-    return the call's result types."""
+    return the call's result types. ``dynamic``: a dense call without extras whose batch and
+    sequence dims may be dynamic (its results are then dynamic along them too)."""
     extras = normalize_extras(extras)
+    if dynamic and (direction not in ("fwd", "bwd") or extras):
+        raise ValueError("dynamic batch/sequence dims are supported only by the dense fwd/bwd "
+                         "calls without extra operands")
     if direction not in ("fwd", "bwd") and not set(extras) <= set(PACKED_EXTRAS):
         raise ValueError(f"{spec.target_name(direction)} takes only the extras "
                          f"{', '.join(PACKED_EXTRAS)}, got {', '.join(extras)}")
@@ -123,8 +132,8 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
         "[blocks, block_size, kv_heads, head_dim]" if direction == "fwd_paged"
         else "[batch, seq, heads, head_dim] (BSHD)")
     q = _tensor(operands[0], "q", rank, "[tokens, heads, head_dim]" if rank == 3 else
-                "[batch, seq, heads, head_dim] (BSHD)")
-    k, v = (_tensor(x, n, rank, layout) for x, n in zip(operands[1:3], names[1:3]))
+                "[batch, seq, heads, head_dim] (BSHD)", dynamic)
+    k, v = (_tensor(x, n, rank, layout, dynamic) for x, n in zip(operands[1:3], names[1:3]))
     for t, n in ((q, "q"), (k, names[1]), (v, names[2])):
         if element_dtype(t.element_type) != spec.dtype:
             raise ValueError(f"{n} has element type {t.element_type}, the spec needs {spec.dtype}")
@@ -189,7 +198,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
                      scale: float, bottom_right: bool = False, window=(-1, -1),
                      softcap: float = 0.0, extras=(), max_seqlen=None, dbias: bool = True,
                      legacy_attrs: bool = False,
-                     sharding_rule: bool = True,
+                     sharding_rule: bool = True, result_shapes=None,
                      loc: ir.Location | None = None, ip: ir.InsertionPoint | None = None
                      ) -> list[ir.Value]:
     """Insert one flashgen custom call; returns its results: (o, lse) for the forward
@@ -197,7 +206,9 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
 
     `direction` is one of spec.DIRECTIONS; dense calls take the operands that `extras`
     names after the fixed ones (README "Variants"), varlen calls need
-    `max_seqlen=(max_seqlen_q, max_seqlen_k)`. A dense backward with a bias returns dbias
+    `max_seqlen=(max_seqlen_q, max_seqlen_k)`. `result_shapes` (one 1-D i32 tensor per
+    result) makes a dense call without extras shape-polymorphic: batch and sequence may be
+    dynamic, and shape refinement resolves the results from these tensors. A dense backward with a bias returns dbias
     unless `dbias=False` (then the kernel does no dbias work).
 
     Must be called inside an active MLIR context with the stablehlo dialect
@@ -207,7 +218,15 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     (flashgen/sharding_rule.py; flashgen/jax/sharding.py partitions it); it
     changes nothing on one device.
     """
-    types = result_types(spec, direction, operands, extras, dbias)
+    dynamic = result_shapes is not None
+    types = result_types(spec, direction, operands, extras, dbias, dynamic)
+    if dynamic:
+        if len(result_shapes) != len(types):
+            raise ValueError(f"{len(types)} results need {len(types)} result shapes, got "
+                             f"{len(result_shapes)}")
+        sharding_rule = False   # the rule names static factor sizes
+        if legacy_attrs:
+            raise ValueError("dynamic result shapes need the native attribute form")
     attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap, extras,
                                  direction, max_seqlen)
     name = spec.target_name(direction)
@@ -219,8 +238,13 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
         op.attributes["mhlo.backend_config"] = attrs
     else:
         op = stablehlo.CustomCallOp(
-            types, operands, name, backend_config=attrs,
+            types, list(operands) + list(result_shapes or ()), name, backend_config=attrs,
             api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4), loc=loc, ip=ip)
+    if dynamic:
+        # as jax's own custom calls with dynamic results: the trailing i32 shape operands
+        # that shape refinement at call time reads, then drops with this attribute
+        op.attributes["indices_of_shape_operands"] = ir.DenseIntElementsAttr.get(
+            np.arange(len(operands), len(operands) + len(types), dtype=np.int64))
     if sharding_rule:
         if context_has_sdy(op.context):
             op.attributes["sdy.sharding_rule"] = sharding_rule_attr(

@@ -31,26 +31,35 @@ def convert(x: ir.Value, elt, created) -> ir.Value:
     return op.result
 
 
-def adapt(value: ir.Value, src, dst, created, final_shape=None) -> ir.Value:
-    """Reshape/transpose ``value`` (dims ``src``) into dims ``dst`` (same pieces)."""
+def adapt(value: ir.Value, src, dst, created, final_shape=None, dynamic=None) -> ir.Value:
+    """Reshape/transpose ``value`` (dims ``src``) into dims ``dst`` (same pieces).
+
+    ``dynamic`` (flashgen.rewrite.polymorphic.SymbolicSizes): some pieces have sizes known
+    only at run time; reshapes are then decided by the pieces each dim holds (two dynamic
+    dims print alike in the type) and built as dynamic_reshape where needed."""
     cuts = L.boundaries([src, dst])
     src, dst = L.refine(src, cuts), L.refine(dst, cuts)
     fine_src = L.pieces(src)
     fine_dst = L.pieces(dst)
-    x = value
+    x, dims = value, list(src)
     perm = [fine_src.index(p) for p in fine_dst]
-    target = list(final_shape) if final_shape is not None else \
-        [prod(p[2] for p in d) for d in dst]
     if perm != list(range(len(perm))):
-        fine_shape = [p[2] for p in fine_src]
-        if fine_shape != list(x.type.shape):
-            x = reshape(x, fine_shape, created)
+        x, dims = _regroup(x, dims, [(p,) for p in fine_src], created, dynamic)
         op = stablehlo.TransposeOp(x, perm)
         created.append(op)
-        x = op.result
-    if list(x.type.shape) != target:
-        x = reshape(x, target, created)
-    return x
+        x, dims = op.result, [(p,) for p in fine_dst]
+    if final_shape is not None and dynamic is None:
+        return x if list(x.type.shape) == list(final_shape) else reshape(x, final_shape, created)
+    return _regroup(x, dims, list(dst), created, dynamic)[0]
+
+
+def _regroup(x: ir.Value, dims, target, created, dynamic):
+    """``x`` (whose dims hold ``dims``) reshaped to hold ``target``; (value, target)."""
+    if dynamic is not None:
+        same = [tuple(d) for d in dims] == [tuple(d) for d in target]
+        return (x if same else dynamic.reshape(x, target, created)), target
+    shape = [prod(p[2] for p in d) for d in target]
+    return (x if list(x.type.shape) == shape else reshape(x, shape, created)), target
 
 
 # ----------------------------------------------------------------------------- extra operands
@@ -181,7 +190,8 @@ def scale_by_scalar(x: ir.Value, scalar: ir.Value, divide: bool, created) -> ir.
 
 
 def binary(kind: str, a: ir.Value, b: ir.Value, created) -> ir.Value:
-    cls = {"add": stablehlo.AddOp, "and": stablehlo.AndOp, "multiply": stablehlo.MulOp}[kind]
+    cls = {"add": stablehlo.AddOp, "and": stablehlo.AndOp, "multiply": stablehlo.MulOp,
+           "divide": stablehlo.DivOp}[kind]
     op = cls(a, b)
     created.append(op)
     return op.result

@@ -16,6 +16,7 @@ from typing import Optional
 from jaxlib.mlir import ir
 
 from flashgen.errors import FlashgenError
+from flashgen.rewrite import polymorphic
 from flashgen.rewrite.graph import Graph, nested_ops
 from flashgen.rewrite.patterns import AttentionPattern
 from flashgen.rewrite.report import AttentionSite, Rejection
@@ -28,7 +29,8 @@ _PURE = {
         "ceil round_nearest_even round_nearest_afz compare select and or not xor is_finite "
         "clamp tanh logistic sine cosine reduce slice dynamic_slice concatenate pad gather "
         "reverse real imag complex shift_left shift_right_logical shift_right_arithmetic "
-        "popcnt count_leading_zeros").split()
+        "popcnt count_leading_zeros dynamic_broadcast_in_dim dynamic_reshape dynamic_iota "
+        "get_dimension_size").split()
 } | {"chlo.erf", "chlo.tan", "chlo.top_k"}
 
 
@@ -43,10 +45,11 @@ def collect_dots(module: ir.Module) -> list:
             if op.operation.name == "stablehlo.dot_general"]
 
 
-def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict] = None) -> list:
+def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict] = None,
+              polymorphic: bool = False) -> list:
     graph = Graph(module)
     pattern = AttentionPattern(graph, legacy_attrs=options.legacy_attrs, target=options.target,
-                               proven=proven)
+                               proven=proven, polymorphic=polymorphic)
     results = []
     for op in collect_dots(module):
         r = pattern.match(op)
@@ -71,6 +74,8 @@ def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict]
 def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) -> list:
     """Rewrite every attention site of ``module`` in place; returns the report records."""
     options = options or RewriteOptions()
+    if polymorphic.is_polymorphic(module):
+        return _rewrite_polymorphic(module, options)
     proven: dict = {}   # training sites' backward proofs, reused when a site is matched again
     found = [(hash(op.operation), op, r) for op, r in match_all(module, options, proven)]
     records = []
@@ -108,6 +113,31 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
         site.op, site.location = first.op, first.location  # named as in the input
         site.plan = None
         records.append(site)
+    _finish(module, touched_functions)
+    return records
+
+
+def _rewrite_polymorphic(module: ir.Module, options: RewriteOptions) -> list:
+    """A shape-polymorphic module (flashgen.rewrite.polymorphic): its sites are matched on
+    static instantiations and use disjoint ops, so they are rewritten without re-matching."""
+    records, touched, erased = [], set(), set()
+    for op, site in polymorphic.match_module(module, options):
+        if isinstance(site, AttentionSite):
+            try:
+                polymorphic.rewrite(site, options.legacy_attrs)
+            except (ValueError, RuntimeError) as e:
+                site.status, site.reason = "rejected", f"the rewrite failed: {e}"
+            else:
+                touched |= _erase_dead(Graph(module), [site.plan.dot2.operation], erased)
+                site.status = "rewritten"
+            site.plan = None
+        records.append(site)
+    _finish(module, touched)
+    return records
+
+
+def _finish(module: ir.Module, touched_functions: set) -> None:
+    """Drop private functions the rewrites left unused; verify the module."""
     if touched_functions:
         _erase_unused_functions(module, touched_functions)
     try:
@@ -118,7 +148,6 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
         why = "verification failed"
     if not ok:
         raise FlashgenError(f"the rewritten module does not verify (a flashgen bug): {why}")
-    return records
 
 
 def _first_error(e: Exception) -> str:

@@ -90,8 +90,12 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
     name = "attention"
 
     def __init__(self, graph: Graph, *, legacy_attrs: bool = False, target: str = "cpu",
-                 proven: dict | None = None):
+                 proven: dict | None = None, polymorphic: bool = False):
         self.g = graph
+        # matching an instantiation of a shape-polymorphic module (flashgen.rewrite.
+        # polymorphic): the site must be rewritable in the dynamic original, whose ops are
+        # not these, so Q, K, V are the products' own operands and the exit is the P·V product
+        self.polymorphic = polymorphic
         self.proven = proven      # backward proofs shared by the driver's two match passes
         self.folder = Folder(graph)
         self.legacy_attrs = legacy_attrs
@@ -150,6 +154,11 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 details = {k: v for k, v in e.details.items() if v is not None}
                 return Rejection(where["location"], where["function"], where["op"], e.reason,
                                  matched=m.matched, details=details)
+            if self.polymorphic:
+                return Rejection(where["location"], where["function"], where["op"],
+                                 f"{e.reason}; a training site (forward and backward) in a "
+                                 "shape-polymorphic module is not rewritten",
+                                 matched=m.matched)
             # the intermediates have users outside the site: perhaps its backward
             m = MatchState()
             m.training = True
@@ -224,18 +233,23 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         # 5. P·V product dimension roles
         v_ref, v_layout, out_layout = self._pv_roles(m, dot2, p_idx, p_layout, R, sizes)
         # 6. exit chain
-        exit_op, exit_value, exit_layout = self._exit(m, dot2, out_layout)
+        if self.polymorphic:
+            exit_op, exit_value, exit_layout = dot2, dot2.result, out_layout
+        else:
+            exit_op, exit_value, exit_layout = self._exit(m, dot2, out_layout)
         # 7. inputs
         q_val, k_val = (rhs, lhs) if k_side == "lhs" else (lhs, rhs)
         q_lay, k_lay = (rhs_layout, lhs_layout) if k_side == "lhs" else (lhs_layout, rhs_layout)
-        q_in = self._walk_input(Ref(q_val), tuple(q_lay), scale=True, bcast=False)
-        k_in = self._walk_input(Ref(k_val), tuple(k_lay), scale=True, bcast=True)
-        v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=True)
-        if L.common_refinement((k_in[3],), (v_in[3],)) is None or \
-                covered(k_in[3]) != covered(v_in[3]):
-            k_in = self._walk_input(Ref(k_val), tuple(k_lay), scale=True, bcast=False)
-            v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=False)
+        if self.polymorphic:
+            # the products' operands as they are (a constant scale on Q stays in the graph)
+            q_in = (q_val, tuple(q_lay), 1.0, ())
+            k_in = (k_val, tuple(k_lay), 1.0, ())
+            v_in = (v_ref.value, tuple(v_layout), 1.0, ())
+        else:
+            q_in, k_in, v_in = self._inputs(Ref(q_val), q_lay, Ref(k_val), k_lay, v_ref,
+                                            v_layout)
         if q_in[2] != 1.0 and k_in[2] != 1.0:
+
             m.notes.append("scale split between Q and K")
         if covered(k_in[3]):
             m.notes.append("K/V broadcast over heads (GQA) read through")
@@ -267,6 +281,17 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             m.notes.append("training site: the backward (dQ, dK, dV) is replaced too, "
                            "checked numerically against the forward")
         return site
+
+    def _inputs(self, q_ref, q_lay, k_ref, k_lay, v_ref, v_layout):
+        """Q, K, V walked back to their sources: (value, layout, scale, absent pieces) each."""
+        q_in = self._walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
+        k_in = self._walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
+        v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=True)
+        if L.common_refinement((k_in[3],), (v_in[3],)) is None or \
+                covered(k_in[3]) != covered(v_in[3]):
+            k_in = self._walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
+            v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=False)
+        return q_in, k_in, v_in
 
     # ------------------------------------------------------------------ closure
     def _check_closure(self, m: MatchState, exit_op) -> None:
@@ -385,6 +410,10 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                              kernel_dtype=dtype)
         bottom_right = resolved.bottom_right
         m.notes.extend(resolved.notes)
+        if self.polymorphic and (resolved.names or m.runtime_scales):
+            what = ", ".join(resolved.names) if resolved.names else "a run-time scale"
+            raise Reject(f"a shape-polymorphic site with extra operands ({what}): only causal "
+                         "and window masks (attributes) are rewritten there", **details)
         if m.masked_sum and not m.remasked:
             # a row without a visible key would be e / 0 in the original
             raise Reject("the softmax sums only the unmasked exponentials, but the "
@@ -392,6 +421,9 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards) or m.remasked,
                                      max_subtracted=m.max_subtracted,
                                      runtime_masked=empty_rows.runtime_masked(resolved, seq_q, seq_k))
+        if self.polymorphic and empty == "mean":
+            raise Reject("a shape-polymorphic site whose rows without a visible key need the "
+                         "finite-fill fix-up (a padding mask) is not rewritten", **details)
         if empty in empty_rows.NOTES:
             m.notes.append(empty_rows.NOTES[empty])
         spec = KernelSpec(head_dim, dtype, causal, self.target)

@@ -1,0 +1,486 @@
+"""Shape-polymorphic modules: ``jax.export`` with symbolic dims (``b, s``).
+
+Such a module types batch and sequence as ``?`` and computes shapes at run time
+(get_dimension_size, dynamic_broadcast_in_dim, dynamic_iota, dynamic_reshape); the
+dimension variables reach the body as ``jax.global_constant`` arguments. At call time JAX
+refines the shapes (inlining and folding everything) before XLA compiles.
+
+The matcher reasons about static shapes (masks are folded to arrays), so a polymorphic
+module is matched through two *instantiations*: copies refined, as JAX does at call time,
+at two different sets of sizes for its dimension variables. A site is rewritten only when
+both instantiations match it alike (the same kernel, attributes and roles; only the
+symbolic sizes differ); the pieces whose sizes differ are the symbolic ones. The dynamic
+original is then rewritten around the same two dot_generals (tagged in the copies): Q, K
+and V are the products' operands, reshaped with dynamic_reshape where needed, and the
+custom call gets dynamic result types plus the i32 shape operands named by
+``indices_of_shape_operands`` -- the form of JAX's own custom calls with dynamic results,
+which shape refinement resolves at call time.
+
+Limits (each a Rejection with its reason): head counts and head dims must be static; no
+extra operands (mask, bias, segment ids, ALiBi) and no run-time scale; no training site;
+every dynamic dim of @main must be a dimension variable itself (not ``2*s``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from math import prod
+
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+from flashgen.rewrite import adapters
+from flashgen.rewrite.graph import op_name
+from flashgen.rewrite.report import AttentionSite, Rejection
+
+_TAG = "flashgen.poly_tag"
+_GLOBAL_CONSTANT = "jax.global_constant"
+
+
+class Unsupported(Exception):
+    """The module's dimension variables cannot be read or instantiated."""
+
+
+def is_polymorphic(module: ir.Module) -> bool:
+    """Whether any function of the module takes or returns a dynamically shaped tensor."""
+    for op in module.body.operations:
+        if op.operation.name != "func.func":
+            continue
+        ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+        for t in list(ftype.inputs) + list(ftype.results):
+            if isinstance(t, ir.RankedTensorType) and not t.has_static_shape:
+                return True
+    return False
+
+
+def _function(module: ir.Module, name: str):
+    for op in module.body.operations:
+        if op.operation.name == "func.func" and \
+                ir.StringAttr(op.attributes["sym_name"]).value == name:
+            return op
+    return None
+
+
+def _arg_attr(fn, i: int, key: str):
+    if "arg_attrs" not in fn.attributes:
+        return None
+    d = ir.DictAttr(ir.ArrayAttr(fn.attributes["arg_attrs"])[i])
+    return ir.StringAttr(d[key]).value if key in d else None
+
+
+def dimension_variables(module: ir.Module) -> dict:
+    """{(argument index, dim): variable name} for every dynamic dim of @main's arguments.
+
+    JAX computes each variable from one argument dim (get_dimension_size) and passes it
+    to the body as a ``jax.global_constant`` argument; the other dims holding it are
+    asserted EQ to that value (shape_assertion)."""
+    main = _function(module, "main")
+    args = list(main.regions[0].blocks[0].arguments)
+
+    def dim_read(v):  # (arg index, dim) when v = get_dimension_size(@main arg, dim)
+        if isinstance(v, ir.OpResult) and op_name(v.owner) == "stablehlo.get_dimension_size":
+            src = v.owner.operands[0]
+            if isinstance(src, ir.BlockArgument) and src.owner == main.regions[0].blocks[0]:
+                return src.arg_number, ir.IntegerAttr(v.owner.attributes["dimension"]).value
+        return None
+
+    names = {}          # (arg, dim) -> variable
+    ops = list(main.regions[0].blocks[0].operations)
+    for op in ops:
+        if op_name(op) != "func.call":
+            continue
+        callee = _function(module, ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+        for i, v in enumerate(op.operands):
+            name = _arg_attr(callee, i, _GLOBAL_CONSTANT) if callee is not None else None
+            if name is None:
+                continue
+            at = dim_read(v)
+            if at is None:
+                raise Unsupported(f"the dimension variable {name!r} is not read from one "
+                                  "argument dim")
+            names.setdefault(at, name)
+    for op in ops:  # dims asserted equal to a variable's own dim
+        if op_name(op) != "stablehlo.compare" or \
+                "EQ" not in str(op.attributes["comparison_direction"]):
+            continue
+        a, b = (dim_read(x) for x in op.operands)
+        if a is not None and b in names:
+            names.setdefault(a, names[b])
+    out = {}
+    for i, a in enumerate(args):
+        t = a.type
+        if not isinstance(t, ir.RankedTensorType):
+            continue
+        for d in range(t.rank):
+            if t.is_dynamic_dim(d):
+                if (i, d) not in names:
+                    raise Unsupported(f"@main's argument {i} dim {d} is dynamic but not a "
+                                      "plain dimension variable (e.g. 2*s, or no jax.export "
+                                      "shape specification)")
+                out[(i, d)] = names[(i, d)]
+    return out
+
+
+def _primes(start: int):
+    n = start
+    while True:
+        if all(n % k for k in range(2, int(n ** 0.5) + 1)):
+            yield n
+        n += 1
+
+
+def instantiation_sizes(module: ir.Module, variables: list) -> tuple:
+    """Two assignments {variable: size} whose sizes are distinct primes that no static dim
+    of @main's arguments has, so that a size in a matched layout names its variable."""
+    main = _function(module, "main")
+    static = set()
+    for a in main.regions[0].blocks[0].arguments:
+        if isinstance(a.type, ir.RankedTensorType):
+            static |= {n for i, n in enumerate(a.type.shape) if not a.type.is_dynamic_dim(i)}
+    # large enough that masks are checked over many rows, small enough to fold [S, S] cheaply
+    free = (p for p in _primes(37) if p not in static)
+    first = {v: next(free) for v in variables}
+    second = {v: next(free) for v in variables}
+    return first, second
+
+
+def instantiate(module: ir.Module, dims: dict, sizes: dict) -> ir.Module:
+    """A copy of ``module`` refined as JAX does at call time, for @main's dynamic dims set
+    to ``sizes``; its dot_generals carry their index in the original (``_TAG``).
+
+    The copy lives in a new context (the refinement parses its result)."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from flashgen.rewrite.driver import collect_dots
+
+    text = module.operation.get_asm(enable_debug_info=True)
+    ctx = jax_mlir.make_ir_context()
+    with ctx, ir.Location.unknown():
+        copy = ir.Module.parse(text)
+        i64 = ir.IntegerType.get_signless(64)
+        for i, op in enumerate(collect_dots(copy)):
+            op.operation.attributes[_TAG] = ir.IntegerAttr.get(i64, i)
+        main = _function(copy, "main")
+        block = main.regions[0].blocks[0]
+        first = block.operations[0]
+        inputs = []
+        for i, a in enumerate(list(block.arguments)):
+            t = a.type
+            if isinstance(t, ir.RankedTensorType) and not t.has_static_shape:
+                shape = [sizes[dims[(i, d)]] if t.is_dynamic_dim(d) else t.shape[d]
+                         for d in range(t.rank)]
+                a.set_type(ir.RankedTensorType.get(shape, t.element_type, t.encoding))
+                # the body keeps its dynamic types: a shape-changing convert in between,
+                # as jax.export's call wrapper does
+                cast = stablehlo.ConvertOp(t, a, ip=ir.InsertionPoint(first))
+                a.replace_all_uses_except(cast.result, cast.operation)
+            inputs.append(a.type)
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        main.attributes["function_type"] = ir.TypeAttr.get(
+            ir.FunctionType.get(inputs, list(ftype.results)))
+        try:
+            return jax_mlir.refine_polymorphic_shapes(copy)
+        except Exception as e:  # noqa: BLE001 - jax raises ValueError or its own error types
+            cause = e.__cause__ or e
+            raise Unsupported(f"shape refinement at {_sizes_text(sizes)} failed: "
+                              f"{str(cause).strip().splitlines()[0]}") from None
+
+
+def _sizes_text(sizes: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _tag(op) -> int | None:
+    attrs = op.operation.attributes
+    return ir.IntegerAttr(attrs[_TAG]).value if _TAG in attrs else None
+
+
+# ----------------------------------------------------------------------------- matching
+@dataclasses.dataclass
+class PolyPlan:
+    """What the rewrite of one site in the dynamic module needs."""
+    dot1: object              # the Q·K and P·V products in the dynamic module
+    dot2: object
+    operand_index: dict       # 'q'|'k' -> operand of dot1, 'v' -> operand of dot2
+    inputs: dict              # 'q'|'k'|'v' -> layout (pieces sized as in the first instance)
+    kernel: dict
+    exit_layout: tuple
+    symbols: dict             # piece -> dimension variable, for the pieces that are symbolic
+    spec: object
+    scale: float
+    bottom_right: bool
+    window: tuple
+    softcap: float
+
+
+def _roles(site: AttentionSite, dot1, dot2) -> dict:
+    plan = site.plan
+    idx = {}
+    for name, dot in (("q", dot1), ("k", dot1), ("v", dot2)):
+        value = plan.inputs[name][0]
+        found = [i for i, x in enumerate(dot.operands) if x == value]
+        idx[name] = found[0] if found else None
+    return idx
+
+
+def _layouts(plan) -> list:
+    return [plan.inputs[n][1] for n in "qkv"] + [plan.kernel[n] for n in "qkvo"] + \
+        [plan.exit_layout]
+
+
+def _same_record(a: AttentionSite, b: AttentionSite) -> str | None:
+    """Why two instantiations' matches of one site differ beyond the symbolic sizes."""
+    for f in ("target", "causal", "bottom_right", "scale", "window", "softcap", "layout",
+              "heads", "kv_heads", "head_dim", "dtype", "extras", "empty_rows"):
+        if getattr(a, f) != getattr(b, f):
+            return f"{f} {getattr(a, f)!r} vs {getattr(b, f)!r}"
+    la, lb = _layouts(a.plan), _layouts(b.plan)
+    shape = lambda lays: [[[(p[0], p[1]) for p in d] for d in lay] for lay in lays]  # noqa: E731
+    if shape(la) != shape(lb):
+        return "the layouts of Q, K, V or the output"
+    return None
+
+
+def _symbols(a, b, first: dict, second: dict) -> dict:
+    """{piece of ``a``: variable} for the pieces whose sizes differ between the two
+    instantiations; Unsupported for a piece that is no single variable."""
+    out = {}
+    for lay_a, lay_b in zip(_layouts(a), _layouts(b)):
+        for da, db in zip(lay_a, lay_b):
+            for pa, pb in zip(da, db):
+                if pa[2] == pb[2]:
+                    continue
+                names = [v for v in first if first[v] == pa[2] and second[v] == pb[2]]
+                if len(names) != 1:
+                    raise Unsupported(f"an axis of size {pa[2]} / {pb[2]} in the two "
+                                      "instantiations is no single dimension variable "
+                                      "(a product of them, or a multiple)")
+                out[pa] = names[0]
+    return out
+
+
+def match_module(module: ir.Module, options) -> list:
+    """[(dot_general of ``module``, AttentionSite | Rejection)] for a polymorphic module.
+
+    A matched AttentionSite's plan is a PolyPlan over ``module``'s own ops."""
+    from flashgen.rewrite.driver import collect_dots, match_all
+    dots = collect_dots(module)
+    try:
+        dims = dimension_variables(module)
+        variables = sorted(set(dims.values()))
+        first, second = instantiation_sizes(module, variables)
+        copies = [instantiate(module, dims, sizes) for sizes in (first, second)]
+    except Unsupported as e:
+        return _module_rejections(module, dots, options, f"a shape-polymorphic module: {e}")
+    found = []
+    for copy in copies:
+        with copy.context:
+            by_tag: dict = {}
+            for op, r in match_all(copy, options, polymorphic=True):
+                by_tag.setdefault(_tag(op), []).append((op, r))
+            found.append(by_tag)
+    out = []
+    with module.context:
+        for tag in sorted(t for t in found[0] if t is not None):
+            dyn1 = dots[tag]
+            records = found[0][tag] + found[1].get(tag, [])
+            where = _where(dyn1)
+            rejected = [r for _, r in records if not isinstance(r, AttentionSite)]
+            if rejected:
+                r = rejected[0]
+                out.append((dyn1, Rejection(*where, r.reason, matched=r.matched,
+                                            details=r.details)))
+                continue
+            a = records[0][1]
+            why = None if tag in found[1] else "the second instantiation found no site here"
+            for _, r in records[1:]:
+                why = why or _same_record(a, r)
+            tags2 = {_tag(r.plan.exit_op) for _, r in records}
+            if len(tags2) != 1 or None in tags2:
+                why = why or "the P·V product is not one dot_general of the module"
+            if why is None:
+                dyn2 = dots[tags2.pop()]
+                if dyn2.operation.block != dyn1.operation.block:
+                    why = "the Q·K and P·V products are in different functions"
+            if why is None:
+                try:
+                    b = next(r for _, r in found[1][tag])
+                    symbols = _symbols(a.plan, b.plan, first, second)
+                    why = _static_kernel_dims(a.plan.kernel, symbols)
+                except Unsupported as e:
+                    why = str(e)
+            if why is not None:
+                out.append((dyn1, Rejection(*where, "a shape-polymorphic site that does not "
+                                            f"match alike at two instantiations: {why}")))
+                continue
+            out.append((dyn1, _site(a, dyn1, dyn2, symbols, where, first, second, records)))
+    return out
+
+
+def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:
+    for name in "qkvo":
+        for role, dim in zip(("heads", "head dim"), kernel[name][2:]):
+            if any(p in symbols for p in dim):
+                return (f"the {role} of {name} is symbolic; the kernel specialization needs "
+                        "it static")
+    return None
+
+
+def _where(op) -> tuple:
+    from flashgen.rewrite.graph import Graph
+    fn = Graph.function_of(op)
+    return str(op.location), Graph.function_name(fn), op_name(op)
+
+
+def _site(a: AttentionSite, dot1, dot2, symbols, where, first, second, records):
+    plan = a.plan
+    roles = _roles(a, records[0][0], plan.exit_op)
+    names = {}
+    for piece, var in symbols.items():
+        names[piece[2]] = var
+
+    def sym(shape):
+        return tuple(names.get(n, n) for n in shape)
+
+    site = dataclasses.replace(
+        a, location=where[0], function=where[1], op=where[2],
+        q_shape=sym(a.q_shape), k_shape=sym(a.k_shape), v_shape=sym(a.v_shape),
+        out_shape=sym(a.out_shape), batch=names.get(a.batch, a.batch),
+        seq_q=names.get(a.seq_q, a.seq_q), seq_k=names.get(a.seq_k, a.seq_k),
+        notes=list(a.notes) + [
+            f"shape-polymorphic ({', '.join(sorted(set(symbols.values())))} symbolic): "
+            f"matched alike at {_sizes_text(first)} and at {_sizes_text(second)}; the call "
+            "has dynamic result shapes that shape refinement resolves at call time"])
+    site.plan = PolyPlan(dot1=dot1, dot2=dot2, operand_index=roles,
+                         inputs={n: plan.inputs[n][1] for n in "qkv"}, kernel=plan.kernel,
+                         exit_layout=plan.exit_layout, symbols=symbols, spec=plan.spec,
+                         scale=plan.scale, bottom_right=plan.bottom_right,
+                         window=plan.window, softcap=plan.softcap)
+    return site
+
+
+def _module_rejections(module, dots, options, reason: str) -> list:
+    """Every attention candidate of ``module`` rejected with ``reason``."""
+    from flashgen.rewrite.graph import Graph
+    from flashgen.rewrite.patterns import AttentionPattern
+    pattern = AttentionPattern(Graph(module), target=options.target)
+    return [(op, Rejection(*_where(op), reason)) for op in dots if pattern.is_candidate(op)]
+
+
+# ----------------------------------------------------------------------------- rewriting
+class SymbolicSizes:
+    """Run-time sizes of a site's pieces in the dynamic module: a symbolic piece's size is
+    read (get_dimension_size) from an input dim that holds it and otherwise static pieces."""
+
+    def __init__(self, symbols: dict, inputs: list, created: list):
+        self.symbols = symbols
+        self.inputs = inputs          # [(value, layout)]
+        self.created = created
+        self._read: dict = {}
+
+    def _i32(self, n: int) -> ir.Value:
+        return adapters.constant(np.array(n, np.int32), ir.IntegerType.get_signless(32),
+                                 self.created)
+
+    def variable(self, var: str) -> ir.Value:
+        """The i32 scalar value of a dimension variable."""
+        if var in self._read:
+            return self._read[var]
+        for value, layout in self.inputs:
+            for i, dim in enumerate(layout):
+                syms = [p for p in dim if p in self.symbols]
+                if len(syms) == 1 and self.symbols[syms[0]] == var:
+                    op = stablehlo.GetDimensionSizeOp(value, i)
+                    self.created.append(op)
+                    x = op.result
+                    rest = prod(p[2] for p in dim if p not in self.symbols)
+                    if rest != 1:
+                        x = adapters.binary("divide", x, self._i32(rest), self.created)
+                    self._read[var] = x
+                    return x
+        raise ValueError(f"no input dim holds the dimension variable {var!r} alone")
+
+    def dim(self, pieces) -> ir.Value | int:
+        """The size of a dim holding ``pieces``: an int when static, else an i32 scalar."""
+        static = prod(p[2] for p in pieces if p not in self.symbols)
+        dynamic = [self.variable(self.symbols[p]) for p in pieces if p in self.symbols]
+        if not dynamic:
+            return static
+        x = dynamic[0]
+        for y in dynamic[1:]:
+            x = adapters.binary("multiply", x, y, self.created)
+        if static != 1:
+            x = adapters.binary("multiply", x, self._i32(static), self.created)
+        return x
+
+    def shape_tensor(self, dims) -> ir.Value:
+        """A tensor<rank x i32> holding the sizes of ``dims``."""
+        i32 = ir.IntegerType.get_signless(32)
+        parts = []
+        for d in dims:
+            n = self.dim(d)
+            parts.append(adapters.constant(np.array([n], np.int32), i32, self.created)
+                         if isinstance(n, int) else adapters.reshape(n, [1], self.created))
+        if len(parts) == 1:
+            return parts[0]
+        op = stablehlo.ConcatenateOp(parts, 0)
+        self.created.append(op)
+        return op.result
+
+    def type_shape(self, dims) -> list:
+        dyn = ir.ShapedType.get_dynamic_size()
+        return [dyn if any(p in self.symbols for p in d) else prod(p[2] for p in d)
+                for d in dims]
+
+    def reshape(self, x: ir.Value, dims, created) -> ir.Value:
+        shape = self.type_shape(dims)
+        if ir.ShapedType.get_dynamic_size() not in shape:
+            return adapters.reshape(x, shape, created)
+        t = ir.RankedTensorType.get(shape, x.type.element_type)
+        op = stablehlo.DynamicReshapeOp(t, x, self.shape_tensor(dims))
+        created.append(op)
+        return op.result
+
+
+def rewrite(site: AttentionSite, legacy_attrs: bool = False) -> None:
+    """Insert the dynamic custom call before the site's P·V product and redirect its uses."""
+    from flashgen.emit import emit_custom_call
+    plan: PolyPlan = site.plan
+    if legacy_attrs:
+        raise ValueError("a shape-polymorphic site needs the native attribute form "
+                         "(StableHLO >= 1.3)")
+    values = {n: (plan.dot1 if n in "qk" else plan.dot2).operands[plan.operand_index[n]]
+              for n in "qkv"}
+    kdt = ir.Type.parse(plan.spec.dtype)
+    created: list = []
+    loc = ir.Location.name("flashgen.attention", childLoc=plan.dot1.location)
+    with loc, ir.InsertionPoint(plan.dot2.operation):
+        try:
+            sizes = SymbolicSizes(plan.symbols, [(values[n], plan.inputs[n]) for n in "qkv"],
+                                  created)
+            operands = []
+            for n in "qkv":
+                x = adapters.adapt(values[n], plan.inputs[n], plan.kernel[n], created,
+                                   dynamic=sizes)
+                if x.type.element_type != kdt:
+                    x = adapters.convert(x, kdt, created)
+                operands.append(x)
+            b, sq, hq, _ = plan.kernel["o"]
+            o, _lse = emit_custom_call(
+                plan.spec, "fwd", operands, scale=plan.scale, bottom_right=plan.bottom_right,
+                window=plan.window, softcap=plan.softcap,
+                result_shapes=[sizes.shape_tensor(plan.kernel["o"]),
+                               sizes.shape_tensor((b, hq, sq))])
+            created.append(o.owner)
+            out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created, dynamic=sizes)
+            want = plan.dot2.result.type
+            if out.type.element_type != want.element_type:
+                out = adapters.convert(out, want.element_type, created)
+            if out.type != want:   # a static dim the module types as dynamic, or the reverse
+                op = stablehlo.ConvertOp(want, out)
+                created.append(op)
+                out = op.result
+        except Exception:
+            for op in reversed(created):
+                op.operation.erase()
+            raise
+    plan.dot2.result.replace_all_uses_with(out)
