@@ -227,16 +227,18 @@ def _layouts(plan) -> list:
         [plan.exit_layout]
 
 
-def _same_record(a: AttentionSite, b: AttentionSite) -> str | None:
-    """Why two instantiations' matches of one site differ beyond the symbolic sizes."""
+def _same_layouts(a: AttentionSite, b: AttentionSite) -> str | None:
+    shape = lambda lays: [[[(p[0], p[1]) for p in d] for d in lay] for lay in lays]  # noqa: E731
+    if shape(_layouts(a.plan)) != shape(_layouts(b.plan)):
+        return "the layouts of Q, K, V or the output differ"
+    return None
+
+
+def _same_attributes(a: AttentionSite, b: AttentionSite) -> str | None:
     for f in ("target", "causal", "bottom_right", "scale", "window", "softcap", "layout",
               "heads", "kv_heads", "head_dim", "dtype", "extras", "empty_rows"):
         if getattr(a, f) != getattr(b, f):
             return f"{f} {getattr(a, f)!r} vs {getattr(b, f)!r}"
-    la, lb = _layouts(a.plan), _layouts(b.plan)
-    shape = lambda lays: [[[(p[0], p[1]) for p in d] for d in lay] for lay in lays]  # noqa: E731
-    if shape(la) != shape(lb):
-        return "the layouts of Q, K, V or the output"
     return None
 
 
@@ -285,15 +287,21 @@ def match_module(module: ir.Module, options) -> list:
             records = found[0][tag] + found[1].get(tag, [])
             where = _where(dyn1)
             rejected = [r for _, r in records if not isinstance(r, AttentionSite)]
+            if _symbolic_contraction(dyn1):
+                # the instantiations would name an unsupported head dim of their own choosing
+                out.append((dyn1, Rejection(*where, "the head dim is symbolic; the kernel "
+                                            "specialization needs it static")))
+                continue
             if rejected:
                 r = rejected[0]
+                details = {k: v for k, v in r.details.items() if k != "q_shape"}  # instance's
                 out.append((dyn1, Rejection(*where, r.reason, matched=r.matched,
-                                            details=r.details)))
+                                            details=details)))
                 continue
             a = records[0][1]
             why = None if tag in found[1] else "the second instantiation found no site here"
             for _, r in records[1:]:
-                why = why or _same_record(a, r)
+                why = why or _same_layouts(a, r)
             tags2 = {_tag(r.plan.exit_op) for _, r in records}
             if len(tags2) != 1 or None in tags2:
                 why = why or "the P·V product is not one dot_general of the module"
@@ -308,12 +316,23 @@ def match_module(module: ir.Module, options) -> list:
                     why = _static_kernel_dims(a.plan.kernel, symbols)
                 except Unsupported as e:
                     why = str(e)
+                if why is not None:
+                    out.append((dyn1, Rejection(*where, f"a shape-polymorphic site: {why}")))
+                    continue
+            for _, r in records[1:]:
+                why = why or _same_attributes(a, r)
             if why is not None:
                 out.append((dyn1, Rejection(*where, "a shape-polymorphic site that does not "
                                             f"match alike at two instantiations: {why}")))
                 continue
             out.append((dyn1, _site(a, dyn1, dyn2, symbols, where, first, second, records)))
     return out
+
+
+def _symbolic_contraction(dot) -> bool:
+    from flashgen.rewrite.chain import dot_dims
+    lhs = dot.operands[0].type
+    return any(lhs.is_dynamic_dim(i) for i in dot_dims(dot)[2])
 
 
 def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:

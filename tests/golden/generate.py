@@ -1307,14 +1307,76 @@ def _():
         model.weights, spec((B, T), "int32"), spec((B, T), "bool"))
 
 
-@case("neg_shape_polymorphic", fmt="jax_exported", rejected=["shape-polymorphic"])
-def _():
-    # jax.export with symbolic batch and sequence dims: still refused (issue 14 gap 3)
+# ----------------------------------------------------------------------------- shape-polymorphic
+# jax.export with symbolic batch and sequence dims (flashgen.rewrite.polymorphic): the call gets
+# dynamic result shapes; tests/test_rewrite_polymorphic.py runs them at two concrete shapes.
+def poly_qkv(dims="b, t", h=H, d=D):
     jax, jnp, export = _jax()
-    b, t = export.symbolic_shape("b, t")
-    shapes = [jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)] * 3
-    return export.export(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True)), platforms=["cpu"])(*shapes)
+    b, t, *rest = export.symbolic_shape(dims)
+    h = rest[0] if rest else h
+    return [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32)] * 3
+
+
+def einsum_attention(jnp, q, k, v, mask=None, fill=-1e9):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(D))
+    if mask is not None:
+        s = jnp.where(mask, s, fill)
+    return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+
+
+@case("poly_jnn_causal", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True, numerics=False)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *poly_qkv())
+
+
+@case("poly_jnn", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)],
+      causal=False, scale=1 / math.sqrt(32), numerics=False)
+def _():
+    jax, _, _ = _jax()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *poly_qkv())
+
+
+@case("poly_einsum", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)],
+      causal=False, layout="BSHD", numerics=False)
+def _():
+    _, jnp, _ = _jax()
+    return export_fn(lambda q, k, v: einsum_attention(jnp, q, k, v), *poly_qkv())
+
+
+@case("poly_einsum_tril", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True, numerics=False)
+def _():
+    # the causal mask of a symbolic length: tril(ones((s, s))) becomes dynamic_iota compares
+    _, jnp, _ = _jax()
+    return export_fn(lambda q, k, v: einsum_attention(
+        jnp, q, k, v, jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))), *poly_qkv())
+
+
+@case("neg_poly_padding_mask", fmt="jax_exported",
+      rejected=["shape-polymorphic site with extra operands"])
+def _():
+    # a run-time key padding mask would be an extra operand: not rewritten when polymorphic
+    _, jnp, _ = _jax()
+    return export_fn(lambda q, k, v: einsum_attention(
+        jnp, q, k, v, (k[:, :, 0, 0] > 0)[:, None, None, :]), *poly_qkv())
+
+
+@case("neg_poly_symbolic_heads", fmt="jax_exported", rejected=["heads of q is symbolic"])
+def _():
+    # the head count selects nothing in the kernel but the call's static result type
+    _, jnp, _ = _jax()
+    return export_fn(lambda q, k, v: einsum_attention(jnp, q, k, v), *poly_qkv("b, t, h"))
+
+
+@case("neg_poly_symbolic_head_dim", fmt="jax_exported", rejected=["head dim is symbolic"])
+def _():
+    jax, jnp, export = _jax()
+    b, t, d = export.symbolic_shape("b, t, d")
+    x = jax.ShapeDtypeStruct((b, t, H, d), jnp.float32)
+    return export_fn(lambda q, k, v: einsum_attention(jnp, q, k, v), x, x, x)
 
 
 @case("jnn_softmax_where", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
