@@ -170,7 +170,10 @@ def coerce_inputs(arrays: Sequence[np.ndarray], params: Sequence[TensorType]) ->
 
 
 def _coerce(i: int, a: np.ndarray, p: TensorType) -> np.ndarray:
-    if tuple(a.shape) != p.shape:
+    # a symbolic dim of a shape-polymorphic .jax_exported takes any size: the module's own
+    # shape assertions check that the sizes agree when it runs
+    if len(a.shape) != len(p.shape) or any(isinstance(e, (int, np.integer)) and n != e
+                                           for n, e in zip(a.shape, p.shape)):
         raise UsageError(f"input arg{i} has shape {list(a.shape)}, @main expects {p}")
     if a.dtype == p.dtype:
         return a
@@ -283,7 +286,10 @@ def _exported(loaded, params, results, platform: str):
 def random_inputs(params: Sequence[TensorType], seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     out = []
-    for p in params:
+    for i, p in enumerate(params):
+        if not all(isinstance(e, (int, np.integer)) for e in p.shape):
+            raise UsageError(f"random inputs need concrete shapes: @main's arg{i} is {p} "
+                             "(a shape-polymorphic module; give the inputs)")
         if p.dtype == np.bool_:
             out.append(rng.random(p.shape) < 0.5)
         elif np.issubdtype(p.dtype, np.integer):

@@ -111,3 +111,23 @@ def test_emit_dynamic_call_rejects_extras_and_legacy():
                 assert str(o.type) == "tensor<?x?x4x32xf32>"
                 assert str(lse.type) == "tensor<?x4x?xf32>"
                 func.ReturnOp([])
+
+
+def test_poly_flashgen_run_at_input_shapes(rewritten):
+    """execute.run (flashgen run) takes any size for a symbolic dim; the module's own
+    assertions reject inconsistent sizes; random inputs (--verify) need concrete shapes."""
+    from flashgen import execute
+    from flashgen.errors import FlashgenError, UsageError
+    original, _, _ = rewritten["poly_jnn_causal"]
+    data = fr.rewrite(GOLDEN / CASES["poly_jnn_causal"]["file"]).to_bytes()
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((3, 29, 4, 32)).astype(np.float32) for _ in range(3))
+    (got,) = execute.run(data, [q, k, v])
+    np.testing.assert_allclose(got, np.asarray(original.call(q, k, v)), atol=2e-5, rtol=2e-5)
+    with pytest.raises(FlashgenError, match="polymorphic shapes specification"):
+        execute.run(data, [q, k[:, :9], v])
+    with pytest.raises(UsageError, match="expects"):
+        execute.run(data, [q[0], k, v])
+    params, _ = execute.signature(data)
+    with pytest.raises(UsageError, match="random inputs need concrete shapes"):
+        execute.random_inputs(params)
