@@ -16,7 +16,6 @@ from typing import Optional
 from jaxlib.mlir import ir
 
 from flashgen.errors import FlashgenError
-from flashgen.rewrite import polymorphic
 from flashgen.rewrite.graph import Graph, nested_ops
 from flashgen.rewrite.patterns import AttentionPattern
 from flashgen.rewrite.report import AttentionSite, Rejection
@@ -74,8 +73,6 @@ def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict]
 def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) -> list:
     """Rewrite every attention site of ``module`` in place; returns the report records."""
     options = options or RewriteOptions()
-    if polymorphic.is_polymorphic(module):
-        return _rewrite_polymorphic(module, options)
     proven: dict = {}   # training sites' backward proofs, reused when a site is matched again
     found = [(hash(op.operation), op, r) for op, r in match_all(module, options, proven)]
     records = []
@@ -108,36 +105,17 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
         roots = [o for o, ctx in site.plan.site_ops if not ctx]
         if site.plan.backward is not None:
             roots += site.plan.backward.roots
-        touched_functions |= _erase_dead(pattern.g, roots, erased)
+        touched_functions |= erase_dead(pattern.g, roots, erased)
         site.status = "rewritten"
         site.op, site.location = first.op, first.location  # named as in the input
         site.plan = None
         records.append(site)
-    _finish(module, touched_functions)
+    finish(module, touched_functions)
     return records
 
 
-def _rewrite_polymorphic(module: ir.Module, options: RewriteOptions) -> list:
-    """A shape-polymorphic module (flashgen.rewrite.polymorphic): its sites are matched on
-    static instantiations and use disjoint ops, so they are rewritten without re-matching."""
-    records, touched, erased = [], set(), set()
-    for op, site in polymorphic.match_module(module, options):
-        if isinstance(site, AttentionSite):
-            try:
-                polymorphic.rewrite(site, options.legacy_attrs)
-            except (ValueError, RuntimeError) as e:
-                site.status, site.reason = "rejected", f"the rewrite failed: {e}"
-            else:
-                touched |= _erase_dead(Graph(module), [site.plan.dot2.operation], erased)
-                site.status = "rewritten"
-            site.plan = None
-        records.append(site)
-    _finish(module, touched)
-    return records
-
-
-def _finish(module: ir.Module, touched_functions: set) -> None:
-    """Drop private functions the rewrites left unused; verify the module."""
+def finish(module: ir.Module, touched_functions: set) -> None:
+    """Drop private functions the rewrites left unused; verify the module (FlashgenError)."""
     if touched_functions:
         _erase_unused_functions(module, touched_functions)
     try:
@@ -209,7 +187,7 @@ def _local_callees(graph: Graph, fn) -> list | None:
     return callees
 
 
-def _erase_dead(graph: Graph, roots: list, erased: set) -> set:
+def erase_dead(graph: Graph, roots: list, erased: set) -> set:
     """Erase ops of ``roots`` (and their producers) that no longer have users.
 
     Adds the erased ops' keys to ``erased``; returns the callees of erased calls."""

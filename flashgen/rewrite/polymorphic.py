@@ -386,6 +386,28 @@ def _module_rejections(module, dots, options, reason: str) -> list:
 
 
 # ----------------------------------------------------------------------------- rewriting
+def rewrite_module(module: ir.Module, options) -> list:
+    """Rewrite every attention site of a polymorphic ``module`` in place (the counterpart of
+    driver.rewrite_module); the report records. Its sites were matched on the instantiations
+    and use disjoint ops, so they are rewritten without matching again."""
+    from flashgen.rewrite.driver import erase_dead, finish
+    from flashgen.rewrite.graph import Graph
+    records, touched, erased = [], set(), set()
+    for _, site in match_module(module, options):
+        if isinstance(site, AttentionSite):
+            try:
+                rewrite(site, options.legacy_attrs)
+            except (ValueError, RuntimeError) as e:
+                site.status, site.reason = "rejected", f"the rewrite failed: {e}"
+            else:
+                touched |= erase_dead(Graph(module), [site.plan.dot2.operation], erased)
+                site.status = "rewritten"
+            site.plan = None
+        records.append(site)
+    finish(module, touched)
+    return records
+
+
 class SymbolicSizes:
     """Run-time sizes of a site's pieces in the dynamic module: a symbolic piece's size is
     read (get_dimension_size) from an input dim that holds it and otherwise static pieces."""
