@@ -154,11 +154,6 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 details = {k: v for k, v in e.details.items() if v is not None}
                 return Rejection(where["location"], where["function"], where["op"], e.reason,
                                  matched=m.matched, details=details)
-            if self.polymorphic:
-                return Rejection(where["location"], where["function"], where["op"],
-                                 f"{e.reason}; a training site (forward and backward) in a "
-                                 "shape-polymorphic module is not rewritten",
-                                 matched=m.matched)
             # the intermediates have users outside the site: perhaps its backward
             m = MatchState()
             m.training = True
@@ -169,6 +164,11 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 return Rejection(where["location"], where["function"], where["op"],
                                  f"{e.reason}; as a training site: {e2.reason}",
                                  matched=m.matched, details=details)
+            if self.polymorphic:
+                return Rejection(where["location"], where["function"], where["op"],
+                                 "a training site (forward and backward) in a "
+                                 "shape-polymorphic module is not rewritten",
+                                 matched=m.matched)
         site.notes = m.notes
         return site
 

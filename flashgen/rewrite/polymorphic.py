@@ -287,16 +287,15 @@ def match_module(module: ir.Module, options) -> list:
             records = found[0][tag] + found[1].get(tag, [])
             where = _where(dyn1)
             rejected = [r for _, r in records if not isinstance(r, AttentionSite)]
-            if _symbolic_contraction(dyn1):
-                # the instantiations would name an unsupported head dim of their own choosing
-                out.append((dyn1, Rejection(*where, "the head dim is symbolic; the kernel "
-                                            "specialization needs it static")))
-                continue
             if rejected:
                 r = rejected[0]
+                reason = r.reason
                 details = {k: v for k, v in r.details.items() if k != "q_shape"}  # instance's
-                out.append((dyn1, Rejection(*where, r.reason, matched=r.matched,
-                                            details=details)))
+                if "head dim" in reason and _symbolic_contraction(dyn1):
+                    # the instantiation named an unsupported head dim of its own choosing
+                    reason = "the head dim is symbolic; the kernel specialization needs it static"
+                    details = {}
+                out.append((dyn1, Rejection(*where, reason, matched=r.matched, details=details)))
                 continue
             a = records[0][1]
             why = None if tag in found[1] else "the second instantiation found no site here"
@@ -311,8 +310,7 @@ def match_module(module: ir.Module, options) -> list:
                     why = "the Q·K and P·V products are in different functions"
             if why is None:
                 try:
-                    b = next(r for _, r in found[1][tag])
-                    symbols = _symbols(a.plan, b.plan, first, second)
+                    symbols = _call_symbols(found[0][tag], found[1][tag], first, second)
                     why = _static_kernel_dims(a.plan.kernel, symbols)
                 except Unsupported as e:
                     why = str(e)
@@ -333,6 +331,18 @@ def _symbolic_contraction(dot) -> bool:
     from flashgen.rewrite.chain import dot_dims
     lhs = dot.operands[0].type
     return any(lhs.is_dynamic_dim(i) for i in dot_dims(dot)[2])
+
+
+def _call_symbols(records0: list, records1: list, first: dict, second: dict) -> dict:
+    """The symbolic pieces of a site (_symbols), alike for every inlined copy of it (a
+    private function called from several places is rewritten once)."""
+    if len(records0) != len(records1):
+        raise Unsupported("the two instantiations inline the site a different number of times")
+    found = [_symbols(a.plan, b.plan, first, second) for (_, a), (_, b) in zip(records0, records1)]
+    named = [{(p[0], p[1]): v for p, v in f.items()} for f in found]
+    if any(n != named[0] for n in named[1:]):
+        raise Unsupported("the calls of the site's function differ in which axes are symbolic")
+    return found[0]
 
 
 def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:

@@ -1355,6 +1355,59 @@ def _():
         jnp, q, k, v, jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))), *poly_qkv())
 
 
+@case("poly_einsum_window", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True, window=[3, -1], numerics=False)
+def _():
+    # a sliding window from two iota compares (jax.nn's local_window_size does not export with
+    # a symbolic length: it builds the mask with range(T))
+    _, jnp, _ = _jax()
+
+    def f(q, k, v):
+        i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(q.shape[1])[None, :]
+        return einsum_attention(jnp, q, k, v, (i >= j) & (i - j <= 3))
+    return export_fn(f, *poly_qkv())
+
+
+@case("poly_jnn_gqa", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True, kv_heads=2, numerics=False)
+def _():
+    jax, jnp, export = _jax()
+    b, t = export.symbolic_shape("b, t")
+    q = jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, t, 2, D), jnp.float32)
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     q, kv, kv)
+
+
+@case("poly_layers_shared_fn", fmt="jax_exported", rewritten=1,
+      targets=[tname(32, "f32", True)], causal=True, numerics=False,
+      rejected=["the scores have"])
+def _():
+    # two layers calling one jitted attention: one private function, rewritten once; the
+    # projections reach the softmax too and are rejected as candidates of their own
+    jax, jnp, export = _jax()
+    attn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+    def f(x, w):
+        for i in range(2):
+            q = jnp.einsum("bshd,hde->bshe", x, w[i])
+            x = attn(q, q * 0.5, q + 1) + x
+        return x
+    b, t = export.symbolic_shape("b, t")
+    return export_fn(f, jax.ShapeDtypeStruct((b, t, H, D), jnp.float32),
+                     jax.ShapeDtypeStruct((2, H, D, D), jnp.float32))
+
+
+@case("neg_poly_training", fmt="jax_exported",
+      rejected=["training site (forward and backward) in a shape-polymorphic module"])
+def _():
+    jax, jnp, _ = _jax()
+
+    def loss(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1, 2)), *poly_qkv())
+
+
 @case("neg_poly_padding_mask", fmt="jax_exported",
       rejected=["shape-polymorphic site with extra operands"])
 def _():
