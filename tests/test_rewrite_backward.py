@@ -219,3 +219,48 @@ def test_verify_passes_on_a_training_step(kernels):
     from flashgen.rewrite import verify
     rows = verify.verify(_rewrite("train_padding_mask"), seed=3)["outputs"]
     assert rows and all(r["ok"] for r in rows), rows
+
+
+# ----------------------------------------------------------------------------- dbias
+def _bias_attention_grad():
+    """grad over (bias, q, k, v) of one attention with a learned [1, H, S, S] bias."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(bias, q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + bias
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        return jnp.sum(o * jnp.sin(o))
+    x = jax.ShapeDtypeStruct((2, 8, 2, 32), jnp.float32)
+    b = jax.ShapeDtypeStruct((1, 2, 8, 8), jnp.float32)
+    return jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
+                             platforms=["cpu"])(b, x, x, x).mlir_module()
+
+
+def test_bias_gradient_replaced_by_the_calls_dbias():
+    """The bias gradient (dS summed over the batch) is the call's fourth result; nothing
+    of the original backward is left."""
+    result = fr.rewrite(_bias_attention_grad())
+    assert [s.backward_target for s in result.rewritten] == ["flashgen_bwd_d32_f32"]
+    ops = "\n".join(ln for ln in result.text().splitlines() if not ln.startswith("#loc"))
+    assert ":4 = stablehlo.custom_call @flashgen_bwd_d32_f32" in ops
+    assert "stablehlo.exponential" not in ops and "dot_general" not in ops
+
+
+def test_wrong_bias_gradient_is_rejected():
+    """The bias gradient summed from dS² instead of dS: no value satisfies the adjoint
+    identity for the bias, and the ops computing it read the backward's values for
+    something else than dQ, dK, dV: the site is left alone."""
+    text = _bias_attention_grad()
+    m = re.search(r"(%\d+) = stablehlo.reduce\((%\d+) init: (%cst_?\d*)\) applies stablehlo.add "
+                  r"across dimensions = \[0\]", text)
+    assert m is not None
+    out, ds, _ = m.groups()
+    line = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
+    wrong = (f"{line}%wrong = stablehlo.multiply {ds}, {ds} : tensor<2x2x8x8xf32>\n"
+             + text[text.rfind("\n", 0, m.start()) + 1:m.end()].replace(f"({ds} init", "(%wrong init"))
+    text = text[:text.rfind("\n", 0, m.start()) + 1] + wrong + text[m.end():]
+    result = fr.rewrite(text)
+    assert not result.rewritten
+    assert any("compute more than dQ, dK, dV" in s.reason for s in result.rejected), \
+        [s.reason for s in result.rejected]

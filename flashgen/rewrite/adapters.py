@@ -142,6 +142,27 @@ def to_kernel(value: ir.Value, layout, groups, created) -> ir.Value:
     return x
 
 
+def from_kernel(x: ir.Value, layout, groups, shape, created) -> ir.Value:
+    """The transpose of to_kernel: a kernel-form gradient (one dim per group) back to a value
+    of ``shape`` whose dims hold ``layout``, summed over the dims to_kernel broadcast."""
+    fine, perm, target, bdims, _ = target_recipe(layout, groups)
+    tshape = [p[2] for p in target]
+    if list(x.type.shape) != tshape:
+        x = reshape(x, tshape, created)
+    summed = [d for d in range(len(target)) if d not in bdims]
+    if summed:
+        x = sum_dims(x, summed, created)
+    # what remains holds the value's pieces in target order: fine[perm[i]] at dim i
+    inverse = [perm.index(i) for i in range(len(perm))]
+    if inverse != list(range(len(inverse))):
+        op = stablehlo.TransposeOp(x, inverse)
+        created.append(op)
+        x = op.result
+    if list(x.type.shape) != list(shape):
+        x = reshape(x, shape, created)
+    return x
+
+
 def broadcast(x: ir.Value, shape, dims, created) -> ir.Value:
     t = ir.RankedTensorType.get(list(shape), x.type.element_type)
     op = stablehlo.BroadcastInDimOp(t, x, list(dims))
@@ -154,6 +175,34 @@ def broadcast_to(x: ir.Value, shape, created) -> ir.Value:
     if list(x.type.shape) == list(shape):
         return x
     return broadcast(x, shape, range(len(shape)), created)
+
+
+def reduce(x: ir.Value, init: ir.Value, body_op, dims, created) -> ir.Value:
+    """Reduce ``dims`` of ``x`` with ``body_op`` (a stablehlo op class, e.g. AddOp)."""
+    elt = x.type.element_type
+    shape = [n for i, n in enumerate(x.type.shape) if i not in dims]
+    op = stablehlo.ReduceOp([ir.RankedTensorType.get(shape, elt)], [x], [init], list(dims))
+    scalar_t = ir.RankedTensorType.get([], elt)
+    block = op.regions[0].blocks.append(scalar_t, scalar_t)
+    with ir.InsertionPoint(block):
+        stablehlo.ReturnOp([body_op(block.arguments[0], block.arguments[1]).result])
+    created.append(op)
+    return op.result
+
+
+def scalar(attr, elt, created) -> ir.Value:
+    # constant() makes arrays of rank >= 1; a reduction's init value is rank 0
+    t = ir.RankedTensorType.get([], elt)
+    op = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, attr))
+    created.append(op)
+    return op.result
+
+
+def sum_dims(x: ir.Value, dims, created) -> ir.Value:
+    """The sum of ``x`` (a float tensor) over ``dims``."""
+    elt = x.type.element_type
+    return reduce(x, scalar(ir.FloatAttr.get(elt, 0.0), elt, created), stablehlo.AddOp, dims,
+                  created)
 
 
 def constant(array: np.ndarray, elt, created) -> ir.Value:

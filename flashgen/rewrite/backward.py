@@ -17,6 +17,16 @@ outputs are chosen by the same check among the values its last products flow thr
 of the input chains need no bookkeeping of their own. Only a proven cluster is
 replaced (by flashgen.rewrite.patterns: one flashgen_bwd_* call); anything else is
 rejected with the reason.
+
+A site that adds a run-time bias may have its bias differentiated (a learned relative
+position bias): the bias gradient is dS (the scores' cotangent where the bias is added)
+summed over the dims the forward broadcast, shaped and typed as the bias's source. The
+walk then follows the cluster past dbias into whatever consumes it (a return, the
+gather's transpose, another layer's dbias); the source is one more input of the adjoint
+identity (its own direction, checked separately so that an undifferentiated bias needs
+no gradient), its gradient is chosen among the cluster's values shaped like it, and the
+cluster is cut back to what the gradients are computed from: every other op the walk
+reached must consume dbias only, and is kept, reading the kernel's dbias instead.
 """
 from __future__ import annotations
 
@@ -47,10 +57,6 @@ _LAYOUT = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.convert",
            "stablehlo.broadcast_in_dim"}
 
 
-_BIAS_HINT = ("; the site adds a run-time bias: if it is differentiated, its gradient (dbias) "
-              "is not supported in training graphs yet")
-
-
 @dataclasses.dataclass
 class SiteView:
     """What the backward needs from a matched forward site."""
@@ -61,7 +67,7 @@ class SiteView:
     k_operand: Ref
     v_operand: Ref           # V as the P·V product reads it
     inputs: dict             # 'q'|'k'|'v' -> ir.Value: what the kernel reads
-    bias: bool = False       # the site adds a run-time bias
+    biases: tuple = ()       # the sources of the site's run-time bias terms (ir.Values)
 
 
 @dataclasses.dataclass
@@ -70,6 +76,9 @@ class Backward:
     do: ir.Value             # the cotangent of the site's output
     grads: dict              # 'q'|'k'|'v' -> ir.Value the kernel's gradient replaces
     roots: list              # ops to try erasing once the gradients are replaced
+    dbias: dict = dataclasses.field(default_factory=dict)
+    # bias source -> the value its gradient replaces (only for differentiated sources);
+    # its uses outside ``ops`` are redirected
 
 
 def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
@@ -85,38 +94,55 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
         # intermediates (the folder's size limit)
         raise Reject(f"the site is too large to check its backward ({scores} > 2^24 elements "
                      "in one intermediate)")
-    ops, tails, dv_operand = _walk(g, site)
+    ops, tails, dv_operand, escapes = _walk(g, site)
     if dv_operand is None:
         raise Reject("the backward has no dV = Pᵀ·dO product")
     do, do_views = _cotangent(g, site, dv_operand)
     ops |= _dp_products(g, site, ops, do_views)
+    bias_cands = [_bias_candidates(g, site, ops, b) for b in site.biases]
     key = frozenset((hash(op), op.name, tuple(hash(c) for c in ctx))
                     for op, ctx in site.ops | ops) | {hash(do)}
     if proven is not None and key in proven:
         chosen = proven[key]
-        grads = {r: dict(tails[r][1])[i] for r, i in chosen.items()}
     else:
-        grads, chosen = _prove(g, site, ops, tails, do)
+        chosen = _prove(g, site, ops, tails, do, bias_cands)
         if proven is not None:
             proven[key] = chosen
-    for role, n in chosen.items():
-        ops |= set(tails[role][0][:n + 1])
-    _check_closed(g, ops, set(grads.values()))
+    grads = {r: dict(tails[r][1])[chosen[r]] for r in "qkv"}
+    dbias = {b: dict(cands)[chosen[f"b{j}"]] for j, (b, cands) in
+             enumerate(zip(site.biases, bias_cands)) if chosen[f"b{j}"] is not None}
+    if site.biases:
+        ops = _cut(g, site, ops, tails, dbias, escapes)
+    for role in "qkv":
+        ops |= set(tails[role][0][:chosen[role] + 1])
+    _check_closed(g, ops, set(grads.values()) | set(dbias.values()))
     roots = [op for op, ctx in ops if not ctx] + [ctx[0] for _, ctx in ops if ctx] + \
         [op for op, _ in do_views]
-    return Backward(ops, do, grads, roots)
+    return Backward(ops, do, grads, roots, dbias)
 
 
 # ----------------------------------------------------------------------------- the walk
 def _walk(g: Graph, site: SiteView):
     """Every op reached from the forward's intermediates, up to the products that make
-    dQ, dK and dV. Returns (ops, tails, dO as the dV product reads it)."""
+    dQ, dK and dV. Returns (ops, tails, dO as the dV product reads it, escapes).
+
+    A use that cannot be part of the backward rejects the site, except, in a site with a
+    run-time bias, a use of a value the backward computes (not of the forward's own
+    intermediates): it may consume dbias, which only the cut after the proof can tell, so
+    it is returned in ``escapes`` as (ref, the reason to reject with otherwise)."""
     internal = {(r, ctx) for op, ctx in site.ops for r in op.results
                 if not (r == site.exit_value and not ctx)}
     q_op, k_op, v_op = (g.resolve(x) for x in (site.q_operand, site.k_operand, site.v_operand))
     ops: set = set()
     tails: dict = {}
+    escapes: list = []
     dv_operand = None
+
+    def escape(ref, reason):
+        if not site.biases or (ref.value, ref.ctx) in internal:
+            raise Reject(reason)
+        escapes.append((ref, reason))
+
     stack = [Ref(v, ctx) for v, ctx in internal]
     while stack:
         ref = stack.pop()
@@ -137,8 +163,9 @@ def _walk(g: Graph, site: SiteView):
                 elif (ref.value, ref.ctx) in site.probs:
                     role, dv_operand = "v", Ref(user.operands[1 - idx], uctx)
                 else:
-                    raise Reject("the softmax's intermediates feed a product that is not part "
-                                 f"of the attention backward ({short_location(user)})")
+                    escape(ref, "the softmax's intermediates feed a product that is not part "
+                           f"of the attention backward ({short_location(user)})")
+                    continue
                 if role in tails or uctx:
                     raise Reject(f"the backward computes d{role.upper()} in more than one "
                                  "product")
@@ -147,18 +174,19 @@ def _walk(g: Graph, site: SiteView):
                 continue
             if name == "func.return":
                 fn = user.operation.parent.operation
-                raise Reject(f"an intermediate of the attention leaves @{g.function_name(fn)} "
-                             f"as output {idx} (a residual kept for a backward elsewhere, e.g. "
-                             "lax.scan without jax.checkpoint, or a returned value)"
-                             + _BIAS_HINT * site.bias)
+                escape(ref, f"an intermediate of the attention leaves @{g.function_name(fn)} "
+                       f"as output {idx} (a residual kept for a backward elsewhere, e.g. "
+                       "lax.scan without jax.checkpoint, or a returned value)")
+                continue
             if name in ("stablehlo.dynamic_update_slice", "stablehlo.return"):
-                raise Reject("an intermediate of the attention is stored for the backward "
-                             "(a loop residual, e.g. lax.scan without jax.checkpoint): its "
-                             "backward runs in another loop")
+                escape(ref, "an intermediate of the attention is stored for the backward "
+                       "(a loop residual, e.g. lax.scan without jax.checkpoint): its "
+                       "backward runs in another loop")
+                continue
             if name not in _CLUSTER_OPS:
-                raise Reject(f"an intermediate of the attention passes through {name} "
-                             f"({short_location(user)}), which is not part of its backward"
-                             + _BIAS_HINT * site.bias)
+                escape(ref, f"an intermediate of the attention passes through {name} "
+                       f"({short_location(user)}), which is not part of its backward")
+                continue
             ops.add(key)
             if len(ops) > MAX_CLUSTER:
                 raise Reject("the uses of the attention's intermediates grow beyond an "
@@ -167,7 +195,66 @@ def _walk(g: Graph, site: SiteView):
     missing = sorted(set("qkv") - set(tails))
     if missing:
         raise Reject("the backward does not compute " + ", ".join(f"d{m.upper()}" for m in missing))
-    return ops, tails, dv_operand
+    return ops, tails, dv_operand, escapes
+
+
+def _bias_candidates(g: Graph, site: SiteView, ops: set, source: ir.Value) -> list:
+    """[(index, value)]: the values of the walked ops that may be the gradient of the bias
+    ``source`` (its shape, a float type, in the exit's block), in program order."""
+    block = site.exit_value.owner.operation.block
+    position = {op: i for i, op in enumerate(block.operations)}
+    want = tuple(source.type.shape)
+    found = sorted((position[op], r) for op, ctx in ops if not ctx and op.block == block
+                   for r in op.results
+                   if tuple(r.type.shape) == want and _is_float(r))
+    return [(i, r) for i, (_, r) in enumerate(found)]
+
+
+def _cut(g: Graph, site: SiteView, ops: set, tails: dict, dbias: dict, escapes: list) -> set:
+    """The ops the gradients are computed from, out of everything the walk reached in a
+    site with a run-time bias; raises Reject unless every other op consumes dbias only."""
+    users = {k: [] for k in ops}
+    for op, ctx in ops:
+        for r in op.results:
+            users[(op, ctx)] += [(u.operation, uctx) for u, _, uctx in g.users(Ref(r, ctx))
+                                 if (u.operation, uctx) in ops]
+    producers: dict = {}
+    for k, us in users.items():
+        for u in us:
+            producers.setdefault(u, []).append(k)
+    outputs = {(d.owner.operation, ()) for d in dbias.values()}
+    keep, stack = set(), [tails[r][0][0] for r in "qkv"] + list(outputs)
+    while stack:
+        k = stack.pop()
+        if k not in keep:
+            keep.add(k)
+            stack.extend(producers.get(k, ()))
+    after, stack = set(), [u for k in outputs for u in users[k] if u not in keep]
+    while stack:
+        k = stack.pop()
+        if k not in after and k not in keep:
+            after.add(k)
+            stack.extend(users[k])
+    what = "dQ, dK, dV" + (" and dbias" if dbias else "")
+    stray = sorted((op for op, _ in ops - keep - after), key=lambda op: str(op.location))
+    if stray:
+        raise Reject(f"the ops reached from the attention's intermediates compute more than "
+                     f"{what} ({op_name(stray[0])} at {short_location(stray[0])})")
+    for ref, reason in escapes:
+        if ref.value in dbias.values() and not ref.ctx:
+            continue
+        if isinstance(ref.value, ir.BlockArgument) or \
+                (ref.value.owner.operation, ref.ctx) not in after:
+            raise Reject(f"{reason}; it is not downstream of a bias gradient (the site adds a "
+                         f"run-time bias; the backward computes {what})")
+    internal = [Ref(r, ctx) for op, ctx in site.ops for r in op.results
+                if not (r == site.exit_value and not ctx)]
+    for ref in internal:
+        for user, _, uctx in g.users(ref):
+            if (user.operation, uctx) not in keep and (user.operation, uctx) not in site.ops:
+                raise Reject("an intermediate of the attention is read by an op that consumes "
+                             f"its bias gradient ({op_name(user)} at {short_location(user)})")
+    return keep
 
 
 def _tail(g: Graph, dot, target: ir.Value):
@@ -268,55 +355,74 @@ def _check_closed(g: Graph, ops: set, outputs: set) -> None:
 
 
 # ----------------------------------------------------------------------------- the proof
-def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value):
-    """Choose each gradient among its tail's candidates by the adjoint identity, with one
-    random direction for all three inputs at once; returns ({role: value}, {role: index in
-    its tail}) or raises Reject when no choice satisfies it."""
+def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
+           bias_cands: list) -> dict:
+    """Choose each gradient among its candidates by the adjoint identity: Q, K, V among
+    their tails' with one random direction for the three at once; each bias source's
+    among ``bias_cands`` with a direction of its own (None: not differentiated). Returns
+    {role: index}, roles 'q', 'k', 'v', 'b0', 'b1'...; raises Reject when Q, K, V have no
+    choice that satisfies it."""
     import itertools
     rng = np.random.default_rng(20240)
     inputs = {n: site.inputs[n] for n in "qkv"}
-    targets = [site.exit_value] + [v for role in tails for _, v in tails[role][1]]
+    inputs.update({f"b{j}": b for j, b in enumerate(site.biases)})
+    targets = [site.exit_value] + [v for role in tails for _, v in tails[role][1]] + \
+        [v for cands in bias_cands for _, v in cands]
     base = {Ref(v): rng.standard_normal(tuple(v.type.shape)) for v in inputs.values()}
     base[Ref(do)] = rng.standard_normal(tuple(do.type.shape))
     for ref in _leaves(g, targets, set(base)):
         base[ref] = _random_like(rng, ref.value)
     delta = {n: rng.standard_normal(tuple(v.type.shape)) for n, v in inputs.items()}
-    outs = []
-    for sign in (1.0, -1.0):
-        moved = dict(base)
-        for n, v in inputs.items():
-            moved[Ref(v)] = base[Ref(v)] + sign * STEP * delta[n]
-        out = Evaluator(g, moved).value(Ref(site.exit_value))
-        if out is None:
-            raise Reject("the attention forward cannot be evaluated to check its backward")
-        outs.append(out)
-    jvp = (outs[0] - outs[1]) / (2 * STEP)
     g0 = base[Ref(do)]
-    lhs = float(np.sum(g0 * jvp))
+
+    def directional(roles):
+        """<dO, the central difference of o along ``roles``' directions>, |dO|·|that|."""
+        outs = []
+        for sign in (1.0, -1.0):
+            moved = dict(base)
+            for n in roles:
+                moved[Ref(inputs[n])] = base[Ref(inputs[n])] + sign * STEP * delta[n]
+            out = Evaluator(g, moved).value(Ref(site.exit_value))
+            if out is None:
+                raise Reject("the attention forward cannot be evaluated to check its backward")
+            outs.append(out)
+        jvp = (outs[0] - outs[1]) / (2 * STEP)
+        return float(np.sum(g0 * jvp)), float(np.linalg.norm(g0) * np.linalg.norm(jvp))
+
     ev = Evaluator(g, base)
-    terms = {}       # role -> [(tail index, <candidate, δ>, |candidate|·|δ|)]
-    for role in "qkv":
-        terms[role] = []
-        for i, cand in tails[role][1]:
+
+    def terms(role, cands):   # [(index, <candidate, δ>, |candidate|·|δ|)]
+        out = []
+        for i, cand in cands:
             got = ev.value(Ref(cand))
             if got is not None and np.all(np.isfinite(got)):
-                terms[role].append((i, float(np.sum(got * delta[role])),
-                                    float(np.linalg.norm(got) * np.linalg.norm(delta[role]))))
+                out.append((i, float(np.sum(got * delta[role])),
+                            float(np.linalg.norm(got) * np.linalg.norm(delta[role]))))
+        return out
+
+    qkv = {r: terms(r, tails[r][1]) for r in "qkv"}
+    bias = {f"b{j}": terms(f"b{j}", cands) for j, cands in enumerate(bias_cands)}
     del ev
-    scale = float(np.linalg.norm(g0) * np.linalg.norm(jvp))
+    # candidates equal in float64 (a round trip through bf16) all pass; the last one is the
+    # gradient in the input's own element type
+    lhs, scale = directional("qkv")
     chosen = None
-    for combo in itertools.product(*(terms[r] for r in "qkv")):
+    for combo in itertools.product(*(qkv[r] for r in "qkv")):
         rhs = sum(t[1] for t in combo)
         bound = TOLERANCE * (scale + sum(t[2] for t in combo)) + 1e-12
         if abs(lhs - rhs) <= bound:
-            chosen = {r: t[0] for r, t in zip("qkv", combo)}   # the last passing: see below
+            chosen = {r: t[0] for r, t in zip("qkv", combo)}
     if chosen is None:
         raise Reject("the ops reached from the attention's intermediates do not compute its "
                      "gradients dQ, dK, dV (checked numerically against the forward)")
-    # candidates equal in float64 (a round trip through bf16) all pass; the last one is the
-    # gradient in the input's own element type
-    grads = {r: dict(tails[r][1])[i] for r, i in chosen.items()}
-    return grads, chosen
+    for role, cands in bias.items():
+        chosen[role] = None
+        if cands:
+            lhs, scale = directional([role])
+            for i, dot, norm in cands:
+                if abs(lhs - dot) <= TOLERANCE * (scale + norm) + 1e-12:
+                    chosen[role] = i
+    return chosen
 
 
 def _leaves(g: Graph, targets: list, bound: set) -> list:

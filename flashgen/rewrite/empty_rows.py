@@ -166,11 +166,11 @@ def emit_mean_fixup_grad(dv: ir.Value, do: ir.Value, visible_parts, *, causal: b
                             created)                                  # [1|B, 1|Hq, Sq]
     empty = adapters.broadcast(empty, [b, sq, hq, d], [0, 2, 1], created)
     g = do if str(do.type.element_type) == "f32" else adapters.convert(do, f32, created)
-    zero = _scalar(ir.FloatAttr.get(f32, 0.0), f32, created)
+    zero = adapters.scalar(ir.FloatAttr.get(f32, 0.0), f32, created)
     g = _op(stablehlo.SelectOp(empty, g, adapters.broadcast(zero, [b, sq, hq, d], [],
                                                              created)), created)
     g = adapters.reshape(g, [b, sq, hkv, hq // hkv, d], created)
-    g = _reduce(g, zero, stablehlo.AddOp, [1, 3], created)           # [B, Hkv, Dv]
+    g = adapters.reduce(g, zero, stablehlo.AddOp, [1, 3], created)   # [B, Hkv, Dv]
     n = adapters.constant(np.full(g.type.shape, sk, np.float32), f32, created)
     g = _op(stablehlo.DivOp(g, n), created)
     g = adapters.broadcast(g, [b, sk, hkv, d], [0, 2, 3], created)
@@ -224,8 +224,8 @@ def _no_visible_key(parts, b, hq, sq, sk, causal, bottom_right, window, created)
             kb = adapters.broadcast(kv_ids, shape, [0, 3], created)
             x = _compare(qb, kb, "EQ", created)
         vis = x if vis is None else adapters.binary("and", vis, x, created)
-    false = _scalar(ir.BoolAttr.get(False), i1, created)
-    any_key = _reduce(vis, false, stablehlo.OrOp, [3], created)
+    false = adapters.scalar(ir.BoolAttr.get(False), i1, created)
+    any_key = adapters.reduce(vis, false, stablehlo.OrOp, [3], created)
     return adapters.logical_not(any_key, created)
 
 
@@ -239,9 +239,9 @@ def _no_valid_key_before(kv_ids, sq, sk, causal, bottom_right, right, created):
     one = adapters.constant(np.ones((nb, sk), np.int32), kv_ids.type.element_type, created)
     none = adapters.constant(np.full((nb, sk), sk, np.int32), i32, created)
     real = _compare(kv_ids, one, "EQ", created)
-    first = _reduce(_op(stablehlo.SelectOp(real, j, none), created),
-                    _scalar(ir.IntegerAttr.get(i32, sk), i32, created), stablehlo.MinOp, [1],
-                    created)                                          # [B]
+    first = adapters.reduce(_op(stablehlo.SelectOp(real, j, none), created),
+                            adapters.scalar(ir.IntegerAttr.get(i32, sk), i32, created),
+                            stablehlo.MinOp, [1], created)            # [B]
     off = (sk - sq) if bottom_right else 0
     shifts = ([off] if causal else []) + ([off + right] if right >= 0 else [])
     last = adapters.constant(np.full(sq, sk - 1, np.int32), i32, created)
@@ -286,28 +286,9 @@ def _band(sq, sk, causal, bottom_right, window, created):
 def _mean_over_keys(v, created):
     f32 = ir.F32Type.get()
     x = v if str(v.type.element_type) == "f32" else adapters.convert(v, f32, created)
-    zero = _scalar(ir.FloatAttr.get(f32, 0.0), f32, created)
-    total = _reduce(x, zero, stablehlo.AddOp, [1], created)           # [B, Hkv, Dv]
+    total = adapters.sum_dims(x, [1], created)                        # [B, Hkv, Dv]
     n = adapters.constant(np.full(total.type.shape, v.type.shape[1], np.float32), f32, created)
     return _op(stablehlo.DivOp(total, n), created)
-
-
-def _reduce(x, init, body_op, dims, created):
-    elt = x.type.element_type
-    shape = [n for i, n in enumerate(x.type.shape) if i not in dims]
-    op = stablehlo.ReduceOp([ir.RankedTensorType.get(shape, elt)], [x], [init], dims)
-    scalar = ir.RankedTensorType.get([], elt)
-    block = op.regions[0].blocks.append(scalar, scalar)
-    with ir.InsertionPoint(block):
-        stablehlo.ReturnOp([body_op(block.arguments[0], block.arguments[1]).result])
-    created.append(op)
-    return op.result
-
-
-def _scalar(attr, elt, created):
-    # adapters.constant makes arrays of rank >= 1; a reduction's init value is rank 0
-    t = ir.RankedTensorType.get([], elt)
-    return _op(stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, attr)), created)
 
 
 def _compare(a, b, direction, created):

@@ -73,6 +73,16 @@ class SegmentIds:
     fallback: Optional[ValueMask]   # the comparison itself, as a plain mask
 
 
+def bias_sources(items) -> tuple:
+    """The distinct values of the run-time bias terms (what a training graph may
+    differentiate)."""
+    out = []
+    for it in items:
+        if isinstance(it, ValueBias) and it.value not in out:
+            out.append(it.value)
+    return tuple(out)
+
+
 def layouts(items) -> list:
     """Every layout the items use (for the site's common refinement)."""
     out = []
@@ -363,6 +373,36 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
                 if str(x.type.element_type) != "i32":
                     x = adapters.convert(x, i32, created)
                 out.append(x)
+    return out
+
+
+def emit_bias_grads(resolved: Resolved, dbias: ir.Value, wanted: dict, created) -> dict:
+    """The transpose of emit()'s ``bias`` for each source in ``wanted`` (source -> the value
+    its gradient replaces, for the shape and type): the kernel's dbias, summed over what
+    emit broadcast, laid out as the source and times the factor its terms were added with.
+    Returns source -> gradient. (The bias floor passes gradients through: the entries it
+    raises have zero probability either way.)"""
+    _, parts, shape, _ = resolved.recipes[resolved.names.index("bias")]
+    groups = _groups_of(resolved)
+    f32 = ir.F32Type.get()
+    x = dbias if str(dbias.type.element_type) == "f32" else adapters.convert(dbias, f32, created)
+    out = {}
+    for source, want in wanted.items():
+        terms = [part for part in parts if part[0] == "value" and part[1] == source]
+        lay = terms[0][2]
+        factor = sum(part[3] for part in terms)
+        final = adapters.target_recipe(lay, groups)[4]
+        g = x
+        summed = [i for i in range(len(shape)) if final[i] == 1 and shape[i] > 1]
+        if summed:   # another term made the operand larger than this one
+            g = adapters.reshape(adapters.sum_dims(g, summed, created), final, created)
+        g = adapters.from_kernel(g, lay, groups, want.type.shape, created)
+        if factor != 1.0:
+            c = adapters.constant(np.full(list(g.type.shape), factor, np.float32), f32, created)
+            g = adapters.binary("multiply", g, c, created)
+        if g.type.element_type != want.type.element_type:
+            g = adapters.convert(g, want.type.element_type, created)
+        out[source] = g
     return out
 
 

@@ -273,13 +273,13 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 probs={k for k, (_, tag) in m.chain.items() if tag == "probs"},
                 q_operand=Ref(q_val), k_operand=Ref(k_val), v_operand=v_ref,
                 inputs={"q": q_in[0], "k": k_in[0], "v": v_in[0]},
-                bias=any(isinstance(x, X.ValueBias) for x in m.extras))
+                biases=X.bias_sources(m.extras))
             bw = backward.find(self.g, view, self.proven)
             site.plan.backward = bw
             site.plan.site_ops |= bw.ops
             site.backward_target = site.plan.spec.target_name("bwd")
-            m.notes.append("training site: the backward (dQ, dK, dV) is replaced too, "
-                           "checked numerically against the forward")
+            m.notes.append(f"training site: the backward (dQ, dK, dV{', dbias' * bool(bw.dbias)}) "
+                           "is replaced too, checked numerically against the forward")
         return site
 
     def _inputs(self, q_ref, q_lay, k_ref, k_lay, v_ref, v_layout):
@@ -522,26 +522,36 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 if out.type.element_type != want:
                     out = adapters.convert(out, want, created)
                 if plan.backward is not None:
-                    grads = self._rewrite_backward(plan, operands, o_kernel, lse, created)
+                    grads, dbias = self._rewrite_backward(plan, operands, o_kernel, lse, created)
             except Exception:
                 for op in reversed(created):
                     op.operation.erase()
                 raise
         plan.exit_value.replace_all_uses_with(out)
         if plan.backward is not None:
+            bw = plan.backward
             for name, g in grads.items():
-                plan.backward.grads[name].replace_all_uses_with(g)
+                bw.grads[name].replace_all_uses_with(g)
+            # the cluster may read a bias gradient too (dS itself, for a bias the forward
+            # does not broadcast); those uses stay, ahead of the call
+            inside = [op for op, ctx in bw.ops if not ctx]
+            for source, g in dbias.items():
+                bw.dbias[source].replace_all_uses_except(g, inside)
 
     def _rewrite_backward(self, plan: Plan, operands, o, lse, created) -> dict:
         """One flashgen_bwd call for the site's backward cluster, placed before the first
-        use of its gradients; returns 'q'|'k'|'v' -> the value replacing that gradient."""
+        use of its gradients; returns ({'q'|'k'|'v': the value replacing that gradient},
+        {differentiated bias source: the value replacing its gradient})."""
         from flashgen.emit import emit_custom_call
         bw = plan.backward
         block = plan.exit_op.operation.block
         first = None
-        for g in bw.grads.values():
+        inside = {op for op, ctx in bw.ops if not ctx}
+        for g in list(bw.grads.values()) + list(bw.dbias.values()):
             for use in g.uses:
                 op = use.owner.operation
+                if op in inside:   # a bias gradient's use by the cluster itself
+                    continue
                 while op.block != block:
                     op = op.parent.operation
                 if first is None or op.is_before_in_block(first):
@@ -557,7 +567,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             results = emit_custom_call(plan.spec, "bwd", operands[:3] + [o, lse, do] + operands[3:],
                                        scale=plan.scale, bottom_right=plan.bottom_right,
                                        window=plan.window, softcap=plan.softcap, extras=names,
-                                       dbias=False, legacy_attrs=self.legacy_attrs)
+                                       dbias=bool(bw.dbias), legacy_attrs=self.legacy_attrs)
             created.append(results[0].owner)
             if plan.empty_rows == "mean":   # the forward's fix-up has a gradient too
                 results[2] = empty_rows.emit_mean_fixup_grad(
@@ -572,7 +582,9 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 if g.type.element_type != want.type.element_type:
                     g = adapters.convert(g, want.type.element_type, created)
                 out[name] = g
-        return out
+            dbias = X.emit_bias_grads(plan.extras, results[3], bw.dbias, created) \
+                if bw.dbias else {}
+        return out, dbias
 
 
 def _layout_letters(q_lay, b, s, h, d) -> str:

@@ -157,14 +157,15 @@ def _():
                      spec((B, T, H * D)))
 
 
-def attention_grad(attention, *extra):
-    """grad over (q, k, v) of sum(sin(attention(q, k, v, *extra))): one site, any spelling."""
+def attention_grad(attention, *extra, argnums=(0, 1, 2)):
+    """grad over (q, k, v) (or ``argnums``) of sum(sin(attention(q, k, v, *extra))): one
+    site, any spelling."""
     import jax
     import jax.numpy as jnp
 
     def loss(q, k, v, *e):
         return jnp.sum(jnp.sin(attention(q, k, v, *e)))
-    return export_fn(jax.grad(loss, argnums=(0, 1, 2)), *[spec((B, T, H, D))] * 3, *extra)
+    return export_fn(jax.grad(loss, argnums=argnums), *[spec((B, T, H, D))] * 3, *extra)
 
 
 @case("train_window", sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
@@ -238,18 +239,96 @@ def _():
     return export_fn(jax.grad(loss), spec((D, D)), *[spec((B, T, H, D))] * 3)
 
 
-@case("train_neg_bias_grad", rejected=["(dbias) is not supported"])
-def _():
-    # a learned additive bias is differentiated (dbias): not supported yet
+# ----------------------------------------------------------------------------- learned biases
+# the bias is differentiated: the backward call returns dbias, mapped back onto the bias's
+# source (summed over the dims the forward broadcast it along)
+def biased_step(bias_shape, dtype="float32", *, remat=False, bias_of=None):
+    """grad over (weights, bias params, x) of the 2-layer model, both layers adding the same
+    learned bias (each layer's dbias is summed into one gradient); ``bias_of(param)`` makes
+    the [.., H, T, T] bias from the parameter (default: the parameter itself)."""
     import jax
     import jax.numpy as jnp
 
-    def loss(bias, q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + bias
-        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-        return jnp.mean(o ** 2)
-    return export_fn(jax.grad(loss, argnums=(0, 1, 2, 3)), spec((1, H, T, T)),
-                     *[spec((B, T, H, D))] * 3)
+    def loss(ws, b, x, y):
+        bias = bias_of(b) if bias_of else b
+        for w in ws:
+            def one(x_, w_, bias_):
+                return layer(x_, w_, heads=H, kv_heads=H, head_dim=D, causal=True,
+                             attention=lambda q, k, v, mask, causal: jax.nn.dot_product_attention(
+                                 q, k, v, bias=bias_.astype(q.dtype), is_causal=causal))
+            x = (jax.checkpoint(one) if remat else one)(x, w, bias)
+        return jnp.mean((x.astype(jnp.float32) - y) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1, 2)), weights(dtype), spec(bias_shape),
+                     spec((B, T, H * D), dtype), spec((B, T, H * D)))
+
+
+@case("train_bias_param", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    return biased_step((1, H, T, T))
+
+
+@case("train_bias_remat", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    return biased_step((1, H, T, T), remat=True)
+
+
+@case("train_bias_bf16", sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")])
+def _():
+    return biased_step((1, H, T, T), "bfloat16")
+
+
+def einsum_biased(q, k, v, bias):
+    """Hand-written attention adding a run-time bias (subtracting one of rank 3: a key bias)."""
+    import jax
+    import jax.numpy as jnp
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+    s = s - bias[None] if bias.ndim == 3 else s + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+
+@case("train_bias_batch", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # a per-example [B, H, T, T] bias, differentiated as an input
+    return attention_grad(einsum_biased, spec((B, H, T, T)), argnums=(0, 1, 2, 3))
+
+
+@case("train_bias_key", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # a learned [H, 1, T] key bias, broadcast over the batch and the queries
+    return attention_grad(einsum_biased, spec((H, 1, T)), argnums=(0, 1, 2, 3))
+
+
+@case("train_bias_undifferentiated", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # a run-time bias that is an input but not differentiated: no dbias
+    return attention_grad(einsum_biased, spec((1, H, T, T)))
+
+
+@case("train_neg_bias_softcap", rejected=["additive bias before the softcap's tanh"])
+def _():
+    # the learned bias inside the softcap: the kernel caps the scores before adding its bias
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v, bias):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(30.0 * jnp.tanh((s + bias) / 30.0)), v)
+    return attention_grad(attention, spec((1, H, T, T)), argnums=(0, 1, 2, 3))
+
+
+@case("train_neg_bias_of_scores", rejected=["the bias or mask depends on the scores"])
+def _():
+    # a "bias" computed from the scores themselves is no bias operand
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v, w):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s + w * jnp.sin(s)), v)
+    return attention_grad(attention, spec((1, H, 1, 1)), argnums=(0, 1, 2, 3))
 
 
 # ----------------------------------------------------------------------------- writing
