@@ -426,11 +426,15 @@ class SymbolicSizes:
         self.symbols = symbols
         self.inputs = inputs          # [(value, layout)]
         self.created = created
-        self._read: dict = {}
+        self._read: dict = {}     # variable -> i32 scalar
+        self._parts: dict = {}    # i32 constants, 1-element dim sizes, shape tensors: built once
 
-    def _i32(self, n: int) -> ir.Value:
-        return adapters.constant(np.array(n, np.int32), ir.IntegerType.get_signless(32),
-                                 self.created)
+    def _i32(self, n: int, shape=()) -> ir.Value:
+        key = (shape, n)
+        if key not in self._parts:
+            self._parts[key] = adapters.constant(np.full(shape, n, np.int32),
+                                                 ir.IntegerType.get_signless(32), self.created)
+        return self._parts[key]
 
     def variable(self, var: str) -> ir.Value:
         """The i32 scalar value of a dimension variable."""
@@ -465,17 +469,24 @@ class SymbolicSizes:
 
     def shape_tensor(self, dims) -> ir.Value:
         """A tensor<rank x i32> holding the sizes of ``dims``."""
-        i32 = ir.IntegerType.get_signless(32)
+        whole = ("shape", tuple(tuple(d) for d in dims))
+        if whole in self._parts:
+            return self._parts[whole]
         parts = []
         for d in dims:
-            n = self.dim(d)
-            parts.append(adapters.constant(np.array([n], np.int32), i32, self.created)
-                         if isinstance(n, int) else adapters.reshape(n, [1], self.created))
+            key = ("dim", tuple(d))
+            if key not in self._parts:
+                n = self.dim(d)
+                self._parts[key] = self._i32(n, (1,)) if isinstance(n, int) else \
+                    adapters.reshape(n, [1], self.created)
+            parts.append(self._parts[key])
         if len(parts) == 1:
-            return parts[0]
-        op = stablehlo.ConcatenateOp(parts, 0)
-        self.created.append(op)
-        return op.result
+            self._parts[whole] = parts[0]
+        else:
+            op = stablehlo.ConcatenateOp(parts, 0)
+            self.created.append(op)
+            self._parts[whole] = op.result
+        return self._parts[whole]
 
     def type_shape(self, dims) -> list:
         dyn = ir.ShapedType.get_dynamic_size()
