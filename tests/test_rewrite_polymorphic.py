@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -40,7 +41,7 @@ def rewritten():
 
 
 def test_poly_cases_exist():
-    assert len(POLY) >= 7
+    assert len(POLY) >= 8
 
 
 def _inputs(exported, rng, b: int, t: int) -> list:
@@ -59,12 +60,14 @@ def test_poly_numerics_at_two_shapes(name, rewritten):
     assert "flashgen_fwd" in new.mlir_module() and "stablehlo.exponential" not in new.mlir_module()
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     for b, t in SHAPES:
-        args = _inputs(original, rng, b, t)
-        got = np.asarray(new.call(*args))
-        assert got.shape == (b, t, 4, 32)
-        ref = np.asarray(original.call(*args))
+        flat = _inputs(original, rng, b, t)
+        args, kwargs = jax.tree_util.tree_unflatten(original.in_tree, flat)
+        got = np.asarray(new.call(*args, **kwargs))
+        ref = np.asarray(original.call(*args, **kwargs))
+        assert got.shape == ref.shape and got.shape[:2] == (b, t)
         np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
-        if len(args) == 3:   # q, k, v themselves: against float64 too
+        if len(flat) == 3:   # q, k, v themselves: against float64 too
+            args = flat
             exact, _ = reference.attention(*args, causal=site.causal, scale=site.scale,
                                            window=tuple(site.window))
             np.testing.assert_allclose(got, exact, atol=2e-5, rtol=2e-5)

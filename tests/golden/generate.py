@@ -1408,6 +1408,26 @@ def _():
     return export_fn(jax.grad(loss, argnums=(0, 1, 2)), *poly_qkv())
 
 
+@case("poly_flax_linen_causal", fmt="jax_exported", rewritten=1,
+      targets=[tname(32, "f32", True)], causal=True, numerics=False)
+def _():
+    # flax's MultiHeadDotProductAttention with make_causal_mask of a symbolic length; its
+    # 1/sqrt(d) on the query stays in the graph (scale 1 in the call)
+    jax, jnp, export = _jax()
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
+    m = M()
+    params = m.init(jax.random.key(0), jnp.ones((B, T, H * D)))
+    b, t = export.symbolic_shape("b, t")
+    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     jax.ShapeDtypeStruct((b, t, H * D), jnp.float32))
+
+
 @case("neg_poly_padding_mask", fmt="jax_exported",
       rejected=["shape-polymorphic site with extra operands"])
 def _():
