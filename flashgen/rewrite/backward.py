@@ -67,7 +67,9 @@ class SiteView:
     k_operand: Ref
     v_operand: Ref           # V as the P·V product reads it
     inputs: dict             # 'q'|'k'|'v' -> ir.Value: what the kernel reads
-    biases: tuple = ()       # the sources of the site's run-time bias terms (ir.Values)
+    biases: dict = dataclasses.field(default_factory=dict)
+    # the sources of the site's run-time bias terms -> the values on their way to the
+    # scores (layout views, the source included) where their gradient may be taken
 
 
 @dataclasses.dataclass
@@ -77,8 +79,8 @@ class Backward:
     grads: dict              # 'q'|'k'|'v' -> ir.Value the kernel's gradient replaces
     roots: list              # ops to try erasing once the gradients are replaced
     dbias: dict = dataclasses.field(default_factory=dict)
-    # bias source -> the value its gradient replaces (only for differentiated sources);
-    # its uses outside ``ops`` are redirected
+    # bias view -> the value holding its gradient (one per differentiated source); its
+    # uses outside ``ops`` are redirected
 
 
 def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
@@ -99,7 +101,7 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
         raise Reject("the backward has no dV = Pᵀ·dO product")
     do, do_views = _cotangent(g, site, dv_operand)
     ops |= _dp_products(g, site, ops, do_views)
-    bias_cands = [_bias_candidates(g, site, ops, b) for b in site.biases]
+    bias_cands = [_bias_candidates(g, site, ops, views) for views in site.biases.values()]
     key = frozenset((hash(op), op.name, tuple(hash(c) for c in ctx))
                     for op, ctx in site.ops | ops) | {hash(do)}
     if proven is not None and key in proven:
@@ -109,10 +111,18 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
         if proven is not None:
             proven[key] = chosen
     grads = {r: dict(tails[r][1])[chosen[r]] for r in "qkv"}
-    dbias = {b: dict(cands)[chosen[f"b{j}"]] for j, (b, cands) in
-             enumerate(zip(site.biases, bias_cands)) if chosen[f"b{j}"] is not None}
+    dbias = dict(cands[chosen[f"b{j}"]][1:] for j, cands in enumerate(bias_cands)
+                 if chosen[f"b{j}"] is not None)
     if site.biases:
-        ops = _cut(g, site, ops, tails, dbias, escapes)
+        cut = _cut(g, site, ops, tails, dbias, escapes)
+        # a bias gradient that the program does not use (the backward's dS itself, for an
+        # undifferentiated bias) is not asked of the kernel
+        used = {v: d for v, d in dbias.items()
+                if any((u.operation, uctx) not in cut for u, _, uctx in g.users(Ref(d)))}
+        if used != dbias:
+            dbias = used
+            cut = _cut(g, site, ops, tails, dbias, escapes)
+        ops = cut
     for role in "qkv":
         ops |= set(tails[role][0][:chosen[role] + 1])
     _check_closed(g, ops, set(grads.values()) | set(dbias.values()))
@@ -198,16 +208,17 @@ def _walk(g: Graph, site: SiteView):
     return ops, tails, dv_operand, escapes
 
 
-def _bias_candidates(g: Graph, site: SiteView, ops: set, source: ir.Value) -> list:
-    """[(index, value)]: the values of the walked ops that may be the gradient of the bias
-    ``source`` (its shape, a float type, in the exit's block), in program order."""
+def _bias_candidates(g: Graph, site: SiteView, ops: set, views) -> list:
+    """[(index, view, value)]: the values of the walked ops that may be the gradient of a
+    bias with respect to one of its ``views`` (the view's shape, a float type, in the
+    exit's block), in program order."""
     block = site.exit_value.owner.operation.block
     position = {op: i for i, op in enumerate(block.operations)}
-    want = tuple(source.type.shape)
-    found = sorted((position[op], r) for op, ctx in ops if not ctx and op.block == block
-                   for r in op.results
-                   if tuple(r.type.shape) == want and _is_float(r))
-    return [(i, r) for i, (_, r) in enumerate(found)]
+    found = sorted((position[op], j, r) for op, ctx in ops if not ctx and op.block == block
+                   for r in op.results if _is_float(r)
+                   for j, view in enumerate(views)
+                   if tuple(r.type.shape) == tuple(view.type.shape))
+    return [(i, views[j], r) for i, (_, j, r) in enumerate(found)]
 
 
 def _cut(g: Graph, site: SiteView, ops: set, tails: dict, dbias: dict, escapes: list) -> set:
@@ -367,7 +378,7 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
     inputs = {n: site.inputs[n] for n in "qkv"}
     inputs.update({f"b{j}": b for j, b in enumerate(site.biases)})
     targets = [site.exit_value] + [v for role in tails for _, v in tails[role][1]] + \
-        [v for cands in bias_cands for _, v in cands]
+        [v for cands in bias_cands for _, _, v in cands]
     base = {Ref(v): rng.standard_normal(tuple(v.type.shape)) for v in inputs.values()}
     base[Ref(do)] = rng.standard_normal(tuple(do.type.shape))
     for ref in _leaves(g, targets, set(base)):
@@ -391,17 +402,23 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
 
     ev = Evaluator(g, base)
 
-    def terms(role, cands):   # [(index, <candidate, δ>, |candidate|·|δ|)]
+    def terms(cands, direction):
+        """[(index, <candidate, δ>, |candidate|·|δ|)]; ``direction(i)``: δ as candidate i
+        sees it (a bias view: the source's δ carried along the view's layout ops)."""
         out = []
         for i, cand in cands:
-            got = ev.value(Ref(cand))
-            if got is not None and np.all(np.isfinite(got)):
-                out.append((i, float(np.sum(got * delta[role])),
-                            float(np.linalg.norm(got) * np.linalg.norm(delta[role]))))
+            got, d = ev.value(Ref(cand)), direction(i)
+            if got is not None and d is not None and np.all(np.isfinite(got)):
+                out.append((i, float(np.sum(got * d)),
+                            float(np.linalg.norm(got) * np.linalg.norm(d))))
         return out
 
-    qkv = {r: terms(r, tails[r][1]) for r in "qkv"}
-    bias = {f"b{j}": terms(f"b{j}", cands) for j, cands in enumerate(bias_cands)}
+    qkv = {r: terms(tails[r][1], lambda i, r=r: delta[r]) for r in "qkv"}
+    bias = {}
+    for j, cands in enumerate(bias_cands):
+        carried = Evaluator(g, {Ref(inputs[f"b{j}"]): delta[f"b{j}"]})
+        bias[f"b{j}"] = terms([(i, cand) for i, _, cand in cands],
+                              lambda i, c=cands, e=carried: e.value(Ref(c[i][1])))
     del ev
     # candidates equal in float64 (a round trip through bf16) all pass; the last one is the
     # gradient in the input's own element type

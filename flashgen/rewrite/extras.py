@@ -57,6 +57,8 @@ class ValueBias:
     layout: tuple
     factor: float
     at_scale: float
+    views: tuple = ()      # (value, layout, factor) of each step from the term as added back
+    #                        to ``value``: a training graph may differentiate any of them
 
 
 @dataclasses.dataclass
@@ -71,16 +73,6 @@ class SegmentIds:
     a: tuple               # (value, layout)
     b: tuple
     fallback: Optional[ValueMask]   # the comparison itself, as a plain mask
-
-
-def bias_sources(items) -> tuple:
-    """The distinct values of the run-time bias terms (what a training graph may
-    differentiate)."""
-    out = []
-    for it in items:
-        if isinstance(it, ValueBias) and it.value not in out:
-            out.append(it.value)
-    return tuple(out)
 
 
 def layouts(items) -> list:
@@ -105,6 +97,10 @@ class Resolved:
     describe: list                    # per name: a short text for the report
     kernel_q: tuple = ()              # the kernel's q dims (pieces), for emit()
     k_free: tuple = ()
+    bias_views: dict = dataclasses.field(default_factory=dict)
+    # run-time bias source -> [(view value, its refined layout, the factor the kernel's
+    # bias holds it with)] for the views (ValueBias.views) that map onto the kernel operand:
+    # where a training graph's bias gradient may be taken (emit_bias_grads)
 
 
 def _groups(kernel_q, k_free):
@@ -181,11 +177,13 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
             bias_parts.append(("const", compact))
 
     # ---- run-time biases
+    bias_views: dict = {}
     for it in items:
         if isinstance(it, ValueBias):
             _fit(adapters.target_recipe, L.refine(it.layout, cuts), groups)
             bias_parts.append(("value", it.value, L.refine(it.layout, cuts),
                                it.factor * final_scale / it.at_scale))
+            bias_views.setdefault(it.value, []).append(it)
     if bias_parts:
         names.append("bias")
         shape = _common_shape([_part_shape(p, groups) for p in bias_parts])
@@ -195,6 +193,9 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
         if elt not in ("f32", kernel_dtype):
             elt = "f32"
         recipes["bias"] = ("bias", bias_parts, shape, elt)
+        bias_views = {src: [v for it in its for v in _mappable_views(it, cuts, groups,
+                                                                      final_scale, shape)]
+                      for src, its in bias_views.items()}
         kinds = sorted({"constant" if p[0] == "const" else "runtime" for p in bias_parts})
         describe["bias"] = f"bias {_shape_text(shape)} {elt} ({' + '.join(kinds)})"
 
@@ -241,7 +242,27 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
         recipes["segment_ids"] = ("padding",) + padding
         describe["segment_ids"] = f"key padding as segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
     return Resolved(tuple(names), [recipes[n] for n in names], bottom_right, notes,
-                    [describe[n] for n in names], tuple(kernel_q), tuple(k_free))
+                    [describe[n] for n in names], tuple(kernel_q), tuple(k_free), bias_views)
+
+
+def _mappable_views(it: ValueBias, cuts, groups, final_scale: float, shape) -> list:
+    """The term's views whose gradient the kernel's dbias (``shape``) holds: their layouts
+    map onto the operand with the site's cuts (a view that splits an axis more finely than
+    the site does keeps no place) and they vary along no dim the operand is broadcast
+    along (dbias is summed over those)."""
+    out = []
+    for value, lay, factor in it.views or ((it.value, it.layout, it.factor),):
+        refined = L.refine(lay, cuts)
+        if any(d is None for d in refined) or \
+                [prod(p[2] for p in d) for d in refined] != list(value.type.shape):
+            continue
+        try:
+            final = adapters.target_recipe(refined, groups)[4]
+        except ValueError:
+            continue
+        if all(f in (1, n) for f, n in zip(final, shape)):
+            out.append((value, refined, factor * final_scale / it.at_scale))
+    return out
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
@@ -377,32 +398,35 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
 
 
 def emit_bias_grads(resolved: Resolved, dbias: ir.Value, wanted: dict, created) -> dict:
-    """The transpose of emit()'s ``bias`` for each source in ``wanted`` (source -> the value
-    its gradient replaces, for the shape and type): the kernel's dbias, summed over what
-    emit broadcast, laid out as the source and times the factor its terms were added with.
-    Returns source -> gradient. (The bias floor passes gradients through: the entries it
-    raises have zero probability either way.)"""
-    _, parts, shape, _ = resolved.recipes[resolved.names.index("bias")]
+    """The transpose of emit()'s ``bias`` onto each bias view in ``wanted`` (view value ->
+    the value its gradient replaces, for the shape and type): the kernel's dbias summed over
+    what emit broadcast, laid out as the view and times the factor the kernel's bias holds
+    it with (summed over the terms that hold it). Returns view value -> gradient. (The bias
+    floor passes gradients through: the entries it raises have zero probability either way.)"""
+    _, _, shape, _ = resolved.recipes[resolved.names.index("bias")]
     groups = _groups_of(resolved)
     f32 = ir.F32Type.get()
     x = dbias if str(dbias.type.element_type) == "f32" else adapters.convert(dbias, f32, created)
     out = {}
-    for source, want in wanted.items():
-        terms = [part for part in parts if part[0] == "value" and part[1] == source]
-        lay = terms[0][2]
-        factor = sum(part[3] for part in terms)
-        final = adapters.target_recipe(lay, groups)[4]
-        g = x
-        summed = [i for i in range(len(shape)) if final[i] == 1 and shape[i] > 1]
-        if summed:   # another term made the operand larger than this one
-            g = adapters.reshape(adapters.sum_dims(g, summed, created), final, created)
-        g = adapters.from_kernel(g, lay, groups, want.type.shape, created)
-        if factor != 1.0:
-            c = adapters.constant(np.full(list(g.type.shape), factor, np.float32), f32, created)
-            g = adapters.binary("multiply", g, c, created)
-        if g.type.element_type != want.type.element_type:
-            g = adapters.convert(g, want.type.element_type, created)
-        out[source] = g
+    for view, want in wanted.items():
+        acc = None
+        for value, lay, factor in (e for es in resolved.bias_views.values() for e in es):
+            if value != view:
+                continue
+            final = adapters.target_recipe(lay, groups)[4]
+            g = x
+            summed = [i for i in range(len(shape)) if final[i] == 1 and shape[i] > 1]
+            if summed:   # another term made the operand larger than this one
+                g = adapters.reshape(adapters.sum_dims(g, summed, created), final, created)
+            g = adapters.from_kernel(g, lay, groups, want.type.shape, created)
+            if factor != 1.0:
+                c = adapters.constant(np.full(list(g.type.shape), factor, np.float32), f32,
+                                      created)
+                g = adapters.binary("multiply", g, c, created)
+            acc = g if acc is None else adapters.binary("add", acc, g, created)
+        if acc.type.element_type != want.type.element_type:
+            acc = adapters.convert(acc, want.type.element_type, created)
+        out[view] = acc
     return out
 
 

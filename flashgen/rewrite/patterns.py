@@ -273,7 +273,8 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 probs={k for k, (_, tag) in m.chain.items() if tag == "probs"},
                 q_operand=Ref(q_val), k_operand=Ref(k_val), v_operand=v_ref,
                 inputs={"q": q_in[0], "k": k_in[0], "v": v_in[0]},
-                biases=X.bias_sources(m.extras))
+                biases={s: tuple(v for v, _, _ in views)
+                        for s, views in site.plan.extras.bias_views.items()})
             bw = backward.find(self.g, view, self.proven)
             site.plan.backward = bw
             site.plan.site_ops |= bw.ops

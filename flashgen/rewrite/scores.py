@@ -264,7 +264,8 @@ class ScoresStage:
             if b.map(lambda a: a != 0).any():
                 m.biases.append(X.ConstBias(b, layout, 1.0, m.scale))
             return
-        found, (r, lay, f) = self._source(m, ref, layout, scale=True)
+        views = []
+        found, (r, lay, f) = self._source(m, ref, layout, scale=True, views=views)
         op = None if isinstance(r.value, ir.BlockArgument) else r.value.owner
         name = op_name(op) if op is not None else None
         f *= factor
@@ -289,22 +290,28 @@ class ScoresStage:
             raise Reject("the additive bias is computed inside a called function from values "
                          "of that function")
         value, lay, f = found
-        m.extras.append(X.ValueBias(value, lay, f * factor, m.scale))
+        m.extras.append(X.ValueBias(value, lay, f * factor, m.scale,
+                                    tuple((v, vl, vf * factor) for v, vl, vf in views)))
         m.notes.append("run-time additive bias passed as an operand")
 
-    def _source(self, m: MatchState, ref: Ref, layout, *, scale: bool = False):
+    def _source(self, m: MatchState, ref: Ref, layout, *, scale: bool = False, views=None):
         """Walk back from a bias/mask operand through layout ops (and, with ``scale``,
         multiplies by constants). Returns ((value, layout, factor) of the last value seen in
         the site's own function, proven independent of the Q·K product, or None), and
-        (Ref, layout, factor) where the walk stopped."""
+        (Ref, layout, factor) where the walk stopped. ``views``, if given, receives every
+        (value, layout, factor) seen in the site's own function, the last one ``best``."""
         best, factor = None, 1.0
+        views = [] if views is None else views
+
+        def seen(r):
+            if not r.ctx and not (views and views[-1][0] == r.value):
+                views.append((r.value, layout, factor))
+            return views[-1] if views else None
         r = ref
         for _ in range(MAX_CHAIN):
-            if not r.ctx:
-                best = (r.value, layout, factor)
+            best = seen(r)
             r = self.g.resolve(r)
-            if not r.ctx:
-                best = (r.value, layout, factor)
+            best = seen(r)
             v = r.value
             if isinstance(v, ir.BlockArgument):
                 break

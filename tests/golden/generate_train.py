@@ -277,6 +277,16 @@ def _():
     return biased_step((1, H, T, T), "bfloat16")
 
 
+@case("train_bias_t5", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    # T5's relative position bias: a learned [buckets, H] table gathered by a constant
+    # bucket of j - i; its gradient is dbias scattered back into the table
+    import jax.numpy as jnp
+    rel = jnp.arange(T)[None, :] - jnp.arange(T)[:, None]
+    buckets = jnp.clip(rel, -4, 4) + 4
+    return biased_step((9, H), bias_of=lambda table: jnp.transpose(table[buckets], (2, 0, 1))[None])
+
+
 def einsum_biased(q, k, v, bias):
     """Hand-written attention adding a run-time bias (subtracting one of rank 3: a key bias)."""
     import jax
