@@ -264,3 +264,38 @@ def test_wrong_bias_gradient_is_rejected():
     assert not result.rewritten
     assert any("compute more than dQ, dK, dV" in s.reason for s in result.rejected), \
         [s.reason for s in result.rejected]
+
+
+# ----------------------------------------------------------------------------- shared inputs
+def test_self_scores_dq_and_dk_told_apart_by_the_proof(monkeypatch, kernels):
+    """x·xᵀ: both backward products read x, so the walk may take dK's product for dQ's.
+    Moving x alone as Q (then as K) where the forward reads it, the proof rejects that
+    exchange (the summed identity over x could not) and keeps the swapped assignment,
+    whose rewrite computes the original gradient."""
+    from flashgen.rewrite import backward
+    from flashgen.rewrite.errors import Reject
+    walk, prove, attempts = backward._walk, backward._prove, []
+
+    def exchanged(g, site):
+        ops, tails, dv_operand, escapes = walk(g, site)
+        tails["q"], tails["k"] = tails["k"], tails["q"]
+        return ops, tails, dv_operand, escapes
+
+    def recorded(*a):
+        try:
+            chosen = prove(*a)
+        except Reject:
+            attempts.append("rejected")
+            raise
+        attempts.append("proven")
+        return chosen
+    monkeypatch.setattr(backward, "_walk", exchanged)
+    monkeypatch.setattr(backward, "_prove", recorded)
+    result = _rewrite("train_self_scores")
+    assert len(_training(result)) == 1, [s.reason for s in result.rejected]
+    assert attempts[:2] == ["rejected", "proven"]
+    inputs = _inputs(execute.signature(result.loaded)[0], seed=11)
+    ref = np.asarray(execute.run(GOLDEN / CASES["train_self_scores"]["file"], inputs,
+                                 register=False)[0], np.float64)
+    got = np.asarray(execute.run(result.to_bytes(), inputs)[0], np.float64)
+    assert np.max(np.abs(ref - got)) / np.max(np.abs(ref)) <= TOLERANCE["f32"]

@@ -40,6 +40,8 @@ from flashgen.rewrite.evaluate import Evaluator
 from flashgen.rewrite.fold import MAX_ELEMENTS
 from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
 
+_NOT_THE_VJP = ("the ops reached from the attention's intermediates do not compute its "
+                "gradients dQ, dK, dV (checked numerically against the forward)")
 MAX_CLUSTER = 600          # ops in one backward cluster before giving up
 MAX_LEAF_SEARCH = 4000     # ops visited looking for the leaves of the proof
 STEP = 1e-4                # central-difference step (inputs are O(1))
@@ -70,6 +72,8 @@ class SiteView:
     biases: dict = dataclasses.field(default_factory=dict)
     # the sources of the site's run-time bias terms -> the values on their way to the
     # scores (layout views, the source included) where their gradient may be taken
+    uses: dict = dataclasses.field(default_factory=dict)
+    # 'q'|'k'|'v' -> (product, operand index): where the forward reads that input
 
 
 @dataclasses.dataclass
@@ -87,9 +91,6 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
     """The proven backward cluster of ``site``; raises Reject. ``proven`` remembers proofs
     by the ops they covered: the driver matches a site twice (once to list the sites, once
     right before rewriting it), and the check is the expensive part."""
-    if len({site.inputs[n] for n in "qkv"}) < 3 and \
-            site.inputs["q"] in (site.inputs["k"], site.inputs["v"]):
-        raise Reject("the backward of a site whose Q is also its K or V is not supported")
     scores = max(_size(r) for op, _ in site.ops for r in op.results)
     if scores > MAX_ELEMENTS:
         # the check runs the site in float64 at its real size, holding its [.., Sq, Sk]
@@ -106,8 +107,18 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
                     for op, ctx in site.ops | ops) | {hash(do)}
     if proven is not None and key in proven:
         chosen = proven[key]
+        if chosen.get("swapped"):
+            tails["q"], tails["k"] = tails["k"], tails["q"]
     else:
-        chosen = _prove(g, site, ops, tails, do, bias_cands)
+        try:
+            chosen = _prove(g, site, ops, tails, do, bias_cands)
+        except Reject:
+            # x·xᵀ: the walk cannot tell dQ = dS·K from dK = dSᵀ·Q (both read x); the
+            # proof, moving each role alone, can
+            if g.resolve(site.q_operand) != g.resolve(site.k_operand):
+                raise
+            tails["q"], tails["k"] = tails["k"], tails["q"]
+            chosen = dict(_prove(g, site, ops, tails, do, bias_cands), swapped=True)
         if proven is not None:
             proven[key] = chosen
     grads = {r: dict(tails[r][1])[chosen[r]] for r in "qkv"}
@@ -163,11 +174,13 @@ def _walk(g: Graph, site: SiteView):
             name = op_name(user)
             if name == "stablehlo.dot_general":
                 other = g.resolve(Ref(user.operands[1 - idx], uctx))
-                if (other.value, other.ctx) in internal or other == v_op:
+                if (other.value, other.ctx) in internal or \
+                        (other == v_op and other not in (q_op, k_op)):
+                    # (with K = V, dQ = dS·K is such a product: the proof tells them apart)
                     raise Reject("an intermediate of the softmax meets V or another "
                                  f"intermediate in a product ({short_location(user)})")
                 if other == k_op:
-                    role = "q"
+                    role = "k" if other == q_op and "q" in tails else "q"   # x·xᵀ: see find
                 elif other == q_op:
                     role = "k"
                 elif (ref.value, ref.ctx) in site.probs:
@@ -373,7 +386,6 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
     among ``bias_cands`` with a direction of its own (None: not differentiated). Returns
     {role: index}, roles 'q', 'k', 'v', 'b0', 'b1'...; raises Reject when Q, K, V have no
     choice that satisfies it."""
-    import itertools
     rng = np.random.default_rng(20240)
     inputs = {n: site.inputs[n] for n in "qkv"}
     inputs.update({f"b{j}": b for j, b in enumerate(site.biases)})
@@ -422,16 +434,10 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
     del ev
     # candidates equal in float64 (a round trip through bf16) all pass; the last one is the
     # gradient in the input's own element type
-    lhs, scale = directional("qkv")
-    chosen = None
-    for combo in itertools.product(*(qkv[r] for r in "qkv")):
-        rhs = sum(t[1] for t in combo)
-        bound = TOLERANCE * (scale + sum(t[2] for t in combo)) + 1e-12
-        if abs(lhs - rhs) <= bound:
-            chosen = {r: t[0] for r, t in zip("qkv", combo)}
-    if chosen is None:
-        raise Reject("the ops reached from the attention's intermediates do not compute its "
-                     "gradients dQ, dK, dV (checked numerically against the forward)")
+    if _shared(site):
+        chosen = _prove_by_role(g, site, base, delta, qkv, do)
+    else:
+        chosen = _prove_together(directional("qkv"), qkv)
     for role, cands in bias.items():
         chosen[role] = None
         if cands:
@@ -440,6 +446,56 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
                 if abs(lhs - dot) <= TOLERANCE * (scale + norm) + 1e-12:
                     chosen[role] = i
     return chosen
+
+
+def _prove_together(jvp, qkv) -> dict:
+    """One direction for Q, K and V at once: the tails' candidates whose sum satisfies the
+    identity."""
+    import itertools
+    lhs, scale = jvp
+    chosen = None
+    for combo in itertools.product(*(qkv[r] for r in "qkv")):
+        rhs = sum(t[1] for t in combo)
+        bound = TOLERANCE * (scale + sum(t[2] for t in combo)) + 1e-12
+        if abs(lhs - rhs) <= bound:
+            chosen = {r: t[0] for r, t in zip("qkv", combo)}
+    if chosen is None:
+        raise Reject(_NOT_THE_VJP)
+    return chosen
+
+
+def _prove_by_role(g: Graph, site: SiteView, base: dict, delta: dict, qkv: dict,
+                   do: ir.Value) -> dict:
+    """Q, K and V are one value x (self-attention of x itself): moving x moves all three,
+    and the identity would check only dQ + dK + dV. Each role is moved alone instead, where
+    the forward's product reads it (``site.uses``: that operand gets x + hδ through the
+    same ops as it reads x), and must satisfy the identity with its own gradient."""
+    g0 = base[Ref(do)]
+    chosen = {}
+    for role in "qkv":
+        op, idx = site.uses[role]
+        outs = []
+        for sign in (1.0, -1.0):
+            moved = dict(base)
+            moved[Ref(site.inputs[role])] = base[Ref(site.inputs[role])] + sign * STEP * delta[role]
+            operand = Evaluator(g, moved).value(Ref(op.operands[idx]))
+            out = None if operand is None else \
+                Evaluator(g, base, {(op, idx): operand}).value(Ref(site.exit_value))
+            if out is None:
+                raise Reject("the attention forward cannot be evaluated to check its backward")
+            outs.append(out)
+        jvp = (outs[0] - outs[1]) / (2 * STEP)
+        lhs, scale = float(np.sum(g0 * jvp)), float(np.linalg.norm(g0) * np.linalg.norm(jvp))
+        passing = [i for i, dot, norm in qkv[role]
+                   if abs(lhs - dot) <= TOLERANCE * (scale + norm) + 1e-12]
+        if not passing:
+            raise Reject(_NOT_THE_VJP)
+        chosen[role] = passing[-1]
+    return chosen
+
+
+def _shared(site: SiteView) -> bool:
+    return len({site.inputs[n] for n in "qkv"}) < 3
 
 
 def _leaves(g: Graph, targets: list, bound: set) -> list:

@@ -19,13 +19,18 @@ from flashgen.rewrite.graph import Graph, Ref
 
 
 class Evaluator(Folder):
-    """Memoized float64 evaluator; ``bindings`` maps Refs to the arrays they stand for."""
+    """Memoized float64 evaluator; ``bindings`` maps Refs to the arrays they stand for;
+    ``operands`` maps (operation, operand index) to the array that one use of a value reads
+    instead (a top-level op: moving one role of a value that is also another's)."""
 
-    def __init__(self, graph: Graph, bindings: dict):
+    def __init__(self, graph: Graph, bindings: dict, operands: dict | None = None):
         super().__init__(graph)
         for ref, array in bindings.items():
             r = graph.resolve(ref)
             self._memo[(r.value, r.ctx)] = Const(np.asarray(array), tuple(r.value.type.shape))
+        self._uses = {op: {} for op, _ in (operands or {})}
+        for (op, idx), array in (operands or {}).items():
+            self._uses[op][idx] = Const(np.asarray(array), tuple(op.operands[idx].type.shape))
 
     @staticmethod
     def value_dtype(element_type):
@@ -46,6 +51,11 @@ class Evaluator(Folder):
 
     def _eval(self, r: Ref, a: list):
         v = r.value
+        if self._uses and not r.ctx and not isinstance(v, ir.BlockArgument) and \
+                v.owner.operation in self._uses:
+            a = list(a)
+            for idx, c in self._uses[v.owner.operation].items():
+                a[idx] = c
         if not isinstance(v, ir.BlockArgument) and v.owner.operation.name == "stablehlo.dot_general":
             return self._dot(v.owner, a)
         return super()._eval(r, a)

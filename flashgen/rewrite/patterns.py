@@ -274,7 +274,10 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 q_operand=Ref(q_val), k_operand=Ref(k_val), v_operand=v_ref,
                 inputs={"q": q_in[0], "k": k_in[0], "v": v_in[0]},
                 biases={s: tuple(v for v, _, _ in views)
-                        for s, views in site.plan.extras.bias_views.items()})
+                        for s, views in site.plan.extras.bias_views.items()},
+                uses={"q": (dot1.operation, 0 if k_side == "rhs" else 1),
+                      "k": (dot1.operation, 1 if k_side == "rhs" else 0),
+                      "v": (dot2.operation, 1 - p_idx)})
             bw = backward.find(self.g, view, self.proven)
             site.plan.backward = bw
             site.plan.site_ops |= bw.ops

@@ -341,6 +341,56 @@ def _():
     return attention_grad(attention, spec((1, H, 1, 1)), argnums=(0, 1, 2, 3))
 
 
+# ----------------------------------------------------------------------------- shared inputs
+# one value read as several of Q, K, V: its gradient is the sum of theirs, and each
+# product of the backward is checked against its own role (moved alone where the forward
+# reads it)
+def self_attention_grad(attention, *, kv_only=False):
+    """grad of sum(sin(attention(x, x, x))) over x (with ``kv_only``: attention(q, x, x)
+    over q and x)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(*a):
+        q, x = (a[0], a[1]) if kv_only else (a[0], a[0])
+        return jnp.sum(jnp.sin(attention(q, x, x)))
+    n = 2 if kv_only else 1
+    return export_fn(jax.grad(loss, argnums=tuple(range(n))), *[spec((B, T, H, D))] * n)
+
+
+@case("train_self_attention", sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    import jax
+    return self_attention_grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                           is_causal=True))
+
+
+@case("train_shared_kv", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # K and V are one value, Q another (the hand-written spelling scales Q)
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q * 0.125, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return self_attention_grad(attention, kv_only=True)
+
+
+@case("train_self_scores", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # x·xᵀ: the product's two operands are one value; only the proof tells dQ from dK
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return self_attention_grad(attention)
+
+
 # ----------------------------------------------------------------------------- writing
 def default_checks(expect: dict) -> str:
     lines = ["// CHECK-LABEL: func.func public @main"]
