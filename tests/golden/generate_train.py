@@ -242,24 +242,28 @@ def _():
 # ----------------------------------------------------------------------------- learned biases
 # the bias is differentiated: the backward call returns dbias, mapped back onto the bias's
 # source (summed over the dims the forward broadcast it along)
-def biased_step(bias_shape, dtype="float32", *, remat=False, bias_of=None):
+def biased_step(bias_shape, dtype="float32", *, remat=False, bias_of=None, padding=False):
     """grad over (weights, bias params, x) of the 2-layer model, both layers adding the same
     learned bias (each layer's dbias is summed into one gradient); ``bias_of(param)`` makes
-    the [.., H, T, T] bias from the parameter (default: the parameter itself)."""
+    the [.., H, T, T] bias from the parameter (default: the parameter itself); with
+    ``padding`` the loss takes a [B, T] key mask as its last argument."""
     import jax
     import jax.numpy as jnp
 
-    def loss(ws, b, x, y):
+    def loss(ws, b, x, y, *pad):
         bias = bias_of(b) if bias_of else b
+        mask = pad[0][:, None, None, :] if padding else None
         for w in ws:
             def one(x_, w_, bias_):
-                return layer(x_, w_, heads=H, kv_heads=H, head_dim=D, causal=True,
-                             attention=lambda q, k, v, mask, causal: jax.nn.dot_product_attention(
-                                 q, k, v, bias=bias_.astype(q.dtype), is_causal=causal))
+                return layer(x_, w_, heads=H, kv_heads=H, head_dim=D, causal=True, mask=mask,
+                             attention=lambda q, k, v, m, causal: jax.nn.dot_product_attention(
+                                 q, k, v, bias=bias_.astype(q.dtype), mask=m,
+                                 is_causal=causal))
             x = (jax.checkpoint(one) if remat else one)(x, w, bias)
         return jnp.mean((x.astype(jnp.float32) - y) ** 2)
     return export_fn(jax.grad(loss, argnums=(0, 1, 2)), weights(dtype), spec(bias_shape),
-                     spec((B, T, H * D), dtype), spec((B, T, H * D)))
+                     spec((B, T, H * D), dtype), spec((B, T, H * D)),
+                     *([spec((B, T), "bool")] if padding else []))
 
 
 @case("train_bias_param", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
@@ -270,6 +274,13 @@ def _():
 @case("train_bias_remat", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
 def _():
     return biased_step((1, H, T, T), remat=True)
+
+
+@case("train_bias_padding", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    # with a key padding mask (rows that see no key: the finite fill's mean of V and its
+    # gradient, none for the bias: the mask replaces those scores)
+    return biased_step((1, H, T, T), padding=True)
 
 
 @case("train_bias_bf16", sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")])
