@@ -45,10 +45,10 @@ def collect_dots(module: ir.Module) -> list:
 
 
 def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict] = None,
-              polymorphic: bool = False) -> list:
+              polymorphic: bool = False, walk_inputs: bool = True) -> list:
     graph = Graph(module)
     pattern = AttentionPattern(graph, legacy_attrs=options.legacy_attrs, target=options.target,
-                               proven=proven, polymorphic=polymorphic)
+                               proven=proven, polymorphic=polymorphic, walk_inputs=walk_inputs)
     results = []
     for op in collect_dots(module):
         r = pattern.match(op)

@@ -90,12 +90,15 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
     name = "attention"
 
     def __init__(self, graph: Graph, *, legacy_attrs: bool = False, target: str = "cpu",
-                 proven: dict | None = None, polymorphic: bool = False):
+                 proven: dict | None = None, polymorphic: bool = False,
+                 walk_inputs: bool = True):
         self.g = graph
         # matching an instantiation of a shape-polymorphic module (flashgen.rewrite.
         # polymorphic): the site must be rewritable in the dynamic original, whose ops are
-        # not these, so Q, K, V are the products' own operands and the exit is the P·V product
+        # not these, so the exit is the P·V product and, without ``walk_inputs``, Q, K, V are
+        # the products' own operands (where the sources walked back to have no counterpart)
         self.polymorphic = polymorphic
+        self.walk_inputs = walk_inputs
         self.proven = proven      # backward proofs shared by the driver's two match passes
         self.folder = Folder(graph)
         self.legacy_attrs = legacy_attrs
@@ -240,7 +243,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         # 7. inputs
         q_val, k_val = (rhs, lhs) if k_side == "lhs" else (lhs, rhs)
         q_lay, k_lay = (rhs_layout, lhs_layout) if k_side == "lhs" else (lhs_layout, rhs_layout)
-        if self.polymorphic:
+        if not self.walk_inputs:
             # the products' operands as they are (a constant scale on Q stays in the graph)
             q_in = (q_val, tuple(q_lay), 1.0, ())
             k_in = (k_val, tuple(k_lay), 1.0, ())

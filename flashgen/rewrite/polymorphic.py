@@ -10,9 +10,11 @@ module is matched through two *instantiations*: copies refined, as JAX does at c
 at two different sets of sizes for its dimension variables. A site is rewritten only when
 both instantiations match it alike (the same kernel, attributes and roles; only the
 symbolic sizes differ); the pieces whose sizes differ are the symbolic ones. The dynamic
-original is then rewritten around the same two dot_generals (tagged in the copies): Q, K
-and V are the products' operands, reshaped with dynamic_reshape where needed, and the
-custom call gets dynamic result types plus the i32 shape operands named by
+original is then rewritten around the same two dot_generals (every op is tagged with its
+index in the copies): Q, K and V are the sources the matcher walked back to, where those
+have a counterpart in the original, else the products' own operands; they are reshaped
+with dynamic_reshape where needed, and the custom call gets dynamic result types plus the
+i32 shape operands named by
 ``indices_of_shape_operands`` -- the form of JAX's own custom calls with dynamic results,
 which shape refinement resolves at call time.
 
@@ -30,10 +32,11 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
 from flashgen.rewrite import adapters
-from flashgen.rewrite.graph import op_name
+from flashgen.rewrite.graph import Graph, nested_ops, op_name
 from flashgen.rewrite.report import AttentionSite, Rejection
 
 _TAG = "flashgen.poly_tag"
+_ARG = "flashgen.poly_arg"
 _GLOBAL_CONSTANT = "jax.global_constant"
 
 
@@ -146,19 +149,22 @@ def instantiation_sizes(module: ir.Module, variables: list) -> tuple:
 
 def instantiate(module: ir.Module, dims: dict, sizes: dict) -> ir.Module:
     """A copy of ``module`` refined as JAX does at call time, for @main's dynamic dims set
-    to ``sizes``; its dot_generals carry their index in the original (``_TAG``).
+    to ``sizes``. Its ops carry their index in the original's op order (``_TAG``; the
+    refinement keeps them on the ops it does not replace), the casts of @main's arguments
+    their argument number (``_ARG``).
 
     The copy lives in a new context (the refinement parses its result)."""
     from jax._src.interpreters import mlir as jax_mlir
-    from flashgen.rewrite.driver import collect_dots
 
     text = module.operation.get_asm(enable_debug_info=True)
     ctx = jax_mlir.make_ir_context()
     with ctx, ir.Location.unknown():
         copy = ir.Module.parse(text)
         i64 = ir.IntegerType.get_signless(64)
-        for i, op in enumerate(collect_dots(copy)):
-            op.operation.attributes[_TAG] = ir.IntegerAttr.get(i64, i)
+        for i, op in enumerate(nested_ops(copy.operation)):
+            # custom calls keep their attributes: the refinement checks jax's own ones
+            if op.operation.name != "stablehlo.custom_call":
+                op.operation.attributes[_TAG] = ir.IntegerAttr.get(i64, i)
         main = _function(copy, "main")
         block = main.regions[0].blocks[0]
         first = block.operations[0]
@@ -172,6 +178,7 @@ def instantiate(module: ir.Module, dims: dict, sizes: dict) -> ir.Module:
                 # the body keeps its dynamic types: a shape-changing convert in between,
                 # as jax.export's call wrapper does
                 cast = stablehlo.ConvertOp(t, a, ip=ir.InsertionPoint(first))
+                cast.operation.attributes[_ARG] = ir.IntegerAttr.get(i64, i)
                 a.replace_all_uses_except(cast.result, cast.operation)
             inputs.append(a.type)
         ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
@@ -189,9 +196,9 @@ def _sizes_text(sizes: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
-def _tag(op) -> int | None:
+def _tag(op, key: str = _TAG) -> int | None:
     attrs = op.operation.attributes
-    return ir.IntegerAttr(attrs[_TAG]).value if _TAG in attrs else None
+    return ir.IntegerAttr(attrs[key]).value if key in attrs else None
 
 
 # ----------------------------------------------------------------------------- matching
@@ -200,8 +207,8 @@ class PolyPlan:
     """What the rewrite of one site in the dynamic module needs."""
     dot1: object              # the Q·K and P·V products in the dynamic module
     dot2: object
-    operand_index: dict       # 'q'|'k' -> operand of dot1, 'v' -> operand of dot2
-    inputs: dict              # 'q'|'k'|'v' -> layout (pieces sized as in the first instance)
+    values: dict              # 'q'|'k'|'v' -> the call's source value in the dynamic module
+    inputs: dict              # 'q'|'k'|'v' -> its layout (pieces sized as in the first instance)
     kernel: dict
     exit_layout: tuple
     symbols: dict             # piece -> dimension variable, for the pieces that are symbolic
@@ -212,14 +219,66 @@ class PolyPlan:
     softcap: float
 
 
-def _roles(site: AttentionSite, dot1, dot2) -> dict:
-    plan = site.plan
-    idx = {}
-    for name, dot in (("q", dot1), ("k", dot1), ("v", dot2)):
-        value = plan.inputs[name][0]
-        found = [i for i, x in enumerate(dot.operands) if x == value]
-        idx[name] = found[0] if found else None
-    return idx
+def _operands(site: AttentionSite, dot1, dot2, dyn1, dyn2) -> dict | None:
+    """Q, K, V as operands of the products in the dynamic module (their counterparts in
+    the instance ``site`` was matched on), or None."""
+    out = {}
+    for name, dot, dyn in (("q", dot1, dyn1), ("k", dot1, dyn1), ("v", dot2, dyn2)):
+        found = [i for i, x in enumerate(dot.operands) if x == site.plan.inputs[name][0]]
+        if not found:
+            return None
+        out[name] = dyn.operands[found[0]]
+    return out
+
+
+def _sources(site: AttentionSite, ops: list, main, dyn1, graph: Graph) -> dict | None:
+    """Q, K, V walked back to their sources in the instance, found in the dynamic module
+    and seen from the Q·K product's block; None where one has no usable counterpart (an op
+    the refinement replaced, a value of a caller that calls the site's function twice)."""
+    out = {}
+    for name in "qkv":
+        value = site.plan.inputs[name][0]
+        if isinstance(value, ir.BlockArgument):
+            at = value.arg_number if op_name(value.owner.owner) == "func.func" and \
+                Graph.function_name(value.owner.owner) == "main" else None
+            dyn = main.regions[0].blocks[0].arguments[at] if at is not None else None
+        elif _tag(value.owner, _ARG) is not None:
+            dyn = main.regions[0].blocks[0].arguments[_tag(value.owner, _ARG)]
+        else:
+            t = _tag(value.owner)
+            dyn = ops[t].results[value.result_number] if t is not None else None
+        dyn = _seen_from(dyn, dyn1, graph) if dyn is not None else None
+        if dyn is None:
+            return None
+        out[name] = dyn
+    return out
+
+
+def _seen_from(value, dot, graph: Graph) -> ir.Value | None:
+    """``value`` as an SSA value of ``dot``'s block: passed down the unique call chain from
+    its function to ``dot``'s, and defined before ``dot`` there; else None."""
+    target = Graph.function_of(dot)
+    home = (value.owner.owner if isinstance(value, ir.BlockArgument)
+            else Graph.function_of(value.owner))
+    chain, fn = [], target
+    while fn is not None and fn != home and len(chain) < 16:
+        call = graph.only_call_site(fn)
+        if call is None:
+            return None
+        chain.append((call, fn))
+        fn = Graph.function_of(call)
+    if fn != home:
+        return None
+    for call, callee in reversed(chain):
+        at = [i for i, x in enumerate(call.operands) if x == value]
+        if not at:
+            return None
+        value = callee.regions[0].blocks[0].arguments[at[0]]
+    block = dot.operation.block
+    if isinstance(value, ir.BlockArgument):
+        return value if value.owner == block else None
+    owner = value.owner.operation
+    return value if owner.block == block and owner.is_before_in_block(dot.operation) else None
 
 
 def _layouts(plan) -> list:
@@ -263,68 +322,97 @@ def _symbols(a, b, first: dict, second: dict) -> dict:
 def match_module(module: ir.Module, options) -> list:
     """[(dot_general of ``module``, AttentionSite | Rejection)] for a polymorphic module.
 
-    A matched AttentionSite's plan is a PolyPlan over ``module``'s own ops."""
+    A matched AttentionSite's plan is a PolyPlan over ``module``'s own ops. Each site is
+    matched twice per instance: with Q, K, V walked back to their sources (a constant scale,
+    upcasts and a K/V head broadcast then go into the call, as for static modules), used
+    when every source has a counterpart in the dynamic module; else on the products' own
+    operands."""
     from flashgen.rewrite.driver import collect_dots, match_all
-    dots = collect_dots(module)
+    ops = [op.operation for op in nested_ops(module.operation)]
     try:
         dims = dimension_variables(module)
         variables = sorted(set(dims.values()))
         first, second = instantiation_sizes(module, variables)
         copies = [instantiate(module, dims, sizes) for sizes in (first, second)]
     except Unsupported as e:
-        return _module_rejections(module, dots, options, f"a shape-polymorphic module: {e}")
-    found = []
+        return _module_rejections(module, collect_dots(module), options,
+                                  f"a shape-polymorphic module: {e}")
+    found = {True: [], False: []}     # walk_inputs -> per instance {tag: [(op, record)]}
     for copy in copies:
         with copy.context:
-            by_tag: dict = {}
-            for op, r in match_all(copy, options, polymorphic=True):
-                by_tag.setdefault(_tag(op), []).append((op, r))
-            found.append(by_tag)
+            for walk in (True, False):
+                by_tag: dict = {}
+                for op, r in match_all(copy, options, polymorphic=True, walk_inputs=walk):
+                    by_tag.setdefault(_tag(op), []).append((op, r))
+                found[walk].append(by_tag)
     out = []
     with module.context:
-        for tag in sorted(t for t in found[0] if t is not None):
-            dyn1 = dots[tag]
-            records = found[0][tag] + found[1].get(tag, [])
-            where = _where(dyn1)
-            rejected = [r for _, r in records if not isinstance(r, AttentionSite)]
-            if rejected:
-                r = rejected[0]
-                reason = r.reason
-                details = {k: v for k, v in r.details.items() if k != "q_shape"}  # instance's
-                if "head dim" in reason and _symbolic_contraction(dyn1):
-                    # the instantiation named an unsupported head dim of its own choosing
-                    reason = "the head dim is symbolic; the kernel specialization needs it static"
-                    details = {}
-                out.append((dyn1, Rejection(*where, reason, matched=r.matched, details=details)))
-                continue
-            a = records[0][1]
-            why = None if tag in found[1] else "the second instantiation found no site here"
-            for _, r in records[1:]:
-                why = why or _same_layouts(a, r)
-            tags2 = {_tag(r.plan.exit_op) for _, r in records}
-            if len(tags2) != 1 or None in tags2:
-                why = why or "the P·V product is not one dot_general of the module"
-            if why is None:
-                dyn2 = dots[tags2.pop()]
-                if dyn2.operation.block != dyn1.operation.block:
-                    why = "the Q·K and P·V products are in different functions"
-            if why is None:
-                try:
-                    symbols = _call_symbols(found[0][tag], found[1][tag], first, second)
-                    why = _static_kernel_dims(a.plan.kernel, symbols)
-                except Unsupported as e:
-                    why = str(e)
-                if why is not None:
-                    out.append((dyn1, Rejection(*where, f"a shape-polymorphic site: {why}")))
-                    continue
-            for _, r in records[1:]:
-                why = why or _same_attributes(a, r)
-            if why is not None:
-                out.append((dyn1, Rejection(*where, "a shape-polymorphic site that does not "
-                                            f"match alike at two instantiations: {why}")))
-                continue
-            out.append((dyn1, _site(a, dyn1, dyn2, symbols, where, first, second, records)))
+        ctx = _Context(ops, _function(module, "main"), Graph(module), first, second)
+        for tag in sorted(t for t in found[False][0] if t is not None):
+            record = _decide(ctx, tag, found[True], walk=True)
+            if not isinstance(record, AttentionSite):
+                record = _decide(ctx, tag, found[False], walk=False)
+            out.append((ops[tag], record))
     return out
+
+
+@dataclasses.dataclass
+class _Context:
+    ops: list          # the dynamic module's ops, indexed by tag
+    main: object
+    graph: Graph
+    first: dict        # the two instantiations' sizes
+    second: dict
+
+
+def _decide(ctx: _Context, tag: int, found: list, walk: bool):
+    """The AttentionSite (plan over the dynamic module) or Rejection for the Q·K product
+    ``tag``, from its records in the two instances ``found``."""
+    dyn1 = ctx.ops[tag]
+    records = found[0][tag] + found[1].get(tag, [])
+    where = _where(dyn1)
+    rejected = [r for _, r in records if not isinstance(r, AttentionSite)]
+    if rejected:
+        r = rejected[0]
+        reason = r.reason
+        details = {k: v for k, v in r.details.items() if k != "q_shape"}  # instance's
+        if "head dim" in reason and _symbolic_contraction(dyn1):
+            # the instantiation named an unsupported head dim of its own choosing
+            reason = "the head dim is symbolic; the kernel specialization needs it static"
+            details = {}
+        return Rejection(*where, reason, matched=r.matched, details=details)
+    a = records[0][1]
+    why = None if tag in found[1] else "the second instantiation found no site here"
+    for _, r in records[1:]:
+        why = why or _same_layouts(a, r)
+    tags2 = {_tag(r.plan.exit_op) for _, r in records}
+    if len(tags2) != 1 or None in tags2:
+        why = why or "the P·V product is not one dot_general of the module"
+    if why is None:
+        dyn2 = ctx.ops[tags2.pop()]
+        if dyn2.block != dyn1.block:
+            why = "the Q·K and P·V products are in different functions"
+    if why is None:
+        try:
+            symbols = _call_symbols(found[0][tag], found[1][tag], ctx.first, ctx.second)
+            why = _static_kernel_dims(a.plan.kernel, symbols)
+        except Unsupported as e:
+            why = str(e)
+        if why is not None:
+            return Rejection(*where, f"a shape-polymorphic site: {why}")
+    for _, r in records[1:]:
+        why = why or _same_attributes(a, r)
+    if why is not None:
+        return Rejection(*where, "a shape-polymorphic site that does not match alike at two "
+                         f"instantiations: {why}")
+    if walk:
+        values = [_sources(r, ctx.ops, ctx.main, dyn1, ctx.graph) for _, r in records]
+    else:
+        values = [_operands(r, op, r.plan.exit_op, dyn1, dyn2) for op, r in records]
+    if any(v is None for v in values) or any(v != values[0] for v in values[1:]):
+        return Rejection(*where, "a shape-polymorphic site whose Q, K, V have no counterpart "
+                         "in the dynamic module")
+    return _site(a, dyn1, dyn2, values[0], symbols, where, ctx.first, ctx.second)
 
 
 def _symbolic_contraction(dot) -> bool:
@@ -360,9 +448,8 @@ def _where(op) -> tuple:
     return str(op.location), Graph.function_name(fn), op_name(op)
 
 
-def _site(a: AttentionSite, dot1, dot2, symbols, where, first, second, records):
+def _site(a: AttentionSite, dot1, dot2, values, symbols, where, first, second):
     plan = a.plan
-    roles = _roles(a, records[0][0], plan.exit_op)
     names = {}
     for piece, var in symbols.items():
         names[piece[2]] = var
@@ -379,7 +466,7 @@ def _site(a: AttentionSite, dot1, dot2, symbols, where, first, second, records):
             f"shape-polymorphic ({', '.join(sorted(set(symbols.values())))} symbolic): "
             f"matched alike at {_sizes_text(first)} and at {_sizes_text(second)}; the call "
             "has dynamic result shapes that shape refinement resolves at call time"])
-    site.plan = PolyPlan(dot1=dot1, dot2=dot2, operand_index=roles,
+    site.plan = PolyPlan(dot1=dot1, dot2=dot2, values=values,
                          inputs={n: plan.inputs[n][1] for n in "qkv"}, kernel=plan.kernel,
                          exit_layout=plan.exit_layout, symbols=symbols, spec=plan.spec,
                          scale=plan.scale, bottom_right=plan.bottom_right,
@@ -510,8 +597,7 @@ def rewrite(site: AttentionSite, legacy_attrs: bool = False) -> None:
     if legacy_attrs:
         raise ValueError("a shape-polymorphic site needs the native attribute form "
                          "(StableHLO >= 1.3)")
-    values = {n: (plan.dot1 if n in "qk" else plan.dot2).operands[plan.operand_index[n]]
-              for n in "qkv"}
+    values = plan.values
     kdt = ir.Type.parse(plan.spec.dtype)
     created: list = []
     loc = ir.Location.name("flashgen.attention", childLoc=plan.dot1.location)

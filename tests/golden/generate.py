@@ -1412,7 +1412,7 @@ def _():
       targets=[tname(32, "f32", True)], causal=True, numerics=False)
 def _():
     # flax's MultiHeadDotProductAttention with make_causal_mask of a symbolic length; its
-    # 1/sqrt(d) on the query stays in the graph (scale 1 in the call)
+    # 1/sqrt(d) on the query goes into the call's scale
     jax, jnp, export = _jax()
     import flax.linen as nn
 
@@ -1426,6 +1426,23 @@ def _():
     b, t = export.symbolic_shape("b, t")
     return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
                      jax.ShapeDtypeStruct((b, t, H * D), jnp.float32))
+
+
+@case("poly_einsum_gqa_upcast", fmt="jax_exported", rewritten=1,
+      targets=[tname(32, "bf16", False)], kv_heads=2, scale=0.17, numerics=False)
+def _():
+    # bf16 inputs upcast to f32, K/V repeated over the query heads, Q scaled by a constant:
+    # walked back to their sources as for a static module (a bf16 call on the unrepeated K/V)
+    jax, jnp, export = _jax()
+    b, t = export.symbolic_shape("b, t")
+    q = jax.ShapeDtypeStruct((b, t, H, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, 2, D), jnp.bfloat16)
+
+    def f(q, k, v):
+        k, v = (jnp.repeat(x, 2, axis=2).astype(jnp.float32) for x in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32) * 0.17, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+    return export_fn(f, q, kv, kv)
 
 
 @case("neg_poly_padding_mask", fmt="jax_exported",
