@@ -70,23 +70,30 @@ def training_step(dtype="float32", *, attention=jnn_attention, hkv=H, remat=Fals
                                attention=attention, remat=remat, padding=padding), *args)
 
 
-def scanned_step(*, remat: bool):
-    """The layers as a lax.scan over stacked weights (remat: jax.checkpoint'ed body)."""
+def scanned_step(*, remat: bool, bias_shape=None):
+    """The layers as a lax.scan over stacked weights (remat: jax.checkpoint'ed body); with
+    ``bias_shape`` every layer adds one learned bias, carried through the loop (its
+    gradient accumulates in the backward loop's carry)."""
     import jax
     import jax.numpy as jnp
 
-    def body(x, w):
+    def body(carry, w):
         # no mask: scan hoists the causal fill into a loop-carried value, which the
         # forward matcher does not fold yet (a separate gap); the loop is the point here
-        return layer(x, w, attention=jnn_attention, heads=H, kv_heads=H, head_dim=D,
-                     causal=False), None
+        x, b = carry
+        return (layer(x, w, attention=jnn_attention if b is None else
+                      lambda q, k, v, mask, causal: jax.nn.dot_product_attention(q, k, v, bias=b),
+                      heads=H, kv_heads=H, head_dim=D, causal=False), b), None
 
-    def loss(ws, x, y):
-        x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, x, ws)
+    def loss(ws, *a):
+        b, x, y = a if bias_shape else (None, *a)
+        (x, _), _ = jax.lax.scan(jax.checkpoint(body) if remat else body, (x, b), ws)
         return jnp.mean((x - y) ** 2)
 
-    return export_fn(jax.grad(loss, argnums=(0, 1)), weights("float32", stacked=True),
-                     spec((B, T, H * D)), spec((B, T, H * D)))
+    bias = [spec(bias_shape)] if bias_shape else []
+    return export_fn(jax.grad(loss, argnums=tuple(range(2 + len(bias)))),
+                     weights("float32", stacked=True), *bias, spec((B, T, H * D)),
+                     spec((B, T, H * D)))
 
 
 # ----------------------------------------------------------------------------- cases
@@ -281,6 +288,12 @@ def _():
     # with a key padding mask (rows that see no key: the finite fill's mean of V and its
     # gradient, none for the bias: the mask replaces those scores)
     return biased_step((1, H, T, T), padding=True)
+
+
+@case("train_bias_scan_remat", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    return scanned_step(remat=True, bias_shape=(1, H, T, T))
 
 
 @case("train_bias_bf16", sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")])
