@@ -135,11 +135,10 @@ def _():
     return scanned_step(remat=True)
 
 
-@case("train_torchax", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
-def _():
-    torch, torchax = _import_torchax()
-    import jax
-    import jax.numpy as jnp
+def torch_block(*, learned_mask=False):
+    """A torch attention block (fused QKV projection, scaled_dot_product_attention): causal,
+    or with a learned float ``attn_mask`` [1, H, T, T] parameter."""
+    torch, _ = _import_torchax()
     import torch.nn.functional as F
 
     class Block(torch.nn.Module):
@@ -147,14 +146,22 @@ def _():
             super().__init__()
             self.qkv = torch.nn.Linear(H * D, 3 * H * D, bias=False)
             self.o = torch.nn.Linear(H * D, H * D, bias=False)
+            self.rel = torch.nn.Parameter(torch.zeros(1, H, T, T)) if learned_mask else None
 
         def forward(self, x):
             b, t, c = x.shape
             q, k, v = self.qkv(x).view(b, t, 3, H, D).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel,
+                                               is_causal=not learned_mask)
             return x + self.o(a.transpose(1, 2).reshape(b, t, c))
+    return Block()
 
-    model = torch.nn.Sequential(*[Block() for _ in range(LAYERS)])
+
+def torch_grad(model):
+    """grad over (parameters, x) of mean(model(x)²), the model traced by torchax."""
+    _, torchax = _import_torchax()
+    import jax
+    import jax.numpy as jnp
     params, fn = torchax.extract_jax(model)
 
     def loss(p, x):  # loss.backward() as torchax runs it: jax.grad of the traced model
@@ -162,6 +169,12 @@ def _():
     return export_fn(jax.grad(loss, argnums=(0, 1)),
                      jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
                      spec((B, T, H * D)))
+
+
+@case("train_torchax", sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def _():
+    torch, _ = _import_torchax()
+    return torch_grad(torch.nn.Sequential(*[torch_block() for _ in range(LAYERS)]))
 
 
 def attention_grad(attention, *extra, argnums=(0, 1, 2)):
@@ -332,6 +345,28 @@ def _():
 def _():
     # a learned [H, 1, T] key bias, broadcast over the batch and the queries
     return attention_grad(einsum_biased, spec((H, 1, T)), argnums=(0, 1, 2, 3))
+
+
+@case("train_bias_two", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # two learned biases, [1, H, T, T] and a per-example [B, T, T] one added twice over: one
+    # [B, H, T, T] operand; each gradient is dbias summed over what the other added
+    import jax
+    import jax.numpy as jnp
+
+    def attention(q, k, v, b1, b2):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + b1 + 2.0 * b2[:, None]
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return attention_grad(attention, spec((1, H, T, T)), spec((B, T, T)),
+                          argnums=(0, 1, 2, 3, 4))
+
+
+@case("train_bias_torchax", sites=1, fwd=[target("fwd", causal=False)],
+      bwd=[target("bwd", causal=False)])
+def _():
+    # a learned float attn_mask of torch's scaled_dot_product_attention (a torch Parameter)
+    return torch_grad(torch_block(learned_mask=True))
 
 
 @case("train_bias_undifferentiated", sites=1, fwd=[target("fwd", causal=False)],
