@@ -102,7 +102,9 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
         raise Reject("the backward has no dV = Pᵀ·dO product")
     do, do_views = _cotangent(g, site, dv_operand)
     ops |= _dp_products(g, site, ops, do_views)
-    bias_cands = [_bias_candidates(g, site, ops, views) for views in site.biases.values()]
+    links = _links(g, ops) if site.biases else None
+    bias_cands = [_bias_candidates(g, site, ops, links, tails, views)
+                  for views in site.biases.values()]
     key = frozenset((hash(op), op.name, tuple(hash(c) for c in ctx))
                     for op, ctx in site.ops | ops) | {hash(do)}
     if proven is not None and key in proven:
@@ -125,14 +127,14 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
     dbias = dict(cands[chosen[f"b{j}"]][1:] for j, cands in enumerate(bias_cands)
                  if chosen[f"b{j}"] is not None)
     if site.biases:
-        cut = _cut(g, site, ops, tails, dbias, escapes)
+        cut = _cut(g, site, ops, links, tails, dbias, escapes)
         # a bias gradient that the program does not use (the backward's dS itself, for an
         # undifferentiated bias) is not asked of the kernel
         used = {v: d for v, d in dbias.items()
                 if any((u.operation, uctx) not in cut for u, _, uctx in g.users(Ref(d)))}
         if used != dbias:
             dbias = used
-            cut = _cut(g, site, ops, tails, dbias, escapes)
+            cut = _cut(g, site, ops, links, tails, dbias, escapes)
         ops = cut
     for role in "qkv":
         ops |= set(tails[role][0][:chosen[role] + 1])
@@ -221,22 +223,8 @@ def _walk(g: Graph, site: SiteView):
     return ops, tails, dv_operand, escapes
 
 
-def _bias_candidates(g: Graph, site: SiteView, ops: set, views) -> list:
-    """[(index, view, value)]: the values of the walked ops that may be the gradient of a
-    bias with respect to one of its ``views`` (the view's shape, a float type, in the
-    exit's block), in program order."""
-    block = site.exit_value.owner.operation.block
-    position = {op: i for i, op in enumerate(block.operations)}
-    found = sorted((position[op], j, r) for op, ctx in ops if not ctx and op.block == block
-                   for r in op.results if _is_float(r)
-                   for j, view in enumerate(views)
-                   if tuple(r.type.shape) == tuple(view.type.shape))
-    return [(i, views[j], r) for i, (_, j, r) in enumerate(found)]
-
-
-def _cut(g: Graph, site: SiteView, ops: set, tails: dict, dbias: dict, escapes: list) -> set:
-    """The ops the gradients are computed from, out of everything the walk reached in a
-    site with a run-time bias; raises Reject unless every other op consumes dbias only."""
+def _links(g: Graph, ops: set):
+    """({op: its users among ``ops``}, {op: its producers among ``ops``})."""
     users = {k: [] for k in ops}
     for op, ctx in ops:
         for r in op.results:
@@ -246,19 +234,48 @@ def _cut(g: Graph, site: SiteView, ops: set, tails: dict, dbias: dict, escapes: 
     for k, us in users.items():
         for u in us:
             producers.setdefault(u, []).append(k)
+    return users, producers
+
+
+def _closure(seeds, edges: dict) -> set:
+    """``seeds`` and everything reached from them along ``edges``."""
+    out, stack = set(), list(seeds)
+    while stack:
+        k = stack.pop()
+        if k not in out:
+            out.add(k)
+            stack.extend(edges.get(k, ()))
+    return out
+
+
+def _bias_candidates(g: Graph, site: SiteView, ops: set, links, tails: dict, views) -> list:
+    """[(index, view, value)]: the values of the walked ops that may be the gradient of a
+    bias with respect to one of its ``views`` (the view's shape, a float type, in the
+    exit's block, and used beyond what dQ, dK, dV are computed from: a value only those
+    read is no gradient the program takes), in program order."""
+    core = _closure([tails[r][0][0] for r in "qkv"], links[1])
+    block = site.exit_value.owner.operation.block
+    position = {op: i for i, op in enumerate(block.operations)}
+
+    def used_beyond(r, key):
+        return key not in core or any((u.operation, uctx) not in core
+                                      for u, _, uctx in g.users(Ref(r)))
+    found = sorted((position[op], j, r) for op, ctx in ops if not ctx and op.block == block
+                   for r in op.results if _is_float(r) and used_beyond(r, (op, ctx))
+                   for j, view in enumerate(views)
+                   if tuple(r.type.shape) == tuple(view.type.shape))
+    return [(i, views[j], r) for i, (_, j, r) in enumerate(found)]
+
+
+def _cut(g: Graph, site: SiteView, ops: set, links, tails: dict, dbias: dict,
+         escapes: list) -> set:
+    """The ops the gradients are computed from, out of everything the walk reached in a
+    site with a run-time bias; raises Reject unless every other op consumes dbias only."""
+    users, producers = links
     outputs = {(d.owner.operation, ()) for d in dbias.values()}
-    keep, stack = set(), [tails[r][0][0] for r in "qkv"] + list(outputs)
-    while stack:
-        k = stack.pop()
-        if k not in keep:
-            keep.add(k)
-            stack.extend(producers.get(k, ()))
-    after, stack = set(), [u for k in outputs for u in users[k] if u not in keep]
-    while stack:
-        k = stack.pop()
-        if k not in after and k not in keep:
-            after.add(k)
-            stack.extend(users[k])
+    keep = _closure([tails[r][0][0] for r in "qkv"] + list(outputs), producers)
+    after = _closure([u for k in outputs for u in users[k] if u not in keep],
+                     {k: [u for u in us if u not in keep] for k, us in users.items()})
     what = "dQ, dK, dV" + (" and dbias" if dbias else "")
     stray = sorted((op for op, _ in ops - keep - after), key=lambda op: str(op.location))
     if stray:
