@@ -258,7 +258,7 @@ def _seen_from(value, dot, graph: Graph) -> ir.Value | None:
     """``value`` as an SSA value of ``dot``'s block: passed down the unique call chain from
     its function to ``dot``'s, and defined before ``dot`` there; else None."""
     target = Graph.function_of(dot)
-    home = (value.owner.owner if isinstance(value, ir.BlockArgument)
+    home = (value.owner.owner.operation if isinstance(value, ir.BlockArgument)
             else Graph.function_of(value.owner))
     chain, fn = [], target
     while fn is not None and fn != home and len(chain) < 16:
