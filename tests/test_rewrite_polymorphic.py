@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ GOLDEN = pathlib.Path(__file__).parent / "golden"
 CASES = json.loads((GOLDEN / "cases.json").read_text())
 POLY = sorted(n for n, c in CASES.items() if n.startswith("poly_"))
 SHAPES = [(2, 17), (3, 64)]   # (batch, sequence): a ragged last block and a full one
+CONSTRAINED = {"poly_constrained": [(2, 128), (5, 157)]}   # t >= 128, b <= 8
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def rewritten():
 
 
 def test_poly_cases_exist():
-    assert len(POLY) >= 9
+    assert len(POLY) >= 10
 
 
 def _inputs(exported, rng, b: int, t: int) -> list:
@@ -60,7 +62,7 @@ def test_poly_numerics_at_two_shapes(name, rewritten):
     original, new, site = rewritten[name]
     assert "flashgen_fwd" in new.mlir_module() and "stablehlo.exponential" not in new.mlir_module()
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    for b, t in SHAPES:
+    for b, t in CONSTRAINED.get(name, SHAPES):
         flat = _inputs(original, rng, b, t)
         args, kwargs = jax.tree_util.tree_unflatten(original.in_tree, flat)
         got = np.asarray(new.call(*args, **kwargs))
@@ -86,6 +88,15 @@ def test_poly_shape_assertions_kept(rewritten):
     k = rng.standard_normal((2, 9, 4, 32)).astype(np.float32)
     with pytest.raises(Exception, match="polymorphic shapes specification"):
         new.call(q, k, k)
+
+
+def test_poly_constrained_sizes_obey_assertions():
+    """The instances of a module with symbolic constraints are refined at sizes within them."""
+    result = fr.rewrite(GOLDEN / CASES["poly_constrained"]["file"])
+    (site,) = result.rewritten
+    (note,) = [n for n in site.notes if "shape-polymorphic" in n]
+    sizes = [int(x) for x in re.findall(r"[bt]=(\d+)", note)]
+    assert len(sizes) == 4 and sizes[0] <= 8 and sizes[2] <= 8 and min(sizes[1], sizes[3]) >= 128
 
 
 def test_poly_report_names_symbols():

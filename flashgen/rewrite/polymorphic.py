@@ -124,27 +124,125 @@ def dimension_variables(module: ir.Module) -> dict:
     return out
 
 
-def _primes(start: int):
-    n = start
-    while True:
-        if all(n % k for k in range(2, int(n ** 0.5) + 1)):
-            yield n
-        n += 1
+def _primes(start: int, stop: int) -> list:
+    return [n for n in range(max(start, 2), stop)
+            if all(n % k for k in range(2, int(n ** 0.5) + 1))]
 
 
-def instantiation_sizes(module: ir.Module, variables: list) -> tuple:
-    """Two assignments {variable: size} whose sizes are distinct primes that no static dim
-    of @main's arguments has, so that a size in a matched layout names its variable."""
+# Candidate sizes in order of preference: primes from 37 up (masks are checked over many rows,
+# [S, S] still folds cheaply), then the small ones (for upper bounds such as b <= 8), then larger.
+_CANDIDATES = _primes(37, 100) + _primes(3, 37)[::-1] + _primes(100, 2048)
+_MAX_TRIES = 50_000
+
+
+def instantiation_sizes(module: ir.Module, dims: dict, variables: list) -> tuple:
+    """Two assignments {variable: size} of distinct primes that no static dim of @main's
+    arguments has (so that a size in a matched layout names its variable) and under which
+    @main's shape assertions (jax.export's symbolic constraints, e.g. ``t >= 128``) hold."""
     main = _function(module, "main")
     static = set()
     for a in main.regions[0].blocks[0].arguments:
         if isinstance(a.type, ir.RankedTensorType):
             static |= {n for i, n in enumerate(a.type.shape) if not a.type.is_dynamic_dim(i)}
-    # large enough that masks are checked over many rows, small enough to fold [S, S] cheaply
-    free = (p for p in _primes(37) if p not in static)
-    first = {v: next(free) for v in variables}
-    second = {v: next(free) for v in variables}
-    return first, second
+    order = [p for p in _CANDIDATES if p not in static]
+    holds = _Assertions(main, dims)
+    found, used, tries = [], set(), 0
+    for pick in _by_rank(len(order), len(variables)):
+        values = [order[i] for i in pick]
+        if len(set(values)) < len(values) or used & set(values):
+            continue
+        tries += 1
+        if tries > _MAX_TRIES:
+            break
+        sizes = dict(zip(variables, values))
+        if holds(sizes) is False:
+            continue
+        found.append(sizes)
+        used |= set(values)
+        if len(found) == 2:
+            return found[0], found[1]
+    raise Unsupported("no two sets of prime sizes satisfy the module's shape assertions")
+
+
+def _by_rank(n: int, k: int):
+    """Index tuples into a preference list of ``n``, the least preferred index ascending."""
+    import itertools
+    for r in range(n):
+        for pick in itertools.product(range(r + 1), repeat=k):
+            if r in pick:
+                yield pick
+
+
+class _Assertions:
+    """@main's shape_assertion predicates as a function of the dimension variables' sizes:
+    True / False, or None when one is computed by an op this reader does not know."""
+
+    _BINARY = {
+        "stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
+        "stablehlo.multiply": lambda a, b: a * b, "stablehlo.maximum": max,
+        "stablehlo.minimum": min, "stablehlo.and": lambda a, b: a and b,
+        "stablehlo.or": lambda a, b: a or b,
+        # integer division and remainder truncate toward zero
+        "stablehlo.divide": lambda a, b: int(a / b) if b else None,
+        "stablehlo.remainder": lambda a, b: a - b * int(a / b) if b else None,
+    }
+    _COMPARE = {"EQ": lambda a, b: a == b, "NE": lambda a, b: a != b,
+                "GE": lambda a, b: a >= b, "GT": lambda a, b: a > b,
+                "LE": lambda a, b: a <= b, "LT": lambda a, b: a < b}
+
+    def __init__(self, main, dims: dict):
+        self.ops = list(main.regions[0].blocks[0].operations)
+        self.args = list(main.regions[0].blocks[0].arguments)
+        self.dims = dims
+
+    def __call__(self, sizes: dict):
+        env, result = {}, True
+        for op in self.ops:
+            name = op.operation.name
+            if name == "stablehlo.custom_call" and \
+                    ir.StringAttr(op.attributes["call_target_name"]).value == "shape_assertion":
+                ok = env.get(op.operands[0])
+                if ok is None:
+                    result = None
+                elif not ok:
+                    return False
+                continue
+            if len(op.results) != 1 or not isinstance(op.result.type, ir.RankedTensorType) or \
+                    op.result.type.rank != 0:
+                continue
+            env[op.result] = self._value(op, name, env, sizes)
+        return result
+
+    def _value(self, op, name, env, sizes):
+        args = [env.get(x) for x in op.operands]
+        if name == "stablehlo.constant":
+            try:
+                return int(ir.DenseIntElementsAttr(op.attributes["value"])[0])
+            except (ValueError, TypeError):  # a float scalar: no shape arithmetic
+                return None
+        if name == "stablehlo.get_dimension_size":
+            src = op.operands[0]
+            d = ir.IntegerAttr(op.attributes["dimension"]).value
+            if isinstance(src, ir.BlockArgument) and src in self.args:
+                at = (src.arg_number, d)
+                return sizes[self.dims[at]] if at in self.dims else src.type.shape[d]
+            return None
+        if any(a is None for a in args):
+            return None
+        if name in ("stablehlo.convert", "stablehlo.reshape"):
+            return args[0]
+        if name == "stablehlo.negate":
+            return -args[0]
+        if name == "stablehlo.not":
+            return not args[0]
+        if name == "stablehlo.select":
+            return args[1] if args[0] else args[2]
+        if name == "stablehlo.compare":
+            how = str(op.attributes["comparison_direction"]).split()[-1].strip(">")
+            return self._COMPARE[how](args[0], args[1]) if how in self._COMPARE else None
+        if name in self._BINARY:
+            return self._BINARY[name](args[0], args[1])
+        return None
 
 
 def instantiate(module: ir.Module, dims: dict, sizes: dict) -> ir.Module:
@@ -332,7 +430,7 @@ def match_module(module: ir.Module, options) -> list:
     try:
         dims = dimension_variables(module)
         variables = sorted(set(dims.values()))
-        first, second = instantiation_sizes(module, variables)
+        first, second = instantiation_sizes(module, dims, variables)
         copies = [instantiate(module, dims, sizes) for sizes in (first, second)]
     except Unsupported as e:
         return _module_rejections(module, collect_dots(module), options,
@@ -412,7 +510,8 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
     if any(v is None for v in values) or any(v != values[0] for v in values[1:]):
         return Rejection(*where, "a shape-polymorphic site whose Q, K, V have no counterpart "
                          "in the dynamic module")
-    return _site(a, dyn1, dyn2, values[0], symbols, where, ctx.first, ctx.second)
+    return _site(a, found[1][tag][0][1], dyn1, dyn2, values[0], symbols, where, ctx.first,
+                 ctx.second)
 
 
 def _symbolic_contraction(dot) -> bool:
@@ -448,20 +547,26 @@ def _where(op) -> tuple:
     return str(op.location), Graph.function_name(fn), op_name(op)
 
 
-def _site(a: AttentionSite, dot1, dot2, values, symbols, where, first, second):
+def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where, first,
+          second):
+    """The report record and PolyPlan of a site matched alike as ``a`` and ``b`` in the two
+    instances; sizes that differ between them are shown by their variable's name."""
     plan = a.plan
-    names = {}
-    for piece, var in symbols.items():
-        names[piece[2]] = var
 
-    def sym(shape):
-        return tuple(names.get(n, n) for n in shape)
+    def sym(x, y):
+        if x == y:
+            return x
+        names = [v for v in first if first[v] == x and second[v] == y]
+        return names[0] if len(names) == 1 else "?"
+
+    def shape(f):
+        return tuple(sym(x, y) for x, y in zip(getattr(a, f), getattr(b, f)))
 
     site = dataclasses.replace(
         a, location=where[0], function=where[1], op=where[2],
-        q_shape=sym(a.q_shape), k_shape=sym(a.k_shape), v_shape=sym(a.v_shape),
-        out_shape=sym(a.out_shape), batch=names.get(a.batch, a.batch),
-        seq_q=names.get(a.seq_q, a.seq_q), seq_k=names.get(a.seq_k, a.seq_k),
+        q_shape=shape("q_shape"), k_shape=shape("k_shape"), v_shape=shape("v_shape"),
+        out_shape=shape("out_shape"), batch=sym(a.batch, b.batch),
+        seq_q=sym(a.seq_q, b.seq_q), seq_k=sym(a.seq_k, b.seq_k),
         notes=list(a.notes) + [
             f"shape-polymorphic ({', '.join(sorted(set(symbols.values())))} symbolic): "
             f"matched alike at {_sizes_text(first)} and at {_sizes_text(second)}; the call "

@@ -1445,6 +1445,17 @@ def _():
     return export_fn(f, q, kv, kv)
 
 
+@case("poly_constrained", fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True, numerics=False)
+def _():
+    # symbolic constraints: the instantiation sizes must satisfy jax.export's shape assertions
+    jax, jnp, export = _jax()
+    b, t = export.symbolic_shape("b, t", constraints=["t >= 128", "b <= 8"])
+    x = jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     x, x, x)
+
+
 @case("neg_poly_padding_mask", fmt="jax_exported",
       rejected=["shape-polymorphic site with extra operands"])
 def _():
