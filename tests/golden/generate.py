@@ -334,8 +334,9 @@ def _():
 
 
 # ----------------------------------------------------------------------------- flax
-@case("flax_linen_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
-def _():
+def flax_causal_mha(x):
+    """flax linen MultiHeadDotProductAttention with make_causal_mask, exported for the input
+    ``x`` (a ShapeDtypeStruct; its dims may be symbolic)."""
     jax, jnp, _ = _jax()
     import flax.linen as nn
 
@@ -345,10 +346,13 @@ def _():
             mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
             return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
     m = M()
-    x = jnp.ones((B, T, H * D))
-    params = m.init(jax.random.key(0), x)
-    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
-                     spec((B, T, H * D)))
+    params = m.init(jax.random.key(0), jnp.ones((B, T, H * D)))
+    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params), x)
+
+
+@case("flax_linen_causal", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def _():
+    return flax_causal_mha(spec((B, T, H * D)))
 
 
 @case("flax_linen_bf16", rewritten=1, targets=[tname(32, "bf16", False)])
@@ -1414,18 +1418,8 @@ def _():
     # flax's MultiHeadDotProductAttention with make_causal_mask of a symbolic length; its
     # 1/sqrt(d) on the query goes into the call's scale
     jax, jnp, export = _jax()
-    import flax.linen as nn
-
-    class M(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
-    m = M()
-    params = m.init(jax.random.key(0), jnp.ones((B, T, H * D)))
     b, t = export.symbolic_shape("b, t")
-    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
-                     jax.ShapeDtypeStruct((b, t, H * D), jnp.float32))
+    return flax_causal_mha(jax.ShapeDtypeStruct((b, t, H * D), jnp.float32))
 
 
 @case("poly_einsum_gqa_upcast", fmt="jax_exported", rewritten=1,
