@@ -146,7 +146,7 @@ def test_emit_dynamic_call_rejects_extras_and_legacy():
 
 def test_poly_flashgen_run_at_input_shapes(rewritten):
     """execute.run (flashgen run) takes any size for a symbolic dim; the module's own
-    assertions reject inconsistent sizes; random inputs (--verify) need concrete shapes."""
+    assertions reject inconsistent sizes; random inputs need concrete shapes."""
     from flashgen import execute
     from flashgen.errors import FlashgenError, UsageError
     original, _, _ = rewritten["poly_jnn_causal"]
@@ -162,3 +162,15 @@ def test_poly_flashgen_run_at_input_shapes(rewritten):
     params, _ = execute.signature(data)
     with pytest.raises(UsageError, match="random inputs need concrete shapes"):
         execute.random_inputs(params)
+
+
+@pytest.mark.parametrize("name", ["poly_constrained", "poly_einsum_gqa_upcast"])
+def test_poly_verify_runs_at_instance_sizes(name, rewritten):
+    """--verify picks the first instance's sizes (within the module's constraints)."""
+    from flashgen.rewrite import modules, verify
+    result = fr.rewrite(GOLDEN / CASES[name]["file"])
+    inputs = verify.inputs_for(modules.load(result.loaded.data), seed=0)
+    b, t = inputs[0].shape[:2]
+    assert b != t and min(b, t) >= 3 and (name != "poly_constrained" or (b <= 8 and t >= 128))
+    report = verify.verify(result, seed=0)
+    assert report["outputs"] and all(r["ok"] for r in report["outputs"]), report

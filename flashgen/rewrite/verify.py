@@ -40,7 +40,23 @@ def mask_rows(inputs: list) -> list:
 
 def inputs_for(module, seed: int) -> list:
     params, _ = execute.signature(module)
-    return mask_rows(fan_in_scaled(execute.random_inputs(params, seed)))
+    return mask_rows(fan_in_scaled(execute.random_inputs(concrete(module, params), seed)))
+
+
+def concrete(module, params: list) -> list:
+    """``params`` with the symbolic dims of a shape-polymorphic .jax_exported set to the sizes
+    the rewriter matched it at first (odd primes from 37 up, within its constraints)."""
+    import dataclasses
+    from flashgen.rewrite import polymorphic
+    if all(isinstance(n, (int, np.integer)) for p in params for n in p.shape):
+        return params
+    with module.context:
+        dims = polymorphic.dimension_variables(module.module)
+        sizes, _ = polymorphic.instantiation_sizes(module.module, dims,
+                                                   sorted(set(dims.values())))
+    return [dataclasses.replace(p, shape=tuple(
+        n if isinstance(n, (int, np.integer)) else sizes[str(n)] for n in p.shape))
+        for p in params]
 
 
 def fan_in_scaled(inputs: list) -> list:
