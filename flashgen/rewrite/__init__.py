@@ -10,8 +10,8 @@ Modules: modules (formats), graph (navigation through calls), fold (constant
 evaluation), layout (axis bookkeeping), patterns (match/rewrite, the Plan) built from its
 stages scores, softmax, probabilities and roles (chain: what the stages share), masks (causal /
 window bands), extras (ALiBi, bias, mask and segment-id operands), adapters (layout
-ops), driver (applies the pattern), polymorphic (shape-polymorphic modules: matched on
-static instantiations, rewritten with a dynamic custom call), report (the records).
+ops), driver (applies the pattern), instances and polymorphic (shape-polymorphic
+modules: matched on static instances, rewritten with a dynamic custom call), report (the records).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def rewrite(source, *, legacy_attrs: bool = False, target: str = "cpu") -> Rewri
     form; ``target`` is the KernelSpec target the report names (the custom-call target
     names do not depend on it). Raises LoadError for unreadable input.
     """
-    from flashgen.rewrite import driver, modules, polymorphic
+    from flashgen.rewrite import driver, instances, modules, polymorphic
     t0 = time.perf_counter()
     loaded = _load(source)
     notes = []
@@ -92,7 +92,7 @@ def rewrite(source, *, legacy_attrs: bool = False, target: str = "cpu") -> Rewri
                      "emitting the legacy mhlo.backend_config form")
     with loaded.context:
         options = driver.RewriteOptions(legacy_attrs, target)
-        sites = (polymorphic.rewrite_module if polymorphic.is_polymorphic(loaded.module)
+        sites = (polymorphic.rewrite_module if instances.is_polymorphic(loaded.module)
                  else driver.rewrite_module)(loaded.module, options)
     return RewriteResult(loaded.module, sites, loaded.format, time.perf_counter() - t0, notes,
                          loaded)

@@ -1,22 +1,16 @@
-"""Shape-polymorphic modules: ``jax.export`` with symbolic dims (``b, s``).
-
-Such a module types batch and sequence as ``?`` and computes shapes at run time
-(get_dimension_size, dynamic_broadcast_in_dim, dynamic_iota, dynamic_reshape); the
-dimension variables reach the body as ``jax.global_constant`` arguments. At call time JAX
-refines the shapes (inlining and folding everything) before XLA compiles.
+"""Shape-polymorphic modules (``jax.export`` with symbolic dims ``b, s``): match and rewrite.
 
 The matcher reasons about static shapes (masks are folded to arrays), so a polymorphic
-module is matched through two *instantiations*: copies refined, as JAX does at call time,
-at two different sets of sizes for its dimension variables. A site is rewritten only when
-both instantiations match it alike (the same kernel, attributes and roles; only the
-symbolic sizes differ); the pieces whose sizes differ are the symbolic ones. The dynamic
-original is then rewritten around the same two dot_generals (every op is tagged with its
-index in the copies): Q, K and V are the sources the matcher walked back to, where those
-have a counterpart in the original, else the products' own operands; they are reshaped
-with dynamic_reshape where needed, and the custom call gets dynamic result types plus the
-i32 shape operands named by
-``indices_of_shape_operands`` -- the form of JAX's own custom calls with dynamic results,
-which shape refinement resolves at call time.
+module is matched through two static instances (flashgen.rewrite.instances): copies refined,
+as JAX does at call time, at two different sets of sizes for its dimension variables. A
+site is rewritten only when both instances match it alike (the same kernel, attributes and
+roles; only the symbolic sizes differ); the pieces whose sizes differ are the symbolic ones.
+The dynamic original is then rewritten around the same two dot_generals (found by their
+tags): Q, K and V are the sources the matcher walked back to, where those have a
+counterpart in the original, else the products' own operands; they are reshaped with
+dynamic_reshape where needed, and the custom call gets dynamic result types plus the i32
+shape operands named by ``indices_of_shape_operands`` -- the form of JAX's own custom calls
+with dynamic results, which shape refinement resolves at call time.
 
 Limits (each a Rejection with its reason): head counts and head dims must be static; no
 extra operands (mask, bias, segment ids, ALiBi) and no run-time scale; no training site;
@@ -33,270 +27,11 @@ from jaxlib.mlir.dialects import stablehlo
 
 from flashgen.rewrite import adapters
 from flashgen.rewrite.graph import Graph, nested_ops, op_name
+from flashgen.rewrite.instances import (
+    ARG, Unsupported, dimension_variables, function, instantiate, instantiation_sizes,
+    sizes_text, tag as tag_of,
+)
 from flashgen.rewrite.report import AttentionSite, Rejection
-
-_TAG = "flashgen.poly_tag"
-_ARG = "flashgen.poly_arg"
-_GLOBAL_CONSTANT = "jax.global_constant"
-
-
-class Unsupported(Exception):
-    """The module's dimension variables cannot be read or instantiated."""
-
-
-def is_polymorphic(module: ir.Module) -> bool:
-    """Whether any function of the module takes or returns a dynamically shaped tensor."""
-    for op in module.body.operations:
-        if op.operation.name != "func.func":
-            continue
-        ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
-        for t in list(ftype.inputs) + list(ftype.results):
-            if isinstance(t, ir.RankedTensorType) and not t.has_static_shape:
-                return True
-    return False
-
-
-def _function(module: ir.Module, name: str):
-    for op in module.body.operations:
-        if op.operation.name == "func.func" and \
-                ir.StringAttr(op.attributes["sym_name"]).value == name:
-            return op
-    return None
-
-
-def _arg_attr(fn, i: int, key: str):
-    if "arg_attrs" not in fn.attributes:
-        return None
-    d = ir.DictAttr(ir.ArrayAttr(fn.attributes["arg_attrs"])[i])
-    return ir.StringAttr(d[key]).value if key in d else None
-
-
-def dimension_variables(module: ir.Module) -> dict:
-    """{(argument index, dim): variable name} for every dynamic dim of @main's arguments.
-
-    JAX computes each variable from one argument dim (get_dimension_size) and passes it
-    to the body as a ``jax.global_constant`` argument; the other dims holding it are
-    asserted EQ to that value (shape_assertion)."""
-    main = _function(module, "main")
-    args = list(main.regions[0].blocks[0].arguments)
-
-    def dim_read(v):  # (arg index, dim) when v = get_dimension_size(@main arg, dim)
-        if isinstance(v, ir.OpResult) and op_name(v.owner) == "stablehlo.get_dimension_size":
-            src = v.owner.operands[0]
-            if isinstance(src, ir.BlockArgument) and src.owner == main.regions[0].blocks[0]:
-                return src.arg_number, ir.IntegerAttr(v.owner.attributes["dimension"]).value
-        return None
-
-    names = {}          # (arg, dim) -> variable
-    ops = list(main.regions[0].blocks[0].operations)
-    for op in ops:
-        if op_name(op) != "func.call":
-            continue
-        callee = _function(module, ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
-        for i, v in enumerate(op.operands):
-            name = _arg_attr(callee, i, _GLOBAL_CONSTANT) if callee is not None else None
-            if name is None:
-                continue
-            at = dim_read(v)
-            if at is None:
-                raise Unsupported(f"the dimension variable {name!r} is not read from one "
-                                  "argument dim")
-            names.setdefault(at, name)
-    for op in ops:  # dims asserted equal to a variable's own dim
-        if op_name(op) != "stablehlo.compare" or \
-                "EQ" not in str(op.attributes["comparison_direction"]):
-            continue
-        a, b = (dim_read(x) for x in op.operands)
-        if a is not None and b in names:
-            names.setdefault(a, names[b])
-    out = {}
-    for i, a in enumerate(args):
-        t = a.type
-        if not isinstance(t, ir.RankedTensorType):
-            continue
-        for d in range(t.rank):
-            if t.is_dynamic_dim(d):
-                if (i, d) not in names:
-                    raise Unsupported(f"@main's argument {i} dim {d} is dynamic but not a "
-                                      "plain dimension variable (e.g. 2*s, or no jax.export "
-                                      "shape specification)")
-                out[(i, d)] = names[(i, d)]
-    return out
-
-
-def _primes(start: int, stop: int) -> list:
-    return [n for n in range(max(start, 2), stop)
-            if all(n % k for k in range(2, int(n ** 0.5) + 1))]
-
-
-# Candidate sizes in order of preference: primes from 37 up (masks are checked over many rows,
-# [S, S] still folds cheaply), then the small ones (for upper bounds such as b <= 8), then larger.
-_CANDIDATES = _primes(37, 100) + _primes(3, 37)[::-1] + _primes(100, 2048)
-_MAX_TRIES = 50_000
-
-
-def instantiation_sizes(module: ir.Module, dims: dict, variables: list) -> tuple:
-    """Two assignments {variable: size} of distinct primes that no static dim of @main's
-    arguments has (so that a size in a matched layout names its variable) and under which
-    @main's shape assertions (jax.export's symbolic constraints, e.g. ``t >= 128``) hold."""
-    main = _function(module, "main")
-    static = set()
-    for a in main.regions[0].blocks[0].arguments:
-        if isinstance(a.type, ir.RankedTensorType):
-            static |= {n for i, n in enumerate(a.type.shape) if not a.type.is_dynamic_dim(i)}
-    order = [p for p in _CANDIDATES if p not in static]
-    holds = _Assertions(main, dims)
-    found, used, tries = [], set(), 0
-    for pick in _by_rank(len(order), len(variables)):
-        values = [order[i] for i in pick]
-        if len(set(values)) < len(values) or used & set(values):
-            continue
-        tries += 1
-        if tries > _MAX_TRIES:
-            break
-        sizes = dict(zip(variables, values))
-        if holds(sizes) is False:
-            continue
-        found.append(sizes)
-        used |= set(values)
-        if len(found) == 2:
-            return found[0], found[1]
-    raise Unsupported("no two sets of prime sizes satisfy the module's shape assertions")
-
-
-def _by_rank(n: int, k: int):
-    """Index tuples into a preference list of ``n``, the least preferred index ascending."""
-    import itertools
-    for r in range(n):
-        for pick in itertools.product(range(r + 1), repeat=k):
-            if r in pick:
-                yield pick
-
-
-class _Assertions:
-    """@main's shape_assertion predicates as a function of the dimension variables' sizes:
-    True / False, or None when one is computed by an op this reader does not know."""
-
-    _BINARY = {
-        "stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
-        "stablehlo.multiply": lambda a, b: a * b, "stablehlo.maximum": max,
-        "stablehlo.minimum": min, "stablehlo.and": lambda a, b: a and b,
-        "stablehlo.or": lambda a, b: a or b,
-        # integer division and remainder truncate toward zero
-        "stablehlo.divide": lambda a, b: int(a / b) if b else None,
-        "stablehlo.remainder": lambda a, b: a - b * int(a / b) if b else None,
-    }
-    _COMPARE = {"EQ": lambda a, b: a == b, "NE": lambda a, b: a != b,
-                "GE": lambda a, b: a >= b, "GT": lambda a, b: a > b,
-                "LE": lambda a, b: a <= b, "LT": lambda a, b: a < b}
-
-    def __init__(self, main, dims: dict):
-        self.ops = list(main.regions[0].blocks[0].operations)
-        self.args = list(main.regions[0].blocks[0].arguments)
-        self.dims = dims
-
-    def __call__(self, sizes: dict):
-        env, result = {}, True
-        for op in self.ops:
-            name = op.operation.name
-            if name == "stablehlo.custom_call" and \
-                    ir.StringAttr(op.attributes["call_target_name"]).value == "shape_assertion":
-                ok = env.get(op.operands[0])
-                if ok is None:
-                    result = None
-                elif not ok:
-                    return False
-                continue
-            if len(op.results) != 1 or not isinstance(op.result.type, ir.RankedTensorType) or \
-                    op.result.type.rank != 0:
-                continue
-            env[op.result] = self._value(op, name, env, sizes)
-        return result
-
-    def _value(self, op, name, env, sizes):
-        args = [env.get(x) for x in op.operands]
-        if name == "stablehlo.constant":
-            try:
-                return int(ir.DenseIntElementsAttr(op.attributes["value"])[0])
-            except (ValueError, TypeError):  # a float scalar: no shape arithmetic
-                return None
-        if name == "stablehlo.get_dimension_size":
-            src = op.operands[0]
-            d = ir.IntegerAttr(op.attributes["dimension"]).value
-            if isinstance(src, ir.BlockArgument) and src in self.args:
-                at = (src.arg_number, d)
-                return sizes[self.dims[at]] if at in self.dims else src.type.shape[d]
-            return None
-        if any(a is None for a in args):
-            return None
-        if name in ("stablehlo.convert", "stablehlo.reshape"):
-            return args[0]
-        if name == "stablehlo.negate":
-            return -args[0]
-        if name == "stablehlo.not":
-            return not args[0]
-        if name == "stablehlo.select":
-            return args[1] if args[0] else args[2]
-        if name == "stablehlo.compare":
-            how = str(op.attributes["comparison_direction"]).split()[-1].strip(">")
-            return self._COMPARE[how](args[0], args[1]) if how in self._COMPARE else None
-        if name in self._BINARY:
-            return self._BINARY[name](args[0], args[1])
-        return None
-
-
-def instantiate(module: ir.Module, dims: dict, sizes: dict) -> ir.Module:
-    """A copy of ``module`` refined as JAX does at call time, for @main's dynamic dims set
-    to ``sizes``. Its ops carry their index in the original's op order (``_TAG``; the
-    refinement keeps them on the ops it does not replace), the casts of @main's arguments
-    their argument number (``_ARG``).
-
-    The copy lives in a new context (the refinement parses its result)."""
-    from jax._src.interpreters import mlir as jax_mlir
-
-    text = module.operation.get_asm(enable_debug_info=True)
-    ctx = jax_mlir.make_ir_context()
-    with ctx, ir.Location.unknown():
-        copy = ir.Module.parse(text)
-        i64 = ir.IntegerType.get_signless(64)
-        for i, op in enumerate(nested_ops(copy.operation)):
-            # custom calls keep their attributes: the refinement checks jax's own ones
-            if op.operation.name != "stablehlo.custom_call":
-                op.operation.attributes[_TAG] = ir.IntegerAttr.get(i64, i)
-        main = _function(copy, "main")
-        block = main.regions[0].blocks[0]
-        first = block.operations[0]
-        inputs = []
-        for i, a in enumerate(list(block.arguments)):
-            t = a.type
-            if isinstance(t, ir.RankedTensorType) and not t.has_static_shape:
-                shape = [sizes[dims[(i, d)]] if t.is_dynamic_dim(d) else t.shape[d]
-                         for d in range(t.rank)]
-                a.set_type(ir.RankedTensorType.get(shape, t.element_type, t.encoding))
-                # the body keeps its dynamic types: a shape-changing convert in between,
-                # as jax.export's call wrapper does
-                cast = stablehlo.ConvertOp(t, a, ip=ir.InsertionPoint(first))
-                cast.operation.attributes[_ARG] = ir.IntegerAttr.get(i64, i)
-                a.replace_all_uses_except(cast.result, cast.operation)
-            inputs.append(a.type)
-        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-        main.attributes["function_type"] = ir.TypeAttr.get(
-            ir.FunctionType.get(inputs, list(ftype.results)))
-        try:
-            return jax_mlir.refine_polymorphic_shapes(copy)
-        except Exception as e:  # noqa: BLE001 - jax raises ValueError or its own error types
-            cause = e.__cause__ or e
-            raise Unsupported(f"shape refinement at {_sizes_text(sizes)} failed: "
-                              f"{str(cause).strip().splitlines()[0]}") from None
-
-
-def _sizes_text(sizes: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items())
-
-
-def _tag(op, key: str = _TAG) -> int | None:
-    attrs = op.operation.attributes
-    return ir.IntegerAttr(attrs[key]).value if key in attrs else None
 
 
 # ----------------------------------------------------------------------------- matching
@@ -340,10 +75,10 @@ def _sources(site: AttentionSite, ops: list, main, dyn1, graph: Graph) -> dict |
             at = value.arg_number if op_name(value.owner.owner) == "func.func" and \
                 Graph.function_name(value.owner.owner) == "main" else None
             dyn = main.regions[0].blocks[0].arguments[at] if at is not None else None
-        elif _tag(value.owner, _ARG) is not None:
-            dyn = main.regions[0].blocks[0].arguments[_tag(value.owner, _ARG)]
+        elif tag_of(value.owner, ARG) is not None:
+            dyn = main.regions[0].blocks[0].arguments[tag_of(value.owner, ARG)]
         else:
-            t = _tag(value.owner)
+            t = tag_of(value.owner)
             dyn = ops[t].results[value.result_number] if t is not None else None
         dyn = _seen_from(dyn, dyn1, graph) if dyn is not None else None
         if dyn is None:
@@ -441,11 +176,11 @@ def match_module(module: ir.Module, options) -> list:
             for walk in (True, False):
                 by_tag: dict = {}
                 for op, r in match_all(copy, options, polymorphic=True, walk_inputs=walk):
-                    by_tag.setdefault(_tag(op), []).append((op, r))
+                    by_tag.setdefault(tag_of(op), []).append((op, r))
                 found[walk].append(by_tag)
     out = []
     with module.context:
-        ctx = _Context(ops, _function(module, "main"), Graph(module), first, second)
+        ctx = _Context(ops, function(module, "main"), Graph(module), first, second)
         for tag in sorted(t for t in found[False][0] if t is not None):
             record = _decide(ctx, tag, found[True], walk=True)
             if not isinstance(record, AttentionSite):
@@ -483,7 +218,7 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
     why = None if tag in found[1] else "the second instantiation found no site here"
     for _, r in records[1:]:
         why = why or _same_layouts(a, r)
-    tags2 = {_tag(r.plan.exit_op) for _, r in records}
+    tags2 = {tag_of(r.plan.exit_op) for _, r in records}
     if len(tags2) != 1 or None in tags2:
         why = why or "the P·V product is not one dot_general of the module"
     if why is None:
@@ -542,7 +277,6 @@ def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:
 
 
 def _where(op) -> tuple:
-    from flashgen.rewrite.graph import Graph
     fn = Graph.function_of(op)
     return str(op.location), Graph.function_name(fn), op_name(op)
 
@@ -569,7 +303,7 @@ def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where
         seq_q=sym(a.seq_q, b.seq_q), seq_k=sym(a.seq_k, b.seq_k),
         notes=list(a.notes) + [
             f"shape-polymorphic ({', '.join(sorted(set(symbols.values())))} symbolic): "
-            f"matched alike at {_sizes_text(first)} and at {_sizes_text(second)}; the call "
+            f"matched alike at {sizes_text(first)} and at {sizes_text(second)}; the call "
             "has dynamic result shapes that shape refinement resolves at call time"])
     site.plan = PolyPlan(dot1=dot1, dot2=dot2, values=values,
                          inputs={n: plan.inputs[n][1] for n in "qkv"}, kernel=plan.kernel,
@@ -581,7 +315,6 @@ def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where
 
 def _module_rejections(module, dots, options, reason: str) -> list:
     """Every attention candidate of ``module`` rejected with ``reason``."""
-    from flashgen.rewrite.graph import Graph
     from flashgen.rewrite.patterns import AttentionPattern
     pattern = AttentionPattern(Graph(module), target=options.target)
     return [(op, Rejection(*_where(op), reason)) for op in dots if pattern.is_candidate(op)]
@@ -593,7 +326,6 @@ def rewrite_module(module: ir.Module, options) -> list:
     driver.rewrite_module); the report records. Its sites were matched on the instantiations
     and use disjoint ops, so they are rewritten without matching again."""
     from flashgen.rewrite.driver import erase_dead, finish
-    from flashgen.rewrite.graph import Graph
     records, touched, erased = [], set(), set()
     for _, site in match_module(module, options):
         if isinstance(site, AttentionSite):

@@ -47,12 +47,12 @@ def concrete(module, params: list) -> list:
     """``params`` with the symbolic dims of a shape-polymorphic .jax_exported set to the sizes
     the rewriter matched it at first (odd primes from 37 up, within its constraints)."""
     import dataclasses
-    from flashgen.rewrite import polymorphic
+    from flashgen.rewrite import instances
     if all(isinstance(n, (int, np.integer)) for p in params for n in p.shape):
         return params
     with module.context:
-        dims = polymorphic.dimension_variables(module.module)
-        sizes, _ = polymorphic.instantiation_sizes(module.module, dims,
+        dims = instances.dimension_variables(module.module)
+        sizes, _ = instances.instantiation_sizes(module.module, dims,
                                                    sorted(set(dims.values())))
     return [dataclasses.replace(p, shape=tuple(
         n if isinstance(n, (int, np.integer)) else sizes[str(n)] for n in p.shape))
