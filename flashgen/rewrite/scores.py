@@ -251,7 +251,8 @@ class ScoresStage:
         c = self.folder.fold(ref)
         if c is not None:
             # elementwise through Const.map: a band built from positions stays O(Sq + Sk)
-            b = c.map(lambda a: a.astype(np.float64) * factor)
+            with np.errstate(invalid="ignore"):  # a NaN constant is refused just below
+                b = c.map(lambda a: a.astype(np.float64) * factor)
             if b.map(np.isnan).any():  # found by tests/test_fuzz.py (mutated_numerics)
                 raise Reject("a constant bias holds NaN: the original's rows there are NaN, "
                              "a kernel mask would hide it")
