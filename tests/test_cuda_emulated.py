@@ -15,7 +15,8 @@ import pytest
 
 from conftest import needs_nvcc
 from flashgen.build import build
-from flashgen.emulate.check import Checker
+from flashgen import reference
+from flashgen.emulate.check import TOLERANCE, Checker, relative_error
 from flashgen.emulate.host import EmulatedLibrary, HandlerError
 from flashgen.spec import DTYPES, KernelSpec
 
@@ -154,6 +155,45 @@ def test_every_kernel_entry_point_runs(rng):
              c.paged(seqused_k=(20,), alibi="H")]
     ran = {k for r in cases for k in assert_matches(r).kernels}
     assert ran == set(c.lib.kernels), f"never launched: {sorted(set(c.lib.kernels) - ran)}"
+
+
+def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
+    """A row whose visible scores all overflow to -inf is NaN (IEEE softmax) in the extras and
+    paged kernels too (split-KV partials and combine included); a row that sees no key stays
+    o = 0, lse = -inf. q = -1e37 against keys >= 1: q.k < -3.4e38 in the f32 accumulators."""
+    c = checker(rng, 64, "bf16", True)
+    attrs = c._attrs(False, (-1, -1), 0.0, "mask")
+    b, s, h, d = 1, 40, 1, 64
+    q, v = c._normal(b, s, h, d), c._normal(b, s, h, d)
+    k = (np.abs(c._normal(b, s, h, d)) + 1).astype(c.dt)
+    q[0, s - 1] = -1e37                     # sees every key (causal): all -inf, not masked
+    mask = rng.random((1, 1, s, s)) < 0.8
+    mask[..., s - 1, :] = True
+    mask[..., 7, :] = False                 # sees no key
+    (o, lse), _ = c.lib.call(c.spec.target_name("fwd"), [q, k, v, mask],
+                             [((b, s, h, d), c.dt), ((b, h, s), np.float32)], **attrs)
+    o, lse = o.astype(np.float64), lse.astype(np.float64)
+    assert np.isnan(o[0, s - 1]).all() and np.isnan(lse[0, 0, s - 1])
+    assert (o[0, 7] == 0).all() and lse[0, 0, 7] == -np.inf
+    ro, rlse = reference.attention(q, k, v, causal=True, scale=c.scale, mask=mask)[:2]
+    rows = [i for i in range(s) if i not in (7, s - 1)]
+    assert relative_error(o[0, rows], ro[0, rows]) < TOLERANCE["bf16"]
+    assert relative_error(lse[0, :, rows], rlse[0, :, rows]) < TOLERANCE["bf16"]
+
+    used = np.array([300, 0, 41], np.int32)   # 300 keys: the handler splits
+    bs, mb = 16, 20
+    table = rng.permutation(3 * mb).reshape(3, mb).astype(np.int32)
+    kc = (np.abs(c._normal(3 * mb, bs, h, d)) + 1).astype(c.dt)
+    vc, qd = c._normal(3 * mb, bs, h, d), c._normal(3, 1, h, d)
+    qd[0] = -1e37
+    (o, lse), rec = c.lib.call(c.spec.target_name("fwd_paged"), [qd, kc, vc, table, used],
+                               [((3, 1, h, d), c.dt), ((3, h, 1), np.float32)], **c._attrs(True, (-1, -1), 0.0))
+    assert any("24flash_fwd_combine_kernelI" in l.entry for l in rec.launches)
+    o, lse = o.astype(np.float64), lse.astype(np.float64)
+    assert np.isnan(o[0]).all() and np.isnan(lse[0]).all()
+    assert (o[1] == 0).all() and (lse[1] == -np.inf).all()
+    ro, rlse = reference.attention_paged(qd, kc, vc, table, used, causal=True, scale=c.scale, bottom_right=True)[:2]
+    assert relative_error(o[2], ro[2]) < TOLERANCE["bf16"] and relative_error(lse[2], rlse[2]) < TOLERANCE["bf16"]
 
 
 # ---- the handler refuses bad arguments before anything runs -------------------------------------

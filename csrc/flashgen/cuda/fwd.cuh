@@ -285,6 +285,9 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};  // running max of raw scores (rows g, g+8)
+  // Extras / paged: whether rows g, g+8 met a key they see (a -inf bias masks it), so that
+  // l == 0 tells a row without keys from one whose visible scores overflowed to -inf.
+  bool seen[2] = {false, false};
   float row_sum[2] = {0.f, 0.f};              // this thread's partial sum of exp
 
   const int wrow0 = warp * 16;  // warp's first row inside the tile
@@ -344,6 +347,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
             float add = 0.f;
             bool vis = row < Sq && col < Sk && dist >= band_lo && dist <= band_hi;
             if (vis) vis = xv.term(row, col, add);
+            seen[e >> 1] |= vis && add != -INFINITY;
             s[j][e] = vis ? fmaf(s[j][e], s_mul, add * kLog2e) : -INFINITY;
           }
       } else {
@@ -363,7 +367,10 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
               const int col = k0 + j * 8 + 2 * t + (e & 1);
               const int dist = col - row;  // |dist| < 2^30 + BR
               bool masked = col >= Sk || dist < band_lo || dist > band_hi;
-              if constexpr (kPaged) masked = masked || sRows[(n & 1) * BC + j * 8 + 2 * t + (e & 1)] < 0;
+              if constexpr (kPaged) {
+                masked = masked || sRows[(n & 1) * BC + j * 8 + 2 * t + (e & 1)] < 0;
+                seen[e >> 1] |= !masked;
+              }
               if constexpr (kAlibi)
                 s[j][e] = masked ? -INFINITY
                                  : fmaf(s[j][e], s_mul, alibi_term(alibi.neg_slope_l2, row, alibi.off, col));
@@ -428,11 +435,13 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
     // A NaN l (a NaN or overflowed score) makes o and lse NaN, never 0. l == 0: the row
-    // saw no key (o = 0, lse = -inf) or, when its band holds keys, only -inf scores (an
-    // overflow, not a mask): NaN as IEEE softmax. (Extras masks and paged splits keep
-    // o = 0 there: README "What needs a GPU".)
-    bool all_ninf = false;
-    if constexpr (!kExtras && !kPaged) {
+    // saw no key (o = 0, lse = -inf) or only -inf scores of keys it sees (an overflow, not
+    // a mask): NaN as IEEE softmax. Without extras or paging the band alone says which.
+    bool all_ninf;
+    if constexpr (kExtras || kPaged) {
+      const float seen_in_row = quad_sum(seen[r] ? 1.f : 0.f);  // every lane: a warp shuffle
+      all_ninf = l == 0.f && seen_in_row > 0.f;
+    } else {
       const long long row = q0 + wrow0 + g + 8 * r;
       all_ninf = l == 0.f && max(0LL, row + band_lo) < min(static_cast<long long>(Sk), row + band_hi + 1);
     }
