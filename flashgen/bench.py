@@ -5,11 +5,15 @@ inputs. One mode per module, chosen by the platform and flags:
   bench_cpu.py       CPU: original vs flashgen-rewritten exported modules (the product path)
   bench_variants.py  --variants: packed varlen and paged-KV decode, tokens/s
   bench_common.py    what they share: FLOP convention, cases, environment, timing, JSON output
+
+A training step (original vs rewritten, memory and CPU time) is not a mode of this command:
+it is ``python -m flashgen.bench_train`` (bench_train.py).
 """
 from __future__ import annotations
 
 from flashgen import bench_cpu, bench_gpu, bench_variants
 from flashgen.bench_common import json_output, write_json
+from flashgen.cli_args import csv, csv_ints
 
 
 def run(args) -> int:
@@ -25,14 +29,13 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    from flashgen.cli import _csv, _csv_ints
     p = sub.add_parser("bench", help="time flashgen against cuDNN and XLA attention (on CPU: exported "
                                      "modules, original vs rewritten)")
     p.add_argument("--platform", choices=["cpu", "cuda"], help="default: JAX's default backend")
-    p.add_argument("--hdim", type=_csv_ints, help="default: 64,128 (GPU), 64 (CPU)")
-    p.add_argument("--dtype", type=_csv, help="default: bf16 (GPU), f32,bf16 (CPU)")
+    p.add_argument("--hdim", type=csv_ints, help="default: 64,128 (GPU), 64 (CPU)")
+    p.add_argument("--dtype", type=csv, help="default: bf16 (GPU), f32,bf16 (CPU)")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    p.add_argument("--seqlens", type=_csv_ints,
+    p.add_argument("--seqlens", type=csv_ints,
                    help="default: 512,...,16384 (GPU), 64,128,512,2048,4096 (CPU)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="batch = batch_tokens // seqlen")
     p.add_argument("--heads-dim", type=int, default=2048, help="heads = heads_dim // hdim")
@@ -41,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--kv-heads", type=int, help="GQA: kv heads (default: heads)")
     p.add_argument("--bwd", action="store_true", help="GPU: also time forward+backward (always on CPU)")
     p.add_argument("--no-bwd", action="store_true", help="CPU: forward only")
-    p.add_argument("--impls", type=_csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: subset of "
+    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: subset of "
                                               + ",".join(bench_cpu.CPU_ALL_IMPLS))
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement "
                                                                "(CPU: per impl and case)")
@@ -55,7 +58,7 @@ def register(sub) -> None:
     p.add_argument("--variants", action="store_true",
                    help="time packed varlen and paged-KV decode instead (tokens/s; flashgen/bench_variants.py)")
     p.add_argument("--varlen-mean", type=int, default=512, help="--variants: mean sequence length")
-    p.add_argument("--decode-batch", type=_csv_ints, default=[1, 16],
+    p.add_argument("--decode-batch", type=csv_ints, default=[1, 16],
                    help="--variants: decode batch sizes")
     p.add_argument("--decode-context", type=int, default=4096, help="--variants: keys per sequence")
     p.add_argument("--json", help="write the results as JSON here")

@@ -10,41 +10,14 @@ import logging
 import os
 import sys
 
+from flashgen.cli_args import add_spec_args, positive_int
 from flashgen.errors import FlashgenError, UsageError
-from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, TARGETS, KernelSpec
+from flashgen.spec import DIRECTIONS, TARGETS, KernelSpec
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's default prints usage; we want one line, exit 2
         raise UsageError(f"{self.prog}: {message}")
-
-
-def _csv_ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _csv(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
-
-
-def add_spec_args(p: argparse.ArgumentParser, multi: bool) -> None:
-    p.add_argument("--hdim", type=_csv_ints if multi else int, required=True,
-                   help=f"head dim{'s (comma-separated)' if multi else ''}: {', '.join(map(str, HEAD_DIMS))}")
-    p.add_argument("--dtype", type=_csv if multi else str, default=["bf16"] if multi else "bf16",
-                   help=f"element type{'s (comma-separated)' if multi else ''}: {', '.join(DTYPES)}")
 
 
 def _causal_values(args) -> list[bool]:
@@ -107,7 +80,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="auto", choices=["auto", *TARGETS],
                    help="auto: the local GPU's arch, else cpu")
     b.add_argument("--out", help="also copy the library and manifest.json into this directory")
-    b.add_argument("-j", "--jobs", type=_positive_int, help="parallel compiles (default: CPU count)")
+    b.add_argument("-j", "--jobs", type=positive_int, help="parallel compiles (default: CPU count)")
     b.add_argument("--for", dest="host", choices=["python", "exla", "c"], default="python",
                    help="python: pybind11 face for JAX (default); exla: static handler registration "
                         "on load (EXLA.NIF.load_dylib), no Python; c: plain C symbols only")

@@ -2,9 +2,11 @@
 what it builds on: spec -> codegen -> build -> emit -> rewrite -> runtime/jax -> cli.
 
 Every import statement counts, also those inside functions (a deferred import is still a
-dependency). A package importing its own submodules (an __init__ assembling its parts or
-filling a registry) is the package itself, not a cycle; a submodule importing a name from its
-package's __init__ is a dependency like any other.
+dependency), and so does an import by name: in a module that calls ``import_module``
+(importlib's), every string literal naming a flashgen module is an edge (a plugin list kept as a
+tuple of names included). A package's __init__ importing its own submodules is an edge like any
+other, so a submodule importing names back from its package's __init__ (the registry pattern
+that works only by statement order) is a cycle: shared names live in a module of their own.
 """
 import ast
 import pathlib
@@ -33,7 +35,11 @@ def import_graph() -> dict[str, set[str]]:
     graph = {m: set() for m in mods}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        if any(_calls_import_module(n) for n in ast.walk(tree)):  # imports by name
+            graph[mod] |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                           and isinstance(n.value, str) and n.value in mods and n.value != mod}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -47,9 +53,18 @@ def import_graph() -> dict[str, set[str]]:
             else:
                 continue
             for t in filter(None, map(owner, targets)):
-                if t != mod and not (path.name == "__init__.py" and t.startswith(mod + ".")):
+                if t != mod:
                     graph[mod].add(t)
     return graph
+
+
+def _calls_import_module(node) -> bool:
+    """`importlib.import_module(...)` or `import_module(...)`."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (isinstance(f, ast.Name) and f.id == "import_module") or \
+        (isinstance(f, ast.Attribute) and f.attr == "import_module")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,3 +103,10 @@ def test_the_cycle_finder_finds_cycles():
     assert "flashgen.sharding_rule" in graph["flashgen.emit"]
     assert "flashgen.emit" in graph["flashgen.jax.sharding"]
     assert "flashgen.bench_common" in graph["flashgen.bench_variants"]
+    # issue 16: the subcommand plugins cli.py imports by name, and a package's own submodules
+    assert {"flashgen.bench", "flashgen.cli_rewrite", "flashgen.cli_cache",
+            "flashgen.emulate.check"} <= graph["flashgen.cli"]
+    assert "flashgen.cli_args" in graph["flashgen.bench"]
+    assert "flashgen.cli_args" in graph["flashgen.emulate.check"]
+    assert "flashgen.emulate.semantics.arith" in graph["flashgen.emulate.semantics"]
+    assert "flashgen.emulate.semantics.registry" in graph["flashgen.emulate.semantics.arith"]

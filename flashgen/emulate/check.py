@@ -254,7 +254,7 @@ def cmd_check(args) -> int:
 
 
 def register(sub) -> None:
-    from flashgen.cli import add_spec_args  # noqa: PLC0415
+    from flashgen.cli_args import add_spec_args  # noqa: PLC0415
 
     p = sub.add_parser("check", help="run a CUDA spec's kernels under the PTX emulator against float64 "
                                      "(no GPU needed)")

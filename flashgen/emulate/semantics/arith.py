@@ -13,7 +13,7 @@ import numpy as np
 from flashgen.emulate import numerics
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import UNSIGNED, dtype_of
-from flashgen.emulate.semantics import handles, unsupported
+from flashgen.emulate.semantics.registry import handles, unsupported
 
 ROUNDING = ("rn", "rz", "rm", "rp")
 FLOATS = ("f32", "f64")

@@ -6,7 +6,7 @@ import numpy as np
 from flashgen.emulate import numerics
 from flashgen.emulate.operands import UNSIGNED, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Sym, Vec
-from flashgen.emulate.semantics import handles, unsupported
+from flashgen.emulate.semantics.registry import handles, unsupported
 
 INTS = ("u8", "s8", "u16", "s16", "u32", "s32", "u64", "s64", "b8", "b16", "b32", "b64")
 

@@ -10,7 +10,7 @@ import numpy as np
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
-from flashgen.emulate.semantics import handles, unsupported
+from flashgen.emulate.semantics.registry import handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
 # more than the emulator gives every access (each one completes, in program order, before the next).

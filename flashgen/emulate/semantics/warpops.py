@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.semantics import handles, require_full_warp, unsupported
+from flashgen.emulate.semantics.registry import handles, require_full_warp, unsupported
 
 LANE = np.arange(32)
 GROUP = LANE >> 2          # "groupID" in the PTX ISA figures
