@@ -243,3 +243,41 @@ def test_verify_catches_a_rewrite_without_the_fixup(kernels, monkeypatch):
     monkeypatch.setattr(empty_rows, "emit_mean_fixup", lambda o, *a, **k: o)
     rows = verify.verify(fr.rewrite(golden), seed=0)["outputs"]
     assert not rows[0]["ok"] and rows[0]["max_error"] > 0.1
+
+
+@pytest.mark.parametrize("spelling", ["gt", "lt_reversed", "ne", "le_negated", "float_gt"])
+def test_merged_padding_and_causal_compared_with_zero(kernels, spelling):
+    # keras_hub merges causal and padding as minimum(int(padding), int(causal)) and tests it
+    # with != 0 (Llama) or, in keras' masked Softmax (GPT-2, Gemma), > 0: both are the
+    # conjunction of 0/1 numbers, so causal + O(S) key padding, rows without a key exact
+    def f(q, k, v, pad):
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        dt = jnp.float32 if spelling == "float_gt" else jnp.int32
+        merged = jnp.minimum(pad[:, None, :].astype(dt), (j <= i)[None].astype(dt))[:, None]
+        fill = jnp.finfo(jnp.float32).min
+        s = _scores(q, k)
+        if spelling in ("gt", "float_gt"):
+            s = jnp.where(merged > 0, s, fill)
+        elif spelling == "lt_reversed":
+            s = jnp.where(0 < merged, s, fill)
+        elif spelling == "ne":
+            s = jnp.where(merged != 0, s, fill)
+        else:
+            s = jnp.where(merged <= 0, fill, s)
+        return _attend(s, v)
+    text = _export(f, *_qkv(), ((B, T), "bool"))
+    site, ref, got, inputs = _run_all_rows(text, "mean")
+    assert site.causal and site.extras == ["segment_ids"], site.notes
+    assert f"tensor<{B}x1x{T}x{T}x" not in fr.rewrite(text).text()
+
+
+def test_merged_mask_tested_with_ge_zero_is_no_conjunction():
+    # minimum(...) >= 0 holds everywhere: no predicate on the booleans, left as it is
+    def f(q, k, v, pad):
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        merged = jnp.minimum(pad[:, None, :].astype(jnp.int32), (j <= i)[None].astype(jnp.int32))
+        s = jnp.where(merged[:, None] >= 0, _scores(q, k), -1e9)
+        return _attend(s, v)
+    result = fr.rewrite(_export(f, *_qkv(), ((B, T), "bool")))
+    for site in result.rewritten:
+        assert not site.causal and site.extras == ["mask"], site.notes

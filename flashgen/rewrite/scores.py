@@ -22,6 +22,12 @@ SCORE_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
                "stablehlo.select", "stablehlo.add", "stablehlo.subtract", "stablehlo.tanh"}
 
 
+# compare directions that, with 0 on one side of a nonnegative x, test x != 0 (True) or
+# x == 0 (False), indexed by the side x is on; None: no such test (x < 0, 0 > x, ...)
+NONZERO_TESTS = {"NE": (True, True), "EQ": (False, False), "GT": (True, None),
+                 "LT": (None, True), "LE": (False, None), "GE": (None, False)}
+
+
 class ScoresStage:
     """Mixin of AttentionPattern: the scores up to the softmax, masks and biases."""
 
@@ -175,14 +181,20 @@ class ScoresStage:
             back = back_layout(op, layout)
             if back is not None:
                 return self._mask_terms(m, Ref(op.operands[0], r.ctx), back, negate, depth + 1)
-        if name == "stablehlo.compare" and compare_direction(op) in ("EQ", "NE"):
-            # x != 0 / x == 0 of a boolean converted to numbers (flax's float masks)
+        if name == "stablehlo.compare" and compare_direction(op) in NONZERO_TESTS:
+            # x != 0 / x == 0 of a boolean converted to numbers (flax's float masks), also
+            # x > 0 / x <= 0 (keras' masked Softmax on keras_hub's merged GPT-2 and Gemma
+            # masks): the 0/1 numbers _bools_of finds are never negative, so > 0 is != 0
             for i in (0, 1):
                 zero = self.folder.fold(Ref(op.operands[1 - i], r.ctx))
                 if zero is None or not zero.uniform or float(zero.scalar()) != 0:
                     continue
                 found = self._bools_of(Ref(op.operands[i], r.ctx), layout, depth)
-                visible_if_true = negate == (compare_direction(op) == "EQ")
+                # True when the compare holds exactly where x != 0 (x on side i)
+                nonzero = NONZERO_TESTS[compare_direction(op)][i]
+                if nonzero is None:
+                    continue    # x < 0 or x >= 0 of a nonnegative x: no mask spelled so
+                visible_if_true = negate != nonzero
                 # a product of several 0/1 numbers is nonzero where all its booleans hold:
                 # a conjunction only when "nonzero" means visible
                 if found is not None and (len(found) == 1 or visible_if_true):

@@ -1282,10 +1282,12 @@ def _():
                         layer.weights, spec((B, T, H * D)), spec((B, T, T), "bool"))
 
 
-@case("keras_hub_gpt2_padding", rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+@case("keras_hub_gpt2_padding", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+      window=[-1, -1], extras=["segment_ids"])
 def _():
-    # keras_hub GPT2Backbone(dropout > 0) with a padding mask: causal AND padding merged into
-    # one run-time mask, applied again after the softmax
+    # keras_hub GPT2Backbone(dropout > 0) with a padding mask: causal AND padding merged as
+    # minimum(int(padding), int(causal)) > 0, applied again after the softmax: causal
+    # attribute + O(S) key padding
     _keras()
     import keras_hub
     model = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=H,
@@ -1296,11 +1298,12 @@ def _():
         model.weights, spec((B, T), "int32"), spec((B, T), "bool"))
 
 
-@case("keras_hub_gemma_mqa_padding", rewritten=1, targets=[tname(32, "f32", False)],
-      kv_heads=1, extras=["mask"])
+@case("keras_hub_gemma_mqa_padding", rewritten=1, targets=[tname(32, "f32", True)],
+      causal=True, kv_heads=1, window=[-1, -1], extras=["segment_ids"])
 def _():
     # keras_hub GemmaBackbone (one kv head) with a padding mask: the 5-D einsum
-    # btkgh,bskh->bkgts, the masked Softmax applying its mask again after the softmax
+    # btkgh,bskh->bkgts, the masked Softmax applying its mask (minimum(int(padding),
+    # int(causal)) > 0) again after the softmax: causal attribute + O(S) key padding
     _keras()
     import keras_hub
     model = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=H,
