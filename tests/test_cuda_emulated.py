@@ -237,3 +237,26 @@ def test_cli_check_needs_emulate(capsys):
     from flashgen.cli import main
     assert main(["check", "--target", "sm80", "--hdim", "64"]) == 2
     assert "--emulate" in capsys.readouterr().err
+
+
+def test_cli_check_refuses_bad_targets_and_outputs_before_building(capsys, tmp_path, fresh_cache):
+    from flashgen.cli import main
+    assert main(["check", "--target", "sm80,cpu", "--emulate", "--hdim", "64"]) == 2
+    assert "sm80 and sm90a" in capsys.readouterr().err
+    assert main(["check", "--target", "sm80", "--emulate", "--hdim", "64", "--json", str(tmp_path)]) == 2
+    assert "--json" in capsys.readouterr().err
+    assert not fresh_cache.exists() or not any(fresh_cache.rglob("*.so"))  # nothing was built
+
+
+def test_check_summary_reads_worst_errors_and_pace():
+    from flashgen.emulate.check import Row, summarize
+    rows = [Row("dense", "d64_bf16_causal", "sq=77", "o", 4e-3, 1.5e-2, 2.0, 1000),
+            Row("dense", "d64_bf16_causal", "sq=77", "lse", 1e-3, 1.5e-2, 2.0, 1000),
+            Row("dense", "d128_f32", "sq=77", "o", 5e-7, 1e-5, 1.0, 500),
+            Row("paged", "d64_bf16", "seqused_k=(1,)", "o", 2e-3, 1.5e-2, 1.0, 1500)]
+    text = summarize(rows)
+    dense = next(l for l in text.splitlines() if l.strip().startswith("dense"))
+    assert "4.00e-03" in dense and "5.00e-07" in dense
+    paged = next(l for l in text.splitlines() if l.strip().startswith("paged"))
+    assert "2.00e-03" in paged and "-" in paged
+    assert "3 handler calls: 3,000 warp-instructions in 4 s (1 k warp-instructions/s)" in text

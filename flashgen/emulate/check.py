@@ -10,6 +10,7 @@ runs standard_cases() and prints the table. Emulation shows correctness, never s
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 
@@ -35,6 +36,7 @@ class Row:
     error: float
     tolerance: float
     seconds: float      # of the handler call that produced the output
+    warp_instructions: int  # executed by that call's launches (the emulator's work)
 
     @property
     def ok(self) -> bool:
@@ -75,16 +77,17 @@ class Checker:
     def _normal(self, *shape):
         return self.rng.standard_normal(shape).astype(self.dt)
 
-    def _rows(self, family, case, seconds, pairs):
+    def _rows(self, family, case, record, pairs):
         tol = TOLERANCE[self.spec.dtype]
-        return [Row(family, self.spec.stem, case, name, relative_error(got, ref), tol, seconds)
+        instructions = sum(l.stats.warp_instructions for l in record.launches)
+        return [Row(family, self.spec.stem, case, name, relative_error(got, ref), tol, record.seconds, instructions)
                 for name, got, ref in pairs]
 
     def _run(self, family, case, target, operands, results, attrs, pairs_of, kernels):
         """Call `target`; pairs_of(outputs) -> [(name, got, ref)]; returns (outputs, rows)."""
         outs, rec = self.lib.call(target, operands, results, seed=self.seed, **attrs)
         kernels += [l.entry for l in rec.launches]
-        return outs, self._rows(family, case, rec.seconds, pairs_of(outs))
+        return outs, self._rows(family, case, rec, pairs_of(outs))
 
     # -----------------------------------------------------------------------------------------
     def dense(self, *, batch=1, seqlen_q=77, seqlen_k=None, heads_q=2, heads_kv=1, bottom_right=False,
@@ -231,7 +234,26 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
 
 
+def summarize(rows: list[Row]) -> str:
+    """The largest error per family and element type, and the emulator's pace."""
+    worst: dict = {}
+    for r in rows:
+        key = (r.family, r.spec.split("_")[1])  # stems read d64_bf16[_causal]
+        worst[key] = max(worst.get(key, 0.0), r.error)
+    dtypes = [t for t in NP_DTYPES if any(k[1] == t for k in worst)]
+    families = list(dict.fromkeys(k[0] for k in worst))
+    lines = ["largest relative error: " + "  ".join(f"{t:>9}" for t in dtypes)]
+    lines += [f"  {f:<20}  " + "  ".join(f"{worst[(f, t)]:9.2e}" if (f, t) in worst else f"{'-':>9}"
+                                        for t in dtypes) for f in families]
+    calls = {(r.spec, r.family, r.case, r.seconds): r.warp_instructions for r in rows}  # one per handler call
+    seconds, instructions = sum(k[3] for k in calls), sum(calls.values())
+    lines.append(f"emulated {len(calls)} handler calls: {instructions:,} warp-instructions in {seconds:.0f} s "
+                 f"({instructions / max(seconds, 1e-9) / 1e3:.0f} k warp-instructions/s)")
+    return "\n".join(lines)
+
+
 def cmd_check(args) -> int:
+    from flashgen.bench_common import environment, json_output  # noqa: PLC0415
     from flashgen.build import build  # noqa: PLC0415 -- keeps `flashgen --help` light
     from flashgen.emulate.host import EmulatedLibrary  # noqa: PLC0415
     from flashgen.errors import UsageError  # noqa: PLC0415
@@ -239,28 +261,42 @@ def cmd_check(args) -> int:
     if not args.emulate:
         raise UsageError("flashgen check runs the CUDA kernels on the CPU under the PTX emulator: pass --emulate "
                          "(on a GPU machine, the GPU tests are `pytest -m gpu`)")
-    spec = KernelSpec(args.hdim, args.dtype, bool(args.causal), args.target)
+    if set(args.target) - {"sm80", "sm90a"}:
+        raise UsageError(f"flashgen check emulates CUDA targets sm80 and sm90a, not {', '.join(args.target)}")
+    causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
+    specs = [KernelSpec(d, t, c, target) for target in args.target for d in args.hdim for t in args.dtype
+             for c in causal]
+    out = json_output(args.json) if args.json else None  # a bad location is refused before any work
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    lib = EmulatedLibrary(build(spec, host="emulate", progress=say))
     seed = np.random.SeedSequence().entropy if args.seed is None else args.seed
-    c = Checker(lib, spec, np.random.default_rng(seed))
-    say(f"{spec}: running its kernels under emulation (input seed {seed}); correctness only, not speed")
+    rows: list[Row] = []
     t0 = time.perf_counter()
-    rows = [row for case in standard_cases(c) for row in case.rows]
+    for spec in specs:
+        lib = EmulatedLibrary(build(spec, host="emulate", progress=say))
+        say(f"{spec}: running its kernels under emulation (input seed {seed}); correctness only, not speed")
+        rows += [row for case in standard_cases(Checker(lib, spec, np.random.default_rng(seed))) for row in case.rows]
     print(format_table(rows))
     failed = sum(not r.ok for r in rows)
+    if len(specs) > 1 or args.json:
+        print(summarize(rows))
     print(f"{len(rows) - failed}/{len(rows)} outputs within tolerance in {time.perf_counter() - t0:.0f}s")
+    if out:
+        doc = {"environment": environment("cpu"), "emulated_targets": args.target, "seed": seed,
+               "specs": [str(s) for s in specs], "failed": failed, "rows": [dataclasses.asdict(r) for r in rows]}
+        out.write(json.dumps(doc, indent=1).encode())
     return 1 if failed else 0
 
 
 def register(sub) -> None:
-    from flashgen.cli_args import add_spec_args  # noqa: PLC0415
+    from flashgen.cli_args import add_spec_args, csv  # noqa: PLC0415
 
-    p = sub.add_parser("check", help="run a CUDA spec's kernels under the PTX emulator against float64 "
+    p = sub.add_parser("check", help="run CUDA specs' kernels under the PTX emulator against float64 "
                                      "(no GPU needed)")
-    p.add_argument("--target", required=True, choices=["sm80", "sm90a"])
+    p.add_argument("--target", required=True, type=csv, help="sm80, sm90a (comma-separated)")
     p.add_argument("--emulate", action="store_true", help="run on the CPU under flashgen's PTX emulator")
-    add_spec_args(p, multi=False)
-    p.add_argument("--causal", action="store_true")
+    add_spec_args(p, multi=True)
+    p.add_argument("--causal", nargs="?", const="on", default="off", choices=["on", "off", "both"],
+                   help="--causal alone: the causal spec; 'both': each spec both ways")
     p.add_argument("--seed", type=int, help="input seed (default: fresh)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows, the seed and the environment as JSON")
     p.set_defaults(func=cmd_check)
