@@ -299,3 +299,43 @@ def test_self_scores_dq_and_dk_told_apart_by_the_proof(monkeypatch, kernels):
                                  register=False)[0], np.float64)
     got = np.asarray(execute.run(result.to_bytes(), inputs)[0], np.float64)
     assert np.max(np.abs(ref - got)) / np.max(np.abs(ref)) <= TOLERANCE["f32"]
+
+
+# ----------------------------------------------------------------------------- run-time scale
+def _runtime_scale_grad(on_scores: bool):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v, scale):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale if on_scores else \
+            jnp.einsum("bqhd,bkhd->bhqk", q * scale, k)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        return jnp.sum(o * jnp.sin(o))
+    x = jax.ShapeDtypeStruct((1, 16, 2, 32), jnp.float32)
+    return jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cpu"])(
+        x, x, x, jax.ShapeDtypeStruct((), jnp.float32)).mlir_module()
+
+
+def test_training_site_scaled_at_run_time_on_the_scores_is_left_alone():
+    # dQ and dK would need the run-time scale: the kernel's scale attribute is a constant
+    text = _runtime_scale_grad(on_scores=True)
+    result = fr.rewrite(text.encode())
+    assert not result.rewritten
+    assert any("scale known only at run time" in s.reason for s in result.rejected), \
+        [s.reason for s in result.rejected]
+
+
+def test_training_site_with_q_scaled_at_run_time_is_rewritten_exactly(kernels):
+    # a scale applied to Q before the product is part of Q: the graph's own transpose of that
+    # multiply carries dQ back through it
+    text = _runtime_scale_grad(on_scores=False)
+    result = fr.rewrite(text.encode())
+    assert len(_training(result)) == 1, [s.reason for s in result.rejected]
+    rng = np.random.default_rng()
+    inputs = [rng.standard_normal((1, 16, 2, 32)).astype(np.float32) for _ in range(3)] + \
+             [np.float32(rng.uniform(0.05, 0.4))]
+    ref = execute.run(text.encode(), inputs, register=False)
+    got = execute.run(result.to_bytes(), inputs)
+    for r, g in zip(ref, got):
+        r64, g64 = np.asarray(r, np.float64), np.asarray(g, np.float64)
+        assert np.max(np.abs(r64 - g64)) / np.max(np.abs(r64)) <= TOLERANCE["f32"]
