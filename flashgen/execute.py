@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import zipfile
+import zlib
 from typing import Optional, Sequence
 
 import ml_dtypes
@@ -305,8 +307,8 @@ def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
         data = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise UsageError(f"no such inputs file: {path}") from None
-    except (ValueError, OSError) as e:
-        raise UsageError(f"cannot read {path} as .npz or .npy: {e}") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # EOFError: an empty file
+        raise UsageError(f"cannot read {path} as .npz or .npy: {e or type(e).__name__}") from None
     if isinstance(data, np.ndarray):  # an .npy: one array
         if len(params) != 1:
             raise UsageError(f"{path} is an .npy (one array); @main takes {len(params)} inputs: "
@@ -324,7 +326,11 @@ def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
             parts.append(f"unexpected {', '.join(extra)}")
         sig = ", ".join(f"arg{i}: {p}" for i, p in enumerate(params))
         raise UsageError(f"{path}: {'; '.join(parts)} (@main takes {sig or 'no inputs'})")
-    return coerce_inputs([data[n] for n in want], params)
+    try:  # members are read (and inflated) only here
+        arrays = [data[n] for n in want]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise UsageError(f"cannot read {path}: {e or type(e).__name__}") from None
+    return coerce_inputs(arrays, params)
 
 
 def npz_bytes(outputs: Sequence[np.ndarray]) -> bytes:

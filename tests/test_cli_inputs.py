@@ -74,6 +74,19 @@ def test_run_npy_for_one_input_module(tmp_path, capsys):
     assert rc == 2 and ".npy (one array); @main takes 2 inputs" in io_.err
 
 
+def test_run_unreadable_inputs_one_line_error(tmp_path, capsys):
+    # found by the cli_run fuzz target: an empty file ended in numpy's EOFError traceback
+    module = _module(tmp_path, F32)
+    empty, truncated, junk = tmp_path / "e.npz", tmp_path / "t.npz", tmp_path / "j.npz"
+    empty.write_bytes(b"")
+    np.savez(truncated, arg0=np.arange(64, dtype=np.float32))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    junk.write_bytes(b"PK\x03\x04" + bytes(40))
+    for path in (empty, truncated, junk):
+        rc, io_ = _run(capsys, "run", module, "--inputs", path)
+        assert rc == 2 and f"cannot read {path}" in io_.err and "Traceback" not in io_.err
+
+
 def test_run_64_bit_module_in_64_bits(tmp_path, capsys):
     import jax
     assert not jax.config.jax_enable_x64

@@ -27,7 +27,7 @@ CHILD = os.environ.get("FLASHGEN_FUZZ_CHILD") == "1"
 EXAMPLES = int(os.environ.get("FLASHGEN_FUZZ_EXAMPLES", "40"))
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "inputs"
 TARGETS = ("random_bytes", "mutated_text", "mutated_binary", "mutated_numerics", "cli_emit",
-           "handler_attributes")
+           "cli_run", "handler_attributes")
 
 
 # ------------------------------------------------------------------------------ parent side
@@ -244,6 +244,43 @@ if CHILD:
         argv += ["--causal"] * causal + ["--module"] * module
         _attempt(" ".join(argv).encode())
         rc = cli.main(argv)
+        assert rc in (0, 1, 2)
+        _outcome(f"exit {rc}")
+
+    DTYPES = st.sampled_from(["float32", "float32", "bfloat16", "float16", "float64", "int32", "uint16",
+                              "int64", "bool", "complex64"])
+
+    @settings(FUZZ, max_examples=max(4, EXAMPLES // 4))  # each input may compile and run a module
+    @given(st.sampled_from(["jnn_f32.mlir", "einsum_additive_bias.mlir", "jnn_causal_bf16.mlir"]),
+           st.data())
+    def test_child_cli_run(module, data):
+        """`flashgen run MODULE --inputs F` with arrays of any dtype and shape under right or wrong
+        names, or a file that is no .npz at all: it runs, or answers exit 1/2 with one line."""
+        import io
+        import tempfile
+        import ml_dtypes
+        from flashgen import cli, execute
+        params = execute.signature(GOLDEN / module)[0]
+        buf = io.BytesIO()
+        if data.draw(st.integers(0, 9)) == 0:
+            buf.write(data.draw(st.binary(max_size=512)))
+        else:
+            arrays = {}
+            for i, p in enumerate(params):
+                if data.draw(st.integers(0, 9)) == 0:
+                    continue  # a missing input
+                # mostly right, so that the module also runs on what a user would feed it
+                shape = list(p.shape) if data.draw(st.integers(0, 4)) else \
+                    data.draw(st.lists(st.integers(0, 9), max_size=5))
+                dtype = p.dtype if data.draw(st.integers(0, 3)) else data.draw(DTYPES)
+                name = f"arg{i}" if data.draw(st.integers(0, 9)) else data.draw(st.text(max_size=5))
+                arrays[name] = np.full(shape, 0.5).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+            np.savez(buf, **arrays)
+        _attempt(buf.getvalue())
+        with tempfile.NamedTemporaryFile(suffix=".npz") as f:
+            f.write(buf.getvalue())
+            f.flush()
+            rc = cli.main(["run", str(GOLDEN / module), "--inputs", f.name])
         assert rc in (0, 1, 2)
         _outcome(f"exit {rc}")
 
