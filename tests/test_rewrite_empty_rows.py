@@ -1,11 +1,13 @@
-"""Query rows whose keys are all masked at run time (flashgen.rewrite.empty_rows): the
-rewritten program computes what the original computes on every row — the mean of V with a
-finite fill, 0 where the probabilities are zeroed again — and keeps 0 where the original
-gives NaN (-inf fill), which --verify then does not count as a difference.
+"""Query rows whose keys are all masked, at run time or by a constant mask
+(flashgen.rewrite.empty_rows): the rewritten program computes what the original computes on
+every row — the mean of V with a finite fill, 0 where the probabilities are zeroed again —
+and keeps 0 where the original gives NaN (-inf fill), which --verify then does not count as
+a difference.
 
-The golden cases (GPT-2 eager left-padded, flax linen / nnx with padding masks) run the same
-checks on real exports; these cover the corners: GQA, bands with padding, bottom-right,
-fills that cannot be reproduced, and the verify inputs themselves.
+The golden cases (GPT-2 eager left-padded, flax linen / nnx with padding masks, keras_hub
+GPT-2 / Gemma, a constant strictly-below-diagonal mask) run the same checks on real exports;
+these cover the corners: GQA, bands with padding, bottom-right, constant masks that empty
+rows, fills that cannot be reproduced, and the verify inputs themselves.
 """
 from __future__ import annotations
 
@@ -281,3 +283,89 @@ def test_merged_mask_tested_with_ge_zero_is_no_conjunction():
     result = fr.rewrite(_export(f, *_qkv(), ((B, T), "bool")))
     for site in result.rewritten:
         assert not site.causal and site.extras == ["mask"], site.notes
+
+
+# ----------------------------------------------------------------------------- constant masks
+def _strict_below(t=T, s=T):
+    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    return j < i
+
+
+def test_constant_mask_empty_row_fixed_up_from_a_constant(kernels):
+    # no band expresses j < i: a constant mask operand whose row 0 is empty, known when the
+    # site is resolved: the fix-up reads a constant [1, 1, Sq] flag, no OR over the keys
+    def f(q, k, v):
+        return _attend(jnp.where(_strict_below(), _scores(q, k), -1e9), v)
+    text = _export(f, *_qkv())
+    site, ref, got, inputs = _run_all_rows(text, "mean")
+    assert site.extras == ["mask"] and not site.causal
+    np.testing.assert_allclose(got[:, 0], _mean_v(inputs[2]), rtol=1e-5, atol=1e-5)
+    body = fr.rewrite(text).text()
+    assert f"tensor<1x1x{T}xi1>" in body and "applies stablehlo.or" not in body
+
+
+def test_bottom_right_causal_with_more_queries_than_keys(kernels):
+    # a constant bottom-right causal band with Sq > Sk: its first Sq - Sk rows see no key;
+    # the band stays the causal attribute and those rows get the mean of V
+    sq, sk = T, 4
+
+    def f(q, k, v):
+        i, j = jnp.arange(sq)[:, None] - (sq - sk), jnp.arange(sk)[None, :]
+        return _attend(jnp.where(j <= i, _scores(q, k), jnp.finfo(jnp.float32).min), v)
+    site, ref, got, inputs = _run_all_rows(_export(f, *_qkv(t=sq, s=sk)), "mean")
+    assert site.causal and site.bottom_right and site.extras == []
+    np.testing.assert_allclose(got[:, :sq - sk], np.broadcast_to(
+        _mean_v(inputs[2])[:, None], (B, sq - sk, H, D)), rtol=1e-5, atol=1e-5)
+
+
+def test_constant_empty_row_and_runtime_padding(kernels):
+    # a constant mask with an empty row AND a run-time key padding: the rows come from the
+    # operands at run time (the constant's and the padding's)
+    def f(q, k, v, pad):
+        vis = _strict_below()[None, None] & pad[:, None, None, :]
+        return _attend(jnp.where(vis, _scores(q, k), -1e9), v)
+    site, ref, got, inputs = _run_all_rows(_export(f, *_qkv(), ((B, T), "bool")), "mean")
+    empty = _empty(np.asarray(_strict_below())[None] & inputs[3][:, None, :])
+    assert empty[:, 0].all() and empty[0].all()
+    want = _mean_v(inputs[2])
+    for b, i in zip(*np.nonzero(empty)):
+        np.testing.assert_allclose(got[b, i], want[b], rtol=1e-5, atol=1e-5)
+
+
+def test_constant_minus_inf_bias_empty_row_is_nan_in_the_original(kernels):
+    # a 0 / -inf constant bias: the original's empty row is NaN (0/0); the rewrite keeps 0
+    def f(q, k, v):
+        return _attend(_scores(q, k) + jnp.where(_strict_below(), 0.0, -jnp.inf), v)
+    site, ref, got, inputs = _run_all_rows(_export(f, *_qkv()), "nan")
+    assert np.isnan(ref[:, 0]).all() and (got[:, 0] == 0).all()
+    assert np.isfinite(ref[:, 1:]).all()
+
+
+def test_constant_empty_row_with_a_small_added_fill_is_refused():
+    # -1e5 added in f32 absorbs no score: row 0 is the softmax of its rounded scores
+    def f(q, k, v):
+        return _attend(_scores(q, k) + jnp.where(_strict_below(), 0.0, -1e5), v)
+    result = fr.rewrite(_export(f, *_qkv()))
+    assert not result.rewritten
+    assert "too small to absorb" in result.rejected[0].reason
+
+
+def test_constant_empty_row_training_gradients(kernels):
+    # jax.grad through the strictly-below-diagonal attention: row 0 is the mean of V, so dV
+    # gains dO_0 / Sk on every key (emit_mean_fixup_grad from the constant row flags)
+    def loss(q, k, v):
+        o = _attend(jnp.where(_strict_below(), _scores(q, k), -1e9), v)
+        return jnp.sum(o * jnp.sin(o))
+    args = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in _qkv()]
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                             platforms=["cpu"])(*args).mlir_module()
+    result = fr.rewrite(text)
+    assert [s.backward_target for s in result.rewritten] and not result.rejected, \
+        [s.reason for s in result.rejected]
+    assert result.rewritten[0].empty_rows == "mean"
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(s).astype(np.float32) for s, _ in _qkv()]
+    ref = execute.run(modules.load(text), inputs, register=False)
+    got = execute.run(modules.load(result.to_bytes()), inputs)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-4)

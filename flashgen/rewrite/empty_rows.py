@@ -2,7 +2,9 @@
 that makes the rewritten program compute the same.
 
 A run-time mask (a ``mask`` operand, segment ids, key padding) can leave a query row with
-every key masked. The kernel outputs 0 on such a row. The original program gives:
+every key masked, and so can a constant one (a strictly-below-diagonal mask, bottom-right
+causal with Sq > Sk: those rows are known when the site is resolved). The kernel outputs 0
+on such a row. The original program gives:
 
   zero   its probabilities are zeroed again after the softmax (torch's fully-masked-row guard,
          keras' re-applied mask): 0, the kernel's answer.
@@ -11,7 +13,8 @@ every key masked. The kernel outputs 0 on such a row. The original program gives
          every score, e.g. transformers' finfo(f32).min). The softmax of equal scores is
          uniform, so the row is the mean of V over the row's keys. flashgen emits
          ``select(no_visible_key, mean over Sk of V, o)`` after the call. no_visible_key
-         comes from the call's own mask operands: for key padding under no band, causal or a
+         comes from the call's own mask operands: a constant [1|B, 1|Hq, Sq] when every
+         mask is constant; for key padding under no band, causal or a
          right-bounded window, from each sequence's first real key (O(B·S)); otherwise an
          OR-reduction of the visibility over the keys (XLA CPU materializes it, one byte an
          [Sq, Sk] entry). The mean reads the kernel's V operand (so GQA and broadcast K/V
@@ -53,13 +56,13 @@ def absorbs(fill: float, dtype: str) -> bool:
     return half_ulp >= ABSORBED_SCORE
 
 
-def behaviour(fills, *, zeroed_after: bool, max_subtracted: bool, runtime_masked: bool) -> str:
+def behaviour(fills, *, zeroed_after: bool, max_subtracted: bool, may_empty: bool) -> str:
     """'none' (no row can lose every key), 'zero', 'mean' or 'nan' (see the module doc).
 
     ``fills``: (how, value, dtype) per masking step on the scores: how = 'select' (the fill
-    replaces the score) or 'add' (the fill is added to it)."""
-    if not runtime_masked:
-        return "none"       # constant masks that empty a row are rejected when resolved
+    replaces the score) or 'add' (the fill is added to it). ``may_empty``: may_empty_rows()."""
+    if not may_empty:
+        return "none"
     if zeroed_after:
         return "zero"
     if not max_subtracted or all(np.isneginf(v) for _, v, _ in fills):
@@ -68,21 +71,24 @@ def behaviour(fills, *, zeroed_after: bool, max_subtracted: bool, runtime_masked
     if len(values) > 1:
         raise Reject("the masks use different fill values "
                      f"({', '.join(f'{v:g}' for v in sorted(values))}): a query row whose keys "
-                     "are all masked at run time would average only some keys")
+                     "are all masked would average only some keys")
     for how, value, dtype in fills:
         if how == "add" and not absorbs(value, dtype):
             raise Reject(f"the mask adds the fill {value:g} in {dtype}, too small to absorb the "
-                         "scores: a query row whose keys are all masked at run time is the "
+                         "scores: a query row whose keys are all masked is the "
                          "softmax of the rounded scores, which the kernel cannot reproduce")
     return "mean"
 
 
-def runtime_masked(resolved, seq_q: int, seq_k: int) -> bool:
-    """Can a run-time value leave a query row without a visible key? Not when the only
-    run-time mask is one tensor of segment ids compared with itself over a square problem:
-    every query then sees its own key (any causal / window band keeps the diagonal)."""
+def may_empty_rows(resolved, seq_q: int, seq_k: int) -> bool:
+    """Can a query row be left without a visible key? Yes when the constant masks leave such
+    rows (``resolved.const_empty``) or a run-time value may -- not when the only run-time
+    mask is one tensor of segment ids compared with itself over a square problem: every
+    query then sees its own key (any causal / window band keeps the diagonal)."""
     if resolved is None:
         return False
+    if resolved.const_empty is not None:
+        return True
     for name, recipe in zip(resolved.names, resolved.recipes):
         if name == "mask" and any(p[0] == "value" for p in recipe[1]):
             return True
@@ -102,7 +108,13 @@ def _self_compared(q_side, kv_side, q_seq, k_free) -> bool:
 
 def visible_parts(resolved, extra_values) -> list:
     """The call's mask operands among its extra operands (``resolved.names`` order; segment
-    ids are two operands; a key-padding mask's q ids are all 1)."""
+    ids are two operands; a key-padding mask's q ids are all 1). Where every mask is
+    constant, [('static', the [1|B, 1|Hq, Sq] rows without a visible key)]: known here."""
+    static = all(name != "segment_ids" and (name != "mask" or
+                                            all(p[0] == "const" for p in recipe[1]))
+                 for name, recipe in zip(resolved.names, resolved.recipes))
+    if static and resolved.const_empty is not None:
+        return [("static", resolved.const_empty)]
     parts, i = [], 0
     for name, recipe in zip(resolved.names, resolved.recipes):
         if name == "segment_ids":
@@ -196,11 +208,13 @@ def emit_bias_floor(x: ir.Value, created) -> ir.Value:
 
 def _no_visible_key(parts, b, hq, sq, sk, causal, bottom_right, window, created):
     """[1|B, 1|Hq, Sq] i1: the query row sees no key."""
+    i1 = ir.IntegerType.get_signless(1)
+    if len(parts) == 1 and parts[0][0] == "static":     # constant masks only: a constant
+        return adapters.constant(parts[0][1], i1, created)
     left, right = window
     if len(parts) == 1 and parts[0][0] == "padding" and left < 0:
         return _no_valid_key_before(parts[0][1], sq, sk, causal, bottom_right, right, created)
     # XLA materializes the [.., Sq, Sk] visibility (1 byte an entry) before reducing it
-    i1 = ir.IntegerType.get_signless(1)
     pb, ph = 1, 1
     for part in parts:
         if part[0] == "mask":

@@ -101,6 +101,9 @@ class Resolved:
     # run-time bias source -> [(view value, its refined layout, the factor the kernel's
     # bias holds it with)] for the views (ValueBias.views) that map onto the kernel operand:
     # where a training graph's bias gradient may be taken (emit_bias_grads)
+    const_empty: Optional[np.ndarray] = None
+    # [1|B, 1|Hq, Sq] bool: the query rows that the constant masks alone (causal / window
+    # attributes, a constant mask operand) leave without a visible key; None if there are none
 
 
 def _groups(kernel_q, k_free):
@@ -133,12 +136,15 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
         cm = _fit(adapters.np_to_kernel, const.array.astype(bool), L.refine(lay, cuts), groups)
         const_mask = cm if const_mask is None else (const_mask & cm)
     if const_mask is not None:
-        if not const_mask.any(axis=-1).all():
-            raise Reject("the mask leaves rows with no visible key")
         if const_mask.all():
             const_mask = None
         else:
             visible = visible & const_mask
+    # query rows the constant masks (band attributes and a constant mask operand) leave
+    # without a visible key: the kernel's 0 there is fixed up like a run-time mask's empty
+    # rows (flashgen.rewrite.empty_rows)
+    const_empty = ~visible.any(axis=-1)                            # [1|B, 1|Hq, Sq]
+    const_empty = _compact(const_empty[..., None])[..., 0] if const_empty.any() else None
 
     # ---- constant biases: ALiBi, dropped, or a constant operand
     bias_parts = []
@@ -242,7 +248,8 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
         recipes["segment_ids"] = ("padding",) + padding
         describe["segment_ids"] = f"key padding as segment ids [{nb},{sq}] / [{nb},{sk}] i32 (runtime)"
     return Resolved(tuple(names), [recipes[n] for n in names], bottom_right, notes,
-                    [describe[n] for n in names], tuple(kernel_q), tuple(k_free), bias_views)
+                    [describe[n] for n in names], tuple(kernel_q), tuple(k_free), bias_views,
+                    const_empty)
 
 
 def _mappable_views(it: ValueBias, cuts, groups, final_scale: float, shape) -> list:

@@ -4,7 +4,7 @@ A mask is evaluated to a boolean "visible" tensor (flashgen.rewrite.fold) in the
 layout of the scores where it applied. Every axis it is constant along is dropped;
 what remains must vary along one query axis and one key axis only, and be a band
 on the diagonal distance: visible iff ``lo <= j - i - off <= hi`` with off = 0
-(top-left) or Sk - Sq (bottom-right), with no fully masked row. hi = 0 is causal,
+(top-left) or Sk - Sq (bottom-right). hi = 0 is causal,
 hi > 0 a window's right side, lo a window's left side (left = -lo); an unbounded
 side is -1. Anything else (padding, block masks, hi < 0) raises NotBand with the reason; the
 pattern then passes the mask as a constant ``mask`` operand (flashgen.rewrite.extras).
@@ -91,8 +91,8 @@ def classify(masks, cuts, q_free, k_free):
         raise NotBand("the mask is not causal or a sliding window (block, strided or other "
                      "pattern): unsupported")
     causal, bottom_right, window = found
-    if not full.any(axis=1).all():
-        raise Reject("the mask leaves rows with no visible key")
+    # rows the band leaves without a visible key (e.g. bottom-right causal with Sq > Sk) are
+    # the kernel's too: flashgen.rewrite.empty_rows makes them what the original computes
     return causal, bottom_right, [q_axis] if q_axis is not None else [], window
 
 

@@ -427,10 +427,11 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                          "probabilities are not masked again")
         empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards) or m.remasked,
                                      max_subtracted=m.max_subtracted,
-                                     runtime_masked=empty_rows.runtime_masked(resolved, seq_q, seq_k))
+                                     may_empty=empty_rows.may_empty_rows(resolved, seq_q, seq_k))
         if self.polymorphic and empty == "mean":
             raise Reject("a shape-polymorphic site whose rows without a visible key need the "
-                         "finite-fill fix-up (a padding mask) is not rewritten", **details)
+                         "finite-fill fix-up (a padding mask, a constant mask leaving rows "
+                         "without a key) is not rewritten", **details)
         if empty in empty_rows.NOTES:
             m.notes.append(empty_rows.NOTES[empty])
         spec = KernelSpec(head_dim, dtype, causal, self.target)

@@ -1574,16 +1574,33 @@ def _():
     return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
 
 
-@case("neg_const_mask_empty_row", rejected=["no visible key"])
+@case("const_mask_empty_row", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+      extras=["mask"])
 def _():
-    # strictly-below-diagonal: the first query sees nothing (the kernel would give 0, the
-    # program the mean of V)
+    # strictly-below-diagonal: the first query sees nothing. The program gives the mean of V
+    # there (a finite fill: equal scores), the kernel 0: a constant mask operand and, the
+    # empty rows being known statically, select(constant row flags, mean of V, o)
     jax, jnp, _ = _jax()
 
     def f(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
         s = jnp.where(j < i, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    return export_fn(f, *qkv())
+
+
+@case("neg_const_mask_empty_row_small_fill", rejected=["too small to absorb"])
+def _():
+    # the same mask added as a constant 0 / -1e5 bias: -1e5 + s rounds to no single value in
+    # f32, so the first query's row is the softmax of its (rounded) scores, not a mean of V,
+    # and no kernel mode reproduces it
+    jax, jnp, _ = _jax()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = s + jnp.where(j < i, 0.0, -1e5)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
     return export_fn(f, *qkv())
 
