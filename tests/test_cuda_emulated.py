@@ -116,6 +116,13 @@ def test_paged_alibi_softcap_f16(rng):
                                                           alibi="H", softcap=4.0, bottom_right=True))
 
 
+def test_varlen_softcap_gqa_and_paged_alibi_bh_window(rng):
+    c = checker(rng, 64, "bf16", True)
+    assert_matches(c.varlen(seqlens_q=(20, 33), seqlens_k=(40, 33), heads_q=4, heads_kv=2, softcap=3.0,
+                            bottom_right=True))
+    assert_matches(c.paged(seqused_k=(200, 9), seqlen_q=2, block_size=48, alibi="BH", window=(30, 0)))
+
+
 def test_paged_without_scratch_runs_unsplit(rng):
     # XLA may refuse scratch: the handler then runs one split, still exact.
     c = checker(rng, 64, "bf16", True)
