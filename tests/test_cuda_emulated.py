@@ -257,10 +257,10 @@ def test_cli_check_refuses_bad_targets_and_outputs_before_building(capsys, tmp_p
 
 def test_check_summary_reads_worst_errors_and_pace():
     from flashgen.emulate.check import Row, summarize
-    rows = [Row("dense", "d64_bf16_causal", "sq=77", "o", 4e-3, 1.5e-2, 2.0, 1000),
-            Row("dense", "d64_bf16_causal", "sq=77", "lse", 1e-3, 1.5e-2, 2.0, 1000),
-            Row("dense", "d128_f32", "sq=77", "o", 5e-7, 1e-5, 1.0, 500),
-            Row("paged", "d64_bf16", "seqused_k=(1,)", "o", 2e-3, 1.5e-2, 1.0, 1500)]
+    rows = [Row("dense", "d64_bf16_causal", "sq=77", "o", 4e-3, 1.5e-2, 2.0, 1000, 1),
+            Row("dense", "d64_bf16_causal", "sq=77", "lse", 1e-3, 1.5e-2, 2.0, 1000, 1),
+            Row("dense", "d128_f32", "sq=77", "o", 5e-7, 1e-5, 1.0, 500, 1),
+            Row("paged", "d64_bf16", "seqused_k=(1,)", "o", 2e-3, 1.5e-2, 1.0, 1500, 2)]
     text = summarize(rows)
     dense = next(l for l in text.splitlines() if l.strip().startswith("dense"))
     assert "4.00e-03" in dense and "5.00e-07" in dense

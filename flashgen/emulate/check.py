@@ -38,6 +38,7 @@ class Row:
     tolerance: float
     seconds: float      # of the handler call that produced the output
     warp_instructions: int  # executed by that call's launches (the emulator's work)
+    call: int           # which of the Checker's handler calls produced it (rows share calls)
 
     @property
     def ok(self) -> bool:
@@ -67,6 +68,7 @@ class Checker:
 
     def __init__(self, library, spec: KernelSpec, rng: np.random.Generator, *, seed: int | None = None):
         self.lib, self.spec, self.rng, self.seed = library, spec, rng, seed
+        self.calls = 0
         self.dt = NP_DTYPES[spec.dtype]
         self.scale = float(np.float32(1 / np.sqrt(spec.head_dim)))
 
@@ -81,8 +83,9 @@ class Checker:
     def _rows(self, family, case, record, pairs):
         tol = TOLERANCE[self.spec.dtype]
         instructions = sum(l.stats.warp_instructions for l in record.launches)
-        return [Row(family, self.spec.stem, case, name, relative_error(got, ref), tol, record.seconds, instructions)
-                for name, got, ref in pairs]
+        self.calls += 1
+        return [Row(family, self.spec.stem, case, name, relative_error(got, ref), tol, record.seconds, instructions,
+                    self.calls) for name, got, ref in pairs]
 
     def _run(self, family, case, target, operands, results, attrs, pairs_of, kernels):
         """Call `target`; pairs_of(outputs) -> [(name, got, ref)]; returns (outputs, rows)."""
@@ -246,8 +249,8 @@ def summarize(rows: list[Row]) -> str:
     lines = ["largest relative error: " + "  ".join(f"{t:>9}" for t in dtypes)]
     lines += [f"  {f:<20}  " + "  ".join(f"{worst[(f, t)]:9.2e}" if (f, t) in worst else f"{'-':>9}"
                                         for t in dtypes) for f in families]
-    calls = {(r.spec, r.family, r.case, r.seconds): r.warp_instructions for r in rows}  # one per handler call
-    seconds, instructions = sum(k[3] for k in calls), sum(calls.values())
+    calls = {(r.spec, r.call): (r.seconds, r.warp_instructions) for r in rows}
+    seconds, instructions = (sum(c[i] for c in calls.values()) for i in (0, 1))
     lines.append(f"emulated {len(calls)} handler calls: {instructions:,} warp-instructions in {seconds:.0f} s "
                  f"({instructions / max(seconds, 1e-9) / 1e3:.0f} k warp-instructions/s)")
     return "\n".join(lines)
