@@ -66,6 +66,17 @@ def test_finding_nan_in_constant_bias_is_not_a_mask():
     assert not result.rewritten and "NaN" in result.rejected[0].reason
 
 
+def test_finding_negative_dimension_is_a_load_error():
+    """mutated_binary gave a shape-polymorphic module's dynamic_broadcast_in_dim a result
+    dimension of -(2**63 - 1): bytecode carries it, its text does not parse back, and the
+    refinement's re-parse raised a bare MLIRError. It is refused when the module is read."""
+    import flashgen.rewrite as fr
+    from flashgen.errors import LoadError
+    data = (pathlib.Path(__file__).parent / "fuzz_findings" / "negative_dimension.jax_exported").read_bytes()
+    with pytest.raises(LoadError, match="negative dimension"):
+        fr.rewrite(data)
+
+
 def test_finding_nan_softmax_max_init_refused():
     """mutated_numerics turned the softmax max's -inf initial value into NaN: every row of
     the original is NaN, the rewritten one was finite."""

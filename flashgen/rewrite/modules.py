@@ -160,18 +160,29 @@ def check_stablehlo(module: ir.Module) -> None:
             raise LoadError(f"not a StableHLO module: top-level op '{name}'")
     if main is None:
         raise LoadError("the module has no @main function")
-    bad = _foreign_op(module.operation)
-    if bad:
-        raise LoadError(f"not a StableHLO module: it contains '{bad}' "
-                        f"(only {', '.join(sorted(_ALLOWED_DIALECTS))} ops are read)")
-
-
-def _foreign_op(op) -> Optional[str]:
     from flashgen.rewrite.graph import nested_ops
-    for inner in nested_ops(op):
-        name = inner.operation.name
+    for op in nested_ops(module.operation):
+        name = op.operation.name
         if name.split(".")[0] not in _ALLOWED_DIALECTS:
-            return name
+            raise LoadError(f"not a StableHLO module: it contains '{name}' "
+                            f"(only {', '.join(sorted(_ALLOWED_DIALECTS))} ops are read)")
+        bad = _malformed_type(op.operation)
+        if bad:
+            raise LoadError(f"malformed module: '{name}' has the type {bad} (a negative dimension)")
+
+
+_DYNAMIC = -(2**63)  # ir.ShapedType.get_dynamic_size()
+
+
+def _malformed_type(op) -> Optional[str]:
+    """A result or block-argument tensor type of ``op`` with a negative static dimension.
+    Bytecode can carry one; its text form does not parse back, so nothing downstream (a
+    rewrite written as text, a refined instance) could read it."""
+    values = list(op.results) + [a for r in op.regions for b in r.blocks for a in b.arguments]
+    for v in values:
+        t = v.type
+        if isinstance(t, ir.RankedTensorType) and any(d < 0 and d != _DYNAMIC for d in t.shape):
+            return str(t)
     return None
 
 
