@@ -16,7 +16,9 @@ import itertools
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
+from flashgen.errors import LoadError
 from flashgen.rewrite.graph import nested_ops, op_name
+from flashgen.rewrite.modules import first_line
 
 TAG = "flashgen.poly_tag"    # an op's index in the original's op order
 ARG = "flashgen.poly_arg"    # a cast of @main's argument: its number
@@ -239,7 +241,10 @@ def instantiate(module: ir.Module, dims: dict, sizes: dict) -> ir.Module:
     text = module.operation.get_asm(enable_debug_info=True)
     ctx = jax_mlir.make_ir_context()
     with ctx, ir.Location.unknown():
-        copy = ir.Module.parse(text)
+        try:
+            copy = ir.Module.parse(text)
+        except ir.MLIRError as e:  # what bytecode carries need not print back as valid text
+            raise LoadError(f"the module does not read back from its own text form: {first_line(e)}") from None
         i64 = ir.IntegerType.get_signless(64)
         for i, op in enumerate(nested_ops(copy.operation)):
             # custom calls keep their attributes: the refinement checks jax's own ones

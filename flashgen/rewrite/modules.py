@@ -118,9 +118,9 @@ def _parse(text_or_bytes, what: str) -> ir.Module:
     try:
         return ir.Module.parse(text_or_bytes)
     except ir.MLIRError as e:
-        raise LoadError(f"cannot parse the input as {what}: {_first_line(e)}") from None
+        raise LoadError(f"cannot parse the input as {what}: {first_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - the bindings raise several types for bad input
-        raise LoadError(f"cannot parse the input as {what}: {_first_line(e)}") from None
+        raise LoadError(f"cannot parse the input as {what}: {first_line(e)}") from None
 
 
 def _deserialize_artifact(data: bytes) -> ir.Module:
@@ -128,7 +128,7 @@ def _deserialize_artifact(data: bytes) -> ir.Module:
     try:
         return stablehlo.deserialize_portable_artifact(ir.Context.current, data)
     except Exception as e:  # noqa: BLE001
-        raise LoadError(f"cannot read the StableHLO portable artifact: {_first_line(e)}") from None
+        raise LoadError(f"cannot read the StableHLO portable artifact: {first_line(e)}") from None
 
 
 def _deserialize_exported(data: bytes):
@@ -140,7 +140,7 @@ def _deserialize_exported(data: bytes):
                         f"nor a serialized jax.export.Exported ({type(e).__name__})") from None
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     text = str(e).strip()
     for line in text.splitlines():
         line = line.strip()
