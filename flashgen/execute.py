@@ -349,9 +349,9 @@ def npz_bytes(outputs: Sequence[np.ndarray]) -> bytes:
 
 
 def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
-            dtype: Optional[str] = None) -> list[dict]:
-    """Per output: max error relative to max(1, max|reference|) over the elements finite in
-    both, whether NaN and ±inf sit at the same places, and whether all is in tolerance.
+            dtype: Optional[str] = None, floor: float = 1.0) -> list[dict]:
+    """Per output: max error relative to max(floor, max|reference|) over the elements finite
+    in both, whether NaN and ±inf sit at the same places, and whether all is in tolerance.
 
     ``dtype`` (a flashgen dtype) loosens the tolerance to that precision when it is
     coarser than the output's own type. A row's ``nonfinite_mismatch`` counts the elements
@@ -373,7 +373,7 @@ def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
         same = both | (np.isnan(r64) & np.isnan(c64)) | (~np.isnan(r64) & (r64 == c64))
         bad = ~same
         err = float(np.max(np.abs(r64[both] - c64[both]), initial=0.0))
-        scale = max(1.0, float(np.max(np.abs(r64[both]), initial=0.0)))
+        scale = max(floor, float(np.max(np.abs(r64[both]), initial=0.0)))
         tol = TOLERANCE.get(name, 1e-2)
         if dtype:
             tol = max(tol, TOLERANCE.get(dtype, tol))
