@@ -301,13 +301,18 @@ def random_inputs(params: Sequence[TensorType], seed: int = 0) -> list[np.ndarra
     return out
 
 
+# what numpy raises on a file that is no (intact) .npz / .npy: EOFError for an empty file,
+# BadZipFile / zlib.error for a damaged archive or member (members are read on access)
+_UNREADABLE = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
 def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
     """Inputs from an .npz (arg0..argN), or from an .npy when @main takes one input."""
     try:
         data = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise UsageError(f"no such inputs file: {path}") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # EOFError: an empty file
+    except _UNREADABLE as e:
         raise UsageError(f"cannot read {path} as .npz or .npy: {e or type(e).__name__}") from None
     if isinstance(data, np.ndarray):  # an .npy: one array
         if len(params) != 1:
@@ -328,7 +333,7 @@ def load_npz(path: str, params: Sequence[TensorType]) -> list[np.ndarray]:
         raise UsageError(f"{path}: {'; '.join(parts)} (@main takes {sig or 'no inputs'})")
     try:  # members are read (and inflated) only here
         arrays = [data[n] for n in want]
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+    except _UNREADABLE as e:
         raise UsageError(f"cannot read {path}: {e or type(e).__name__}") from None
     return coerce_inputs(arrays, params)
 
