@@ -32,9 +32,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def rng():
-    """Fresh random inputs every run: no fixed seed, so a test cannot pass by luck of one draw."""
-    return np.random.default_rng()
+def rng(request):
+    """Fresh random inputs every run (a test cannot pass by luck of one draw), from a seed
+    that a failure reports: FLASHGEN_SEED=<seed> replays the draw."""
+    seed = int(os.environ.get("FLASHGEN_SEED") or np.random.SeedSequence().entropy % 2**63)
+    request.node.flashgen_seed = seed
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "flashgen_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("rng seed", f"replay with FLASHGEN_SEED={seed} "
+                                            f"python3 -m pytest '{item.nodeid}'"))
+    return report
 
 
 @pytest.fixture

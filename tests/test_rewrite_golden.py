@@ -27,7 +27,7 @@ NUMERIC = sorted(n for n, c in CASES.items() if c.get("numerics"))
 import sys  # noqa: E402
 
 sys.path.insert(0, str(GOLDEN))
-import filecheck  # noqa: E402
+import pins  # noqa: E402
 
 
 def _rewrite(name):
@@ -71,7 +71,43 @@ def test_golden_sites(name):
         if case.get("extras") is not None:
             assert s.extras == case["extras"], s.extras_detail
         json.dumps(s.to_json())  # the report is JSON-serializable
-    filecheck.check(result.text(), (GOLDEN / "checks" / f"{name}.check").read_text())
+    pins.check(result.text(), GOLDEN / "checks" / f"{name}.check")
+
+
+def _call_line(text):
+    return next(line for line in text.splitlines() if "custom_call @flashgen_" in line)
+
+
+# Single edits of a rewritten call that numerics at bf16 tolerance may let through
+_WRONG_CALLS = {
+    "scale 2% off": lambda t: t.replace("scale = 0.176776692", "scale = 0.180312226"),
+    "window": lambda t: t.replace("window_left = -1", "window_left = 7"),
+    "softcap": lambda t: t.replace("softcap = 0.000000e+00", "softcap = 5.000000e+01"),
+    "causal alignment": lambda t: t.replace("bottom_right = false", "bottom_right = true"),
+    "operands swapped": lambda t: t.replace("(%arg0, %arg1, %arg2)", "(%arg0, %arg2, %arg1)"),
+    "exponential before the call": lambda t: t.replace(
+        _call_line(t), "    %e = stablehlo.exponential %arg0 : tensor<2x8x4x32xbf16>\n"
+        + _call_line(t)),
+    "a second call": lambda t: t.replace(_call_line(t), _call_line(t) + "\n"
+                                         + _call_line(t).replace("%0:2", "%9:2")),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_WRONG_CALLS))
+def test_pins_refuse_a_wrong_call(edit):
+    """Every attribute and operand of a flashgen call is pinned: one edit fails the check."""
+    path = GOLDEN / "checks" / "jnn_causal_bf16.check"
+    text = _rewrite("jnn_causal_bf16").text()
+    pins.check(text, path)
+    wrong = _WRONG_CALLS[edit](text)
+    assert wrong != text
+    with pytest.raises(AssertionError):
+        pins.check(wrong, path)
+
+
+def test_every_positive_case_is_pinned():
+    for name in pins.positive_cases():
+        assert pins.MARKER in (GOLDEN / "checks" / f"{name}.check").read_text(), name
 
 
 @pytest.mark.parametrize("name", POSITIVE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import zlib
 
 import jax
 import numpy as np
@@ -61,7 +62,7 @@ def _inputs(exported, rng, b: int, t: int) -> list:
 def test_poly_numerics_at_two_shapes(name, rewritten):
     original, new, site = rewritten[name]
     assert "flashgen_fwd" in new.mlir_module() and "stablehlo.exponential" not in new.mlir_module()
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same per name in every process
     for b, t in CONSTRAINED.get(name, SHAPES):
         flat = _inputs(original, rng, b, t)
         args, kwargs = jax.tree_util.tree_unflatten(original.in_tree, flat)
