@@ -1,0 +1,180 @@
+"""The kernels' feature space and pairwise covering arrays over it.
+
+Bugs live in combinations of features (a softcap in the varlen backward with ALiBi, a
+bottom-right offset in the extras kernel), so kernel tests draw their cases from a covering
+array: every pair of values of any two dimensions appears in at least one case. The CPU tests
+(tests/test_coverage.py) run every case against flashgen.reference in float64.
+
+Combinations the API refuses are excluded (and tested to be refused): see CONSTRAINTS.
+
+    python3 -m flashgen.coverage [--seed N] [--head-dims 32,64]
+
+prints the array and the pairs it covers out of those possible.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import random
+
+# name -> values. The first value of each dimension is the plain one (no feature).
+DIMENSIONS: dict[str, tuple] = {
+    "dtype": ("f32", "bf16", "f16"),
+    "causal": (False, True),
+    "bottom_right": (False, True),
+    "lengths": ("sq=sk", "sq<sk", "sq>sk", "sq=1", "long"),
+    "gqa": (1, 2, 4, "mqa"),
+    "window": ("none", "left", "right", "both", "tile"),
+    "softcap": (0.0, 5.0),
+    "alibi": (None, "H", "BH"),
+    "bias": (None, "11", "B1", "1H", "BH", "BH fixed"),
+    "mask": (False, True),
+    "segment_ids": (False, True),
+    "layout": ("dense", "varlen", "paged"),
+    "direction": ("fwd", "bwd"),
+}
+
+# Concrete values: ragged lengths (no multiple of any tile), windows that cut a tile and one
+# that is tile-aligned, a long case whose windows skip whole key blocks on the left.
+LENGTHS = {"sq=sk": (77, 77), "sq<sk": (45, 131), "sq>sk": (131, 45), "sq=1": (1, 97),
+           "long": (300, 269)}
+WINDOWS = {"none": (-1, -1), "left": (13, -1), "right": (-1, 9), "both": (16, 5), "tile": (64, 0)}
+HEADS_Q = 8
+KV_HEADS = {1: 8, 2: 4, 4: 2, "mqa": 1}
+
+_DENSE_ONLY = "varlen and paged calls take ALiBi as their only extra operand"
+# (dimensions, predicate on their values, why the API refuses a case that fails it)
+CONSTRAINTS = (
+    (("layout", "bias"), lambda layout, bias: layout == "dense" or bias is None, _DENSE_ONLY),
+    (("layout", "mask"), lambda layout, mask: layout == "dense" or not mask, _DENSE_ONLY),
+    (("layout", "segment_ids"), lambda layout, seg: layout == "dense" or not seg, _DENSE_ONLY),
+    (("layout", "direction"), lambda layout, d: layout != "paged" or d == "fwd",
+     "the paged KV cache is forward-only"),
+    (("bottom_right", "causal", "window", "alibi"),
+     lambda br, causal, window, alibi: not br or causal or window != "none" or alibi is not None,
+     "bottom_right only applies to causal attention, a sliding window or ALiBi"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One point of the feature space, with the concrete sizes it stands for."""
+    values: tuple  # (name, value) pairs in DIMENSIONS order, head_dim first
+
+    def __getattr__(self, name):
+        for key, value in object.__getattribute__(self, "values"):
+            if key == name:
+                return value
+        raise AttributeError(name)
+
+    @property
+    def seqlens(self) -> tuple[int, int]:
+        return LENGTHS[self.lengths]
+
+    @property
+    def window_sizes(self) -> tuple[int, int]:
+        return WINDOWS[self.window]
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return HEADS_Q, KV_HEADS[self.gqa]
+
+    def __str__(self):
+        return "-".join(f"{k}={v}" for k, v in self.values
+                        if v != DIMENSIONS.get(k, (None,))[0] or k in ("head_dim", "dtype", "layout"))
+
+
+def space(head_dims) -> dict[str, tuple]:
+    return {"head_dim": tuple(head_dims), **DIMENSIONS}
+
+
+def refusal(case: dict) -> str | None:
+    """Why the API refuses this (possibly partial) assignment, or None. A constraint is
+    judged once all of its dimensions are assigned."""
+    for dims, ok, why in CONSTRAINTS:
+        if all(d in case for d in dims) and not ok(*(case[d] for d in dims)):
+            return why
+    return None
+
+
+def _complete(dims, partial: dict) -> dict | None:
+    """A valid full case extending `partial` (plain values first), or None."""
+    if refusal(partial):
+        return None
+    free = next((d for d in dims if d not in partial), None)
+    if free is None:
+        return dict(partial)
+    for value in dims[free]:
+        found = _complete(dims, {**partial, free: value})
+        if found is not None:
+            return found
+    return None
+
+
+def _pairs(case: dict):
+    return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(case, 2)}
+
+
+def possible_pairs(dims) -> set:
+    """Pairs of values that some valid case contains (in `dims` order)."""
+    return {((a, x), (b, y)) for a, b in itertools.combinations(dims, 2)
+            for x in dims[a] for y in dims[b] if _complete(dims, {a: x, b: y}) is not None}
+
+
+def _ordered(dims, pair_set) -> set:
+    order = {d: i for i, d in enumerate(dims)}
+    return {tuple(sorted(p, key=lambda kv: order[kv[0]])) for p in pair_set}
+
+
+def covering_array(dims, seed: int = 0, candidates: int = 12) -> list[Case]:
+    """Greedy pairwise covering array (AETG): each new case starts from an uncovered pair and
+    assigns the other dimensions, in a random order, the value covering most new pairs."""
+    rnd = random.Random(seed)
+    uncovered = possible_pairs(dims)
+    cases = []
+    while uncovered:
+        (a, x), (b, y) = min(uncovered, key=repr) if not cases else rnd.choice(sorted(uncovered, key=repr))
+        best, gain = None, -1
+        for _ in range(candidates):
+            case = {a: x, b: y}
+            for d in rnd.sample([d for d in dims if d not in case], len(dims) - 2):
+                def new(value):
+                    trial = {**case, d: value}
+                    return len(_ordered(dims, {((d, value), kv) for kv in case.items()}) & uncovered) \
+                        if _complete(dims, trial) is not None else -1
+                scores = [(new(v), rnd.random(), v) for v in dims[d]]
+                case[d] = max(scores, key=lambda s: s[:2])[2]
+            covered = len(_ordered(dims, _pairs(case)) & uncovered)
+            if covered > gain:
+                best, gain = case, covered
+        uncovered -= _ordered(dims, _pairs(best))
+        cases.append(Case(tuple((d, best[d]) for d in dims)))
+    return cases
+
+
+def coverage(dims, cases) -> tuple[int, int]:
+    """(pairs covered, pairs possible)."""
+    possible = possible_pairs(dims)
+    covered = set().union(*(_ordered(dims, _pairs(dict(c.values))) for c in cases)) & possible
+    return len(covered), len(possible)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m flashgen.coverage", description=__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, default=0, help="0 is what CI runs")
+    p.add_argument("--head-dims", default="32,64", help="comma-separated (the CPU tests: 32,64)")
+    args = p.parse_args(argv)
+    dims = space(int(h) for h in args.head_dims.split(","))
+    cases = covering_array(dims, args.seed)
+    for case in cases:
+        print(case)
+    covered, possible = coverage(dims, cases)
+    print(f"{len(cases)} cases over {len(dims)} dimensions; pairs covered {covered}/{possible} "
+          f"({100 * covered / possible:.1f}%); refused combinations excluded: "
+          + "; ".join(sorted({why for _, _, why in CONSTRAINTS})))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

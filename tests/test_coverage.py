@@ -1,0 +1,177 @@
+"""The CPU kernels on a pairwise covering array of their features (flashgen/coverage.py).
+
+Every case runs through flashgen.jax (dense with its extras, varlen, paged) and compares every
+output (o, lse, dq, dk, dv, dbias) with flashgen.reference in float64. CI runs the array of
+seed 0 with inputs derived from it: the same cases and draws every run, so a failure is a
+change, never luck. FLASHGEN_COVERAGE_SEED=<n> draws another array and other inputs (a campaign).
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashgen import coverage, reference
+from flashgen.jax import flash_attention, flash_attention_paged, flash_attention_varlen
+from test_window_softcap import JNP, TOL, specs  # noqa: F401 - specs: the d32/d64 CPU library
+
+SEED = int(os.environ.get("FLASHGEN_COVERAGE_SEED", "0"))
+CASES = coverage.covering_array(coverage.space((32, 64)), SEED)
+LSE_TOL = 1e-5  # lse is f32 statistics whatever the inputs' type
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    finite = np.isfinite(want)
+    if not np.array_equal(got[~finite], want[~finite]) or not np.isfinite(got[finite]).all():
+        return np.inf
+    return float(np.max(np.abs(got[finite] - want[finite]), initial=0.0) /
+                 max(np.max(np.abs(want[finite]), initial=0.0), 1.0))
+
+
+class Inputs:
+    """Random operands of one case, and the keyword arguments that carry them."""
+
+    def __init__(self, case, rng):
+        self.case, self.rng = case, rng
+        self.dt = JNP[case.dtype]
+        self.hq, self.hkv = case.heads
+
+    def normal(self, *shape):
+        return jnp.asarray(self.rng.standard_normal(shape), self.dt)
+
+    def alibi(self, batch):
+        shape = {"H": (self.hq,), "BH": (batch, self.hq)}.get(self.case.alibi)
+        return {} if shape is None else {
+            "alibi_slopes": self.rng.uniform(0.05, 0.5, shape).astype(np.float32)}
+
+    def dense_extras(self, b, sq, sk):
+        c, kw = self.case, self.alibi(b)
+        if c.bias is not None:
+            pattern = c.bias.split()[0]
+            shape = (b if "B" in pattern else 1, self.hq if "H" in pattern else 1, sq, sk)
+            kw["bias"] = jnp.asarray(self.rng.standard_normal(shape),
+                                     self.dt if pattern == "BH" else jnp.float32)
+        if c.mask:
+            m = self.rng.random((b, 1, sq, sk)) < 0.75
+            m[-1, :, sq // 2] = False  # a row that sees no key
+            kw["mask"] = m
+        if c.segment_ids:
+            qs = np.sort(self.rng.integers(0, 3, (b, sq)), axis=1).astype(np.int32)
+            ks = np.sort(self.rng.integers(0, 3, (b, sk)), axis=1).astype(np.int32)
+            qs[:, -max(1, sq // 8):] = 7  # a query segment without keys
+            kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+        return kw
+
+
+def _check(errors, case, seed):
+    fwd_tol, bwd_tol = TOL[case.dtype]
+    limits = {"o": fwd_tol, "lse": LSE_TOL}
+    bad = {k: e for k, e in errors.items() if not e <= limits.get(k, bwd_tol)}
+    assert not bad, (f"{case} (FLASHGEN_COVERAGE_SEED={SEED}, input seed {seed}): "
+                     f"errors {bad} of {errors}")
+
+
+def _attrs(case):
+    return dict(causal=case.causal, bottom_right=case.bottom_right, window=case.window_sizes,
+                softcap=case.softcap)
+
+
+def _dense(case, inputs):
+    b, (sq, sk), d = 2, case.seqlens, case.head_dim
+    q, do = inputs.normal(b, sq, inputs.hq, d), inputs.normal(b, sq, inputs.hq, d)
+    k, v = inputs.normal(b, sk, inputs.hkv, d), inputs.normal(b, sk, inputs.hkv, d)
+    extras = inputs.dense_extras(b, sq, sk)
+    bias = extras.pop("bias", None)
+    kw = {**_attrs(case), **extras}
+    ref_bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64),
+                                                         (b, inputs.hq, sq, sk))
+    f = jax.jit(lambda q, k, v, bias: flash_attention(q, k, v, bias, return_lse=True, **kw))
+    if case.direction == "fwd":
+        o, lse = f(q, k, v, bias)
+        ro, rlse = reference.attention(q, k, v, bias=ref_bias, **kw)
+        return {"o": _rel(o, ro), "lse": _rel(lse, rlse)}
+    differentiated = bias is not None and not case.bias.endswith("fixed")
+    args = (q, k, v, bias) if differentiated else (q, k, v)
+    (o, lse), vjp = jax.vjp(lambda *a: f(*a, *([] if differentiated else [bias])), *args)
+    grads = vjp((do, jnp.zeros_like(lse)))
+    ro, rlse, rg = reference.attention(q, k, v, bias=ref_bias, do=do, **kw)
+    errors = {"o": _rel(o, ro), "lse": _rel(lse, rlse),
+              **{n: _rel(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, rg)}}
+    if differentiated:  # summed over the bias's broadcast dims
+        want = rg[3].sum(axis=tuple(i for i in range(2) if bias.shape[i] == 1), keepdims=True)
+        errors["dbias"] = _rel(grads[3], want)
+        assert grads[3].dtype == bias.dtype
+    return errors
+
+
+def _varlen(case, inputs):
+    sq, sk = case.seqlens
+    lens_q, lens_k = [sq, 0, -(-sq // 3)], [sk, 5, -(-sk // 2)]  # an empty sequence
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    pad_q, pad_k = 3, 2  # rows outside every sequence
+    q, do = (inputs.normal(cu_q[-1] + pad_q, inputs.hq, case.head_dim) for _ in range(2))
+    k, v = (inputs.normal(cu_k[-1] + pad_k, inputs.hkv, case.head_dim) for _ in range(2))
+    kw = {**_attrs(case), **inputs.alibi(len(lens_q))}
+    f = jax.jit(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                       return_lse=True, **kw))
+    if case.direction == "fwd":
+        o, lse = f(q, k, v)
+        ro, rlse = reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+        return {"o": _rel(o, ro), "lse": _rel(lse, rlse)}
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    grads = vjp((do, jnp.zeros_like(lse)))
+    ro, rlse, rg = reference.attention_varlen(q, k, v, cu_q, cu_k, do=do, **kw)
+    return {"o": _rel(o, ro), "lse": _rel(lse, rlse),
+            **{n: _rel(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, rg)}}
+
+
+def _paged(case, inputs):
+    b, (sq, sk), bs = 2, case.seqlens, 16
+    used = np.array([sk, sk // 2 + 1], np.int32)
+    max_blocks = -(-sk // bs) + 1
+    num_blocks = b * max_blocks + 3
+    table = inputs.rng.permutation(num_blocks)[:b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    kc, vc = (inputs.normal(num_blocks, bs, inputs.hkv, case.head_dim) for _ in range(2))
+    q = inputs.normal(b, sq, inputs.hq, case.head_dim)
+    kw = {**_attrs(case), **inputs.alibi(b)}
+    o, lse = jax.jit(lambda *a: flash_attention_paged(*a, return_lse=True, **kw))(q, kc, vc, table, used)
+    ro, rlse = reference.attention_paged(q, np.asarray(kc, np.float64), np.asarray(vc, np.float64),
+                                         table, used, **kw)
+    return {"o": _rel(o, ro), "lse": _rel(lse, rlse)}
+
+
+RUN = {"dense": _dense, "varlen": _varlen, "paged": _paged}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_covering_case(index):
+    case, seed = CASES[index], SEED * 1000 + index
+    _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed))), case, seed)
+
+
+def test_covering_array_covers_every_possible_pair():
+    dims = coverage.space((32, 64))
+    covered, possible = coverage.coverage(dims, CASES)
+    assert covered == possible and possible > 700
+    assert all(coverage.refusal(dict(c.values)) is None for c in CASES)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k, v: flash_attention(q, k, v, bottom_right=True), "bottom_right only applies"),
+    (lambda q, k, v: jax.grad(lambda q: flash_attention_paged(
+        q, k[:, :16].reshape(2, 16, 2, 32), v[:, :16].reshape(2, 16, 2, 32),
+        np.array([[0], [1]], np.int32), np.array([16, 3], np.int32)).sum())(q),
+     "forward-only"),
+    (lambda q, k, v: flash_attention_varlen(q[0], k[0], v[0], np.array([0, 9], np.int32),
+                                            np.array([0, 9], np.int32), 9, 9, bias=k), "bias"),
+    (lambda q, k, v: flash_attention_paged(q, k, v, np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                                           mask=k), "mask"),
+])
+def test_refused_combinations_are_refused(rng, call, match):
+    """What the covering array leaves out (coverage.CONSTRAINTS) the API refuses, by name."""
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 2, 32)), jnp.float32) for _ in range(3))
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
+        call(q, k, v)
