@@ -224,15 +224,23 @@ def _describe(**kw) -> str:
 
 
 def standard_cases(c: Checker) -> list[CaseResult]:
-    """What `flashgen check --emulate` runs: every entry point of the spec once, small
-    shapes (tile tails, GQA, rows without keys, an empty sequence, split-KV)."""
+    """What `flashgen check --emulate` runs: every entry point of the spec, small shapes that
+    combine the features where bugs hide (tile tails, Sq != Sk with bottom-right alignment in
+    every family that takes extras, GQA ratios above 2 with more than 2 KV heads, ALiBi with
+    softcap in varlen and paged, windows that skip key blocks on the left, rows without keys,
+    an empty sequence, split-KV)."""
     causal = c.spec.causal
+    right = 0 if causal else 8
     return [
         c.dense(seqlen_q=77, seqlen_k=129, heads_q=2, heads_kv=1, bottom_right=causal),
-        c.dense(seqlen_q=70, seqlen_k=90, window=(16, 0 if causal else 8), softcap=3.0),
-        c.dense(batch=2, seqlen_q=33, seqlen_k=40, alibi="BH", bias=(1, 2), mask=(2, 1), segment_ids=True),
-        c.varlen(seqlens_q=(17, 0, 40), bottom_right=causal),
-        c.paged(seqused_k=(300, 0, 41), block_size=16),
+        c.dense(seqlen_q=70, seqlen_k=90, window=(16, right), softcap=3.0),
+        c.dense(seqlen_q=300, seqlen_k=260, window=(40, right), bottom_right=True),
+        c.dense(seqlen_q=260, seqlen_k=300, window=(40, right), backward=False),
+        c.dense(batch=2, seqlen_q=33, seqlen_k=40, heads_q=6, heads_kv=3, bottom_right=True, softcap=2.0,
+                alibi="BH", bias=(1, 6), mask=(2, 1), segment_ids=True),
+        c.varlen(seqlens_q=(17, 0, 40), seqlens_k=(23, 5, 31), heads_q=9, heads_kv=3, bottom_right=True,
+                 alibi="BH", softcap=3.0),
+        c.paged(seqused_k=(300, 0, 41), block_size=16, heads_q=9, heads_kv=3, alibi="H", softcap=2.0),
     ]
 
 
