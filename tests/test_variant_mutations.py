@@ -81,7 +81,7 @@ def _failures(tmp_path, monkeypatch, cache, mutation=None) -> list[str]:
         path.write_text(text.replace(old, new, 1))
     monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(cache))
-    lib = EmulatedLibrary(build(SPEC, host="emulate", out=tmp_path / "lib"))
+    lib = EmulatedLibrary(build(SPEC, host="emulate"))
     try:
         cases = standard_cases(Checker(lib, SPEC, np.random.default_rng(20261127)))
     except EmulationError as e:
