@@ -15,6 +15,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -109,15 +110,27 @@ def nvcc() -> str:
     return compiler("nvcc").exe
 
 
+# Seconds a compiler gets to answer --version: a wrapper that hangs must not hang the build.
+VERSION_PROBE_SECONDS = 60.0
+
+
 @functools.cache
 def compiler_version(exe: str) -> str:
     try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        probe = subprocess.Popen([exe, "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, process_group=0)
     except OSError as e:
         raise BuildError(f"cannot run {exe}: {e}") from e
-    lines = [l for l in out.stdout.splitlines() if l.strip()]
-    if out.returncode != 0 or not lines:
-        raise BuildError(f"{exe} --version failed: {out.stderr.strip()}")
+    try:
+        stdout, stderr = probe.communicate(timeout=VERSION_PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(probe.pid, signal.SIGKILL)  # the group: a wrapper's children hold the pipes too
+        probe.communicate()
+        raise BuildError(f"the compiler {exe} did not answer `{os.path.basename(exe)} --version` "
+                         f"within {VERSION_PROBE_SECONDS:g} s (a hung compiler or wrapper?)") from None
+    lines = [l for l in stdout.splitlines() if l.strip()]
+    if probe.returncode != 0 or not lines:
+        raise BuildError(f"{exe} --version failed: {stderr.strip()}")
     # nvcc puts its release on the last line, gcc/clang on the first.
     return lines[-1] if "cuda" in lines[-1].lower() else lines[0]
 
