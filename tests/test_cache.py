@@ -22,28 +22,6 @@ SPEC = KernelSpec(32, "f32", False, "cpu")
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def seed():
-    """A verified cache entry for SPEC: the library directory and its objects."""
-    lib = build([SPEC])
-    return lib.path.parent, [cache.object_path(cache.root(), k)
-                             for k in lib.manifest["objects"].values()]
-
-
-@pytest.fixture
-def cache_copy(seed, tmp_path, monkeypatch):
-    """A private cache holding a copy of the seed entry; returns (root, library directory)."""
-    lib_dir, objects = seed
-    root = tmp_path / "cache"
-    shutil.copytree(lib_dir, root / "libs" / lib_dir.name)
-    (root / "objects").mkdir()
-    for o in objects:
-        shutil.copy2(o, root / "objects" / o.name)
-        shutil.copy2(o.with_suffix(".json"), root / "objects" / o.with_suffix(".json").name)
-    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
-    return root, root / "libs" / lib_dir.name
-
-
 def _python(code, env=None, **kw):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, **kw)
