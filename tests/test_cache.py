@@ -155,19 +155,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_build_leaves_no_compiler_running_and_no_staging(tmp_path):
-    root = tmp_path / "cache"
-    env = {"FLASHGEN_CACHE_DIR": str(root), "CXX": f"{_slow_compiler(tmp_path)} g++"}
-    proc = subprocess.Popen([sys.executable, "-m", "flashgen", "build", "--hdim", "32",
-                             "--dtype", "f32", "--target", "cpu", "-j", "2"],
-                            env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids_file = tmp_path / "pids"
+def kill_once_compiling(proc: subprocess.Popen, pids_file: pathlib.Path, count: int) -> None:
+    """Wait until `count` compiler processes have written their pids to `pids_file`, kill -9
+    the build `proc`, and check that every one of them dies with it."""
     deadline = time.time() + 60
-    while time.time() < deadline and len(pids_file.read_text().split() if pids_file.exists() else []) < 4:
+    while time.time() < deadline and len(pids_file.read_text().split() if pids_file.exists() else []) < count:
         time.sleep(0.1)
     pids = [int(p) for p in pids_file.read_text().split()]
-    assert len(pids) == 4, pids  # two compiles, each a driver and its child
+    assert len(pids) == count, pids
     assert all(_alive(p) for p in pids)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -175,6 +170,16 @@ def test_killed_build_leaves_no_compiler_running_and_no_staging(tmp_path):
     while time.time() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "compilers outlived the killed build"
+
+
+def test_killed_build_leaves_no_compiler_running_and_no_staging(tmp_path):
+    root = tmp_path / "cache"
+    env = {"FLASHGEN_CACHE_DIR": str(root), "CXX": f"{_slow_compiler(tmp_path)} g++"}
+    proc = subprocess.Popen([sys.executable, "-m", "flashgen", "build", "--hdim", "32",
+                             "--dtype", "f32", "--target", "cpu", "-j", "2"],
+                            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_once_compiling(proc, tmp_path / "pids", 4)  # two compiles, each a driver and its child
 
     left = [p.name for sub in ("libs", "objects") for p in (root / sub).iterdir()]
     assert left and all(n.startswith(".tmp-") for n in left), left  # staging, temp objects

@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 
 from conftest import needs_nvcc
 from flashgen import BuildError, KernelSpec, build, cache, toolchain
-from test_cache import _alive, _cli
+from test_cache import _cli, kill_once_compiling
 
 SPEC = KernelSpec(32, "f32", False, "cpu")
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -196,18 +195,7 @@ wait
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLASHGEN_CACHE_DIR": str(root), "NVCC": str(slow)}
     proc = subprocess.Popen([sys.executable, "-c", "from flashgen.build import emulation_runtime; emulation_runtime()"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids_file = tmp_path / "pids"
-    deadline = time.time() + 60
-    while time.time() < deadline and not (pids_file.exists() and len(pids_file.read_text().split()) == 2):
-        time.sleep(0.1)
-    pids = [int(p) for p in pids_file.read_text().split()]
-    assert all(_alive(p) for p in pids)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "nvcc outlived the killed build"
+    kill_once_compiling(proc, tmp_path / "pids", 2)  # nvcc and its child
     assert [p.name.startswith(".tmp-") for p in (root / "runtime").iterdir()] == [True]
     r = _cli("cache", "clean", env={"FLASHGEN_CACHE_DIR": str(root)})
     assert r.returncode == 0 and "removed staging" in r.stdout, r.stdout
