@@ -102,17 +102,19 @@ def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path, group: toolch
     A CUDA compile keeps its PTX (nvcc --keep) beside the object, recorded with it."""
     key = _object_key(job)
     companions = (".ptx",) if job.source.language == "cuda" else ()
-    pin = pins.pin(key)
-    obj = cache.lookup_object(root, key, companions=companions)
-    if obj:
-        return obj, True
-    pins.release(pin)
+    pin = pins.try_pin(key)  # None while another build compiles it: wait below, saying so
+    if pin is not None:
+        obj = cache.lookup_object(root, key, companions=companions)
+        if obj:
+            return obj, True
+        pins.release(pin)
     with cache.locked(root, key, f"compiling {job.source.name}", say, HEARTBEAT_SECONDS) as lock:
         obj = cache.lookup_object(root, key, companions=companions)
-        if not obj:
+        was_cached = obj is not None
+        if not was_cached:
             obj = _compile_locked(job, root, key, src_dir, group)
         pins.keep(lock)
-        return obj, False
+        return obj, was_cached
 
 
 def _compile_locked(job: _Job, root: pathlib.Path, key: str, src_dir: pathlib.Path,

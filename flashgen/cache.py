@@ -419,10 +419,12 @@ class Pins:
         self.cache = cache
         self._fds: set[int] = set()
 
-    def pin(self, key: str) -> int:
-        """Hold a shared lock on `key` (waits while it is being built); returns its handle."""
+    def try_pin(self, key: str) -> int | None:
+        """Hold a shared lock on `key` and return its handle; None while a build holds it."""
         fd = _open_lock(self.cache, key)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not _flock(fd, fcntl.LOCK_SH):
+            os.close(fd)
+            return None
         self._fds.add(fd)
         return fd
 
@@ -516,10 +518,11 @@ def _survey_files(directory: pathlib.Path, kind: str, suffix: str) -> list[Entry
             except (OSError, ValueError, CorruptEntry) as e:
                 problem = f"does not match its record ({e})"
             entries.append(Entry(kind, p.stem, p, size, problem))
-        elif p.stem not in stems and (p.suffix in (".json", ".ptx") or p.is_dir()):
-            # a record or PTX without its entry; a directory: an older flashgen's runtime/<key>/
-            entries.append(Entry(kind, p.stem, p, _tree_size(p), f"{p.suffix or 'directory'} "
-                                 f"without its {suffix}", outdated=p.is_dir()))
+        elif p.is_dir():  # an older flashgen's runtime/<key>/libflashgen_emu.so, unrecorded
+            entries.append(Entry(kind, p.name, p, _tree_size(p), "no record (written by an older "
+                                 "flashgen)", outdated=True))
+        elif p.stem not in stems and p.suffix in (".json", ".ptx"):
+            entries.append(Entry(kind, p.stem, p, _tree_size(p), f"{p.suffix} without its {suffix}"))
     return entries
 
 

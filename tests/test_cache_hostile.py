@@ -160,6 +160,24 @@ def test_runtime_and_ptx_are_verified_listed_and_cleaned(cache_copy, tmp_path):
     assert not [p for sub in ("objects", "runtime") for p in (root / sub).iterdir()]
 
 
+@needs_nvcc
+def test_truncated_emulation_runtime_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A truncated runtime killed `flashgen check --emulate` with SIGBUS at dlopen, every time."""
+    from flashgen.build import emulation_runtime
+    good = emulation_runtime()  # the default cache's
+    root = tmp_path / "cache"
+    (root / "runtime").mkdir(parents=True)
+    for f in (good, good.with_suffix(".json")):
+        shutil.copy2(f, root / "runtime" / f.name)
+    os.truncate(root / "runtime" / good.name, 4096)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
+    rebuilt = emulation_runtime()
+    assert rebuilt == root / "runtime" / good.name and rebuilt.stat().st_size == good.stat().st_size
+    r = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(rebuilt)!r}, ctypes.RTLD_GLOBAL)"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_an_object_without_its_ptx_record_is_no_cuda_object(cache_copy, tmp_path):
     root, _ = cache_copy
     _fake_entry(root, tmp_path, "object", "e" * 32)  # as an older flashgen recorded a CUDA object
