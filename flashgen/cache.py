@@ -430,7 +430,8 @@ class Pins:
 
     def keep(self, lock: int) -> None:
         """Turn the exclusive lock `locked` yielded into a pin (a duplicate descriptor shares
-        the lock and outlives the `with`)."""
+        the lock and outlives the `with`). Linux downgrades a flock under one spinlock, so no
+        cleaner can take the key in between (an upgrade could drop it; we never upgrade)."""
         fcntl.flock(lock, fcntl.LOCK_SH)
         self._fds.add(os.dup(lock))
 
