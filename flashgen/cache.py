@@ -338,6 +338,9 @@ def _open_lock(cache: pathlib.Path, key: str, create: bool = True) -> int:
     taken when it is not a plain file of its own (a link planted in a shared cache would make
     O_CREAT create, and the holder's note overwrite, a file elsewhere)."""
     path = _lock_path(cache, key)
+    if path.parent.is_symlink():
+        raise CacheError(f"refusing the lock directory {path.parent}: it is a symbolic link "
+                         f"(planted?); remove it")
     if create:
         path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)

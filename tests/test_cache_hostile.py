@@ -262,7 +262,7 @@ def test_read_only_cache_cannot_be_cleaned(cache_copy):
 
 # ----------------------------------------------------------------------------- 10: planted locks
 def test_planted_symlink_lock_is_refused_not_followed(cache_copy, tmp_path):
-    root, _ = cache_copy
+    root, lib_dir = cache_copy
     target = tmp_path / "victim"
     (root / "locks").mkdir()
     (root / "locks" / f"{'f' * 32}.lock").symlink_to(target)
@@ -277,6 +277,14 @@ def test_planted_symlink_lock_is_refused_not_followed(cache_copy, tmp_path):
         with cache.locked(root, "a" * 32):
             pass
     assert victim.read_text() == "keep me"
+    shutil.rmtree(root / "locks")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "locks").symlink_to(elsewhere)
+    shutil.rmtree(lib_dir)  # a build that must take locks
+    with pytest.raises(cache.CacheError, match="lock directory .* is a symbolic link"):
+        build([SPEC])
+    assert not list(elsewhere.iterdir())
 
 
 # ----------------------------------------------------------------------------- 11: waiting says for whom
