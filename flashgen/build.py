@@ -1,9 +1,10 @@
 """Build a set of KernelSpecs into one shared library, through the content cache (cache.py).
 
 Keys are computed without running any compiler: a library's key covers its rendered sources,
-flags, the compiler the environment asks for (CXX/NVCC), the FFI headers, Python and the host
-ISA, so a cached hit -- and a host that only runs shipped kernels -- needs no compiler. An
-object's key adds the compiler's version (compiling needs the compiler anyway).
+flags, the compiler the environment asks for (CXX/NVCC, resolved to its file on PATH), the FFI
+headers, Python and the host ISA, so a cached hit needs no compiler. An object's key adds the
+compiler's version (compiling needs the compiler anyway). A spec is also served from any cached
+library that holds it, built with the same toolchain (any toolchain, on a host without one).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class _Job:
     source: codegen.Source
     compiler: str              # "cxx" or "nvcc" (toolchain.compiler)
     flags: tuple[str, ...]
+    extra: str | None          # what else the object depends on: host ISA, Python
     key: str                   # everything but the compiler's version
 
 
@@ -81,7 +83,7 @@ def _job(source: codegen.Source, target: str, env_key: dict) -> _Job:
         compiler, flags, extra = "cxx", toolchain.cpu_compile_flags(), toolchain.host_isa()
     key = _digest(source.text, source.language, toolchain.requested(compiler),
                   flags, extra, env_key, "keeps-ptx" if source.language == "cuda" else None)
-    return _Job(source, compiler, tuple(flags), key)
+    return _Job(source, compiler, tuple(flags), extra, key)
 
 
 def ptx_of(obj: pathlib.Path) -> pathlib.Path:
@@ -93,40 +95,52 @@ def _object_key(job: _Job) -> str:
     return _digest(job.key, toolchain.compiler_version(toolchain.compiler(job.compiler).exe))
 
 
-def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path,
-             group: toolchain.ProcessGroup) -> tuple[pathlib.Path, bool]:
-    """Compile one source into the object cache; returns (object, was_cached).
-    A CUDA compile keeps its PTX (nvcc --keep) beside the object, in place before the
-    object's record makes the entry exist."""
+def _compile(job: _Job, root: pathlib.Path, src_dir: pathlib.Path, group: toolchain.ProcessGroup,
+             pins: cache.Pins, say: Progress) -> tuple[pathlib.Path, bool]:
+    """Compile one source into the object cache; returns (object, was_cached), the object
+    pinned (a shared lock in `pins`) so that no `cache clean` removes it before the link.
+    A CUDA compile keeps its PTX (nvcc --keep) beside the object, recorded with it."""
     key = _object_key(job)
-    obj = cache.lookup_object(root, key)
-    if obj:
-        return obj, True
-    with cache.locked(root, key):
-        obj = cache.lookup_object(root, key)
+    companions = (".ptx",) if job.source.language == "cuda" else ()
+    pin = pins.try_pin(key)  # None while another build compiles it: wait below, saying so
+    if pin is not None:
+        obj = cache.lookup_object(root, key, companions=companions)
         if obj:
             return obj, True
-        tmp = cache.temp_path(root / "objects", key, ".o")
-        keep = cache.staging_dir(root / "objects", key) if job.source.language == "cuda" else None
+        pins.release(pin)
+    with cache.locked(root, key, f"compiling {job.source.name}", say, HEARTBEAT_SECONDS) as lock:
+        obj = cache.lookup_object(root, key, companions=companions)
+        was_cached = obj is not None
+        if not was_cached:
+            obj = _compile_locked(job, root, key, src_dir, group)
+        pins.keep(lock)
+        return obj, was_cached
+
+
+def _compile_locked(job: _Job, root: pathlib.Path, key: str, src_dir: pathlib.Path,
+                    group: toolchain.ProcessGroup) -> pathlib.Path:
+    tmp = cache.temp_path(root / "objects", key, ".o")
+    keep = cache.staging_dir(root / "objects", key) if job.source.language == "cuda" else None
+    try:
+        compiler = toolchain.compiler(job.compiler)
+        keep_flags = ["--keep", "--keep-dir", str(keep)] if keep else []
+        toolchain.run([*compiler.command, *job.flags, *keep_flags, "-c", str(src_dir / job.source.name),
+                       "-o", str(tmp)], f"compiling {job.source.name}", group, nvcc_tmpdir=keep)
+        companions = {}
+        if keep:
+            ptx = sorted(keep.glob("*.ptx"))
+            if len(ptx) != 1:
+                raise BuildError(f"compiling {job.source.name}: expected one kept PTX file, "
+                                 f"found {[p.name for p in ptx]}")
+            companions[".ptx"] = ptx[0]
         try:
-            compiler = toolchain.compiler(job.compiler)
-            keep_flags = ["--keep", "--keep-dir", str(keep)] if keep else []
-            toolchain.run([*compiler.command, *job.flags, *keep_flags, "-c", str(src_dir / job.source.name),
-                           "-o", str(tmp)], f"compiling {job.source.name}", group)
-            if keep:
-                ptx = sorted(keep.glob("*.ptx"))
-                if len(ptx) != 1:
-                    raise BuildError(f"compiling {job.source.name}: expected one kept PTX file, "
-                                     f"found {[p.name for p in ptx]}")
-                os.replace(ptx[0], ptx_of(cache.object_path(root, key)))
-            try:
-                return cache.store_object(root, key, tmp), False
-            except cache.CorruptEntry as e:
-                raise BuildError(f"compiling {job.source.name}: {e}") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-            if keep:
-                shutil.rmtree(keep, ignore_errors=True)
+            return cache.store_object(root, key, tmp, companions=companions)
+        except cache.CorruptEntry as e:
+            raise BuildError(f"compiling {job.source.name}: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+        if keep:
+            shutil.rmtree(keep, ignore_errors=True)
 
 
 def _library_info(specs: list[KernelSpec], target: str) -> dict:
@@ -186,43 +200,52 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     compile_jobs = [_job(s, target, env_key) for s in codegen.render_library(specs, info)]
     if host == "exla":
         compile_jobs.append(_job(codegen.render_static_registration(specs), target, env_key))
-    # The library's file and Python module are named after its C sources, so the
-    # Python face (which must know its module name) can join the key.
+    # The library's file and Python module are named after its C sources. The Python face is
+    # one object per toolchain (its module init is named PyInit_FACE_INIT); the link gives it
+    # the library's module name as well.
     module_name = f"_flashgen_{target}_{_digest([j.key for j in compile_jobs])[:16]}"
-    if host == "python":
-        compile_jobs.append(_job(codegen.render_python_face(module_name), target, env_key))
     linker = "nvcc" if target != "cpu" else "cxx"
     link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
     if host == "emulate":  # cudart_emu.cc, loaded first by flashgen.emulate, is the runtime
         link_flags += ["-cudart", "none"]
-    lib_key = _digest([j.key for j in compile_jobs], toolchain.requested(linker),
-                      link_flags, host)
+    if host == "python":
+        compile_jobs.append(_job(codegen.render_python_face(), target, env_key))
+    toolchains = {kind: toolchain.requested(kind) for kind in {j.compiler for j in compile_jobs} | {linker}}
+    serves = _serves(compile_jobs, target, host, link_flags, env_key, toolchains)
+    if host == "python":
+        alias = f"--defsym=PyInit_{module_name}=PyInit_{codegen.FACE_INIT}"
+        link_flags += ["-Xlinker", alias] if linker == "nvcc" else [f"-Wl,{alias}"]
+    lib_key = _digest([j.key for j in compile_jobs], toolchains[linker], link_flags, host)
     lib_dir = root / "libs" / lib_key
     lib_name = f"{module_name}.so"
 
-    def finish(manifest: dict, hit: bool) -> Library:
-        lib = Library(lib_dir / lib_name, lib_dir / MANIFEST, manifest, hit)
+    def finish(directory: pathlib.Path, manifest: dict, hit: bool) -> Library:
+        lib = Library(directory / manifest["flashgen_library"], directory / MANIFEST, manifest, hit)
         if out is not None:
             lib = _export(lib, pathlib.Path(out))
         return lib
 
-    def cached() -> dict | None:
-        if not lib_dir.exists():
-            return None
-        try:
-            return cache.verify_library(lib_dir)
-        except cache.CorruptEntry as e:
-            log.warning("cache entry %s is damaged (%s); rebuilding it", lib_dir, e)
-            return None
+    def cached() -> tuple[pathlib.Path, dict] | None:
+        if lib_dir.exists():
+            try:
+                return lib_dir, cache.verify_library(lib_dir)
+            except cache.CorruptEntry as e:
+                log.warning("cache entry %s is damaged (%s); rebuilding it", lib_dir, e)
+        # Without one of its compilers this host cannot build: any toolchain's library serves.
+        return _holding(root, specs, *(("toolchain", serves[0]) if all(toolchains.values())
+                                       else ("any_toolchain", serves[1])))
 
-    manifest = cached()
-    if manifest:
-        log.debug("cache hit: %s", lib_dir / lib_name)
-        return finish(manifest, True)
-    with cache.locked(root, lib_key):
-        manifest = cached()
-        if manifest:
-            return finish(manifest, True)
+    hit = cached()
+    if hit:
+        log.debug("cache hit: %s", hit[0])
+        return finish(*hit, True)
+    with cache.locked(root, lib_key, f"building {', '.join(s.stem for s in specs)} for {target}",
+                      say, HEARTBEAT_SECONDS):
+        hit = cached()
+        if hit:
+            return finish(*hit, True)
+        if linker == "nvcc":  # checked before any work; toolchain.run checks every argument
+            toolchain.check_shell_safe(root, "the cache directory")
         cache.discard(lib_dir)  # a damaged entry (absent: nothing to do)
         staging = cache.staging_dir(root / "libs", lib_key)
         try:
@@ -232,19 +255,20 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 (src_dir / j.source.name).write_text(j.source.text)
             say(f"compiling {', '.join(s.stem for s in specs)} for {target} "
                 f"({len(compile_jobs)} sources; first use of this build, cached afterwards)")
-            with toolchain.ProcessGroup() as group:
-                objects = _compile_all(compile_jobs, root, src_dir, jobs, say, group)
+            with toolchain.ProcessGroup() as group, cache.Pins(root) as pins:
+                objects = _compile_all(compile_jobs, root, src_dir, jobs, say, group, pins)
                 link = toolchain.compiler(linker)
                 toolchain.run([*link.command, *link_flags, *map(str, objects), "-o",
-                               str(staging / lib_name)], f"linking {lib_name}", group)
-            files = {lib_name: cache.file_record(staging / lib_name)}
-            if host == "emulate":
-                (staging / "ptx").mkdir()
-                for j, obj in zip(compile_jobs, objects):
-                    if j.source.language == "cuda":
-                        name = f"ptx/{pathlib.Path(j.source.name).stem}.ptx"
-                        shutil.copyfile(ptx_of(obj), staging / name)
-                        files[name] = cache.file_record(staging / name)
+                               str(staging / lib_name)], f"linking {lib_name}", group,
+                              nvcc_tmpdir=staging if linker == "nvcc" else None)
+                files = {lib_name: cache.file_record(staging / lib_name)}
+                if host == "emulate":
+                    (staging / "ptx").mkdir()
+                    for j, obj in zip(compile_jobs, objects):
+                        if j.source.language == "cuda":
+                            name = f"ptx/{pathlib.Path(j.source.name).stem}.ptx"
+                            shutil.copyfile(ptx_of(obj), staging / name)
+                            files[name] = cache.file_record(staging / name)
             compilers = {toolchain.compiler(c) for c in {j.compiler for j in compile_jobs} | {linker}}
             manifest = {
                 "flashgen_library": lib_name,
@@ -259,12 +283,16 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                                       ["the CUDA runtime (flashgen.emulate)"] if host == "emulate" else []),
                 "ptx": sorted(n for n in files if n.startswith("ptx/")),
                 "compilers": {c.name: toolchain.compiler_version(c.exe) for c in compilers},
+                "compiler_paths": toolchains,
+                "cleared_environment": list(toolchain.CLEARED_ENV),
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},
+                "link_flags": link_flags,
                 "objects": {j.source.name: o.stem for j, o in zip(compile_jobs, objects)},
                 "host_isa": toolchain.host_isa() if target == "cpu" else None,
                 "cpu_isa": list(toolchain.cpu_isa()) if target == "cpu" else None,
                 "ffi_headers": {k: v for k, v in ffi.items() if k != "include_dir"},
                 "cache_key": lib_key,
+                "serves": {"toolchain": serves[0], "any_toolchain": serves[1]},
                 "files": files,
                 "build_seconds": round(time.perf_counter() - t0, 3),
             }
@@ -273,11 +301,47 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     say(f"built {lib_dir / lib_name} in {time.perf_counter() - t0:.1f}s")
-    return finish(cache.verify_library(lib_dir), False)
+    return finish(lib_dir, cache.verify_library(lib_dir), False)
 
 
-def _compile_all(compile_jobs: list[_Job], root: pathlib.Path, src_dir: pathlib.Path,
-                 jobs: int | None, say: Progress, group: toolchain.ProcessGroup) -> list[pathlib.Path]:
+def _serves(compile_jobs: list[_Job], target: str, host: str, link_flags: list[str],
+            env_key: dict, toolchains: dict) -> tuple[str, str]:
+    """What a library is interchangeable on, whatever its specs: (with its toolchain, with any
+    toolchain). A library holding a spec serves it wherever these agree: its sources for that
+    spec come from the same templates, headers and flags."""
+    kinds = sorted({json.dumps([j.compiler, j.source.language, j.flags, j.extra]) for j in compile_jobs})
+    context = _digest(resources.tree_digest(resources.templates_dir()), env_key, target, host,
+                      link_flags, kinds, ATTRIBUTES)
+    return _digest(context, toolchains), context
+
+
+def _holding(root: pathlib.Path, specs: list[KernelSpec], field: str,
+             value: str) -> tuple[pathlib.Path, dict] | None:
+    """The smallest intact cached library whose manifest's `serves[field]` is `value` and
+    which holds every one of `specs`."""
+    wanted = [s.to_json() for s in specs]
+    found = []
+    libs = root / "libs"
+    for d in libs.iterdir() if libs.is_dir() else ():
+        if d.name.startswith(cache.STAGING_PREFIX):
+            continue
+        try:
+            manifest = cache.read_manifest(d / MANIFEST)
+        except cache.CorruptEntry:
+            continue
+        if (manifest.get("serves") or {}).get(field) == value and \
+                all(w in manifest["specs"] for w in wanted):
+            found.append((len(manifest["specs"]), d.name, d))
+    for _, _, d in sorted(found):
+        try:
+            return d, cache.verify_library(d)
+        except cache.CorruptEntry:
+            continue
+    return None
+
+
+def _compile_all(compile_jobs: list[_Job], root: pathlib.Path, src_dir: pathlib.Path, jobs: int | None,
+                 say: Progress, group: toolchain.ProcessGroup, pins: cache.Pins) -> list[pathlib.Path]:
     """Compile in parallel, reporting each finished source and, every HEARTBEAT_SECONDS, which
     are still compiling: a cold compile takes seconds to minutes and must not look hung."""
     n = len(compile_jobs)
@@ -288,7 +352,7 @@ def _compile_all(compile_jobs: list[_Job], root: pathlib.Path, src_dir: pathlib.
 
     def compile_one(job: _Job):
         started[job.source.name] = time.perf_counter()
-        return _compile(job, root, src_dir, group)
+        return _compile(job, root, src_dir, group, pins, say)
 
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
@@ -330,8 +394,9 @@ def _export(lib: Library, out: pathlib.Path) -> Library:
 
 
 def emulation_runtime() -> pathlib.Path:
-    """libflashgen_emu.so (csrc/flashgen/emulate: the stand-in CUDA runtime and XLA FFI host
-    under which flashgen.emulate runs a library built with host="emulate"), cached by content."""
+    """libflashgen_emu (csrc/flashgen/emulate: the stand-in CUDA runtime and XLA FFI host
+    under which flashgen.emulate runs a library built with host="emulate"), cached by content
+    and verified like an object."""
     root = cache.root()
     src_dir = resources.csrc_dir() / EMULATION_RUNTIME_DIR
     flags = ["-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "none",
@@ -339,18 +404,24 @@ def emulation_runtime() -> pathlib.Path:
     nvcc = toolchain.compiler("nvcc")  # knows where the CUDA headers are
     key = _digest(resources.tree_digest(src_dir), toolchain.requested("nvcc"),
                   toolchain.compiler_version(nvcc.exe), flags)
-    lib = root / "runtime" / key / "libflashgen_emu.so"
-    if lib.exists():
+    lib = cache.lookup_object(root, key, "runtime")
+    if lib:
         return lib
-    with cache.locked(root, key):
-        if lib.exists():
+    with cache.locked(root, key, "building the emulation runtime", log.info, HEARTBEAT_SECONDS):
+        lib = cache.lookup_object(root, key, "runtime")
+        if lib:
             return lib
-        tmp = cache.temp_path(root / "runtime", key, ".so")
+        toolchain.check_shell_safe(root, "the cache directory")
+        staging = cache.staging_dir(root / "runtime", key)
         try:
-            toolchain.run([*nvcc.command, *flags, *map(str, sorted(src_dir.glob("*.cc"))), "-o", str(tmp)],
-                          "building the emulation runtime")
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, lib)
+            tmp = staging / "libflashgen_emu.so"
+            with toolchain.ProcessGroup() as group:  # nvcc dies with us, kill -9 included
+                toolchain.run([*nvcc.command, *flags, *map(str, sorted(src_dir.glob("*.cc"))),
+                               "-o", str(tmp)], "building the emulation runtime", group,
+                              nvcc_tmpdir=staging)
+            try:
+                return cache.store_object(root, key, tmp, "runtime")
+            except cache.CorruptEntry as e:
+                raise BuildError(f"building the emulation runtime: {e}") from None
         finally:
-            tmp.unlink(missing_ok=True)
-    return lib
+            shutil.rmtree(staging, ignore_errors=True)

@@ -10,10 +10,10 @@ def register(subparsers) -> None:
     c = subparsers.add_parser(
         "cache", help="list, verify or clean the kernel cache",
         description="The kernel cache ($FLASHGEN_CACHE_DIR, else $XDG_CACHE_HOME/flashgen, else "
-                    "~/.cache/flashgen): every library and object is verified against its "
-                    "recorded size and sha256.")
+                    "~/.cache/flashgen): every library, object (with its PTX) and emulation "
+                    "runtime is verified against its recorded size and sha256.")
     sub = c.add_subparsers(dest="action", metavar="ACTION", required=True)
-    sub.add_parser("list", help="every library (specs, target, size) and the objects"
+    sub.add_parser("list", help="every library (specs, target, size), the objects and runtimes"
                    ).set_defaults(func=cmd_list)
     sub.add_parser("verify", help="check every entry against its records; exit 1 if any is "
                    "damaged").set_defaults(func=cmd_verify)
@@ -45,10 +45,12 @@ def cmd_list(args) -> int:
                           for s in m["specs"])
         print(f"  {e.key}  {m['target']:<5} {m['host']:<6} {_size(e.size):>10}  {stems}")
     objects = [e for e in entries if e.kind == "object"]
+    runtimes = [e for e in entries if e.kind == "runtime"]
     staging = [e for e in entries if e.kind == "staging"]
     bad = sum(1 for e in entries if e.problem and not e.outdated)
     old = sum(1 for e in entries if e.outdated)
     print(f"{len(libs)} libraries, {len(objects)} objects ({_size(sum(e.size for e in objects))})"
+          f", {len(runtimes)} runtimes ({_size(sum(e.size for e in runtimes))})"
           f", {len(staging)} staging, {bad} damaged, {old} outdated")
     return 0
 

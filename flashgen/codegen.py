@@ -78,9 +78,12 @@ def render_static_registration(specs: list[KernelSpec]) -> Source:
     return Source("static_registration.cc", text, "c++")
 
 
-def render_python_face(module_name: str) -> Source:
-    """The pybind11 module of one library; `module_name` must be unique per library."""
-    if not module_name.isidentifier():
-        raise ValueError(f"invalid Python module name {module_name!r}")
-    text = _ENV.get_template("common/python_face.cc.j2").render(module_name=module_name)
+# The Python face's module init, the same in every library (so its object is compiled once per
+# toolchain); build.py links each library's PyInit_<module> to it.
+FACE_INIT = "flashgen_face"
+
+
+def render_python_face() -> Source:
+    """The pybind11 module of a library."""
+    text = _ENV.get_template("common/python_face.cc.j2").render(module_name=FACE_INIT)
     return Source("python_face.cc", text, "c++")

@@ -15,6 +15,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -56,15 +57,32 @@ _COMPILERS = {
 }
 
 
-def requested(kind: str) -> str:
-    """The "cxx"/"nvcc" compiler the environment asks for, without looking for it: what the cache
-    keys on, so that finding a cached library needs no compiler. An unset variable counts as the
-    conventional name (c++, nvcc). A launcher is left out (it changes nothing in the output); so
-    is the version (an upgraded compiler does not invalidate what the old one built; the manifest
-    records which compiler built it)."""
-    env_var, names, _, _ = _COMPILERS[kind]
-    words = _words(env_var) or [names[0]]
-    return shlex.join(words[_compiler_index(words):])
+def requested(kind: str) -> str | None:
+    """The "cxx"/"nvcc" compiler the environment asks for, as the cache keys it: the file it
+    resolves to on PATH (symbolic links followed), so that CXX=g++ and CXX=/usr/bin/g++ share
+    entries; None when it is not installed (a serving host, which only looks up). Found without
+    running anything, so that finding a cached library needs no compiler. A launcher is left out
+    (it changes nothing in the output); so is the version (a compiler upgraded in place does not
+    invalidate what the old one built; the manifest records which compiler built it)."""
+    _, word, options = _spelled(kind)
+    exe = shutil.which(word) if word else _default(kind)
+    return shlex.join([os.path.realpath(exe), *options]) if exe else None
+
+
+def _spelled(kind: str) -> tuple[list[str], str | None, list[str]]:
+    """(launcher, compiler, options) as CXX/NVCC spell them; (_, None, _) when unset."""
+    words = _words(_COMPILERS[kind][0])
+    if not words:
+        return [], None, []
+    i = _compiler_index(words)
+    return words[:i], words[i], words[i + 1:]
+
+
+def _default(kind: str) -> str | None:
+    """The conventional compiler found on PATH or in its usual place, if any."""
+    _, names, extra, _ = _COMPILERS[kind]
+    return next(filter(None, [shutil.which(n) for n in names]
+                       + [p for p in extra if os.access(p, os.X_OK)]), None)
 
 
 def _compiler_index(words: list[str]) -> int:
@@ -84,20 +102,18 @@ def _words(env_var: str) -> list[str]:
 @functools.cache
 def compiler(kind: str) -> Compiler:
     """The "cxx" or "nvcc" compiler with its launcher; BuildError when there is none."""
-    env_var, names, extra, missing = _COMPILERS[kind]
-    words = _words(env_var)
-    if words:
-        i = _compiler_index(words)
-        launcher, exe, options = words[:i], words[i], words[i + 1:]
-        for w in ([launcher[0]] if launcher else []) + [exe]:
-            if not shutil.which(w):
-                what = "" if len(words) == 1 else f": {w!r}"
-                raise BuildError(f"{env_var}={os.environ[env_var]!r}{what} is not an executable")
-        return Compiler(tuple(launcher), shutil.which(exe), tuple(options))
-    for found in [shutil.which(n) for n in names] + [p for p in extra if os.access(p, os.X_OK)]:
+    env_var, _, _, missing = _COMPILERS[kind]
+    launcher, word, options = _spelled(kind)
+    if word is None:
+        found = _default(kind)
         if found:
             return Compiler((), found, ())
-    raise BuildError(missing)
+        raise BuildError(missing)
+    for w in launcher[:1] + [word]:
+        if not shutil.which(w):
+            what = "" if not launcher and not options else f": {w!r}"
+            raise BuildError(f"{env_var}={os.environ[env_var]!r}{what} is not an executable")
+    return Compiler(tuple(launcher), shutil.which(word), tuple(options))
 
 
 def cxx() -> str:
@@ -109,15 +125,27 @@ def nvcc() -> str:
     return compiler("nvcc").exe
 
 
+# Seconds a compiler gets to answer --version: a wrapper that hangs must not hang the build.
+VERSION_PROBE_SECONDS = 60.0
+
+
 @functools.cache
 def compiler_version(exe: str) -> str:
     try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        probe = subprocess.Popen([exe, "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, process_group=0)
     except OSError as e:
         raise BuildError(f"cannot run {exe}: {e}") from e
-    lines = [l for l in out.stdout.splitlines() if l.strip()]
-    if out.returncode != 0 or not lines:
-        raise BuildError(f"{exe} --version failed: {out.stderr.strip()}")
+    try:
+        stdout, stderr = probe.communicate(timeout=VERSION_PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(probe.pid, signal.SIGKILL)  # the group: a wrapper's children hold the pipes too
+        probe.communicate()
+        raise BuildError(f"the compiler {exe} did not answer `{os.path.basename(exe)} --version` "
+                         f"within {VERSION_PROBE_SECONDS:g} s (a hung compiler or wrapper?)") from None
+    lines = [l for l in stdout.splitlines() if l.strip()]
+    if probe.returncode != 0 or not lines:
+        raise BuildError(f"{exe} --version failed: {stderr.strip()}")
     # nvcc puts its release on the last line, gcc/clang on the first.
     return lines[-1] if "cuda" in lines[-1].lower() else lines[0]
 
@@ -234,12 +262,45 @@ class ProcessGroup:
         self.close()
 
 
-def run(cmd: list[str], what: str, group: ProcessGroup | None = None) -> None:
-    """Run a compiler (in `group` if given); on failure raise BuildError carrying the
-    compiler's own message."""
+# Variables that change what a compiler produces without appearing on its command line. They
+# are cleared for flashgen's compiles (the cache key covers only the command line): options
+# (NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS, clang's CCC_OVERRIDE_OPTIONS), nvcc's host compiler
+# (NVCC_CCBIN), search paths for headers, libraries and compiler parts (CPATH, C_INCLUDE_PATH,
+# CPLUS_INCLUDE_PATH, LIBRARY_PATH, COMPILER_PATH, GCC_EXEC_PREFIX) and side outputs
+# (DEPENDENCIES_OUTPUT, SUNPRO_DEPENDENCIES). CFLAGS/CXXFLAGS/LDFLAGS are read by build systems,
+# not by compilers, and flashgen does not read them.
+CLEARED_ENV = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN", "CCC_OVERRIDE_OPTIONS",
+               "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
+               "COMPILER_PATH", "GCC_EXEC_PREFIX", "DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES")
+
+# What nvcc's host steps, run through `sh -c` with each path in double quotes, would expand.
+_SHELL_ACTIVE = ('$', '`', '"', '\\', '\n')
+
+
+def check_shell_safe(path: str | os.PathLike, what: str) -> None:
+    """BuildError unless `path` can go to nvcc: nvcc runs its host steps through a shell."""
+    text = os.fspath(path)
+    bad = sorted({c for c in _SHELL_ACTIVE if c in text})
+    if bad:
+        raise BuildError(f"{what} {text!r} contains {' '.join(map(repr, bad))}, which nvcc would "
+                         f"hand to a shell (it runs its host steps through one): use a path "
+                         f"without $ ` \" \\")
+
+
+def run(cmd: list[str], what: str, group: ProcessGroup | None = None, *,
+        nvcc_tmpdir: pathlib.Path | None = None) -> None:
+    """Run a compiler (in `group` if given), without the variables of CLEARED_ENV; on failure
+    raise BuildError carrying the compiler's own message. An nvcc command gives `nvcc_tmpdir`,
+    a directory flashgen chose (whatever TMPDIR says), for its intermediate files; every
+    argument of it is checked with check_shell_safe first."""
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED_ENV}
+    if nvcc_tmpdir is not None:
+        for word in [*cmd, str(nvcc_tmpdir)]:
+            check_shell_safe(word, f"{what}: the argument")
+        env["TMPDIR"] = str(nvcc_tmpdir)
     extra = {"process_group": group.pgid} if group else {}
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, **extra)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, **extra)
     except OSError as e:
         raise BuildError(f"{what}: cannot run {cmd[0]}: {e}") from e
     if out.returncode != 0:

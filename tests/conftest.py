@@ -58,6 +58,31 @@ def fresh_cache(tmp_path, monkeypatch):
     return root
 
 
+@pytest.fixture(scope="session")
+def seed():
+    """A verified cache entry for the d32 f32 cpu spec, in the default cache: the library
+    directory and its objects."""
+    from flashgen import KernelSpec, build, cache
+    lib = build([KernelSpec(32, "f32", False, "cpu")])
+    return lib.path.parent, [cache.object_path(cache.root(), k)
+                             for k in lib.manifest["objects"].values()]
+
+
+@pytest.fixture
+def cache_copy(seed, tmp_path, monkeypatch):
+    """A private cache holding a copy of the seed entry; returns (root, library directory).
+    Tests of the cache damage their copy, so that it costs a relink, not a cold build."""
+    lib_dir, objects = seed
+    root = tmp_path / "cache"
+    shutil.copytree(lib_dir, root / "libs" / lib_dir.name)
+    (root / "objects").mkdir()
+    for o in objects:
+        shutil.copy2(o, root / "objects" / o.name)
+        shutil.copy2(o.with_suffix(".json"), root / "objects" / o.with_suffix(".json").name)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
+    return root, root / "libs" / lib_dir.name
+
+
 needs_nvcc = pytest.mark.skipif(
     not (shutil.which("nvcc") or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)),
     reason="nvcc not installed")

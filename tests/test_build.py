@@ -7,6 +7,8 @@ import sys
 import time
 
 
+import pytest
+
 import flashgen
 from flashgen import KernelSpec, build
 
@@ -135,3 +137,20 @@ def test_cli_build_prints_library_path(fresh_cache, tmp_path):
     assert os.path.exists(path)
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert sorted(s["causal"] for s in m["specs"]) == [False, True]
+
+
+def test_compiler_whose_version_probe_hangs_is_one_clear_error(fresh_cache, tmp_path, monkeypatch):
+    hung = tmp_path / "hungcxx"
+    hung.write_text("#!/bin/sh\nsleep 300\n")
+    hung.chmod(hung.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(hung))
+    monkeypatch.setattr(flashgen.toolchain, "VERSION_PROBE_SECONDS", 1.0)
+    flashgen.toolchain.compiler.cache_clear()
+    t = time.perf_counter()
+    try:
+        with pytest.raises(flashgen.BuildError, match=f"the compiler {hung} did not answer "
+                                                      r"`hungcxx --version` within 1 s"):
+            build([SPEC])
+    finally:
+        flashgen.toolchain.compiler.cache_clear()
+    assert time.perf_counter() - t < 30

@@ -22,28 +22,6 @@ SPEC = KernelSpec(32, "f32", False, "cpu")
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def seed():
-    """A verified cache entry for SPEC: the library directory and its objects."""
-    lib = build([SPEC])
-    return lib.path.parent, [cache.object_path(cache.root(), k)
-                             for k in lib.manifest["objects"].values()]
-
-
-@pytest.fixture
-def cache_copy(seed, tmp_path, monkeypatch):
-    """A private cache holding a copy of the seed entry; returns (root, library directory)."""
-    lib_dir, objects = seed
-    root = tmp_path / "cache"
-    shutil.copytree(lib_dir, root / "libs" / lib_dir.name)
-    (root / "objects").mkdir()
-    for o in objects:
-        shutil.copy2(o, root / "objects" / o.name)
-        shutil.copy2(o.with_suffix(".json"), root / "objects" / o.with_suffix(".json").name)
-    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
-    return root, root / "libs" / lib_dir.name
-
-
 def _python(code, env=None, **kw):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, **kw)
@@ -177,19 +155,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_build_leaves_no_compiler_running_and_no_staging(tmp_path):
-    root = tmp_path / "cache"
-    env = {"FLASHGEN_CACHE_DIR": str(root), "CXX": f"{_slow_compiler(tmp_path)} g++"}
-    proc = subprocess.Popen([sys.executable, "-m", "flashgen", "build", "--hdim", "32",
-                             "--dtype", "f32", "--target", "cpu", "-j", "2"],
-                            env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids_file = tmp_path / "pids"
+def kill_once_compiling(proc: subprocess.Popen, pids_file: pathlib.Path, count: int) -> None:
+    """Wait until `count` compiler processes have written their pids to `pids_file`, kill -9
+    the build `proc`, and check that every one of them dies with it."""
     deadline = time.time() + 60
-    while time.time() < deadline and len(pids_file.read_text().split() if pids_file.exists() else []) < 4:
+    while time.time() < deadline and len(pids_file.read_text().split() if pids_file.exists() else []) < count:
         time.sleep(0.1)
     pids = [int(p) for p in pids_file.read_text().split()]
-    assert len(pids) == 4, pids  # two compiles, each a driver and its child
+    assert len(pids) == count, pids
     assert all(_alive(p) for p in pids)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -197,6 +170,16 @@ def test_killed_build_leaves_no_compiler_running_and_no_staging(tmp_path):
     while time.time() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "compilers outlived the killed build"
+
+
+def test_killed_build_leaves_no_compiler_running_and_no_staging(tmp_path):
+    root = tmp_path / "cache"
+    env = {"FLASHGEN_CACHE_DIR": str(root), "CXX": f"{_slow_compiler(tmp_path)} g++"}
+    proc = subprocess.Popen([sys.executable, "-m", "flashgen", "build", "--hdim", "32",
+                             "--dtype", "f32", "--target", "cpu", "-j", "2"],
+                            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_once_compiling(proc, tmp_path / "pids", 4)  # two compiles, each a driver and its child
 
     left = [p.name for sub in ("libs", "objects") for p in (root / sub).iterdir()]
     assert left and all(n.startswith(".tmp-") for n in left), left  # staging, temp objects

@@ -32,5 +32,5 @@ def compile_ptx(source: str | pathlib.Path, arch: str, *, include_first: str | N
             src.write_text(source)
         out = pathlib.Path(tmp) / "out.ptx"
         toolchain.run([toolchain.nvcc(), *ptx_flags(arch, include_first), "-ptx", str(src), "-o", str(out)],
-                      f"nvcc -ptx {src.name}")
+                      f"nvcc -ptx {src.name}", nvcc_tmpdir=pathlib.Path(tmp))
         return out.read_text()
