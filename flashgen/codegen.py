@@ -12,7 +12,7 @@ import json
 import jinja2
 
 from flashgen import resources
-from flashgen.spec import DIRECTIONS, FFI_DTYPES, KernelSpec
+from flashgen.spec import ATTRIBUTES, DIRECTIONS, EXTRAS, FFI_DTYPES, KernelSpec
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
@@ -84,3 +84,21 @@ def render_python_face(module_name: str) -> Source:
         raise ValueError(f"invalid Python module name {module_name!r}")
     text = _ENV.get_template("common/python_face.cc.j2").render(module_name=module_name)
     return Source("python_face.cc", text, "c++")
+
+
+# The Erlang module a NIF face's functions belong to (examples/elixir's FlashGen.NIF).
+NIF_MODULE = "Elixir.FlashGen.NIF"
+# flashgen.spec's attribute types as the XLA FFI scalar types the NIF hands the handlers
+# (a string attribute has no scalar type).
+_NIF_ATTR_TYPES = {"i1": "XLA_FFI_DataType_PRED", "i32": "XLA_FFI_DataType_S32",
+                   "f32": "XLA_FFI_DataType_F32", "string": "XLA_FFI_DataType_INVALID"}
+
+
+def render_nif_face() -> Source:
+    """The erl_nif face of a library (module NIF_MODULE), with the call contract's tables."""
+    directions = [{"name": d, "attrs": [{"name": n, "type": _NIF_ATTR_TYPES[t]} for n, t in ATTRIBUTES[d].items()]}
+                  for d in DIRECTIONS]
+    extras = [{"name": n, "operands": list(ops)} for n, ops in EXTRAS.items()]
+    text = _ENV.get_template("common/nif_face.cc.j2").render(module=NIF_MODULE, directions=directions,
+                                                               extras=extras)
+    return Source("nif_face.cc", text, "c++")
