@@ -28,6 +28,7 @@ __all__ = ["build", "Library", "BuildError", "cache_root", "resolve_target"]
 Progress = Callable[[str], None]
 log = logging.getLogger("flashgen.build")
 EMULATION_RUNTIME_DIR = "flashgen/emulate"  # under csrc/: flashgen.emulate's CUDA runtime and FFI host
+HOST_CALL_HEADER = "flashgen/host_call.h"  # under csrc/: the call frame of the emulator's and the NIF's hosts
 cache_root = cache.root
 # Seconds between "still compiling" lines during a cold compile.
 HEARTBEAT_SECONDS = 10.0
@@ -345,7 +346,9 @@ def emulation_runtime() -> pathlib.Path:
     flags = ["-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "none",
              "-I", str(resources.csrc_dir()), "-I", toolchain.ffi_headers()["include_dir"]]
     nvcc = toolchain.compiler("nvcc")  # knows where the CUDA headers are
-    key = _digest(resources.tree_digest(src_dir), toolchain.requested("nvcc"),
+    # its call frame comes from csrc/flashgen/host_call.h, outside src_dir
+    key = _digest(resources.tree_digest(src_dir), (resources.csrc_dir() / HOST_CALL_HEADER).read_bytes(),
+                  toolchain.requested("nvcc"),
                   toolchain.compiler_version(nvcc.exe), flags)
     lib = root / "runtime" / key / "libflashgen_emu.so"
     if lib.exists():

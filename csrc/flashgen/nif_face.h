@@ -90,7 +90,7 @@ inline ERL_NIF_TERM error(ErlNifEnv* env, std::string_view message) {
   return enif_make_tuple2(env, enif_make_atom(env, "error"), binary_term(env, message));
 }
 
-inline std::string term_text(ErlNifEnv* env, ERL_NIF_TERM t) {
+inline std::string term_text(ERL_NIF_TERM t) {
   char buf[96];
   const int n = enif_snprintf(buf, sizeof(buf), "%T", t);
   std::string s(buf, n > 0 ? std::min<size_t>(size_t(n), sizeof(buf) - 1) : 0);
@@ -113,24 +113,24 @@ inline std::string decode_shaped(ErlNifEnv* env, const ERL_NIF_TERM* elems, Shap
   if (enif_get_atom(env, elems[0], atom, sizeof(atom), ERL_NIF_LATIN1) > 0)
     for (const TypeName& t : kTypes)
       if (std::strcmp(atom, t.name) == 0) tn = &t;
-  if (tn == nullptr) return "type " + term_text(env, elems[0]) + " is not one of f32, bf16, f16, i32, pred";
+  if (tn == nullptr) return "type " + term_text(elems[0]) + " is not one of f32, bf16, f16, i32, pred";
   int arity = 0;
   const ERL_NIF_TERM* dims;
   if (!enif_get_tuple(env, elems[1], &arity, &dims) || arity > kMaxRank)
-    return "shape " + term_text(env, elems[1]) + " is not a tuple of at most " + std::to_string(kMaxRank) +
+    return "shape " + term_text(elems[1]) + " is not a tuple of at most " + std::to_string(kMaxRank) +
            " non-negative integers";
   size_t elements = 1;
   for (int i = 0; i < arity; ++i) {
     ErlNifSInt64 d;
     if (!enif_get_int64(env, dims[i], &d) || d < 0)
-      return "shape " + term_text(env, elems[1]) + " has a dimension that is not a non-negative integer";
+      return "shape " + term_text(elems[1]) + " has a dimension that is not a non-negative integer";
     if (__builtin_mul_overflow(elements, uint64_t(d), &elements))
-      return "shape " + term_text(env, elems[1]) + " has more elements than memory can hold";
+      return "shape " + term_text(elems[1]) + " has more elements than memory can hold";
     out->dims[i] = d;
   }
   if (__builtin_mul_overflow(elements, tn->bytes, &out->bytes) ||
       out->bytes > size_t(std::numeric_limits<int64_t>::max()))
-    return "shape " + term_text(env, elems[1]) + " has more elements than memory can hold";
+    return "shape " + term_text(elems[1]) + " has more elements than memory can hold";
   out->type = tn->type;
   out->elem_bytes = tn->bytes;
   out->rank = arity;
@@ -162,7 +162,7 @@ inline const Direction* direction_of(const Contract& c, std::string_view target)
 
 inline std::string decode_target(ErlNifEnv* env, ERL_NIF_TERM term, DecodedCall* call) {
   ErlNifBinary name;
-  if (!enif_inspect_binary(env, term, &name)) return "the target must be a binary, got " + term_text(env, term);
+  if (!enif_inspect_binary(env, term, &name)) return "the target must be a binary, got " + term_text(term);
   size_t n = 0;
   const HandlerEntry* table = flashgen_handlers(&n);
   const std::string_view want(reinterpret_cast<const char*>(name.data), name.size);
@@ -174,57 +174,63 @@ inline std::string decode_target(ErlNifEnv* env, ERL_NIF_TERM term, DecodedCall*
   return "unknown target \"" + std::string(want.substr(0, 80)) + "\"; this library has " + have;
 }
 
-inline std::string decode_args(ErlNifEnv* env, ERL_NIF_TERM list, DecodedCall* call) {
+// Calls each(i, elements) on every element of `list`, each a tuple of `arity` terms written
+// `form`; "" or what is wrong with the first bad one ("operand 2: ...").
+template <typename Each>
+std::string decode_tuples(ErlNifEnv* env, ERL_NIF_TERM list, const char* what, int arity, const char* form,
+                          Each each) {
   unsigned len;
   if (!enif_get_list_length(env, list, &len) || len > kMaxBuffers)
-    return "operands must be a list of at most " + std::to_string(kMaxBuffers) + " {Type, Shape, Binary} tuples";
-  call->args.resize(len);
-  call->arg_bufs.resize(len);
+    return std::string(what) + "s must be a list of at most " + std::to_string(kMaxBuffers) + " " + form +
+           " tuples, got " + term_text(list);
   ERL_NIF_TERM head, tail = list;
   for (unsigned i = 0; enif_get_list_cell(env, tail, &head, &tail); ++i) {
-    const std::string which = "operand " + std::to_string(i) + ": ";
-    int arity;
+    int n;
     const ERL_NIF_TERM* e;
-    if (!enif_get_tuple(env, head, &arity, &e) || arity != 3)
-      return which + "expected {Type, Shape, Binary}, got " + term_text(env, head);
+    std::string why = !enif_get_tuple(env, head, &n, &e) || n != arity
+                          ? std::string("expected ") + form + ", got " + term_text(head)
+                          : each(i, e);
+    if (!why.empty()) return std::string(what) + " " + std::to_string(i) + ": " + why;
+  }
+  return "";
+}
+
+inline std::string decode_args(ErlNifEnv* env, ERL_NIF_TERM list, DecodedCall* call) {
+  unsigned len = 0;
+  enif_get_list_length(env, list, &len);
+  call->args.resize(std::min(len, kMaxBuffers));
+  call->arg_bufs.resize(call->args.size());
+  return decode_tuples(env, list, "operand", 3, "{Type, Shape, Binary}", [&](unsigned i, const ERL_NIF_TERM* e) {
     Shaped& s = call->args[i];
-    if (std::string why = decode_shaped(env, e, &s); !why.empty()) return which + why;
+    if (std::string why = decode_shaped(env, e, &s); !why.empty()) return why;
     ErlNifBinary bin;
-    if (!enif_inspect_binary(env, e[2], &bin)) return which + "data must be a binary, got " + term_text(env, e[2]);
+    if (!enif_inspect_binary(env, e[2], &bin)) return "data must be a binary, got " + term_text(e[2]);
     if (bin.size != s.bytes)
-      return which + "the binary has " + std::to_string(bin.size) + " bytes but shape " + term_text(env, e[1]) +
-             " of " + term_text(env, e[0]) + " needs " + std::to_string(s.bytes);
+      return "the binary has " + std::to_string(bin.size) + " bytes but shape " + term_text(e[1]) + " of " +
+             term_text(e[0]) + " needs " + std::to_string(s.bytes);
     void* data = bin.data;
     if (reinterpret_cast<uintptr_t>(data) % s.elem_bytes != 0) {  // a sub-binary at an odd offset
       call->realigned.emplace_back(bin.data, bin.data + bin.size);
       data = call->realigned.back().data();
     }
     call->arg_bufs[i] = host::Buffer{s.type, data, s.rank, s.dims};
-  }
-  return "";
+    return std::string();
+  });
 }
 
 inline std::string decode_rets(ErlNifEnv* env, ERL_NIF_TERM list, DecodedCall* call) {
-  unsigned len;
-  if (!enif_get_list_length(env, list, &len) || len > kMaxBuffers)
-    return "results must be a list of at most " + std::to_string(kMaxBuffers) + " {Type, Shape} tuples";
-  call->rets.resize(len);
-  ERL_NIF_TERM head, tail = list;
-  for (unsigned i = 0; enif_get_list_cell(env, tail, &head, &tail); ++i) {
-    const std::string which = "result " + std::to_string(i) + ": ";
-    int arity;
-    const ERL_NIF_TERM* e;
-    if (!enif_get_tuple(env, head, &arity, &e) || arity != 2)
-      return which + "expected {Type, Shape}, got " + term_text(env, head);
-    if (std::string why = decode_shaped(env, e, &call->rets[i]); !why.empty()) return which + why;
-  }
-  return "";
+  unsigned len = 0;
+  enif_get_list_length(env, list, &len);
+  call->rets.resize(std::min(len, kMaxBuffers));
+  return decode_tuples(env, list, "result", 2, "{Type, Shape}", [&](unsigned i, const ERL_NIF_TERM* e) {
+    return decode_shaped(env, e, &call->rets[i]);
+  });
 }
 
 // Exactly the attributes of the target's direction, each of its type.
 inline std::string decode_attrs(ErlNifEnv* env, ERL_NIF_TERM map, const Direction& dir, DecodedCall* call) {
   size_t size;
-  if (!enif_get_map_size(env, map, &size)) return "attributes must be a map, got " + term_text(env, map);
+  if (!enif_get_map_size(env, map, &size)) return "attributes must be a map, got " + term_text(map);
   auto names = [&] {
     std::string s;
     for (size_t i = 0; i < dir.num_attrs; ++i)
@@ -236,10 +242,12 @@ inline std::string decode_attrs(ErlNifEnv* env, ERL_NIF_TERM map, const Directio
     ERL_NIF_TERM v;
     if (!enif_get_map_value(env, map, enif_make_atom(env, spec.name), &v))
       return "attribute " + std::string(spec.name) + " is missing; " + dir.name + " takes " + names();
-    host::Attr a{spec.name, spec.type};
+    host::Attr a;
+    a.name = spec.name;
+    a.type = spec.type;
     auto bad = [&](const char* what) {
       return "attribute " + std::string(spec.name) + " must be " + attr_type_name(spec.type) + " (" + what +
-             "), got " + term_text(env, v);
+             "), got " + term_text(v);
     };
     if (spec.type == XLA_FFI_DataType_PRED) {
       if (enif_is_identical(v, enif_make_atom(env, "true")))
@@ -342,7 +350,7 @@ template <const Contract& C>
 ERL_NIF_TERM call_threads(ErlNifEnv* env, int, const ERL_NIF_TERM argv[]) {
   int threads;
   if (!enif_get_int(env, argv[4], &threads) || (threads != 0 && threads != 1))
-    return error(env, "threads must be 1 (inline) or 0 (one worker per CPU), got " + term_text(env, argv[4]));
+    return error(env, "threads must be 1 (inline) or 0 (one worker per CPU), got " + term_text(argv[4]));
   return call_nif(env, C, argv, threads);
 }
 
@@ -353,7 +361,7 @@ template <const Contract& C>
 ERL_NIF_TERM time_in_c(ErlNifEnv* env, int, const ERL_NIF_TERM argv[]) {
   int n;
   if (!enif_get_int(env, argv[4], &n) || n < 1 || n > 1000000)
-    return error(env, "the call count must be an integer in [1, 1000000], got " + term_text(env, argv[4]));
+    return error(env, "the call count must be an integer in [1, 1000000], got " + term_text(argv[4]));
   try {
     DecodedCall call;
     if (std::string why = decode_call(env, C, argv, &call); !why.empty()) return error(env, why);
