@@ -88,6 +88,10 @@ def render_python_face(module_name: str) -> Source:
 
 # The Erlang module a NIF face's functions belong to (examples/elixir's FlashGen.NIF).
 NIF_MODULE = "Elixir.FlashGen.NIF"
+# The most work (B*Sq*Sk*Hq*D; twice that for a backward) a NIF call may do on the calling
+# normal scheduler: about 100 us of kernel on one core (S = 64, H = 4, D = 64 forward), well
+# inside the BEAM's 1 ms for a NIF; larger calls go to a dirty CPU scheduler.
+NIF_INLINE_WORK = 1 << 20
 # flashgen.spec's attribute types as the XLA FFI scalar types the NIF hands the handlers
 # (a string attribute has no scalar type).
 _NIF_ATTR_TYPES = {"i1": "XLA_FFI_DataType_PRED", "i32": "XLA_FFI_DataType_S32",
@@ -100,5 +104,5 @@ def render_nif_face() -> Source:
                   for d in DIRECTIONS]
     extras = [{"name": n, "operands": list(ops)} for n, ops in EXTRAS.items()]
     text = _ENV.get_template("common/nif_face.cc.j2").render(module=NIF_MODULE, directions=directions,
-                                                               extras=extras)
+                                                               extras=extras, inline_work=NIF_INLINE_WORK)
     return Source("nif_face.cc", text, "c++")

@@ -13,10 +13,14 @@
 // then checks shapes and values as it does under XLA. Any problem is
 // {error, Message}, never an exception or a crash.
 //
-// Scheduling: call/4 runs on a dirty CPU scheduler, so a long call never
-// blocks the normal schedulers (the ones a 60 FPS loop's processes run on).
-// The kernels run inline on that dirty scheduler's thread (Threads = 1, the
-// default) or on the kernels' own pool of one thread per CPU (Threads = 0).
+// Scheduling: a dense forward or backward call whose work (B*Sq*Sk*Hq*D, twice
+// that for a backward) is at most Contract::inline_work -- about 100 us of
+// kernel on one core -- runs on the calling process's normal scheduler, as the
+// BEAM's guidelines allow a NIF of well under 1 ms; any other call is handed to
+// a dirty CPU scheduler (enif_schedule_nif), so a long call never blocks the
+// normal schedulers (the ones a 60 FPS loop's processes run on). The kernels
+// run inline on the thread that runs the call (Threads = 1, the default) or on
+// the kernels' own pool of one thread per CPU (Threads = 0).
 #pragma once
 #include <erl_nif.h>
 
@@ -58,6 +62,7 @@ struct Contract {
   size_t num_directions;
   const Extra* extras;
   size_t num_extras;
+  uint64_t inline_work;  // the most work a call may do on a normal scheduler (see above)
 };
 
 constexpr int kMaxRank = 8;
@@ -86,7 +91,9 @@ inline ERL_NIF_TERM binary_term(ErlNifEnv* env, std::string_view text) {
   return t;
 }
 
-inline ERL_NIF_TERM error(ErlNifEnv* env, std::string_view message) {
+// {error, Message}, on one line (the FFI's decoding errors come with a "Diagnostics:" line).
+inline ERL_NIF_TERM error(ErlNifEnv* env, std::string message) {
+  for (size_t at; (at = message.find('\n')) != std::string::npos;) message.replace(at, 1, "; ");
   return enif_make_tuple2(env, enif_make_atom(env, "error"), binary_term(env, message));
 }
 
@@ -339,19 +346,50 @@ inline ERL_NIF_TERM call_nif(ErlNifEnv* env, const Contract& c, const ERL_NIF_TE
   }
 }
 
-// call(Target, Args, Results, Attrs) with the kernels inline (one thread).
-template <const Contract& C>
-ERL_NIF_TERM call(ErlNifEnv* env, int, const ERL_NIF_TERM argv[]) {
-  return call_nif(env, C, argv, 1);
+// The call's threads: 1 (call/4) or call/5's last argument; -1 when that is not 0 or 1.
+inline int64_t threads_of(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  int threads = 1;
+  if (argc == 5 && (!enif_get_int(env, argv[4], &threads) || (threads != 0 && threads != 1))) return -1;
+  return threads;
 }
 
-// call(Target, Args, Results, Attrs, Threads): Threads = 1 inline, 0 = one worker per CPU.
+// The work of a dense forward / backward call from its first two operands' shapes, without
+// decoding the call; UINT64_MAX when it is another kind of call or the terms are not as expected.
+inline uint64_t work_of(ErlNifEnv* env, const ERL_NIF_TERM argv[]) {
+  constexpr uint64_t unknown = std::numeric_limits<uint64_t>::max();
+  ErlNifBinary name;
+  if (!enif_inspect_binary(env, argv[0], &name)) return unknown;
+  const std::string_view target(reinterpret_cast<const char*>(name.data), name.size);
+  const uint64_t per_pair = target.rfind("flashgen_fwd_d", 0) == 0 ? 1 : target.rfind("flashgen_bwd_d", 0) == 0 ? 2 : 0;
+  ERL_NIF_TERM q, k, rest;
+  int n;
+  const ERL_NIF_TERM *qt, *kt, *qd, *kd;
+  if (per_pair == 0 || !enif_get_list_cell(env, argv[1], &q, &rest) || !enif_get_list_cell(env, rest, &k, &rest) ||
+      !enif_get_tuple(env, q, &n, &qt) || n != 3 || !enif_get_tuple(env, k, &n, &kt) || n != 3 ||
+      !enif_get_tuple(env, qt[1], &n, &qd) || n != 4 || !enif_get_tuple(env, kt[1], &n, &kd) || n != 4)
+    return unknown;
+  uint64_t work = per_pair;
+  for (const ERL_NIF_TERM d : {qd[0], qd[1], qd[2], qd[3], kd[1]}) {
+    ErlNifUInt64 x;
+    if (!enif_get_uint64(env, d, &x) || __builtin_mul_overflow(work, x, &work)) return unknown;
+  }
+  return work;
+}
+
 template <const Contract& C>
-ERL_NIF_TERM call_threads(ErlNifEnv* env, int, const ERL_NIF_TERM argv[]) {
-  int threads;
-  if (!enif_get_int(env, argv[4], &threads) || (threads != 0 && threads != 1))
+ERL_NIF_TERM call_dirty(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  return call_nif(env, C, argv, threads_of(env, argc, argv));
+}
+
+// call(Target, Args, Results, Attrs[, Threads]): Threads = 1 inline (the default), 0 = one
+// worker per CPU; on this normal scheduler when the work is small, else on a dirty one.
+template <const Contract& C>
+ERL_NIF_TERM call(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  const int64_t threads = threads_of(env, argc, argv);
+  if (threads < 0)
     return error(env, "threads must be 1 (inline) or 0 (one worker per CPU), got " + term_text(argv[4]));
-  return call_nif(env, C, argv, threads);
+  if (work_of(env, argv) <= C.inline_work) return call_nif(env, C, argv, threads);
+  return enif_schedule_nif(env, "call", ERL_NIF_DIRTY_JOB_CPU_BOUND, call_dirty<C>, argc, argv);
 }
 
 // time_in_c(Target, Args, Results, Attrs, N) -> {ok, [Nanoseconds]}: N calls of the handler
@@ -403,8 +441,9 @@ inline ERL_NIF_TERM info(ErlNifEnv* env, int, const ERL_NIF_TERM[]) {
   return binary_term(env, flashgen_library_info());
 }
 
-// contract() -> #{attributes => #{Direction => [{Name, Type}]}, extras => [{Name, [Operand]}]}:
-// flashgen.spec's ATTRIBUTES and EXTRAS, as this library was built with them.
+// contract() -> #{attributes => #{Direction => [{Name, Type}]}, extras => [{Name, [Operand]}],
+// inline_work => integer()}: flashgen.spec's ATTRIBUTES and EXTRAS, as this library was built
+// with them, and the most work a call runs on a normal scheduler.
 template <const Contract& C>
 ERL_NIF_TERM contract(ErlNifEnv* env, int, const ERL_NIF_TERM[]) {
   ERL_NIF_TERM attrs = enif_make_new_map(env);
@@ -425,6 +464,7 @@ ERL_NIF_TERM contract(ErlNifEnv* env, int, const ERL_NIF_TERM[]) {
   ERL_NIF_TERM out = enif_make_new_map(env);
   enif_make_map_put(env, out, enif_make_atom(env, "attributes"), attrs, &out);
   enif_make_map_put(env, out, enif_make_atom(env, "extras"), extras, &out);
+  enif_make_map_put(env, out, enif_make_atom(env, "inline_work"), enif_make_uint64(env, C.inline_work), &out);
   return out;
 }
 

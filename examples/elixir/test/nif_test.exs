@@ -110,6 +110,8 @@ defmodule FlashGen.NIFTest do
   test "a long call runs on a dirty scheduler: a 1 ms ticker on the only normal scheduler keeps its pace" do
     block = normal(64 * 4 * 64, :f32)
     [q, k, v] = for _ <- 1..3, do: {:binary.copy(block, 64), {1, 2048, 8, 64}}
+    # B*Sq*Sk*Hq*D: far above what the NIF runs on a normal scheduler
+    assert 2048 * 2048 * 8 * 64 > NIF.contract().inline_work
     online = :erlang.system_info(:schedulers_online)
     # one normal scheduler: a NIF holding it would stop every other process
     :erlang.system_flag(:schedulers_online, 1)

@@ -30,7 +30,7 @@ defmodule FlashGen.Attention do
     * `:key_lengths` - `[n_b]`, one per batch entry: keys `j >= n_b` are padding
       (passed as segment ids)
     * `:dbias` - `attention_grad/7` also returns the bias's gradient (default `false`)
-    * `:threads` - 1 runs the kernels on the calling dirty scheduler's thread
+    * `:threads` - 1 runs the kernels on the scheduler thread that runs the call
       (default), 0 on one worker per CPU
   """
 

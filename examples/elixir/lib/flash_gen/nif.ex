@@ -4,9 +4,12 @@ defmodule FlashGen.NIF do
   (csrc/flashgen/nif_face.h): flashgen's CPU kernels, called through their own
   XLA FFI handlers, so the checks and the call contract are the ones XLA sees.
 
-  `call/4` and `call/5` run on a dirty CPU scheduler: a long call never blocks
-  the normal schedulers. Every argument is checked in C first; bad input comes
-  back as `{:error, message}`.
+  Scheduling: a dense call whose work (B·Sq·Sk·Hq·D, twice that backward) is at
+  most `contract().inline_work` -- about 100 µs of kernel, S = 64, H = 4, D = 64
+  forward -- runs on the caller's normal scheduler (no switch); every other
+  call moves to a dirty CPU scheduler, so a long call never blocks the normal
+  schedulers. Every argument is checked in C first; bad input comes back as
+  `{:error, message}`.
 
   Load once per VM with `load/1` (the library path, with or without `.so`, or
   its directory: the `manifest.json` there names the file).
@@ -48,7 +51,7 @@ defmodule FlashGen.NIF do
   Calls `target` on `args` (`[{type, shape, binary}]`), allocating `results`
   (`[{type, shape}]`), with exactly the target's attributes (`%{atom => value}`);
   `{:ok, [binary]}` or `{:error, message}`. Types: `:f32`, `:bf16`, `:f16`, `:i32`, `:pred`.
-  The kernels run inline on the dirty scheduler's thread.
+  The kernels run inline on the scheduler thread that runs the call.
   """
   def call(_target, _args, _results, _attrs), do: :erlang.nif_error(:flashgen_nif_not_loaded)
 
@@ -69,7 +72,8 @@ defmodule FlashGen.NIF do
 
   @doc """
   The call contract the library was built with (flashgen.spec):
-  `%{attributes: %{direction => [{name, type}]}, extras: [{name, [operand]}]}`.
+  `%{attributes: %{direction => [{name, type}]}, extras: [{name, [operand]}], inline_work: n}`
+  (`inline_work`: the most work a call runs on a normal scheduler).
   """
   def contract, do: :erlang.nif_error(:flashgen_nif_not_loaded)
 end
