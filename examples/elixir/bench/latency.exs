@@ -1,8 +1,8 @@
 # Forward attention latency from Elixir, for a game loop: µs per call at B = 1, D = 64,
 # S = 16..128, H = 4, 8, f32 and bf16, kernels inline on one core (threads: 1), against the
 # same kernel called from C on the same arguments (FlashGen.NIF.time_in_c: no terms, no
-# allocation, no scheduling). Rounds interleave the three ways of calling; medians over all
-# calls. Usage:
+# allocation, no scheduling). Rounds interleave the three ways of calling; each call is timed
+# alone (monotonic ns); medians, p99 and means over all calls of all rounds. Usage:
 #   FLASHGEN_NIF_LIBRARY=priv/flashgen mix run bench/latency.exs [OUT.json] [--calls N] [--rounds R]
 alias FlashGen.{Attention, NIF}
 
@@ -57,15 +57,17 @@ rows =
         end)
       end)
 
-    {mean_us, _} = :timer.tc(fn -> for _ <- 1..calls, do: api.() end)
     [api_med, nif_med, c_med] = for k <- [:api, :nif, :c], do: median.(samples[k]) / 1000
 
     row = %{
       type: type, heads: h, seq: s,
       elixir_us: Float.round(api_med, 1), elixir_p99_us: Float.round(p99.(samples.api) / 1000, 1),
-      elixir_mean_us: Float.round(mean_us / calls, 1),
+      elixir_mean_us: Float.round(Enum.sum(samples.api) / length(samples.api) / 1000, 1),
       nif_call_us: Float.round(nif_med, 1), c_us: Float.round(c_med, 1),
-      boundary_share: Float.round((api_med - c_med) / api_med, 3)
+      boundary_us: Float.round(api_med - c_med, 1),
+      boundary_share: Float.round((api_med - c_med) / api_med, 3),
+      # where the call ran: a normal scheduler (small work) or a dirty CPU scheduler
+      scheduler: if(s * s * h * 64 <= NIF.contract().inline_work, do: :normal, else: :dirty)
     }
 
     IO.puts(
