@@ -86,6 +86,7 @@ defmodule FlashGen.NIFTest do
       {NIF.call(@target, good, outs, %{attrs | causal: false}), "does not match this kernel"},
       {Attention.attention(q, k, v, causal: true, softcap: 1.0e-39), "subnormal"},
       {Attention.attention(q, k, v, causal: true, window: {-2, 0}), "window_left / window_right must be >= -1"},
+      {Attention.attention(q, k, v, causal: true, window: 8), "window must be {left, right}"},
       {Attention.attention(q, k, v, causal: true, scale: -1.0), "scale must be a finite positive"},
       {NIF.call(@target, good, outs, %{attrs | extras: "mask,alibi"}), "unknown, repeated or out of order"},
       {Attention.attention(q, k, v, causal: true, key_lengths: [4, 4]), "key_lengths must be a list of one"},

@@ -103,6 +103,7 @@ defmodule FlashGen.Attention do
     causal = Keyword.get(opts, :causal, false)
 
     with :ok <- check_type(type),
+         :ok <- check_window(Keyword.get(opts, :window, {-1, -1})),
          :ok <- check_tensors(operands),
          d = q |> shape!() |> Tuple.to_list() |> List.last(),
          :ok <- check_kernel(d, causal),
@@ -137,6 +138,10 @@ defmodule FlashGen.Attention do
 
   defp check_type(type) when is_map_key(@types, type), do: :ok
   defp check_type(type), do: {:error, "type must be one of #{inspect(Map.keys(@types))}, got #{inspect(type)}"}
+
+  # The values are the kernel's to check (>= -1); the form is this module's.
+  defp check_window({left, right}) when is_integer(left) and is_integer(right), do: :ok
+  defp check_window(w), do: {:error, "window must be {left, right}, integers (-1 = unbounded), got #{inspect(w)}"}
 
   defp check_kernel(d, causal) do
     if d in Target.head_dims() and is_boolean(causal),
