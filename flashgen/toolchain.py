@@ -214,9 +214,9 @@ def erts_include() -> dict:
         out = subprocess.run([erl, "-noshell", "-eval", script], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BuildError(f"cannot run {erl}: {e}") from e
-    include = pathlib.Path(out.stdout.strip())
+    include = pathlib.Path(out.stdout.strip() or "/nonexistent")
     if out.returncode != 0 or not (include / "erl_nif.h").is_file():
-        raise BuildError(f"erl_nif.h not found under {include or 'the Erlang root'}: "
+        raise BuildError(f"erl_nif.h not found under {out.stdout.strip() or 'the Erlang root'}: "
                          "install erlang-dev (Debian) for the NIF headers")
     digest = hashlib.sha256(b"".join((include / n).read_bytes() for n in sorted(
         p.name for p in include.glob("erl_*.h")))).hexdigest()[:16]
