@@ -29,6 +29,7 @@ __all__ = ["build", "Library", "BuildError", "cache_root", "resolve_target"]
 Progress = Callable[[str], None]
 log = logging.getLogger("flashgen.build")
 EMULATION_RUNTIME_DIR = "flashgen/emulate"  # under csrc/: flashgen.emulate's CUDA runtime and FFI host
+HOST_CALL_HEADER = "flashgen/host_call.h"  # under csrc/: the call frame of the emulator's and the NIF's hosts
 cache_root = cache.root
 # Seconds between "still compiling" lines during a cold compile.
 HEARTBEAT_SECONDS = 10.0
@@ -77,6 +78,8 @@ class _Job:
 def _job(source: codegen.Source, target: str, env_key: dict) -> _Job:
     if source.name == "python_face.cc":
         compiler, flags, extra = "cxx", toolchain.python_face_flags(), toolchain.python_identity()
+    elif source.name == "nif_face.cc":
+        compiler, flags, extra = "cxx", toolchain.nif_face_flags(), [toolchain.host_isa(), toolchain.erts_include()]
     elif source.language == "cuda":
         compiler, flags, extra = "nvcc", toolchain.cuda_compile_flags(target), None
     else:
@@ -152,7 +155,7 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
     }
 
 
-HOSTS = ("python", "exla", "c", "emulate")
+HOSTS = ("python", "exla", "c", "nif", "emulate")
 
 
 def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *,
@@ -164,7 +167,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     which must agree). `host` picks the library's extra face: "python" (a
     pybind11 module for jax.ffi.register_ffi_target), "exla" (static
     XLA_FFI_REGISTER_HANDLER registration on load, no Python), "c" (plain C
-    symbols only), "emulate" (CUDA targets: plain C symbols, the CUDA runtime left
+    symbols only), "nif" (an erl_nif library of module Elixir.FlashGen.NIF calling the
+    handlers: examples/elixir), "emulate" (CUDA targets: plain C symbols, the CUDA runtime left
     undefined for flashgen.emulate's stand-in, each source's PTX under ptx/). Returns the cached Library; with `out`, the library and its
     manifest are also copied there. `progress` receives one line per step of a
     cold build (default: the "flashgen.build" logger at INFO).
@@ -200,6 +204,10 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     compile_jobs = [_job(s, target, env_key) for s in codegen.render_library(specs, info)]
     if host == "exla":
         compile_jobs.append(_job(codegen.render_static_registration(specs), target, env_key))
+    if host == "nif":
+        if target != "cpu":
+            raise ValueError("host 'nif' calls the CPU kernels; build it with target cpu")
+        compile_jobs.append(_job(codegen.render_nif_face(), target, env_key))
     # The library's file and Python module are named after its C sources. The Python face is
     # one object per toolchain (its module init is named PyInit_FACE_INIT); the link gives it
     # the library's module name as well.
@@ -280,6 +288,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "python": toolchain.python_identity() if host == "python" else None,
                 "python_module": module_name if host == "python" else None,
                 "undefined_symbols": (["XLA_FFI_GetApi"] if host == "exla" else
+                                      ["enif_* (the BEAM's erl_nif)"] if host == "nif" else
                                       ["the CUDA runtime (flashgen.emulate)"] if host == "emulate" else []),
                 "ptx": sorted(n for n in files if n.startswith("ptx/")),
                 "compilers": {c.name: toolchain.compiler_version(c.exe) for c in compilers},
@@ -402,7 +411,9 @@ def emulation_runtime() -> pathlib.Path:
     flags = ["-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "none",
              "-I", str(resources.csrc_dir()), "-I", toolchain.ffi_headers()["include_dir"]]
     nvcc = toolchain.compiler("nvcc")  # knows where the CUDA headers are
-    key = _digest(resources.tree_digest(src_dir), toolchain.requested("nvcc"),
+    # its call frame comes from csrc/flashgen/host_call.h, outside src_dir
+    key = _digest(resources.tree_digest(src_dir), (resources.csrc_dir() / HOST_CALL_HEADER).read_bytes(),
+                  toolchain.requested("nvcc"),
                   toolchain.compiler_version(nvcc.exe), flags)
     lib = cache.lookup_object(root, key, "runtime")
     if lib:

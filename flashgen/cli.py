@@ -81,9 +81,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="auto: the local GPU's arch, else cpu")
     b.add_argument("--out", help="also copy the library and manifest.json into this directory")
     b.add_argument("-j", "--jobs", type=positive_int, help="parallel compiles (default: CPU count)")
-    b.add_argument("--for", dest="host", choices=["python", "exla", "c"], default="python",
+    b.add_argument("--for", dest="host", choices=["python", "exla", "c", "nif"], default="python",
                    help="python: pybind11 face for JAX (default); exla: static handler registration "
-                        "on load (EXLA.NIF.load_dylib), no Python; c: plain C symbols only")
+                        "on load (EXLA.NIF.load_dylib), no Python; c: plain C symbols only; "
+                        "nif: an erl_nif library for Elixir/Erlang (FlashGen.NIF, examples/elixir; cpu only)")
     b.add_argument("-v", "--verbose", action="store_true", help="also report cache hits")
     b.set_defaults(func=cmd_build)
 

@@ -12,7 +12,7 @@ import json
 import jinja2
 
 from flashgen import resources
-from flashgen.spec import DIRECTIONS, FFI_DTYPES, KernelSpec
+from flashgen.spec import ATTRIBUTES, DIRECTIONS, EXTRAS, FFI_DTYPES, KernelSpec
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
@@ -87,3 +87,25 @@ def render_python_face() -> Source:
     """The pybind11 module of a library."""
     text = _ENV.get_template("common/python_face.cc.j2").render(module_name=FACE_INIT)
     return Source("python_face.cc", text, "c++")
+
+
+# The Erlang module a NIF face's functions belong to (examples/elixir's FlashGen.NIF).
+NIF_MODULE = "Elixir.FlashGen.NIF"
+# The most work (B*Sq*Sk*Hq*D; twice that for a backward) a NIF call may do on the calling
+# normal scheduler: about 100 us of kernel on one core (S = 64, H = 4, D = 64 forward), well
+# inside the BEAM's 1 ms for a NIF; larger calls go to a dirty CPU scheduler.
+NIF_INLINE_WORK = 1 << 20
+# flashgen.spec's attribute types as the XLA FFI scalar types the NIF hands the handlers
+# (a string attribute has no scalar type).
+_NIF_ATTR_TYPES = {"i1": "XLA_FFI_DataType_PRED", "i32": "XLA_FFI_DataType_S32",
+                   "f32": "XLA_FFI_DataType_F32", "string": "XLA_FFI_DataType_INVALID"}
+
+
+def render_nif_face() -> Source:
+    """The erl_nif face of a library (module NIF_MODULE), with the call contract's tables."""
+    directions = [{"name": d, "attrs": [{"name": n, "type": _NIF_ATTR_TYPES[t]} for n, t in ATTRIBUTES[d].items()]}
+                  for d in DIRECTIONS]
+    extras = [{"name": n, "operands": list(ops)} for n, ops in EXTRAS.items()]
+    text = _ENV.get_template("common/nif_face.cc.j2").render(module=NIF_MODULE, directions=directions,
+                                                               extras=extras, inline_work=NIF_INLINE_WORK)
+    return Source("nif_face.cc", text, "c++")

@@ -230,6 +230,31 @@ def python_face_flags() -> list[str]:
             "-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"], *_includes()]
 
 
+@functools.cache
+def erts_include() -> dict:
+    """The BEAM's erl_nif headers a NIF face compiles against (from `erl`), and their identity."""
+    erl = shutil.which("erl")
+    if not erl:
+        raise BuildError("erl not found: a NIF face needs Erlang's headers "
+                         "(apt-get install erlang-dev, or put erl on PATH)")
+    script = 'io:format("~s", [filename:join([code:root_dir(), "usr", "include"])]), halt().'
+    try:
+        out = subprocess.run([erl, "-noshell", "-eval", script], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"cannot run {erl}: {e}") from e
+    include = pathlib.Path(out.stdout.strip() or "/nonexistent")
+    if out.returncode != 0 or not (include / "erl_nif.h").is_file():
+        raise BuildError(f"erl_nif.h not found under {out.stdout.strip() or 'the Erlang root'}: "
+                         "install erlang-dev (Debian) for the NIF headers")
+    digest = hashlib.sha256(b"".join((include / n).read_bytes() for n in sorted(
+        p.name for p in include.glob("erl_*.h")))).hexdigest()[:16]
+    return {"include_dir": str(include), "sha256": digest}
+
+
+def nif_face_flags() -> list[str]:
+    return [*cpu_compile_flags(), "-I", erts_include()["include_dir"]]
+
+
 def python_identity() -> str:
     import pybind11
     return f"cpython-{sys.version_info.major}.{sys.version_info.minor}/pybind11-{pybind11.__version__}"

@@ -38,9 +38,13 @@ defmodule FlashGen.Attention.Target do
   @doc "flashgen's dtype name for an Nx type, or nil when flashgen has no kernel for it."
   def dtype(type), do: Map.get(@dtypes, type)
 
-  @doc "The custom-call target for a direction (`:fwd` or `:bwd`), head dim, Nx type and mask."
+  @doc """
+  The custom-call target for a direction (`:fwd`, `:bwd`; `:fwd_varlen`, `:bwd_varlen`,
+  `:fwd_paged` for examples/elixir's NIF), head dim, Nx type and mask.
+  """
   def name(direction, head_dim, type, causal)
-      when direction in [:fwd, :bwd] and head_dim in @head_dims and is_boolean(causal) do
+      when direction in [:fwd, :bwd, :fwd_varlen, :bwd_varlen, :fwd_paged] and head_dim in @head_dims and
+             is_boolean(causal) do
     dtype = dtype(type) || raise ArgumentError, "flashgen has no kernels for type #{inspect(type)}"
     "flashgen_#{direction}_d#{head_dim}_#{dtype}" <> if(causal, do: "_causal", else: "")
   end

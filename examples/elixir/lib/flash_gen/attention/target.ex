@@ -1,0 +1,1 @@
+../../../../exla/lib/flash_gen/attention/target.ex
