@@ -19,7 +19,7 @@ from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, n
                            normalize_softcap, normalize_window)
 
 
-def _local_target() -> str:
+def local_target() -> str:
     """The KernelSpec target for JAX's default backend."""
     backend = jax.default_backend()
     if backend == "cpu":
@@ -295,7 +295,7 @@ def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0,
         raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
     if check_shardings:
         sharding.check_operand_shardings(q, k, v)
-    spec = KernelSpec(q.shape[3], dtype, bool(causal), _local_target())
+    spec = KernelSpec(q.shape[3], dtype, bool(causal), local_target())
     runtime.ensure([spec])
     return spec, scale, (bool(bottom_right), window, softcap, tuple(extras))
 
