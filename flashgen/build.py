@@ -139,6 +139,7 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
 
 
 HOSTS = ("python", "exla", "c", "emulate")
+LIBRARY_PREFIX = "_flashgen_"  # every library file's name starts so: _flashgen_<target>_<key>.so
 
 
 def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *,
@@ -188,7 +189,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
         compile_jobs.append(_job(codegen.render_static_registration(specs), target, env_key))
     # The library's file and Python module are named after its C sources, so the
     # Python face (which must know its module name) can join the key.
-    module_name = f"_flashgen_{target}_{_digest([j.key for j in compile_jobs])[:16]}"
+    module_name = f"{LIBRARY_PREFIX}{target}_{_digest([j.key for j in compile_jobs])[:16]}"
     if host == "python":
         compile_jobs.append(_job(codegen.render_python_face(module_name), target, env_key))
     linker = "nvcc" if target != "cpu" else "cxx"

@@ -74,14 +74,15 @@ def cmd_rewrite(args) -> int:
     from flashgen import rewrite as rw
 
     # every output location is checked before the (possibly long) rewrite, verify and build
-    out, report_file = output_files.check([("-o", args.output), ("--report", args.report)],
-                                          inputs=[args.input])
+    outputs = [("-o", args.output), ("--report", args.report)]
+    out, report_file = output_files.check(outputs, inputs=[args.input])
     build_dir = None
     if args.build is not None:
         build_dir = args.build or (str(pathlib.Path(out.target).parent) if out else None)
         if not build_dir:
             raise UsageError("--build needs a directory when there is no -o OUT")
         output_files.check_directory("--build", build_dir)
+        _check_build_files(build_dir, outputs, [args.input])
     result = rw.rewrite(args.input, legacy_attrs=args.legacy_attrs)
     report = result.report(input=args.input, output=args.output)
     fmt = args.output_format or result.format
@@ -121,6 +122,19 @@ def cmd_rewrite(args) -> int:
         if report.manifest:
             print(f"manifest: {report.manifest}", file=sys.stderr)
     return 0
+
+
+def _check_build_files(build_dir: str, outputs, inputs) -> None:
+    """--build writes DIR/manifest.json and DIR/<library>.so: -o and --report may be neither."""
+    from flashgen.build import LIBRARY_PREFIX
+    from flashgen.cache import MANIFEST
+    output_files.check([*outputs, ("--build", str(pathlib.Path(build_dir) / MANIFEST))], inputs)
+    for flag, path in outputs:
+        p = pathlib.Path(path or "")
+        if path and p.name.startswith(LIBRARY_PREFIX) and p.suffix == ".so" \
+                and output_files.same_file(p.parent, build_dir):
+            raise UsageError(f"--build and {flag} name the same file {path}: --build writes "
+                             "the library there")
 
 
 def _encode(result, fmt: str) -> bytes:

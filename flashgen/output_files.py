@@ -73,7 +73,7 @@ def check(outputs: Iterable[tuple[str, Optional[str]]], inputs: Sequence[str] = 
         if out is None or out.in_place:
             continue
         for src in inputs:
-            if _same_file(out.target, src):
+            if same_file(out.target, src):
                 raise UsageError(f"{out.flag} {out.path} is the input {src}: flashgen never "
                                  "overwrites its input; write to another path")
         key = _identity(out.target)
@@ -166,7 +166,7 @@ def _identity(path: str):
         return os.path.realpath(path)
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a, b) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:

@@ -215,3 +215,19 @@ def test_build_out_follows_symlinks(tmp_path, capsys):
                       "--out", out)
     assert rc == 0, io_.err
     assert (out / "manifest.json").is_symlink() and '"specs"' in real.read_text()
+
+
+@pytest.mark.parametrize("flag", ["--report", "-o"])
+def test_an_output_at_a_file_build_writes_is_refused(tmp_path, capsys, flag):
+    """--build DIR writes DIR/manifest.json: a report or module written there made the library
+    unloadable, rc 0."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("keep")
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "--build", tmp_path, flag, manifest)
+    assert rc == 2 and f"{flag} and --build name the same file" in io_.err, io_.err
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "-o", manifest, "--build")  # DIR: OUT's directory
+    assert rc == 2 and "-o and --build name the same file" in io_.err, io_.err
+    library = tmp_path / "_flashgen_cpu_0123456789abcdef.so"
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "--build", tmp_path, flag, library)
+    assert rc == 2 and f"--build and {flag} name the same file" in io_.err, io_.err
+    assert manifest.read_text() == "keep" and not library.exists()
