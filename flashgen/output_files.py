@@ -22,7 +22,7 @@ import stat
 import tempfile
 from typing import Iterable, Optional, Sequence
 
-from flashgen.errors import UsageError
+from flashgen.errors import FlashgenError, UsageError
 
 _MAX_LINKS = 40  # the kernel's own limit on a symlink chain (ELOOP)
 
@@ -36,6 +36,14 @@ class OutputFile:
     make_dirs: bool = False
 
     def write(self, data: bytes) -> None:
+        try:
+            self._write(data)
+        except OSError as e:  # ENOSPC, EIO ... name the file: the errno alone does not
+            kept = "" if self.in_place else "; its old content is kept"
+            raise FlashgenError(f"{self.flag} {self.path}: cannot write: "
+                                f"{e.strerror or e}{kept}") from e
+
+    def _write(self, data: bytes) -> None:
         if self.in_place:
             with open(self.path, "wb") as f:
                 f.write(data)
