@@ -16,7 +16,7 @@ import numpy as np
 from flashgen import runtime
 from flashgen.jax import sharding
 from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, normalize_dtype,
-                           normalize_softcap, normalize_window)
+                           normalize_scale, normalize_softcap, normalize_window)
 
 
 def local_target() -> str:
@@ -52,10 +52,7 @@ def _check(q, k, v, scale) -> tuple[str, float]:
         scale = 1.0 / math.sqrt(d)
     if isinstance(scale, jax.core.Tracer):
         raise TypeError("scale must be a Python number (it is a compile-time attribute), not a traced value")
-    scale = float(scale)
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be finite and positive, got {scale}")
-    return dtype, scale
+    return dtype, normalize_scale(scale)
 
 
 def _fold_vmap(call, fold: bool = True):
