@@ -37,6 +37,9 @@ def register(subparsers) -> None:
                         "CPU (building the kernels needed); fail without writing anything if an "
                         "output differs beyond the dtype's tolerance")
     r.add_argument("--seed", type=int, default=0, help="random seed for --verify inputs (default 0)")
+    r.add_argument("--verify-inputs", metavar="IN.npz",
+                   help="--verify on these arrays (your inputs and parameters, arg0..argN in "
+                        "@main's order, as flashgen run --inputs reads) instead of random ones")
     r.add_argument("--build", metavar="DIR", nargs="?", const="",
                    help="build the CPU kernels the rewritten module needs and copy the library "
                         "and manifest.json into DIR (default: OUT's directory); the report names "
@@ -75,14 +78,15 @@ def cmd_rewrite(args) -> int:
 
     # every output location is checked before the (possibly long) rewrite, verify and build
     outputs = [("-o", args.output), ("--report", args.report)]
-    out, report_file = output_files.check(outputs, inputs=[args.input])
+    inputs = [p for p in (args.input, args.verify_inputs) if p]
+    out, report_file = output_files.check(outputs, inputs=inputs)
     build_dir = None
     if args.build is not None:
         build_dir = args.build or (str(pathlib.Path(out.target).parent) if out else None)
         if not build_dir:
             raise UsageError("--build needs a directory when there is no -o OUT")
         output_files.check_directory("--build", build_dir)
-        _check_build_files(build_dir, outputs, [args.input])
+        _check_build_files(build_dir, outputs, inputs)
     result = rw.rewrite(args.input, legacy_attrs=args.legacy_attrs)
     report = result.report(input=args.input, output=args.output)
     fmt = args.output_format or result.format
@@ -90,18 +94,18 @@ def cmd_rewrite(args) -> int:
         raise UsageError("--output-format jax_exported needs a jax_exported input (a plain "
                          "module has no calling convention to export)")
 
-    if args.verify and result.changed:
-        from flashgen.rewrite.verify import verify
-        report.verified = verify(result, args.seed)
+    verifying = args.verify or bool(args.verify_inputs)
+    if verifying and result.changed:
+        from flashgen.rewrite import verify
+        report.verified = verify.verify(result, args.seed, args.verify_inputs)
         bad = [row for row in report.verified["outputs"] if not row["ok"]]
         if bad:
             _write_report(report_file, report)
             if args.explain:
                 print(report.explain())
-            from flashgen import execute
-            raise FlashgenError("--verify failed: " + "; ".join(execute.describe(row) for row in bad)
+            raise FlashgenError("--verify failed: " + "; ".join(verify.describe(row) for row in bad)
                                 + "; nothing written")
-    elif args.verify:
+    elif verifying:
         report.verified = {"outputs": [], "note": "nothing was rewritten"}
 
     data = _encode(result, fmt)
