@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     r.add_argument("--build", metavar="DIR", nargs="?", const="",
                    help="build the CPU kernels the rewritten module needs and copy the library "
                         "and manifest.json into DIR (default: OUT's directory); the report names "
-                        "the manifest to pass to flashgen.runtime.load")
+                        "the manifest to pass to flashgen.jax.load")
     r.add_argument("--legacy-attrs", action="store_true",
                    help="emit the mhlo.backend_config attribute form (what jax.ffi.ffi_call "
                         "prints) instead of the native api_version=4 form")
@@ -112,7 +112,8 @@ def cmd_rewrite(args) -> int:
     if build_dir is not None and result.specs:
         from flashgen.build import build
         lib = build(result.specs, "cpu", out=build_dir)
-        report.library, report.manifest = str(lib.path), str(lib.manifest_path)
+        # absolute: the report is read from anywhere, not from this working directory
+        report.library, report.manifest = str(lib.path.resolve()), str(lib.manifest_path.resolve())
     if out:
         out.write(data)
     _write_report(report_file, report)
@@ -123,16 +124,34 @@ def cmd_rewrite(args) -> int:
         print(f"flashgen rewrite: {len(result.rewritten)} site(s) rewritten, "
               f"{len(result.rejected)} left untouched in {result.seconds:.2f}s{where}",
               file=sys.stderr)
+        if report.verified and report.verified["outputs"]:
+            print(_verified_line(report.verified), file=sys.stderr)
         if report.manifest:
             print(f"manifest: {report.manifest}", file=sys.stderr)
     return 0
+
+
+def _verified_line(verified: dict) -> str:
+    rows = verified["outputs"]
+    on = f"the inputs in {verified['inputs']}" if verified.get("inputs") else \
+        f"random inputs (seed {verified['seed']})"
+    judged = [row["f32_original"] for row in rows if isinstance(row.get("f32_original"), dict)]
+    if judged:
+        worst = max(judged, key=lambda j: j["rewrite_error"])
+        error = (f"largest error against the original run in f32 {worst['rewrite_error']:.3g} "
+                 f"(the bf16/f16 original's own {worst['original_error']:.3g})")
+    else:
+        worst = max(rows, key=lambda row: row["max_error"] / max(row["tolerance"], 1e-30))
+        error = f"largest error {worst['max_error']:.3g} (tolerance {worst['tolerance']:.3g})"
+    return f"verified: {len(rows)} output(s) match the original on {on}; {error}"
 
 
 def _check_build_files(build_dir: str, outputs, inputs) -> None:
     """--build writes DIR/manifest.json and DIR/<library>.so: -o and --report may be neither."""
     from flashgen.build import LIBRARY_PREFIX
     from flashgen.cache import MANIFEST
-    output_files.check([*outputs, ("--build", str(pathlib.Path(build_dir) / MANIFEST))], inputs)
+    output_files.check([*outputs, ("--build", str(pathlib.Path(build_dir) / MANIFEST))], inputs,
+                       make_dirs=True)  # DIR may not exist yet
     for flag, path in outputs:
         p = pathlib.Path(path or "")
         if path and p.name.startswith(LIBRARY_PREFIX) and p.suffix == ".so" \

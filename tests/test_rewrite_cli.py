@@ -231,3 +231,22 @@ def test_old_stablehlo_version_gets_legacy_attrs():
     assert result.changed and any("legacy" in n for n in result.notes)
     assert modules.load(result.to_bytes()).version == "1.1.0"
     assert stablehlo  # imported for the version API
+
+
+def test_report_manifest_loads_from_anywhere_and_verify_is_said(tmp_path, capsys, monkeypatch):
+    """The report's manifest was relative to the rewrite's working directory; --verify's
+    success was only in the report; --explain named flashgen.runtime.load."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rc, io_ = run_cli("rewrite", CAUSAL, "-o", "o.mlir", "--build", "lib", "--verify",
+                      "--explain", "--report", "r.json", capsys=capsys)
+    assert rc == 0, io_.err
+    assert "verified: 1 output(s) match the original on random inputs (seed 0)" in io_.err
+    assert "(register with flashgen.jax.load)" in io_.out
+    report = json.loads((work / "r.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert pathlib.Path(report["manifest"]).is_absolute()
+    assert pathlib.Path(report["library"]).is_absolute()
+    import flashgen.jax
+    assert "flashgen_fwd_d32_bf16_causal" in flashgen.jax.load(report["manifest"])
