@@ -235,13 +235,51 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     exp = _exported(loaded, params, results, platform)
     full = _full_inputs(exp, arrays)
     args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, full)
-    with jax.default_device(device):
+    def execute():
+        with jax.default_device(device):
+            return [np.asarray(x) for x in jax.tree_util.tree_leaves(exp.call(*args, **kwargs))]
+    try:  # the results are fetched inside: XLA raises some errors only then
+        return _interruptible(execute)
+    except Exception as e:  # noqa: BLE001 - XLA reports errors as several types
+        raise FlashgenError(f"running the module failed: {_first_line(e)}") from None
+
+
+# How long a Ctrl-C waits for the flashgen kernels to stop at their next work item.
+CANCEL_WAIT_SECONDS = 5.0
+RUN_THREAD = "flashgen-run"
+
+
+def _interruptible(fn):
+    """fn() on a helper thread while the main thread waits where Python takes a Ctrl-C (the
+    thread that runs an XLA computation is held until it returns). On Ctrl-C the flashgen
+    kernels are told to stop at their next work item and KeyboardInterrupt is raised here; a
+    computation still running after CANCEL_WAIT_SECONDS (XLA's own ops) is left to the caller."""
+    import threading
+    from flashgen import runtime
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    runtime.cancel_kernels(False)
+    box = {}
+
+    def target():
         try:
-            outs = exp.call(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - XLA reports errors as several types
-            raise FlashgenError(f"running the module failed: {_first_line(e)}") from None
-    flat = jax.tree_util.tree_leaves(outs)
-    return [np.asarray(x) for x in flat]
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            box["error"] = e
+    worker = threading.Thread(target=target, name=RUN_THREAD, daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except KeyboardInterrupt:
+        runtime.cancel_kernels(True)
+        worker.join(CANCEL_WAIT_SECONDS)
+        if not worker.is_alive():
+            runtime.cancel_kernels(False)
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _first_line(e: Exception) -> str:

@@ -85,6 +85,14 @@ def load(path: str | pathlib.Path) -> list[str]:
     return names
 
 
+def cancel_kernels(on: bool) -> None:
+    """Set (stop the running kernels of every loaded library at their next work item; their
+    calls fail with "interrupted") or clear the libraries' cancel flag."""
+    for module in list(_loaded_modules.values()):
+        if hasattr(module, "cancel"):  # libraries built before the flag existed have none
+            module.cancel(on)
+
+
 def library_platform(path: str | pathlib.Path) -> str:
     """The JAX platform ("cpu", "cuda") a built library's handlers run on."""
     return _resolve(path)[1]["platform"]

@@ -106,3 +106,64 @@ def test_compare_tolerances():
     assert not execute.compare(ref, [ref[0] + 1e-2])[0]["ok"]
     assert execute.compare(ref, [ref[0] + 1e-2], "bf16")[0]["ok"]
     assert not execute.compare([np.arange(3)], [np.arange(3) + 1])[0]["ok"]
+
+
+def test_ctrl_c_stops_a_long_run_between_work_items(tmp_path):
+    """SIGINT used to have no effect on a long `flashgen run` (only SIGTERM stopped it): the
+    kernels now stop at their next work item and the run ends with rc 130 and one line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from flashgen import KernelSpec, build
+    build([KernelSpec(64, "f32", False, "cpu")])  # the child finds it in the cache
+    module = tmp_path / "long.mlir"  # about 4 TFLOP: minutes on a laptop
+    emitted = subprocess.run([sys.executable, "-m", "flashgen", "emit", "--hdim", "64", "--dtype",
+                              "f32", "--seq-q", "131072", "--heads", "1", "--module"],
+                             capture_output=True, text=True, check=True)
+    module.write_text(emitted.stdout)
+    # Python's own Ctrl-C handler even where this test runs with SIGINT ignored (a background job)
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'flashgen'; runpy.run_module('flashgen', run_name='__main__')")
+    child = subprocess.Popen([sys.executable, "-c", start, "run", str(module)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)  # imports, random inputs, compile: the kernel is running by now
+    assert child.poll() is None, child.communicate()
+    child.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        out, err = child.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail("flashgen run ignored SIGINT for 10 s")
+    assert time.monotonic() - sent < 5
+    assert child.returncode == 130 and "out0" not in out, (out, err)
+    assert err.strip().splitlines()[-1] == "flashgen: interrupted", err
+    assert os.path.exists(module)
+
+
+def test_ctrl_c_in_python_stops_the_kernels_and_the_next_run_works(tmp_path):
+    """execute.run (the Python API under flashgen run) raises KeyboardInterrupt with the
+    kernels stopped -- its computation ends, it is not left running -- and clears the flag."""
+    import os
+    import signal
+    import threading
+    import time
+    from flashgen import emit, KernelSpec
+    spec = KernelSpec(64, "f32", False, "cpu")
+    long = str(emit.attention_module(spec, batch=1, seq_q=131072, seq_k=131072, heads=1))
+    short = str(emit.attention_module(spec, batch=1, seq_q=64, seq_k=64, heads=1))
+    params, _ = execute.signature(long)
+    inputs = execute.random_inputs(params)
+    execute.run(short, execute.random_inputs(execute.signature(short)[0]))  # build, warm up
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        execute.run(long, inputs)
+    assert time.monotonic() - t0 < 2.0 + execute.CANCEL_WAIT_SECONDS
+    assert not any(t.name == execute.RUN_THREAD and t.is_alive() for t in threading.enumerate())
+    o, lse = execute.run(short, execute.random_inputs(execute.signature(short)[0]))
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
