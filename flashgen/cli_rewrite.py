@@ -194,7 +194,12 @@ def cmd_run(args) -> int:
         inputs = execute.load_npz(args.inputs, params)
     else:
         inputs = execute.random_inputs(params, args.seed)
-    outputs = execute.run(loaded, inputs, platform=args.platform, library=args.library)
+    try:
+        outputs = execute.run(loaded, inputs, platform=args.platform, library=args.library)
+    except execute.OutOfMemory as e:
+        hint = "" if execute.flashgen_targets(loaded) else \
+            ": an attention left as it is holds every score in memory; flashgen rewrite it"
+        raise FlashgenError(f"{args.module}: {e}{hint}") from None
     if out:
         out.write(execute.npz_bytes(outputs))
     for i, a in enumerate(outputs):

@@ -241,7 +241,18 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     try:  # the results are fetched inside: XLA raises some errors only then
         return _interruptible(execute)
     except Exception as e:  # noqa: BLE001 - XLA reports errors as several types
+        if any(m in str(e) for m in _OUT_OF_MEMORY):
+            raise OutOfMemory(f"ran out of memory running the module ({_first_line(e)})") from None
         raise FlashgenError(f"running the module failed: {_first_line(e)}") from None
+
+
+class OutOfMemory(FlashgenError):
+    """The module needs more memory than this machine gives it."""
+
+
+# How XLA's CPU runtime words a failed allocation: a buffer it cannot allocate, or one a
+# library kernel (YNNPACK) fails on when its result is fetched.
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "YNNPACK operation failed", "bad_alloc")
 
 
 # How long a Ctrl-C waits for the flashgen kernels to stop at their next work item.

@@ -167,3 +167,48 @@ def test_ctrl_c_in_python_stops_the_kernels_and_the_next_run_works(tmp_path):
     assert not any(t.name == execute.RUN_THREAD and t.is_alive() for t in threading.enumerate())
     o, lse = execute.run(short, execute.random_inputs(execute.signature(short)[0]))
     assert np.isfinite(o).all() and np.isfinite(lse).all()
+
+
+def test_out_of_memory_is_one_line_naming_what_ran_out(tmp_path):
+    """An original attention too large for the memory given (here: RLIMIT_AS 3 GiB, its 8192^2
+    x 4 heads f32 scores) used to end in a raw XLA traceback when the failure came as the
+    results were fetched (YNNPACK); now one line, and the rewritten module alone still runs."""
+    import subprocess
+    import sys
+    import jax
+    import jax.numpy as jnp
+    x = jax.ShapeDtypeStruct((1, 8192, 4, 64), jnp.float32)
+    exported = jax.export.export(jax.jit(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")))(x, x, x)
+    original, rewritten = tmp_path / "attention.mlir", tmp_path / "attention.flash.mlir"
+    original.write_text(exported.mlir_module())
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, "
+               "3 << 30)); sys.argv[0] = 'flashgen'; runpy.run_module('flashgen', run_name='__main__')")
+
+    def flashgen(*argv):
+        return subprocess.run([sys.executable, "-c", limited, *map(str, argv)],
+                              capture_output=True, text=True, timeout=300)
+    r = flashgen("rewrite", original, "--verify", "-o", rewritten)
+    assert r.returncode == 1 and not rewritten.exists()
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("flashgen: error: --verify: the original module ran out of memory")
+    assert "the rewritten module alone may still run" in line
+    r = flashgen("run", original)
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "ran out of memory" in line and "flashgen rewrite it" in line
+    assert flashgen("rewrite", original, "-o", rewritten).returncode == 0
+    r = flashgen("run", rewritten)
+    assert r.returncode == 0 and r.stdout.startswith("out0: [1, 8192, 4, 64] f32"), r.stderr
+
+
+def test_an_error_raised_when_results_are_fetched_is_one_line(monkeypatch, add_module):
+    """XLA may fail only as a result is read (YNNPACK's kernels): caught like any other."""
+    import jax
+
+    class Failing:
+        def __array__(self, *a, **k):
+            raise RuntimeError("INTERNAL: YNNPACK operation failed")
+    monkeypatch.setattr(jax.export.Exported, "call", lambda self, *a, **k: [Failing()])
+    with pytest.raises(execute.OutOfMemory, match="ran out of memory running the module "
+                                                  r"\(INTERNAL: YNNPACK operation failed\)"):
+        execute.run(add_module, execute.random_inputs(execute.signature(add_module)[0]))

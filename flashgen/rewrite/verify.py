@@ -135,7 +135,12 @@ def verify(result, seed: int, inputs_file: Optional[str] = None) -> dict:
         inputs = execute.load_npz(inputs_file, execute.signature(original)[0])
     else:
         inputs = inputs_for(original, seed)
-    ref = execute.run(original, inputs, register=False)
+    try:
+        ref = execute.run(original, inputs, register=False)
+    except execute.OutOfMemory as e:
+        raise FlashgenError(f"--verify: the original module {e}: its attention holds every score in "
+                            "memory; the rewritten module alone may still run (rewrite without "
+                            "--verify, then flashgen run it)") from None
     got = execute.run(rewritten, inputs)
     rows = compare(ref, got, result.rewritten)
     _judge_against_f32(rows, original, inputs, ref, got, result.rewritten)
