@@ -218,9 +218,11 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     import jax
     if platform not in PLATFORMS:
         raise UsageError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    from flashgen import call_contract
     loaded = _as_loaded(source)
     params, results = signature(loaded)
     arrays = coerce_inputs(inputs, params)
+    call_contract.check_module(loaded)
     if needs_x64(params + results) and not jax.config.jax_enable_x64:
         with jax.enable_x64(True):  # scoped: the caller's JAX settings stay as they were
             return run(loaded, arrays, platform=platform, register=register)
@@ -235,8 +237,10 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     exp = _exported(loaded, params, results, platform)
     full = _full_inputs(exp, arrays)
     args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, full)
+    x64 = jax.config.jax_enable_x64  # thread-local: the helper thread below takes it along
+
     def execute():
-        with jax.default_device(device):
+        with jax.enable_x64(x64), jax.default_device(device):
             return [np.asarray(x) for x in jax.tree_util.tree_leaves(exp.call(*args, **kwargs))]
     try:  # the results are fetched inside: XLA raises some errors only then
         return _interruptible(execute)

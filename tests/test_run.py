@@ -212,3 +212,51 @@ def test_an_error_raised_when_results_are_fetched_is_one_line(monkeypatch, add_m
     with pytest.raises(execute.OutOfMemory, match="ran out of memory running the module "
                                                   r"\(INTERNAL: YNNPACK operation failed\)"):
         execute.run(add_module, execute.random_inputs(execute.signature(add_module)[0]))
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.replace(" : f32, softcap", " : f64, softcap", 1), "attribute scale is f64, expected f32"),
+    (lambda t: t.replace("window_left = -1 : i32", "window_left = -1 : i64"),
+     "attribute window_left is i64, expected i32"),
+    (lambda t: t.replace(", window_left = -1 : i32", ""), "attribute window_left is missing (expected i32)"),
+    (lambda t: t.replace("(%arg0, %arg1, %arg2)", "(%arg0, %arg1, %arg3)").replace(
+        "%arg2: tensor<1x8x1x32xf32>", "%arg2: tensor<1x8x1x32xf32>, %arg3: tensor<1x8x1x32xf16>").replace(
+        "tensor<1x8x1x32xf32>) -> (tensor<1x8x1x32xf32>, tensor<1x1x8xf32>)",
+        "tensor<1x8x1x32xf16>) -> (tensor<1x8x1x32xf32>, tensor<1x1x8xf32>)", 1),
+     "operand 2 (v) is f16, expected f32"),
+])
+def test_a_call_against_the_contract_is_named_before_xla(tmp_path, capsys, edit, words):
+    """XLA's decoder said only "Failed to decode all FFI handler operands (bad operands at: 8)"."""
+    from flashgen import emit, KernelSpec
+    text = str(emit.attention_module(KernelSpec(32, "f32", False, "cpu"), batch=1, seq_q=8, seq_k=8,
+                                     heads=1))
+    bad = edit(text)
+    assert bad != text
+    path = tmp_path / "bad.mlir"
+    path.write_text(bad)
+    rc = cli.main(["run", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"the call of flashgen_fwd_d32_f32 at " in err and words in err, err
+    with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        import flashgen.jax
+        flashgen.jax.check_calls(bad)
+
+
+def test_check_calls_reads_an_exported_the_jax_path_calls():
+    import jax
+    import jax.numpy as jnp
+    import flashgen.jax
+    from flashgen import KernelSpec, runtime
+    runtime.ensure([KernelSpec(32, "f32", False, "cpu")])
+    q = jax.ShapeDtypeStruct((1, 8, 2, 32), jnp.float32)
+    outs = (q, jax.ShapeDtypeStruct((1, 2, 8), jnp.float32))
+    call = jax.ffi.ffi_call("flashgen_fwd_d32_f32", outs)
+    exported = flashgen.jax.export(lambda a, b, c: call(
+        a, b, c, causal=False, scale=np.float32(0.2), bottom_right=False, window_left=np.int32(-1),
+        window_right=np.int32(-1), softcap=np.float32(0), extras=""), q, q, q)
+    flashgen.jax.check_calls(exported)  # well-formed
+    exported = flashgen.jax.export(lambda a, b, c: call(
+        a, b, c, causal=False, scale=0.2, bottom_right=False, window_left=np.int32(-1),
+        window_right=np.int32(-1), softcap=np.float32(0), extras=""), q, q, q)
+    with pytest.raises(UsageError, match="attribute scale is f64, expected f32"):
+        flashgen.jax.check_calls(exported)
