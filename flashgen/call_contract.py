@@ -14,11 +14,12 @@ def check_module(source) -> None:
     jax.export.Exported (flashgen.jax.check_calls: before calling a deserialized module)."""
     from jaxlib.mlir import ir
     from flashgen.rewrite import modules
+    from flashgen.rewrite.graph import nested_ops
     if hasattr(source, "mlir_module_serialized"):
         source = source.mlir_module_serialized
     loaded = source if isinstance(source, modules.LoadedModule) else modules.load(source)
     with loaded.context:
-        for op in _walk(loaded.module.operation):
+        for op in map(lambda o: o.operation, nested_ops(loaded.module.operation)):
             if op.name == "stablehlo.custom_call":
                 name = ir.StringAttr(op.attributes["call_target_name"]).value
                 parsed = parse_target_name(name)
@@ -26,14 +27,6 @@ def check_module(source) -> None:
                     problem = _attribute_problem(op, parsed[0]) or _operand_problem(op, parsed)
                     if problem:
                         raise UsageError(f"the call of {name} at {op.location}: {problem}")
-
-
-def _walk(op):
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                yield inner.operation
-                yield from _walk(inner.operation)
 
 
 def _attribute_problem(op, direction: str):

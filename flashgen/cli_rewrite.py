@@ -47,6 +47,10 @@ def register(subparsers) -> None:
     r.add_argument("--legacy-attrs", action="store_true",
                    help="emit the mhlo.backend_config attribute form (what jax.ffi.ffi_call "
                         "prints) instead of the native api_version=4 form")
+    r.add_argument("--no-sharding-rule", action="store_true",
+                   help="leave the sdy.sharding_rule off the flashgen calls (for readers without "
+                        "the sdy dialect, e.g. torch_xla's _run_stablehlo); sharded JAX programs "
+                        "then replicate the calls")
     r.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     r.set_defaults(func=cmd_rewrite)
 
@@ -108,6 +112,8 @@ def cmd_rewrite(args) -> int:
     elif verifying:
         report.verified = {"outputs": [], "note": "nothing was rewritten"}
 
+    if args.no_sharding_rule:
+        _remove_sharding_rules(result)
     data = _encode(result, fmt)
     if build_dir is not None and result.specs:
         from flashgen.build import build
@@ -158,6 +164,17 @@ def _check_build_files(build_dir: str, outputs, inputs) -> None:
                 and output_files.same_file(p.parent, build_dir):
             raise UsageError(f"--build and {flag} name the same file {path}: --build writes "
                              "the library there")
+
+
+def _remove_sharding_rules(result) -> None:
+    from jaxlib.mlir import ir
+    from flashgen.rewrite.graph import nested_ops
+    with result.loaded.context:
+        for op in nested_ops(result.module.operation):
+            op = op.operation
+            if op.name == "stablehlo.custom_call" and "sdy.sharding_rule" in op.attributes and \
+                    ir.StringAttr(op.attributes["call_target_name"]).value.startswith("flashgen_"):
+                del op.attributes["sdy.sharding_rule"]
 
 
 def _encode(result, fmt: str) -> bytes:
