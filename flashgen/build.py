@@ -156,6 +156,7 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
 
 
 HOSTS = ("python", "exla", "c", "nif", "emulate")
+LIBRARY_PREFIX = "_flashgen_"  # every library file's name starts so: _flashgen_<target>_<key>.so
 
 
 def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *,
@@ -211,7 +212,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     # The library's file and Python module are named after its C sources. The Python face is
     # one object per toolchain (its module init is named PyInit_FACE_INIT); the link gives it
     # the library's module name as well.
-    module_name = f"_flashgen_{target}_{_digest([j.key for j in compile_jobs])[:16]}"
+    module_name = f"{LIBRARY_PREFIX}{target}_{_digest([j.key for j in compile_jobs])[:16]}"
     linker = "nvcc" if target != "cpu" else "cxx"
     link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
     if host == "emulate":  # cudart_emu.cc, loaded first by flashgen.emulate, is the runtime

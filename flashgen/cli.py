@@ -184,7 +184,20 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join("  " + l for l in rest.splitlines()), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("flashgen: interrupted", file=sys.stderr)
+        _exit_if_still_running(130)
         return 130
+
+
+def _exit_if_still_running(code: int) -> None:
+    """A computation that did not stop (XLA's own ops take no cancel) would hold up the
+    interpreter's exit: leave at once. Outputs are written only after a run, atomically."""
+    import threading
+    from flashgen.execute import RUN_THREAD
+    if any(t.name == RUN_THREAD and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

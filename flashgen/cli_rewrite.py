@@ -37,13 +37,20 @@ def register(subparsers) -> None:
                         "CPU (building the kernels needed); fail without writing anything if an "
                         "output differs beyond the dtype's tolerance")
     r.add_argument("--seed", type=int, default=0, help="random seed for --verify inputs (default 0)")
+    r.add_argument("--verify-inputs", metavar="IN.npz",
+                   help="--verify on these arrays (your inputs and parameters, arg0..argN in "
+                        "@main's order, as flashgen run --inputs reads) instead of random ones")
     r.add_argument("--build", metavar="DIR", nargs="?", const="",
                    help="build the CPU kernels the rewritten module needs and copy the library "
                         "and manifest.json into DIR (default: OUT's directory); the report names "
-                        "the manifest to pass to flashgen.runtime.load")
+                        "the manifest to pass to flashgen.jax.load")
     r.add_argument("--legacy-attrs", action="store_true",
                    help="emit the mhlo.backend_config attribute form (what jax.ffi.ffi_call "
                         "prints) instead of the native api_version=4 form")
+    r.add_argument("--no-sharding-rule", action="store_true",
+                   help="leave the sdy.sharding_rule off the flashgen calls (for readers without "
+                        "the sdy dialect, e.g. torch_xla's _run_stablehlo); sharded JAX programs "
+                        "then replicate the calls")
     r.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     r.set_defaults(func=cmd_rewrite)
 
@@ -74,14 +81,16 @@ def cmd_rewrite(args) -> int:
     from flashgen import rewrite as rw
 
     # every output location is checked before the (possibly long) rewrite, verify and build
-    out, report_file = output_files.check([("-o", args.output), ("--report", args.report)],
-                                          inputs=[args.input])
+    outputs = [("-o", args.output), ("--report", args.report)]
+    inputs = [p for p in (args.input, args.verify_inputs) if p]
+    out, report_file = output_files.check(outputs, inputs=inputs)
     build_dir = None
     if args.build is not None:
         build_dir = args.build or (str(pathlib.Path(out.target).parent) if out else None)
         if not build_dir:
             raise UsageError("--build needs a directory when there is no -o OUT")
         output_files.check_directory("--build", build_dir)
+        _check_build_files(build_dir, outputs, inputs)
     result = rw.rewrite(args.input, legacy_attrs=args.legacy_attrs)
     report = result.report(input=args.input, output=args.output)
     fmt = args.output_format or result.format
@@ -89,25 +98,28 @@ def cmd_rewrite(args) -> int:
         raise UsageError("--output-format jax_exported needs a jax_exported input (a plain "
                          "module has no calling convention to export)")
 
-    if args.verify and result.changed:
-        from flashgen.rewrite.verify import verify
-        report.verified = verify(result, args.seed)
+    verifying = args.verify or bool(args.verify_inputs)
+    if verifying and result.changed:
+        from flashgen.rewrite import verify
+        report.verified = verify.verify(result, args.seed, args.verify_inputs)
         bad = [row for row in report.verified["outputs"] if not row["ok"]]
         if bad:
             _write_report(report_file, report)
             if args.explain:
                 print(report.explain())
-            from flashgen import execute
-            raise FlashgenError("--verify failed: " + "; ".join(execute.describe(row) for row in bad)
+            raise FlashgenError("--verify failed: " + "; ".join(verify.describe(row) for row in bad)
                                 + "; nothing written")
-    elif args.verify:
+    elif verifying:
         report.verified = {"outputs": [], "note": "nothing was rewritten"}
 
+    if args.no_sharding_rule:
+        _remove_sharding_rules(result)
     data = _encode(result, fmt)
     if build_dir is not None and result.specs:
         from flashgen.build import build
         lib = build(result.specs, "cpu", out=build_dir)
-        report.library, report.manifest = str(lib.path), str(lib.manifest_path)
+        # absolute: the report is read from anywhere, not from this working directory
+        report.library, report.manifest = str(lib.path.resolve()), str(lib.manifest_path.resolve())
     if out:
         out.write(data)
     _write_report(report_file, report)
@@ -118,9 +130,51 @@ def cmd_rewrite(args) -> int:
         print(f"flashgen rewrite: {len(result.rewritten)} site(s) rewritten, "
               f"{len(result.rejected)} left untouched in {result.seconds:.2f}s{where}",
               file=sys.stderr)
+        if report.verified and report.verified["outputs"]:
+            print(_verified_line(report.verified), file=sys.stderr)
         if report.manifest:
             print(f"manifest: {report.manifest}", file=sys.stderr)
     return 0
+
+
+def _verified_line(verified: dict) -> str:
+    rows = verified["outputs"]
+    on = f"the inputs in {verified['inputs']}" if verified.get("inputs") else \
+        f"random inputs (seed {verified['seed']})"
+    judged = [row["f32_original"] for row in rows if isinstance(row.get("f32_original"), dict)]
+    if judged:
+        worst = max(judged, key=lambda j: j["rewrite_error"])
+        error = (f"largest error against the original run in f32 {worst['rewrite_error']:.3g} "
+                 f"(the bf16/f16 original's own {worst['original_error']:.3g})")
+    else:
+        worst = max(rows, key=lambda row: row["max_error"] / max(row["tolerance"], 1e-30))
+        error = f"largest error {worst['max_error']:.3g} (tolerance {worst['tolerance']:.3g})"
+    return f"verified: {len(rows)} output(s) match the original on {on}; {error}"
+
+
+def _check_build_files(build_dir: str, outputs, inputs) -> None:
+    """--build writes DIR/manifest.json and DIR/<library>.so: -o and --report may be neither."""
+    from flashgen.build import LIBRARY_PREFIX
+    from flashgen.cache import MANIFEST
+    output_files.check([*outputs, ("--build", str(pathlib.Path(build_dir) / MANIFEST))], inputs,
+                       make_dirs=True)  # DIR may not exist yet
+    for flag, path in outputs:
+        p = pathlib.Path(path or "")
+        if path and p.name.startswith(LIBRARY_PREFIX) and p.suffix == ".so" \
+                and output_files.same_file(p.parent, build_dir):
+            raise UsageError(f"--build and {flag} name the same file {path}: --build writes "
+                             "the library there")
+
+
+def _remove_sharding_rules(result) -> None:
+    from jaxlib.mlir import ir
+    from flashgen.rewrite.graph import nested_ops
+    with result.loaded.context:
+        for op in nested_ops(result.module.operation):
+            op = op.operation
+            if op.name == "stablehlo.custom_call" and "sdy.sharding_rule" in op.attributes and \
+                    ir.StringAttr(op.attributes["call_target_name"]).value.startswith("flashgen_"):
+                del op.attributes["sdy.sharding_rule"]
 
 
 def _encode(result, fmt: str) -> bytes:
@@ -157,7 +211,12 @@ def cmd_run(args) -> int:
         inputs = execute.load_npz(args.inputs, params)
     else:
         inputs = execute.random_inputs(params, args.seed)
-    outputs = execute.run(loaded, inputs, platform=args.platform, library=args.library)
+    try:
+        outputs = execute.run(loaded, inputs, platform=args.platform, library=args.library)
+    except execute.OutOfMemory as e:
+        hint = "" if execute.flashgen_targets(loaded) else \
+            ": an attention left as it is holds every score in memory; flashgen rewrite it"
+        raise FlashgenError(f"{args.module}: {e}{hint}") from None
     if out:
         out.write(execute.npz_bytes(outputs))
     for i, a in enumerate(outputs):

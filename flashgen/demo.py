@@ -8,6 +8,7 @@ import numpy as np
 
 from flashgen import reference
 from flashgen.build import resolve_target
+from flashgen.errors import FlashgenError
 
 # Error bands the demo (and the test-suite) accept, relative to max |reference|.
 TOLERANCE = {"f32": 2e-5, "bf16": 2e-2, "f16": 3e-3}
@@ -18,13 +19,20 @@ def run(head_dim: int = 64, dtype: str = "bf16", causal: bool = False, target: s
     import jax.numpy as jnp
 
     from flashgen.jax import flash_attention
+    from flashgen.jax.attention import local_target
     from flashgen.spec import KernelSpec, normalize_dtype
 
     dtype = normalize_dtype(dtype)
     target, why = resolve_target(target)
-    if (target == "cpu") != (jax.default_backend() == "cpu"):
-        jax.config.update("jax_platforms", "cpu" if target == "cpu" else "cuda")
     KernelSpec(head_dim, dtype, causal, target)  # validate before any work
+    if target == "cpu":  # takes effect only before JAX's first backend query (the CLI's case)
+        jax.config.update("jax_platforms", "cpu")
+    running = local_target()  # what flash_attention will build and run, whatever was asked
+    if running != target:
+        raise FlashgenError(f"demo --target {target} cannot run here: JAX runs on "
+                            f"{jax.default_backend()} ({running} kernels); `flashgen build --target "
+                            f"{target}` builds it, `flashgen check --target {target} --emulate` "
+                            "checks it under the PTX emulator")
     print(f"flashgen demo: head_dim={head_dim} dtype={dtype} causal={causal} target={target} ({why})")
     rng = np.random.default_rng()
     b, sq, sk, hq, hkv = 2, 257, 257, 4, 2

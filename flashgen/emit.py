@@ -18,7 +18,7 @@ from jaxlib.mlir.dialects import func, stablehlo
 from flashgen.mlir_context import new_context
 from flashgen.sharding_rule import context_has_sdy, sharding_rule_attr
 from flashgen.spec import (EXTRAS, PACKED_EXTRAS, KernelSpec, normalize_dtype, normalize_extras,
-                           normalize_softcap, normalize_window)
+                           normalize_scale, normalize_softcap, normalize_window)
 
 _MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -33,9 +33,7 @@ def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
                          direction: str = "fwd", max_seqlen=None) -> ir.DictAttr:
     """The typed attribute dictionary a flashgen handler decodes (spec.ATTRIBUTES[direction]):
     the six base attributes and `extras`, plus max_seqlen_q/_k for varlen."""
-    scale = float(np.float32(scale))
-    if not (scale > 0 and np.isfinite(scale)):
-        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    scale = normalize_scale(scale)
     left, right = normalize_window(window)
     softcap = normalize_softcap(softcap)
     i32 = ir.IntegerType.get_signless(32)

@@ -218,9 +218,11 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     import jax
     if platform not in PLATFORMS:
         raise UsageError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    from flashgen import call_contract
     loaded = _as_loaded(source)
     params, results = signature(loaded)
     arrays = coerce_inputs(inputs, params)
+    call_contract.check_module(loaded)
     if needs_x64(params + results) and not jax.config.jax_enable_x64:
         with jax.enable_x64(True):  # scoped: the caller's JAX settings stay as they were
             return run(loaded, arrays, platform=platform, register=register)
@@ -235,13 +237,64 @@ def run(source, inputs: Sequence[np.ndarray], *, platform: str = "cpu",
     exp = _exported(loaded, params, results, platform)
     full = _full_inputs(exp, arrays)
     args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, full)
-    with jax.default_device(device):
+    x64 = jax.config.jax_enable_x64  # thread-local: the helper thread below takes it along
+
+    def execute():
+        with jax.enable_x64(x64), jax.default_device(device):
+            return [np.asarray(x) for x in jax.tree_util.tree_leaves(exp.call(*args, **kwargs))]
+    try:  # the results are fetched inside: XLA raises some errors only then
+        return _interruptible(execute)
+    except Exception as e:  # noqa: BLE001 - XLA reports errors as several types
+        if any(m in str(e) for m in _OUT_OF_MEMORY):
+            raise OutOfMemory(f"ran out of memory running the module ({_first_line(e)})") from None
+        raise FlashgenError(f"running the module failed: {_first_line(e)}") from None
+
+
+class OutOfMemory(FlashgenError):
+    """The module needs more memory than this machine gives it."""
+
+
+# How XLA's CPU runtime words a failed allocation: a buffer it cannot allocate, or one a
+# library kernel (YNNPACK) fails on when its result is fetched.
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "YNNPACK operation failed", "bad_alloc")
+
+
+# How long a Ctrl-C waits for the flashgen kernels to stop at their next work item.
+CANCEL_WAIT_SECONDS = 5.0
+RUN_THREAD = "flashgen-run"
+
+
+def _interruptible(fn):
+    """fn() on a helper thread while the main thread waits where Python takes a Ctrl-C (the
+    thread that runs an XLA computation is held until it returns). On Ctrl-C the flashgen
+    kernels are told to stop at their next work item and KeyboardInterrupt is raised here; a
+    computation still running after CANCEL_WAIT_SECONDS (XLA's own ops) is left to the caller."""
+    import threading
+    from flashgen import runtime
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    runtime.cancel_kernels(False)
+    box = {}
+
+    def target():
         try:
-            outs = exp.call(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - XLA reports errors as several types
-            raise FlashgenError(f"running the module failed: {_first_line(e)}") from None
-    flat = jax.tree_util.tree_leaves(outs)
-    return [np.asarray(x) for x in flat]
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            box["error"] = e
+    worker = threading.Thread(target=target, name=RUN_THREAD, daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except KeyboardInterrupt:
+        runtime.cancel_kernels(True)
+        worker.join(CANCEL_WAIT_SECONDS)
+        if not worker.is_alive():
+            runtime.cancel_kernels(False)
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _first_line(e: Exception) -> str:

@@ -22,7 +22,7 @@ import stat
 import tempfile
 from typing import Iterable, Optional, Sequence
 
-from flashgen.errors import UsageError
+from flashgen.errors import FlashgenError, UsageError
 
 _MAX_LINKS = 40  # the kernel's own limit on a symlink chain (ELOOP)
 
@@ -36,6 +36,14 @@ class OutputFile:
     make_dirs: bool = False
 
     def write(self, data: bytes) -> None:
+        try:
+            self._write(data)
+        except OSError as e:  # ENOSPC, EIO ... name the file: the errno alone does not
+            kept = "" if self.in_place else "; its old content is kept"
+            raise FlashgenError(f"{self.flag} {self.path}: cannot write: "
+                                f"{e.strerror or e}{kept}") from e
+
+    def _write(self, data: bytes) -> None:
         if self.in_place:
             with open(self.path, "wb") as f:
                 f.write(data)
@@ -73,7 +81,7 @@ def check(outputs: Iterable[tuple[str, Optional[str]]], inputs: Sequence[str] = 
         if out is None or out.in_place:
             continue
         for src in inputs:
-            if _same_file(out.target, src):
+            if same_file(out.target, src):
                 raise UsageError(f"{out.flag} {out.path} is the input {src}: flashgen never "
                                  "overwrites its input; write to another path")
         key = _identity(out.target)
@@ -166,7 +174,7 @@ def _identity(path: str):
         return os.path.realpath(path)
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a, b) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:

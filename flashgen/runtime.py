@@ -30,6 +30,9 @@ def _resolve(path: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
     if not p.exists():
         raise LoadError(f"no such library or manifest: {path}")
     directory = p if p.is_dir() else p.parent
+    if p.suffix == ".json" and p.name != MANIFEST:  # its directory's manifest.json is another library
+        raise LoadError(f"{path} is not a flashgen manifest: flashgen reads the {MANIFEST} beside "
+                        f"its library; pass that file, the library or its directory")
     if not (directory / MANIFEST).exists():
         raise LoadError(f"no {MANIFEST} beside {p}: flashgen loads only libraries it can verify "
                         f"(ship the library with its manifest, e.g. flashgen build --out DIR)")
@@ -80,6 +83,14 @@ def load(path: str | pathlib.Path) -> list[str]:
                 _registered[(name, platform)] = str(lib)
             names.append(name)
     return names
+
+
+def cancel_kernels(on: bool) -> None:
+    """Set (stop the running kernels of every loaded library at their next work item; their
+    calls fail with "interrupted") or clear the libraries' cancel flag."""
+    for module in list(_loaded_modules.values()):
+        if hasattr(module, "cancel"):  # libraries built before the flag existed have none
+            module.cancel(on)
 
 
 def library_platform(path: str | pathlib.Path) -> str:

@@ -179,6 +179,17 @@ def normalize_window(window) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def normalize_scale(scale) -> float:
+    """scale as a Python float that is exact in f32, finite, positive and normal."""
+    s = float(np.float32(scale))
+    if not (s > 0 and math.isfinite(s)):
+        raise ValueError(f"scale must be a finite positive f32, got {scale}")
+    if s < np.finfo(np.float32).tiny:  # flushed to zero by XLA's CPU threads, as softcap below
+        raise ValueError(f"scale {scale} is below the smallest normal f32 "
+                         f"({np.finfo(np.float32).tiny:.8g})")
+    return s
+
+
 def normalize_softcap(softcap) -> float:
     """softcap as a Python float that is exact in f32, finite and >= 0 (0 = off)."""
     if softcap is None:

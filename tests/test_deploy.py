@@ -132,3 +132,15 @@ def test_cached_hit_needs_no_compiler(no_compiler):
             "print(lib.cache_hit)")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-3000:]
+
+
+def test_a_manifest_of_another_name_is_refused_not_swapped(shipped, tmp_path):
+    """dir/bf16_manifest.json used to load dir/manifest.json, a different library, silently."""
+    from flashgen import runtime
+    from flashgen.errors import LoadError
+    copy = tmp_path / "copy"
+    shutil.copytree(shipped, copy)
+    (copy / "bf16_manifest.json").write_text((copy / "manifest.json").read_text())
+    with pytest.raises(LoadError, match="bf16_manifest.json is not a flashgen manifest"):
+        runtime.load(copy / "bf16_manifest.json")
+    assert runtime.library_platform(copy / "manifest.json") == "cpu"

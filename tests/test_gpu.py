@@ -26,8 +26,8 @@ DTYPES = ("f16", "bf16", "f32")
 def cuda_library():
     import jax
     from flashgen import KernelSpec, build, runtime
-    from flashgen.jax.attention import _local_target
-    target = _local_target()
+    from flashgen.jax.attention import local_target
+    target = local_target()
     specs = [KernelSpec(h, t, c, target) for h in HEAD_DIMS for t in DTYPES for c in (False, True)]
     t = time.perf_counter()
     lib = build(specs, progress=lambda m: print(m, file=sys.stderr))
@@ -46,12 +46,12 @@ def _check(rng, dtype, d, causal, b, sq, sk, hq, hkv, bottom_right=False):
     import jax
     import jax.numpy as jnp
     from flashgen import reference
-    from flashgen.jax.attention import _kernel_calls, _local_target
+    from flashgen.jax.attention import _kernel_calls, local_target
     from flashgen.spec import KernelSpec
     jdt = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}[dtype]
     q, k, v, do = (jnp.asarray(rng.standard_normal(s), jdt) for s in
                    ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)))
-    spec = KernelSpec(d, dtype, causal, _local_target())
+    spec = KernelSpec(d, dtype, causal, local_target())
     scale = 1.0 / np.sqrt(d)
     fwd, bwd = _kernel_calls(spec, scale, bottom_right)
     o, lse = jax.jit(fwd)(q, k, v)
@@ -167,12 +167,12 @@ def _check_variant(rng, dtype, d, causal, b, sq, sk, hq, hkv, bottom_right=False
     import jax
     import jax.numpy as jnp
     from flashgen import reference
-    from flashgen.jax.attention import _kernel_calls, _local_target
+    from flashgen.jax.attention import _kernel_calls, local_target
     from flashgen.spec import KernelSpec
     jdt = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}[dtype]
     q, k, v, do = (jnp.asarray(rng.standard_normal(s) * (sd if i < 2 else 1.0), jdt) for i, s in
                    enumerate(((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))))
-    spec = KernelSpec(d, dtype, causal, _local_target())
+    spec = KernelSpec(d, dtype, causal, local_target())
     scale = 1.0 / np.sqrt(d)
     fwd, bwd = _kernel_calls(spec, scale, bottom_right, tuple(window), float(softcap))
     o, lse = jax.jit(fwd)(q, k, v)

@@ -133,6 +133,16 @@ def test_subnormal_softcap_is_refused():
     assert normalize_softcap(np.finfo(np.float32).tiny) > 0
 
 
+@pytest.mark.parametrize("flag, value", [("--scale", "1e-40"), ("--softcap", "1e-39")])
+def test_emit_refuses_a_subnormal_scale_or_softcap(capsys, flag, value):
+    """`emit --scale 1e-40` used to emit a scale the handler refuses later."""
+    from flashgen import cli
+    rc = cli.main(["emit", "--hdim", "32", "--dtype", "f32", "--seq-q", "8", "--heads", "1",
+                   flag, value])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{flag[2:]} {value} is below the smallest normal f32" in err, err
+
+
 def test_handler_refuses_subnormal_softcap_and_scale(rng):
     import jax
     import jax.numpy as jnp

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from flashgen import cli, output_files
-from flashgen.errors import UsageError
+from flashgen.errors import FlashgenError, UsageError
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "inputs"
 CAUSAL = GOLDEN / "jnn_causal_bf16.mlir"
@@ -171,7 +171,7 @@ def test_failed_write_leaves_old_content_and_no_temp(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(FlashgenError, match="-o .*out.bin: cannot write: disk full; its old"):
         out.write(b"new")
     assert target.read_bytes() == b"old" and not _leftovers(tmp_path)
 
@@ -215,3 +215,29 @@ def test_build_out_follows_symlinks(tmp_path, capsys):
                       "--out", out)
     assert rc == 0, io_.err
     assert (out / "manifest.json").is_symlink() and '"specs"' in real.read_text()
+
+
+@pytest.mark.parametrize("flag", ["--report", "-o"])
+def test_an_output_at_a_file_build_writes_is_refused(tmp_path, capsys, flag):
+    """--build DIR writes DIR/manifest.json: a report or module written there made the library
+    unloadable, rc 0."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("keep")
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "--build", tmp_path, flag, manifest)
+    assert rc == 2 and f"{flag} and --build name the same file" in io_.err, io_.err
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "-o", manifest, "--build")  # DIR: OUT's directory
+    assert rc == 2 and "-o and --build name the same file" in io_.err, io_.err
+    library = tmp_path / "_flashgen_cpu_0123456789abcdef.so"
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "--build", tmp_path, flag, library)
+    assert rc == 2 and f"--build and {flag} name the same file" in io_.err, io_.err
+    assert manifest.read_text() == "keep" and not library.exists()
+
+
+def test_a_full_disk_names_the_file(capsys):
+    """/dev/full: a real ENOSPC on write. The message was only '[Errno 28] No space left on
+    device', naming no file."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    rc, io_ = run_cli(capsys, "rewrite", CAUSAL, "-o", "/dev/full")
+    assert rc == 1
+    assert io_.err.strip() == "flashgen: error: -o /dev/full: cannot write: No space left on device"

@@ -231,3 +231,49 @@ def test_old_stablehlo_version_gets_legacy_attrs():
     assert result.changed and any("legacy" in n for n in result.notes)
     assert modules.load(result.to_bytes()).version == "1.1.0"
     assert stablehlo  # imported for the version API
+
+
+def test_report_manifest_loads_from_anywhere_and_verify_is_said(tmp_path, capsys, monkeypatch):
+    """The report's manifest was relative to the rewrite's working directory; --verify's
+    success was only in the report; --explain named flashgen.runtime.load."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rc, io_ = run_cli("rewrite", CAUSAL, "-o", "o.mlir", "--build", "lib", "--verify",
+                      "--explain", "--report", "r.json", capsys=capsys)
+    assert rc == 0, io_.err
+    assert "verified: 1 output(s) match the original on random inputs (seed 0)" in io_.err
+    assert "(register with flashgen.jax.load)" in io_.out
+    report = json.loads((work / "r.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert pathlib.Path(report["manifest"]).is_absolute()
+    assert pathlib.Path(report["library"]).is_absolute()
+    import flashgen.jax
+    assert "flashgen_fwd_d32_bf16_causal" in flashgen.jax.load(report["manifest"])
+
+
+def _read_without_sdy(path: pathlib.Path) -> str:
+    """A portable artifact read as torch_xla's _run_stablehlo reads it: a context that knows
+    StableHLO and not the sdy dialect."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo
+    ctx = ir.Context()
+    stablehlo.register_dialect(ctx)
+    with ctx:
+        return str(stablehlo.deserialize_portable_artifact(ctx, path.read_bytes()))
+
+
+def test_no_sharding_rule_writes_an_artifact_without_sdy_that_runs(tmp_path, capsys):
+    with_rule, without = tmp_path / "rule.mlirbc", tmp_path / "plain.mlirbc"
+    for out, extra in ((with_rule, ()), (without, ("--no-sharding-rule",))):
+        rc, io_ = run_cli("rewrite", CAUSAL, "-o", out, "--output-format", "portable", *extra,
+                          capsys=capsys)
+        assert rc == 0, io_.err
+    with pytest.raises(Exception):  # the default carries sdy.sharding_rule: unreadable there
+        _read_without_sdy(with_rule)
+    text = _read_without_sdy(without)
+    assert "flashgen_fwd_d32_bf16_causal" in text and "sdy" not in text
+    rc, io_ = run_cli("run", without, capsys=capsys)
+    assert rc == 0 and io_.out.startswith("out0: [2, 8, 4, 32] bf16"), io_.err
+    rc, io_ = run_cli("run", with_rule, capsys=capsys)
+    assert rc == 0 and io_.out.splitlines()[0] == run_cli("run", without, capsys=capsys)[1].out.splitlines()[0]

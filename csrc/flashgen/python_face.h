@@ -4,6 +4,7 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include "flashgen/cancel.h"
 #include "flashgen/library.h"
 
 namespace py = pybind11;
@@ -28,6 +29,8 @@ inline void define_python_face(py::module_& m) {
     return out;
   }, "List of (target name, platform, PyCapsule) for every handler.");
   m.def("info", [] { return std::string(flashgen_library_info()); }, "JSON description of the library.");
+  m.def("cancel", [](bool on) { cancel_flag().store(on); },
+        "Set (True) or clear (False) the flag that stops this library's running kernels.");
 }
 
 }  // namespace flashgen

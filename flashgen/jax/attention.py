@@ -16,10 +16,10 @@ import numpy as np
 from flashgen import runtime
 from flashgen.jax import sharding
 from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, normalize_dtype,
-                           normalize_softcap, normalize_window)
+                           normalize_scale, normalize_softcap, normalize_window)
 
 
-def _local_target() -> str:
+def local_target() -> str:
     """The KernelSpec target for JAX's default backend."""
     backend = jax.default_backend()
     if backend == "cpu":
@@ -52,10 +52,7 @@ def _check(q, k, v, scale) -> tuple[str, float]:
         scale = 1.0 / math.sqrt(d)
     if isinstance(scale, jax.core.Tracer):
         raise TypeError("scale must be a Python number (it is a compile-time attribute), not a traced value")
-    scale = float(scale)
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be finite and positive, got {scale}")
-    return dtype, scale
+    return dtype, normalize_scale(scale)
 
 
 def _fold_vmap(call, fold: bool = True):
@@ -295,7 +292,7 @@ def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0,
         raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
     if check_shardings:
         sharding.check_operand_shardings(q, k, v)
-    spec = KernelSpec(q.shape[3], dtype, bool(causal), _local_target())
+    spec = KernelSpec(q.shape[3], dtype, bool(causal), local_target())
     runtime.ensure([spec])
     return spec, scale, (bool(bottom_right), window, softcap, tuple(extras))
 

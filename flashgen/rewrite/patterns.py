@@ -60,7 +60,7 @@ from flashgen.rewrite.report import AttentionSite, Rejection
 from flashgen.rewrite.roles import RolesStage
 from flashgen.rewrite.scores import ScoresStage
 from flashgen.rewrite.softmax import SoftmaxStage
-from flashgen.spec import HEAD_DIMS, KernelSpec
+from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_scale
 
 
 @dataclasses.dataclass
@@ -409,8 +409,10 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         if head_dim not in HEAD_DIMS:
             raise Reject(f"head dim {head_dim} is not supported (supported: "
                          f"{', '.join(map(str, HEAD_DIMS))})", **details)
-        if not (scale > 0 and np.isfinite(scale)):
-            raise Reject(f"the scale {scale:g} is not a finite positive number", **details)
+        try:
+            normalize_scale(scale)
+        except ValueError as e:
+            raise Reject(str(e), **details) from None
         resolved = X.resolve(m.extras, m.biases, const_masks, cuts=cuts,
                              kernel_q=kernel["q"], k_free=tuple(k_free), final_scale=m.scale,
                              causal=causal, bottom_right=bottom_right, window=window,

@@ -134,8 +134,8 @@ class Report:
     sites: list
     seconds: float = 0.0
     specs: list = dataclasses.field(default_factory=list)     # KernelSpec.to_json() of rewritten sites
-    library: Optional[str] = None                              # --build: the library
-    manifest: Optional[str] = None                             # --build: its manifest (load with runtime.load)
+    library: Optional[str] = None                              # --build: the library, absolute
+    manifest: Optional[str] = None                             # --build: its manifest, absolute (flashgen.jax.load)
     verified: Optional[dict] = None                            # --verify: max errors per output
     notes: list = dataclasses.field(default_factory=list)
 
@@ -171,6 +171,6 @@ class Report:
             parts.append("kernels needed: " + ", ".join(
                 f"d{s['head_dim']} {s['dtype']}{' causal' if s['causal'] else ''}" for s in self.specs))
         if self.manifest:
-            parts.append(f"library manifest: {self.manifest} (register with flashgen.runtime.load)")
+            parts.append(f"library manifest: {self.manifest} (register with flashgen.jax.load)")
         parts += [f"note: {n}" for n in self.notes]
         return "\n".join(parts)

@@ -65,6 +65,12 @@ void with_threads(ffi::ThreadPool& pool, Kernel&& kernel) {
   kernel(static_cast<int>(std::min<int64_t>(n, 4096)), static_cast<Workers*>(&workers));
 }
 
+// A kernel stopped by cancel_flag() (cancel.h) left its outputs unfinished: fail the call.
+inline ffi::Error finished(const char* target) {
+  if (cancel_requested()) return ffi::Error(ffi::ErrorCode::kCancelled, std::string(target) + ": interrupted");
+  return ffi::Error::Success();
+}
+
 template <typename... Results>
 void poison(Results&... results) {
   if (poison_outputs()) (std::memset(results->untyped_data(), poison_byte(), results->size_bytes()), ...);
@@ -97,7 +103,7 @@ ffi::Error fwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::
     attention_fwd<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, attrs, x, threads,
                                                 workers);
   });
-  return ffi::Error::Success();
+  return finished(target);
 }
 
 template <ffi::DataType T, int D, bool Causal>
@@ -133,7 +139,7 @@ ffi::Error bwd(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::
     attention_bwd<typename Storage<T>::type, D>(in(q), in(k), in(v), in(o), lse.typed_data(), in(dout), out(dq),
                                                 out(dk), out(dv), s, attrs, x, threads, workers);
   });
-  return ffi::Error::Success();
+  return finished(target);
 }
 
 // varlen_shape (ffi_common.h) plus the values of cu_seqlens and max_seqlen:
@@ -200,7 +206,7 @@ ffi::Error fwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
     attention_fwd_varlen<typename Storage<T>::type, D>(in(q), in(k), in(v), out(o), lse->typed_data(), s, va, attrs,
                                                        x, threads, workers);
   });
-  return ffi::Error::Success();
+  return finished(target);
 }
 
 template <ffi::DataType T, int D, bool Causal>
@@ -230,7 +236,7 @@ ffi::Error bwd_varlen(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q
                                                        out(dq), out(dk), out(dv), s, va, attrs, x, threads,
                                                        workers);
   });
-  return ffi::Error::Success();
+  return finished(target);
 }
 
 template <ffi::DataType T, int D, bool Causal>
@@ -290,7 +296,7 @@ ffi::Error fwd_paged(const char* target, ffi::ThreadPool pool, ffi::Buffer<T> q,
     attention_fwd_paged<typename Storage<T>::type, D>(in(q), in(k_cache), in(v_cache), out(o), lse->typed_data(), s,
                                                       pa, attrs, x, threads, workers);
   });
-  return ffi::Error::Success();
+  return finished(target);
 }
 
 }  // namespace flashgen::cpu

@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "flashgen/cancel.h"
+
 namespace flashgen {
 namespace cpu {
 
@@ -179,6 +181,14 @@ inline void job_release(Job* j) {
 // parallel_for returns only after every claimed item is done.
 inline void job_work(Job* j, int w) {
   for (;;) {
+    if (cancel_requested()) {  // claim every item left, unrun, so that the waiter returns
+      const int64_t first = j->next.exchange(j->n, std::memory_order_relaxed);
+      if (first < j->n && j->done.fetch_add(j->n - first, std::memory_order_acq_rel) + (j->n - first) == j->n) {
+        std::lock_guard<std::mutex> lock(j->m);
+        j->cv.notify_all();
+      }
+      break;
+    }
     const int64_t i = j->next.fetch_add(1, std::memory_order_relaxed);
     if (i >= j->n) break;
     j->call(j->fn, i, w);
@@ -209,7 +219,7 @@ void parallel_for(int64_t n, int num_threads, F&& fn, Workers* workers = nullptr
   if (n <= 0) return;
   const int nt = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), n));
   if (nt <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    for (int64_t i = 0; i < n && !cancel_requested(); ++i) fn(i, 0);
     return;
   }
   using Fn = typename std::remove_reference<F>::type;
