@@ -392,13 +392,16 @@ def _compile_all(compile_jobs: list[_Job], root: pathlib.Path, src_dir: pathlib.
 
 
 def _export(lib: Library, out: pathlib.Path) -> Library:
-    """Copy the library and its manifest into `out` (files get the umask's modes: a library
-    shipped to another user stays readable)."""
+    """Copy the library, every file its manifest records (an emulated library's PTX) and the
+    manifest into `out` (files get the umask's modes: a library shipped to another user stays
+    readable)."""
     from flashgen import output_files
-    out.mkdir(parents=True, exist_ok=True)
-    files = output_files.check([("--out", str(out / lib.path.name)), ("--out", str(out / MANIFEST))],
-                               inputs=[str(lib.path), str(lib.manifest_path)])
-    for src, dst in zip((lib.path, lib.manifest_path), files):
+    names = [*lib.manifest["files"], MANIFEST]
+    for name in names:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+    sources = [lib.manifest_path.parent / name for name in names]
+    files = output_files.check([("--out", str(out / name)) for name in names], inputs=[str(s) for s in sources])
+    for src, dst in zip(sources, files):
         dst.write(src.read_bytes())
     return dataclasses.replace(lib, path=out / lib.path.name, manifest_path=out / MANIFEST)
 

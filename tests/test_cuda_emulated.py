@@ -267,3 +267,12 @@ def test_check_summary_reads_worst_errors_and_pace():
     paged = next(l for l in text.splitlines() if l.strip().startswith("paged"))
     assert "2.00e-03" in paged and "-" in paged
     assert "3 handler calls: 3,000 warp-instructions in 4 s (1 k warp-instructions/s)" in text
+
+
+def test_an_exported_emulated_library_carries_its_ptx(rng, tmp_path):
+    """build(out=...) copies every file the manifest records: an emulated library exported
+    without its PTX could not be loaded (CorruptEntry: ...ptx is missing)."""
+    spec = KernelSpec(64, "bf16", True, "sm80")
+    lib = EmulatedLibrary(build(spec, host="emulate", out=tmp_path / "shipped"))
+    assert list((tmp_path / "shipped" / "ptx").glob("*.ptx"))
+    assert_matches(Checker(lib, spec, rng).dense(seqlen_q=17, seqlen_k=17, backward=False))

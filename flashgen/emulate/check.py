@@ -227,7 +227,7 @@ def standard_cases(c: Checker) -> list[CaseResult]:
     """What `flashgen check --emulate` runs: every entry point of the spec, small shapes that
     combine the features where bugs hide (tile tails, Sq != Sk with bottom-right alignment in
     every family that takes extras, GQA ratios above 2 with more than 2 KV heads, ALiBi with
-    softcap in varlen and paged, windows that skip key blocks on the left, rows without keys,
+    softcap in varlen, ALiBi in paged, windows that skip key blocks on the left, rows without keys,
     an empty sequence, split-KV)."""
     causal = c.spec.causal
     right = 0 if causal else 8
@@ -240,7 +240,9 @@ def standard_cases(c: Checker) -> list[CaseResult]:
                 alibi="BH", bias=(1, 6), mask=(2, 1), segment_ids=True),
         c.varlen(seqlens_q=(17, 0, 40), seqlens_k=(23, 5, 31), heads_q=9, heads_kv=3, bottom_right=True,
                  alibi="BH", softcap=3.0),
-        c.paged(seqused_k=(300, 0, 41), block_size=16, heads_q=9, heads_kv=3, alibi="H", softcap=2.0),
+        # split-KV with the probability spread over the splits (ALiBi would gather it in the last)
+        c.paged(seqused_k=(300, 0, 41), block_size=16, heads_q=9, heads_kv=3, softcap=2.0),
+        c.paged(seqused_k=(70, 33), seqlen_q=3, block_size=48, heads_q=6, heads_kv=3, alibi="H"),
     ]
 
 
