@@ -143,16 +143,21 @@ def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk,
     """Memory flashgen's CPU kernels allocate besides XLA's buffers (not in temp_size_in_bytes).
 
     Mirrors csrc/flashgen/cpu/forward.h and backward.h (block sizes in tiles.h: fwd 128x64, bwd
-    64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls), and in the backward lse2 and Drow
-    [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
+    64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls); for fp32
+    products (f32, or f16) the forward's K / V packed once per call (when a key block is read more
+    than once: Sq > 128 or GQA) and the backward's q / dout (when Sk > 64); in the backward lse2 and
+    Drow [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
     """
     D, bq, bk = hdim, 128, 64
-    fwd_ws = D * bq + bk * bq + bq * D + 2 * bk * D + (bk // 2) * bq + 3 * bq
+    fp32_products = dtype != "bf16"  # bf16 runs vdpbf16ps on this project's CPUs (AVX512_BF16)
+    fwd_ws = D * bq + bk * bq + bq * D + 2 * bk * D + (bk // 2) * bq + 3 * bq + 2 * bk * bq + bq
+    fwd_pack = (4 * 2 * batch * kv_heads * sk * D + 4 * batch * kv_heads * -(-sk // bk)
+                if fp32_products and (sq > bq or heads > kv_heads) else 0)
+    fwd = 4 * fwd_ws * max(1, min(threads, batch * heads * -(-sq // bq))) + fwd_pack
     if direction == "fwd":
-        items = batch * heads * -(-sq // bq)
-        return 4 * fwd_ws * max(1, min(threads, items))
+        return fwd
     bq = bk = 64
-    bwd_ws = 2 * D * bk + 3 * bk * D + 2 * bq * D + 2 * bq * bk + bq * D + bk * D + 2 * bq * bk
+    bwd_ws = 2 * D * bk + 3 * bk * D + 2 * bq * D + 2 * bq * bk + bq * D + bk * D + 2 * bq * bk + 2 * bk
     nbh, nkb = batch * kv_heads, -(-sk // bk)
     chunks = 1
     if threads > 1 and nkb > 1:  # pick_chunks
@@ -166,8 +171,12 @@ def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk,
                 break
         chunks = best
     dq = 0 if (dtype == "f32" and chunks == 1) else 4 * chunks * batch * sq * heads * D
-    # The forward also runs in the same step (its workspace is the same per-thread buffer grown).
-    return 4 * max(bwd_ws, fwd_ws) * max(1, min(threads, nbh * chunks)) + 8 * batch * heads * sq + dq
+    bwd_pack = (4 * 2 * batch * heads * sq * D + 4 * batch * heads * -(-sq // bq)
+                if fp32_products and sk > bk else 0)
+    # The forward runs in the same step (its workspace is the same per-thread buffer grown; its
+    # packed K / V is freed before the backward starts).
+    ws = 4 * max(bwd_ws, fwd_ws) * max(1, min(threads, nbh * chunks))
+    return ws + max(fwd_pack, bwd_pack + 8 * batch * heads * sq + dq)
 
 
 def _fma_peak_binary() -> str | None:
