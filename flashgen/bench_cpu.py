@@ -221,8 +221,10 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int) -> dict:
-    """Per impl: samples of seconds per call, taken in rounds (one sample of each impl per round)."""
+def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int,
+                       clock=time.perf_counter) -> dict:
+    """Per impl: samples of seconds per call (by `clock`), taken in rounds (one sample of each impl
+    per round)."""
     import jax
     once = {}
     for name, f in fns.items():
@@ -239,22 +241,22 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
             if latency:
                 ts = []
                 for _ in range(n):
-                    t = time.perf_counter()
+                    t = clock()
                     jax.block_until_ready(f(*args))
-                    ts.append(time.perf_counter() - t)
+                    ts.append(clock() - t)
                 samples[name].extend(ts)
             else:
-                t = time.perf_counter()
+                t = clock()
                 out = None
                 for _ in range(n):
                     out = f(*args)
                 jax.block_until_ready(out)
-                samples[name].append((time.perf_counter() - t) / n)
+                samples[name].append((clock() - t) / n)
     return samples
 
 
 def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_heads, sq, sk, rng, *,
-                     min_time, repeats, latency_max, threads, peak) -> list[dict]:
+                     min_time, repeats, latency_max, threads, peak, cpu_time=False) -> list[dict]:
     import jax
     import jax.numpy as jnp
     jdt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
@@ -270,7 +272,8 @@ def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_hea
         rec = dict(impl=impl, direction=direction, hdim=hdim, dtype=dtype, causal=causal, batch=batch,
                    heads=heads, kv_heads=kv_heads, seqlen_q=sq, seqlen_k=sk, ms=None, tflops=None,
                    source=CPU_SOURCES.get((direction, impl), impl),
-                   mode="latency" if latency else "throughput", loadavg=load)
+                   mode="latency" if latency else "throughput", loadavg=load,
+                   clock="process CPU time" if cpu_time else "wall")
         recs[impl] = rec
         try:
             if impl == "torch":
@@ -305,7 +308,8 @@ def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_hea
                 recs[impl].setdefault("error", f"comparison failed: {str(e)[:200]}")
     if fns:
         try:
-            samples = _interleaved_times(fns, args, latency=latency, min_time=min_time, repeats=repeats)
+            samples = _interleaved_times(fns, args, latency=latency, min_time=min_time, repeats=repeats,
+                                         clock=time.process_time if cpu_time else time.perf_counter)
         except Exception as e:  # noqa: BLE001
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             for impl in fns:
@@ -451,7 +455,8 @@ def run_cpu(args) -> int:
                 continue
             recs = measure_cpu_case(impls, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
                                     min_time=args.min_time, repeats=args.repeats,
-                                    latency_max=args.latency_max, threads=threads, peak=peak)
+                                    latency_max=args.latency_max, threads=threads, peak=peak,
+                                    cpu_time=getattr(args, "cpu_time", False))
             results.extend(recs)
             for rec in recs:
                 status = (f"{_fmt_time(rec)}  {rec['gflops']:.1f} GFLOP/s  temp "

@@ -80,3 +80,13 @@ def test_kernel_scratch_is_small():
     kv_f32 = 2 * 4096 * 8 * 64 * 4
     assert fwd_bf16 < 1 << 20 and bwd < 16 << 20
     assert kv_f32 < fwd < kv_f32 + (1 << 20) and bwd_f32 < 2 * kv_f32
+
+
+def test_cpu_time_clock(tmp_path):
+    out = tmp_path / "cpu.json"
+    rc = main(["bench", "--platform", "cpu", "--hdim", "32", "--dtype", "f32", "--causal", "true",
+               "--seqlens", "16", "--batch", "1", "--heads", "2", "--impls", "flashgen", "--no-bwd",
+               "--min-time", "0.01", "--repeats", "2", "--no-peak", "--cpu-time", "--json", str(out)])
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())["results"]
+    assert rec["clock"] == "process CPU time" and rec["ms"] > 0
