@@ -4,7 +4,9 @@ the product path, original vs rewritten exported modules.
 Each attention is exported with jax.export at the case's shape, the exported module is rewritten
 with flashgen.rewrite, and the ORIGINAL and the REWRITTEN module run in one process on the same
 inputs (impls ``xla`` = jax.nn.dot_product_attention(implementation="xla"), ``flashgen`` = that
-module rewritten, ``einsum`` = a hand-written einsum attention, ``einsum_rewritten``). The
+module rewritten, ``einsum`` = a hand-written einsum attention, ``einsum_rewritten``; ``torch`` =
+torch.nn.functional.scaled_dot_product_attention on the same values in torch's own BHSD layout,
+with torch's intra-op threads set to the thread count the others use, when torch is installed). The
 forward+backward direction is the gradient of the sum of the outputs with respect to q, k, v
 (the rewriter rewrites forward graphs, so ``flashgen`` there is flashgen.jax.flash_attention's
 gradient against jax.nn.dot_product_attention's and the einsum attention's). Impls are timed in
@@ -30,9 +32,9 @@ from flashgen.bench_common import (cases, einsum_attention, environment, flops, 
                                    write_json)
 
 
-CPU_FWD_IMPLS = ("xla", "flashgen", "einsum", "einsum_rewritten")
+CPU_FWD_IMPLS = ("xla", "flashgen", "einsum", "einsum_rewritten", "torch")
 
-CPU_BWD_IMPLS = ("xla", "flashgen", "einsum")
+CPU_BWD_IMPLS = ("xla", "flashgen", "einsum", "torch")
 
 CPU_ALL_IMPLS = CPU_FWD_IMPLS + ("flashgen_jax",)
 
@@ -48,7 +50,45 @@ CPU_SOURCES = {
     ("fwd_bwd", "xla"): "jax.grad(sum(jax.nn.dot_product_attention(implementation='xla')))",
     ("fwd_bwd", "flashgen"): "jax.grad(sum(flashgen.jax.flash_attention))",
     ("fwd_bwd", "einsum"): "jax.grad(sum(einsum attention))",
+    ("fwd", "torch"): "torch.nn.functional.scaled_dot_product_attention (BHSD, no_grad)",
+    ("fwd_bwd", "torch"): "torch.autograd.grad(sum(torch.nn.functional.scaled_dot_product_attention))",
 }
+
+
+def _torch_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
+
+
+def torch_callable(direction: str, causal: bool, args, threads: int):
+    """torch's SDPA on args (jax arrays, BSHD) as a callable returning numpy-comparable BSHD outputs
+    through .outputs(), and a timing callable (torch runs synchronously: a call is done when it returns)."""
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(threads)
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[str(args[0].dtype)]
+    q, k, v = (torch.from_numpy(np.array(a, np.float32)).to(tdt).transpose(1, 2).contiguous() for a in args)
+    gqa = q.shape[1] != k.shape[1]
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    if direction == "fwd":
+        def call(*_):
+            with torch.inference_mode():
+                return (sdpa(q, k, v),)
+    else:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+
+        def call(*_):
+            return torch.autograd.grad(sdpa(q, k, v).float().sum(), (q, k, v))
+
+    def outputs():
+        return [t.detach().float().transpose(1, 2).numpy() for t in call()]
+
+    call.outputs = outputs
+    return call
 
 
 def _plain_fn(impl: str, causal: bool):
@@ -103,16 +143,21 @@ def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk,
     """Memory flashgen's CPU kernels allocate besides XLA's buffers (not in temp_size_in_bytes).
 
     Mirrors csrc/flashgen/cpu/forward.h and backward.h (block sizes in tiles.h: fwd 128x64, bwd
-    64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls), and in the backward lse2 and Drow
-    [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
+    64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls); for fp32
+    products (f32, or f16) the forward's K / V packed once per call (when a key block is read more
+    than once, Sq > 128 or GQA, and a kv head's K and V exceed 512 KiB) and the backward's q / dout (when Sk > 64); in the backward lse2 and
+    Drow [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
     """
     D, bq, bk = hdim, 128, 64
-    fwd_ws = D * bq + bk * bq + bq * D + 2 * bk * D + (bk // 2) * bq + 3 * bq
+    fp32_products = dtype != "bf16"  # bf16 runs vdpbf16ps on this project's CPUs (AVX512_BF16)
+    fwd_ws = D * bq + bk * bq + bq * D + 2 * bk * D + (bk // 2) * bq + 3 * bq + 2 * bk * bq + bq
+    fwd_pack = (4 * 2 * batch * kv_heads * sk * D + 4 * batch * kv_heads * -(-sk // bk)
+                if fp32_products and (sq > bq or heads > kv_heads) and 8 * sk * D > 512 * 1024 else 0)
+    fwd = 4 * fwd_ws * max(1, min(threads, batch * heads * -(-sq // bq))) + fwd_pack
     if direction == "fwd":
-        items = batch * heads * -(-sq // bq)
-        return 4 * fwd_ws * max(1, min(threads, items))
+        return fwd
     bq = bk = 64
-    bwd_ws = 2 * D * bk + 3 * bk * D + 2 * bq * D + 2 * bq * bk + bq * D + bk * D + 2 * bq * bk
+    bwd_ws = 2 * D * bk + 3 * bk * D + 2 * bq * D + 2 * bq * bk + bq * D + bk * D + 2 * bq * bk + 2 * bk
     nbh, nkb = batch * kv_heads, -(-sk // bk)
     chunks = 1
     if threads > 1 and nkb > 1:  # pick_chunks
@@ -126,8 +171,12 @@ def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk,
                 break
         chunks = best
     dq = 0 if (dtype == "f32" and chunks == 1) else 4 * chunks * batch * sq * heads * D
-    # The forward also runs in the same step (its workspace is the same per-thread buffer grown).
-    return 4 * max(bwd_ws, fwd_ws) * max(1, min(threads, nbh * chunks)) + 8 * batch * heads * sq + dq
+    bwd_pack = (4 * 2 * batch * heads * sq * D + 4 * batch * heads * -(-sq // bq)
+                if fp32_products and sk > bk else 0)
+    # The forward runs in the same step (its workspace is the same per-thread buffer grown; its
+    # packed K / V is freed before the backward starts).
+    ws = 4 * max(bwd_ws, fwd_ws) * max(1, min(threads, nbh * chunks))
+    return ws + max(fwd_pack, bwd_pack + 8 * batch * heads * sq + dq)
 
 
 def _fma_peak_binary() -> str | None:
@@ -172,8 +221,10 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int) -> dict:
-    """Per impl: samples of seconds per call, taken in rounds (one sample of each impl per round)."""
+def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int,
+                       clock=time.perf_counter) -> dict:
+    """Per impl: samples of seconds per call (by `clock`), taken in rounds (one sample of each impl
+    per round)."""
     import jax
     once = {}
     for name, f in fns.items():
@@ -190,22 +241,22 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
             if latency:
                 ts = []
                 for _ in range(n):
-                    t = time.perf_counter()
+                    t = clock()
                     jax.block_until_ready(f(*args))
-                    ts.append(time.perf_counter() - t)
+                    ts.append(clock() - t)
                 samples[name].extend(ts)
             else:
-                t = time.perf_counter()
+                t = clock()
                 out = None
                 for _ in range(n):
                     out = f(*args)
                 jax.block_until_ready(out)
-                samples[name].append((time.perf_counter() - t) / n)
+                samples[name].append((clock() - t) / n)
     return samples
 
 
 def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_heads, sq, sk, rng, *,
-                     min_time, repeats, latency_max, threads, peak) -> list[dict]:
+                     min_time, repeats, latency_max, threads, peak, cpu_time=False) -> list[dict]:
     import jax
     import jax.numpy as jnp
     jdt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
@@ -221,9 +272,13 @@ def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_hea
         rec = dict(impl=impl, direction=direction, hdim=hdim, dtype=dtype, causal=causal, batch=batch,
                    heads=heads, kv_heads=kv_heads, seqlen_q=sq, seqlen_k=sk, ms=None, tflops=None,
                    source=CPU_SOURCES.get((direction, impl), impl),
-                   mode="latency" if latency else "throughput", loadavg=load)
+                   mode="latency" if latency else "throughput", loadavg=load,
+                   clock="process CPU time" if cpu_time else "wall")
         recs[impl] = rec
         try:
+            if impl == "torch":
+                fns[impl] = torch_callable(direction, causal, args, threads)
+                continue
             f, extra = cpu_callable(impl, direction, causal, args)
             rec.update(extra)
             compiled = f.lower(*args).compile()
@@ -237,11 +292,15 @@ def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_hea
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             rec["error"] = msg[:300]
     # Rewritten vs original on these inputs: max |difference| / max(1, max |original|).
-    for impl, ref in (("flashgen", "xla"), ("einsum_rewritten", "einsum"), ("flashgen_jax", "xla")):
+    def leaves(impl):
+        outs = fns[impl].outputs() if impl == "torch" else jax.tree_util.tree_leaves(fns[impl](*args))
+        return [np.asarray(x, np.float64) for x in outs]
+
+    for impl, ref in (("flashgen", "xla"), ("einsum_rewritten", "einsum"), ("flashgen_jax", "xla"),
+                      ("torch", "xla")):
         if impl in fns and ref in fns:
             try:
-                got = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(fns[impl](*args))]
-                want = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(fns[ref](*args))]
+                got, want = leaves(impl), leaves(ref)
                 recs[impl]["max_err_vs_" + ref] = max(
                     float(np.max(np.abs(g - w)) / max(1.0, float(np.max(np.abs(w))))) for g, w in zip(got, want))
             except Exception as e:  # noqa: BLE001
@@ -249,7 +308,8 @@ def measure_cpu_case(impls, direction, hdim, dtype, causal, batch, heads, kv_hea
                 recs[impl].setdefault("error", f"comparison failed: {str(e)[:200]}")
     if fns:
         try:
-            samples = _interleaved_times(fns, args, latency=latency, min_time=min_time, repeats=repeats)
+            samples = _interleaved_times(fns, args, latency=latency, min_time=min_time, repeats=repeats,
+                                         clock=time.process_time if cpu_time else time.perf_counter)
         except Exception as e:  # noqa: BLE001
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             for impl in fns:
@@ -289,34 +349,47 @@ def _fmt_time(rec) -> str:
     return f"{rec['us']:.0f} us" if rec.get("mode") == "latency" else f"{rec['ms']:.2f} ms"
 
 
-def summarize_cpu(results: list[dict]) -> list[str]:
-    """One row per case: XLA vs flashgen (time, ratio, GFLOP/s, % of peak, temp memory), and the
-    einsum attention original vs rewritten."""
+def _ratio(num, den, suffix="") -> str:
+    ok = num is not None and den is not None and num.get("ms") and den.get("ms")
+    return f"{num['ms'] / den['ms']:.2f}{suffix}" if ok else "-"
+
+
+def _by_case(results: list[dict]) -> dict:
     cases: dict = {}
     for r in results:
         key = (r["direction"], r["hdim"], r["dtype"], r["causal"], r["batch"], r["heads"], r["kv_heads"],
                r["seqlen_q"], r["seqlen_k"])
         cases.setdefault(key, {})[r["impl"]] = r
-    head = (f"{'dir':7} {'dtype':5} {'causal':6} {'S':>5} | {'xla':>10} {'flashgen':>10} {'ratio':>6} "
+    return cases
+
+
+def _case_name(key) -> str:
+    d, h, t, c, b, hh, hkv, sq, sk = key
+    gqa = f" GQA {hh}/{hkv}" if hkv != hh else ""
+    return f"{'fwd' if d == 'fwd' else 'fwd+bwd'} {t} D={h}{gqa} {'causal' if c else 'full'} S={sq}"
+
+
+def summarize_cpu(results: list[dict]) -> list[str]:
+    """One row per case: XLA, flashgen and torch (time, XLA / flashgen and torch / flashgen, GFLOP/s,
+    % of the FMA peak, temp memory), and the einsum attention original vs rewritten."""
+    head = (f"{'case':34} | {'xla':>10} {'flashgen':>10} {'torch':>10} {'x/fg':>5} {'t/fg':>5} "
             f"{'GFLOP/s':>8} {'%peak':>6} | {'temp xla':>9} {'temp fg':>9} | {'einsum':>10} "
             f"{'einsum_rw':>10} {'ratio':>6}")
     rows = [head, "-" * len(head)]
-    for key, by in cases.items():
-        d, h, t, c, b, hh, hkv, sq, sk = key
-        x, f = by.get("xla"), by.get("flashgen")
+    for key, by in _by_case(results).items():
+        d = key[0]
+        x, f, tc = by.get("xla"), by.get("flashgen"), by.get("torch")
         e, er = by.get("einsum"), by.get("einsum_rewritten") or (by.get("flashgen") if d == "fwd_bwd" else None)
-        ratio = (f"{x['ms'] / f['ms']:.2f}" if x and f and x.get("ms") and f.get("ms") else "-")
-        eratio = (f"{e['ms'] / er['ms']:.2f}" if e and er and e.get("ms") and er.get("ms") else "-")
         gf = f"{f['gflops']:.1f}" if f and f.get("ms") else "-"
         pk = f"{100 * f['peak_fraction']:.0f}%" if f and f.get("peak_fraction") else "-"
         tx = _fmt_bytes(x.get("temp_bytes")) if x else "-"
         tf = (_fmt_bytes((f.get("temp_bytes") or 0) + (f.get("kernel_scratch_bytes") or 0)) if f else "-")
-        rows.append(f"{d:7} {t:5} {str(c):6} {sq:>5} | {_fmt_time(x):>10} {_fmt_time(f):>10} {ratio:>6} "
-                    f"{gf:>8} {pk:>6} | {tx:>9} {tf:>9} | {_fmt_time(e):>10} "
-                    f"{_fmt_time(er) if d == 'fwd' else '(fg) ' + _fmt_time(er):>10} {eratio:>6}")
-    rows.append("ratio = xla / flashgen time (> 1: flashgen faster); GFLOP/s and %peak of flashgen (peak: f32 FMA, "
-                "all threads); temp fg = XLA temp + flashgen kernel scratch; einsum_rw = einsum module rewritten "
-                "(fwd_bwd: flashgen's gradient)")
+        rows.append(f"{_case_name(key):34} | {_fmt_time(x):>10} {_fmt_time(f):>10} {_fmt_time(tc):>10} "
+                    f"{_ratio(x, f):>5} {_ratio(tc, f):>5} {gf:>8} {pk:>6} | {tx:>9} {tf:>9} | {_fmt_time(e):>10} "
+                    f"{_fmt_time(er) if d == 'fwd' else '(fg) ' + _fmt_time(er):>10} {_ratio(e, er):>6}")
+    rows.append("x/fg, t/fg = xla, torch time / flashgen time (> 1: flashgen faster); GFLOP/s and %peak of "
+                "flashgen (peak: f32 FMA, all threads, this run's probe); temp fg = XLA temp + flashgen kernel "
+                "scratch; einsum_rw = einsum module rewritten (fwd_bwd: flashgen's gradient)")
     return rows
 
 
@@ -357,11 +430,15 @@ def run_cpu(args) -> int:
     for name, value in CPU_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    fwd_impls = tuple(i for i in (args.impls or CPU_FWD_IMPLS) if i in CPU_ALL_IMPLS)
     bad = [i for i in (args.impls or ()) if i not in CPU_ALL_IMPLS]
     if bad:
         raise ValueError(f"unknown CPU impls {bad}: choose from {', '.join(CPU_ALL_IMPLS)}")
-    bwd_impls = tuple(i for i in (args.impls or CPU_BWD_IMPLS) if i in CPU_BWD_IMPLS)
+    has_torch = _torch_available()
+    if args.impls and "torch" in args.impls and not has_torch:
+        raise ValueError("--impls torch: torch is not installed (pip install torch)")
+    peers = lambda impls: tuple(i for i in impls if i != "torch" or has_torch)
+    fwd_impls = tuple(i for i in (args.impls or peers(CPU_FWD_IMPLS)) if i in CPU_ALL_IMPLS)
+    bwd_impls = tuple(i for i in (args.impls or peers(CPU_BWD_IMPLS)) if i in CPU_BWD_IMPLS)
     directions = ("fwd",) if args.no_bwd else ("fwd", "fwd_bwd")
     threads = _cpu_count()
     peak = {} if args.no_peak else fma_peak(sorted({1, threads}))
@@ -378,7 +455,8 @@ def run_cpu(args) -> int:
                 continue
             recs = measure_cpu_case(impls, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
                                     min_time=args.min_time, repeats=args.repeats,
-                                    latency_max=args.latency_max, threads=threads, peak=peak)
+                                    latency_max=args.latency_max, threads=threads, peak=peak,
+                                    cpu_time=getattr(args, "cpu_time", False))
             results.extend(recs)
             for rec in recs:
                 status = (f"{_fmt_time(rec)}  {rec['gflops']:.1f} GFLOP/s  temp "
@@ -410,31 +488,20 @@ def run_cpu(args) -> int:
 
 
 def markdown_cpu(doc: dict) -> list[str]:
-    """The CPU results of a bench JSON document as a Markdown table (BENCHMARKS.md)."""
+    """The CPU results of a bench JSON document as a Markdown table (BENCHMARKS.md): ratios and peak
+    shares, which compare across runs on a shared machine; the times are in the JSON."""
     peak = doc["environment"].get("fma_peak") or {}
     threads = str(doc["environment"].get("threads"))
-    cases: dict = {}
-    for r in doc["results"]:
-        key = (r["direction"], r["dtype"], r["causal"], r["seqlen_q"])
-        cases.setdefault(key, {})[r["impl"]] = r
-    rows = ["| case | XLA | flashgen | ratio | flashgen GFLOP/s | % of f32 peak | temp XLA | temp flashgen "
-            "(XLA temp + kernel scratch) | einsum | einsum rewritten | ratio |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for (d, t, c, s), by in cases.items():
-        x, f, e = by.get("xla"), by.get("flashgen"), by.get("einsum")
-        er = by.get("einsum_rewritten") if d == "fwd" else None
-        name = f"{'fwd' if d == 'fwd' else 'fwd+bwd'} {t} {'causal' if c else 'full'} S={s}"
-        ok = lambda r: r is not None and r.get("ms") is not None
-        ratio = f"{x['ms'] / f['ms']:.2f}×" if ok(x) and ok(f) else "-"
-        eratio = f"{e['ms'] / er['ms']:.2f}×" if ok(e) and ok(er) else "-"
-        gf = f"{f['gflops']:.0f}" if ok(f) else "-"
-        pk = f"{100 * f['peak_fraction']:.0f}%" if ok(f) and f.get("peak_fraction") else "-"
-        tf = _fmt_bytes((f.get("temp_bytes") or 0) + (f.get("kernel_scratch_bytes") or 0)) if f else "-"
-        rows.append(f"| {name} | {_fmt_time(x)} | {_fmt_time(f)} | {ratio} | {gf} | {pk} | "
-                    f"{_fmt_bytes(x.get('temp_bytes')) if x else '-'} | {tf} | {_fmt_time(e)} | "
-                    f"{_fmt_time(er) if er else '-'} | {eratio} |")
+    rows = ["| case | XLA / flashgen | torch / flashgen | flashgen % of f32 peak | einsum / einsum rewritten |",
+            "|---|---:|---:|---:|---:|"]
+    for key, by in _by_case(doc["results"]).items():
+        f = by.get("flashgen")
+        er = by.get("einsum_rewritten") if key[0] == "fwd" else None
+        pk = f"{100 * f['peak_fraction']:.0f}%" if f and f.get("ms") and f.get("peak_fraction") else "-"
+        rows.append(f"| {_case_name(key)} | {_ratio(by.get('xla'), f, '×')} | {_ratio(by.get('torch'), f, '×')} | "
+                    f"{pk} | {_ratio(by.get('einsum'), er, '×')} |")
     p = peak.get(threads, {}).get("gflops")
     rows.append("")
-    rows.append(f"Peak: f32 FMA, {threads} threads, {p:.0f} GFLOP/s (measured by the bench's probe at the start "
-                f"of the run); bf16 runs vdpbf16ps, whose peak is twice that." if p else "Peak: not measured.")
+    rows.append(f"Peak: f32 FMA, {threads} threads, measured by the bench's probe at the start of the run; bf16 "
+                f"runs vdpbf16ps, whose peak is twice that." if p else "Peak: not measured.")
     return rows

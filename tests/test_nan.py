@@ -31,6 +31,8 @@ CASES = {
     "q_row_causal": ("f32", True, 70, 70, "q"),
     "k_key_causal": ("f32", True, 70, 70, "k"),
     "v_row_causal": ("f32", True, 70, 70, "v"),
+    # Long enough (fp32 K and V of the kv head > 512 KiB) for the forward to pack K / V once per call.
+    "v_row_causal_long": ("f32", True, 2100, 2100, "v"),
     "k_key_bf16": ("bf16", True, 70, 70, "k"),
     "overflow": ("f32", False, 33, 33, "scale"),
     "overflow_causal": ("f32", True, 33, 33, "scale"),
@@ -94,10 +96,11 @@ def test_nan_in_a_key_bf16(results):
     _check(r, "k_key_bf16", rows_nan=list(range(int(r["at"]), 70)))
 
 
-def test_nan_in_a_v_row_skips_rows_that_do_not_see_it(results):
+@pytest.mark.parametrize("name", ["v_row_causal", "v_row_causal_long"])
+def test_nan_in_a_v_row_skips_rows_that_do_not_see_it(results, name):
     """Masked keys contribute nothing, not even 0 · NaN (where jax's dense P·V would leak)."""
-    r = results["v_row_causal"]
-    _check(r, "v_row_causal", rows_nan=list(range(int(r["at"]), 70)))
+    r = results[name]
+    _check(r, name, rows_nan=list(range(int(r["at"]), CASES[name][2])))
 
 
 def test_a_key_masked_by_the_user_stays_masked_even_if_nan(results):

@@ -120,6 +120,11 @@ struct BwdProblem {
   const float* Drow = nullptr;
   int64_t lse_hs = 0;
   int64_t Sq = 0, Sk = 0;
+  // q and dout as fp32 [Hq][Sq][D] (packed once per call, bwd_row_terms), and per
+  // (q head, q block) how many of their rows hold a NaN or an infinity; or null.
+  const float* qpack = nullptr;
+  const float* dopack = nullptr;
+  const int32_t* qbad = nullptr;
 };
 
 // Key block kb of kv head hk: writes its dK, dV rows and adds its dQ terms to
@@ -233,8 +238,13 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
       const float* Qp = Qc;
       const float* dOp = dOc;
       if constexpr (!BF) {
-        Qp = rows_f32<T, D>(qrows, ldq, nq, Qc, &ldqf);
-        dOp = rows_f32<T, D>(dorows, ldq, nq, dOc, &lddo);
+        if (pr.qpack != nullptr) {
+          Qp = pr.qpack + (h * Sq + q0) * D;
+          dOp = pr.dopack + (h * Sq + q0) * D;
+        } else {
+          Qp = rows_f32<T, D>(qrows, ldq, nq, Qc, &ldqf);
+          dOp = rows_f32<T, D>(dorows, ldq, nq, dOc, &lddo);
+        }
       }
 
       if constexpr (BF) {
@@ -301,8 +311,17 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
       int32_t badq[BQ], bado[BQ];
       int nbadq = 0, nbado = 0;
       if constexpr (!BF) {
-        nbadq = take_nonfinite_rows<D>(Qc, nq, D, badq);
-        nbado = take_nonfinite_rows<D>(dOc, nq, D, bado);
+        const bool bad_rows = pr.qpack == nullptr || pr.qbad[h * ((Sq + BQ - 1) / BQ) + qb] > 0;
+        if (bad_rows && pr.qpack != nullptr) {  // zeroed in copies: the packed rows are shared
+          std::memcpy(Qc, Qp, sizeof(float) * size_t(nq) * D);
+          std::memcpy(dOc, dOp, sizeof(float) * size_t(nq) * D);
+          Qp = Qc;
+          dOp = dOc;
+        }
+        if (bad_rows) {
+          nbadq = take_nonfinite_rows<D>(Qc, nq, D, badq);
+          nbado = take_nonfinite_rows<D>(dOc, nq, D, bado);
+        }
       }
       if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
@@ -374,22 +393,33 @@ inline int64_t pick_chunks(int64_t nbh, int64_t nkb, int nt) {
 
 // lse2 = lse * log2(e) (+inf for rows that see no key) and Drow = rowsum(dO o O)
 // for B x Hq x Sq rows (lse [B][Hq][Sq]; o, dout [B][Sq][Hq][D]).
+// With q set, also packs q and dout as fp32 [B][Hq][Sq][D] into qpack, dopack
+// and counts per (batch, head, q block of kBwdBq) the rows holding a NaN or an
+// infinity in either (qbad [B][Hq][blocks]).
 template <typename T, int D>
 void bwd_row_terms(const T* o, const T* dout, const float* lse, int64_t B, int64_t Sq, int64_t Hq, float* lse2,
-                   float* Drow, int nt, Workers* workers) {
+                   float* Drow, int nt, Workers* workers, const T* q = nullptr, float* qpack = nullptr,
+                   float* dopack = nullptr, int32_t* qbad = nullptr) {
   if (Sq <= 0) return;
+  const int64_t nqc = (Sq + kBwdBq - 1) / kBwdBq;
   parallel_for(
       B * Hq, nt,
       [&](int64_t bh, int) {
         const int64_t b = bh / Hq, h = bh % Hq;
-        alignas(64) float to[D], td[D];
+        alignas(64) float to[D], tdbuf[D];
+        if (q != nullptr) std::fill(qbad + bh * nqc, qbad + (bh + 1) * nqc, 0);
         for (int64_t i = 0; i < Sq; ++i) {
           const int64_t r = bh * Sq + i;
           const float l = lse[r];
           lse2[r] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
           const int64_t off = ((b * Sq + i) * Hq + h) * D;
           load_f32<T>(o + off, to, D);
+          float* td = q != nullptr ? dopack + r * D : tdbuf;
           load_f32<T>(dout + off, td, D);
+          if (q != nullptr) {
+            load_f32<T>(q + off, qpack + r * D, D);
+            qbad[bh * nqc + i / kBwdBq] += row_nonfinite<D>(qpack + r * D) || row_nonfinite<D>(td);
+          }
           vf acc = splat(0.0f);
           for (int d = 0; d < D; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
           float sum = 0.0f;
@@ -434,7 +464,17 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   const int light_threads = threads_for(nthreads, 8.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * D);
 
   AlignedFloats lse2(size_t(B * Hq * Sq)), Drow(size_t(B * Hq * Sq));
-  bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
+  // fp32 products read each q / dout block once per key block: pack them once
+  // when that is more than once (bf16 pairs are gathered per block).
+  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && Sk > kBwdBk;
+  const int64_t nqc = (Sq + kBwdBq - 1) / kBwdBq;
+  AlignedFloats qdo(pack ? size_t(2 * B * Hq * Sq * D) : 0);
+  std::vector<int32_t> qbad(pack ? size_t(B * Hq * nqc) : 0);
+  if (pack)
+    bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers, q, qdo.p,
+                        qdo.p + B * Hq * Sq * D, qbad.data());
+  else
+    bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
 
   // dbias: fp32 accumulator (dbias itself when f32), bias layout. When no two
   // (batch entry, kv head) pairs share a dbias slot, the work items are
@@ -484,6 +524,11 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
     p.lse_hs = Sq;
     p.Sq = Sq;
     p.Sk = Sk;
+    if (pack) {
+      p.qpack = qdo.p + b * Hq * Sq * D;
+      p.dopack = qdo.p + (B + b) * Hq * Sq * D;
+      p.qbad = qbad.data() + b * Hq * nqc;
+    }
     return p;
   };
   auto zero_dq = [&](float* slab, int64_t b, int64_t hk) {

@@ -10,8 +10,14 @@
 //   for each visible key block of BK keys:
 //     St = K_blk * Qt            [BK][BQ] fp32, lanes run over query rows,
 //     online softmax over the key axis (row max / row sum are lane-wise, no
-//     horizontal reductions), exponentials in base 2 with the scale folded in,
+//     horizontal reductions), exponentials in base 2 with the scale folded in
+//     (in unmasked blocks the scale and the max are the GEMM's epilogue),
 //     O = diag(alpha) O + P V    (P read transposed from St).
+//   Work items run one (batch, head)'s q blocks in a row. With fp32 products
+//   the dense forward packs K and V to contiguous fp32 once per call when a key
+//   block is read more than once (several q blocks or a GQA group) and a kv
+//   head's K and V outgrow half an L2, instead of gathering each block per q block; the backward packs q and dout the same
+//   way (with its row terms) when there is more than one key block.
 //   Key blocks that are fully masked (causal) are skipped; in blocks that cross
 //   the diagonal the products skip the masked micro-tiles (a key-row group
 //   starts at its first visible query vector, a query-row group stops at its

@@ -51,9 +51,17 @@ struct Mac<uint32_t> {
 };
 #endif
 
-template <typename E, int R, int NV, bool ACC, bool SCALE>
+// What a product does with its finished accumulators: Plain stores them;
+// another epilogue (forward.h's ScaledMax) maps each accumulator vector, given
+// its column vector index, before it is stored.
+struct Plain {
+  FLASHGEN_CPU_INLINE vf operator()(int64_t, vf acc) const { return acc; }
+};
+
+template <typename E, int R, int NV, bool ACC, bool SCALE, typename Epi>
 inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t sak, const E* __restrict B,
-                         int64_t ldb, float* __restrict C, int64_t ldc, const float* __restrict rs) {
+                         int64_t ldb, float* __restrict C, int64_t ldc, const float* __restrict rs, const Epi& epi,
+                         int64_t vcol) {
   vf acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -87,33 +95,34 @@ inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t 
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, acc[r][v]);
+    for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, epi(vcol + v, acc[r][v]));
 }
 
-template <typename E, int R, bool ACC, bool SCALE>
+template <typename E, int R, bool ACC, bool SCALE, typename Epi>
 inline void micro_rows(int nv, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B, int64_t ldb, float* C,
-                       int64_t ldc, const float* rs) {
+                       int64_t ldc, const float* rs, const Epi& epi, int64_t vcol) {
   static_assert(NVMAX == 2 || NVMAX == 4, "NVMAX");
   switch (nv) {
-    case 1: micro_kernel<E, R, 1, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 2: micro_kernel<E, R, 2, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 1: micro_kernel<E, R, 1, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 2: micro_kernel<E, R, 2, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
 #if FLASHGEN_CPU_VBYTES == 64
-    case 3: micro_kernel<E, R, 3, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 4: micro_kernel<E, R, 4, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 3: micro_kernel<E, R, 3, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 4: micro_kernel<E, R, 4, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
 #endif
     default: break;
   }
 }
 
-template <typename E, bool ACC, bool SCALE>
+template <typename E, bool ACC, bool SCALE, typename Epi>
 FLASHGEN_CPU_INLINE void micro_any(int rows, int nv, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B,
-                                   int64_t ldb, float* C, int64_t ldc, const float* rs) {
+                                   int64_t ldb, float* C, int64_t ldc, const float* rs, const Epi& epi,
+                                   int64_t vcol) {
   static_assert(RMAX == 4, "RMAX");
   switch (rows) {
-    case 4: micro_rows<E, 4, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 3: micro_rows<E, 3, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 2: micro_rows<E, 2, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
-    case 1: micro_rows<E, 1, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs); break;
+    case 4: micro_rows<E, 4, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 3: micro_rows<E, 3, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 2: micro_rows<E, 2, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 1: micro_rows<E, 1, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
     default: break;
   }
 }
@@ -127,9 +136,12 @@ struct FullTile {
   FLASHGEN_CPU_INLINE int64_t klen(int64_t, int, int64_t K) const { return K; }
 };
 
-template <typename E, bool ACC, bool SCALE = false, typename Tiles = FullTile>
+// Rows go in increasing order for each column vector, the order in which an
+// epilogue sees them.
+template <typename E, bool ACC, bool SCALE = false, typename Tiles = FullTile, typename Epi = Plain>
 inline void gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B, int64_t ldb,
-                 float* C, int64_t ldc, const float* rs = nullptr, const Tiles& tiles = Tiles()) {
+                 float* C, int64_t ldc, const float* rs = nullptr, const Tiles& tiles = Tiles(),
+                 const Epi& epi = Epi()) {
   const int64_t nvt = N / W;
   for (int64_t v0 = 0; v0 < nvt; v0 += NVMAX) {
     const int64_t v1 = std::min<int64_t>(nvt, v0 + NVMAX);
@@ -140,7 +152,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t sar, int64
       const int64_t kl = std::min(K, tiles.klen(r, rows, K));
       if (vb >= ve || kl <= 0) continue;
       micro_any<E, ACC, SCALE>(rows, static_cast<int>(ve - vb), kl, A + r * sar, sar, sak, B + vb * W, ldb,
-                               C + r * ldc + vb * W, ldc, rs + (SCALE ? r : 0));
+                               C + r * ldc + vb * W, ldc, rs + (SCALE ? r : 0), epi, vb);
     }
   }
 }
