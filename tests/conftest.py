@@ -102,3 +102,19 @@ def run_multidevice_child(path: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"multi-device tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+
+
+def mutated_csrc(dest, backend: str, mutation=None):
+    """A copy of csrc/ at `dest` where `mutation` = (name, header under csrc/flashgen/<backend>,
+    old, new) turned the header's first `old` into `new` (the mutation suites' planted bugs)."""
+    import pathlib
+    from flashgen import resources
+    csrc = pathlib.Path(dest)
+    shutil.copytree(resources.csrc_dir(), csrc)
+    if mutation:
+        name, header, old, new = mutation
+        path = csrc / "flashgen" / backend / header
+        text = path.read_text()
+        assert old in text, f"{name}: the line to mutate is gone from {header}"
+        path.write_text(text.replace(old, new, 1))
+    return csrc

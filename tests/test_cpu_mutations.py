@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from flashgen import resources
+from conftest import mutated_csrc
 
 pytestmark = pytest.mark.slow
 
@@ -80,14 +79,7 @@ def cache(tmp_path_factory):
 
 
 def _failures(tmp_path, cache, mutation=None) -> list[str]:
-    csrc = tmp_path / "csrc"
-    shutil.copytree(resources.csrc_dir(), csrc)
-    if mutation:
-        _, header, old, new = mutation
-        path = csrc / "flashgen" / "cpu" / header
-        text = path.read_text()
-        assert old in text, f"{mutation[0]}: the line to mutate is gone from {header}"
-        path.write_text(text.replace(old, new, 1))
+    csrc = mutated_csrc(tmp_path / "csrc", "cpu", mutation)
     tests = pathlib.Path(__file__).parent
     env = {**os.environ, "FLASHGEN_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}

@@ -8,12 +8,11 @@ Slow (a full emulated build per mutant): FLASHGEN_SLOW=1 python3 -m pytest tests
 """
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 
-from conftest import needs_nvcc
+from conftest import mutated_csrc, needs_nvcc
 from flashgen import KernelSpec, resources
 from flashgen.emulate import EmulationError
 
@@ -71,14 +70,7 @@ def _failures(tmp_path, monkeypatch, cache, mutation=None) -> list[str]:
     from flashgen.build import build
     from flashgen.emulate.check import Checker, standard_cases
     from flashgen.emulate.host import EmulatedLibrary
-    csrc = tmp_path / "csrc"
-    shutil.copytree(resources.csrc_dir(), csrc)
-    if mutation:
-        _, header, old, new = mutation
-        path = csrc / "flashgen" / "cuda" / header
-        text = path.read_text()
-        assert old in text, f"{mutation[0]}: the line to mutate is gone from {header}"
-        path.write_text(text.replace(old, new, 1))
+    csrc = mutated_csrc(tmp_path / "csrc", "cuda", mutation)
     monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(cache))
     lib = EmulatedLibrary(build(SPEC, host="emulate"))
