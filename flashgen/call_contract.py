@@ -12,21 +12,18 @@ def check_module(source) -> None:
     """UsageError naming the first call, attribute or operand that breaks the contract.
     ``source``: anything flashgen.rewrite.modules.load reads, a loaded module, or a
     jax.export.Exported (flashgen.jax.check_calls: before calling a deserialized module)."""
-    from jaxlib.mlir import ir
     from flashgen.rewrite import modules
-    from flashgen.rewrite.graph import nested_ops
+    from flashgen.rewrite.graph import flashgen_calls
     if hasattr(source, "mlir_module_serialized"):
         source = source.mlir_module_serialized
     loaded = source if isinstance(source, modules.LoadedModule) else modules.load(source)
     with loaded.context:
-        for op in map(lambda o: o.operation, nested_ops(loaded.module.operation)):
-            if op.name == "stablehlo.custom_call":
-                name = ir.StringAttr(op.attributes["call_target_name"]).value
-                parsed = parse_target_name(name)
-                if parsed is not None:
-                    problem = _attribute_problem(op, parsed[0]) or _operand_problem(op, parsed)
-                    if problem:
-                        raise UsageError(f"the call of {name} at {op.location}: {problem}")
+        for op, name in flashgen_calls(loaded.module.operation):
+            parsed = parse_target_name(name)
+            if parsed is not None:
+                problem = _attribute_problem(op, parsed[0]) or _operand_problem(op, parsed)
+                if problem:
+                    raise UsageError(f"the call of {name} at {op.location}: {problem}")
 
 
 def _attribute_problem(op, direction: str):

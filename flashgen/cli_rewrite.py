@@ -167,13 +167,10 @@ def _check_build_files(build_dir: str, outputs, inputs) -> None:
 
 
 def _remove_sharding_rules(result) -> None:
-    from jaxlib.mlir import ir
-    from flashgen.rewrite.graph import nested_ops
+    from flashgen.rewrite.graph import flashgen_calls
     with result.loaded.context:
-        for op in nested_ops(result.module.operation):
-            op = op.operation
-            if op.name == "stablehlo.custom_call" and "sdy.sharding_rule" in op.attributes and \
-                    ir.StringAttr(op.attributes["call_target_name"]).value.startswith("flashgen_"):
+        for op, _ in flashgen_calls(result.module.operation):
+            if "sdy.sharding_rule" in op.attributes:
                 del op.attributes["sdy.sharding_rule"]
 
 

@@ -13,22 +13,13 @@ import numpy as np
 import pytest
 
 from flashgen import coverage, reference
+from flashgen.emulate.check import LSE_TOLERANCE
+from flashgen.emulate.check import relative_error as _rel
 from flashgen.jax import flash_attention, flash_attention_paged, flash_attention_varlen
 from test_window_softcap import JNP, TOL, specs  # noqa: F401 - specs: the d32/d64 CPU library
 
 SEED = int(os.environ.get("FLASHGEN_COVERAGE_SEED", "0"))
 CASES = coverage.covering_array(coverage.space((32, 64)), SEED)
-LSE_TOL = 1e-5  # lse is f32 statistics whatever the inputs' type
-
-
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    finite = np.isfinite(want)
-    if not np.array_equal(got[~finite], want[~finite]) or not np.isfinite(got[finite]).all():
-        return np.inf
-    return float(np.max(np.abs(got[finite] - want[finite]), initial=0.0) /
-                 max(np.max(np.abs(want[finite]), initial=0.0), 1.0))
 
 
 class Inputs:
@@ -68,7 +59,7 @@ class Inputs:
 
 def _check(errors, case, seed):
     fwd_tol, bwd_tol = TOL[case.dtype]
-    limits = {"o": fwd_tol, "lse": LSE_TOL}
+    limits = {"o": fwd_tol, "lse": LSE_TOLERANCE}
     bad = {k: e for k, e in errors.items() if not e <= limits.get(k, bwd_tol)}
     assert not bad, (f"{case} (FLASHGEN_COVERAGE_SEED={SEED}, input seed {seed}): "
                      f"errors {bad} of {errors}")

@@ -187,6 +187,16 @@ def nested_ops(op) -> Iterator:
             stack.append(iter(_ops_of(inner.operation)))
 
 
+def flashgen_calls(op) -> Iterator:
+    """(operation, target name) of every flashgen custom call inside ``op``, in program order."""
+    for inner in nested_ops(op):
+        inner = inner.operation
+        if inner.name == "stablehlo.custom_call":
+            name = ir.StringAttr(inner.attributes["call_target_name"]).value
+            if name.startswith("flashgen_"):
+                yield inner, name
+
+
 def _ops_of(op):
     return [inner for region in op.regions for block in region.blocks for inner in block.operations]
 
