@@ -8,17 +8,14 @@ causal flag. A field is added here only for what changes a kernel's shape.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-
-import numpy as np
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("f16", "bf16", "f32")
 TARGETS = ("cpu", "sm80", "sm90a")
 # Kernel entry points of one spec: dense BSHD forward/backward, packed variable-length
 # forward/backward, and the paged-KV forward (decode). README "Variants" has their operands.
-DIRECTIONS = ("fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_paged")
+from flashgen.contract import DIRECTIONS  # noqa: E402
 
 # numpy / jax dtype names that map onto flashgen dtypes.
 _DTYPE_ALIASES = {
@@ -104,106 +101,17 @@ class KernelSpec:
         }
 
 
-# The attribute schema every flashgen handler decodes (name -> MLIR type). Every
-# attribute is passed on every call (an XLA FFI handler rejects missing or extra ones).
-# Sliding window and softcap are runtime attributes, not KernelSpec fields: they change
-# which blocks are visited and one elementwise step, not the kernel's shape, so one
-# compiled specialization serves every window and cap.
-#   window_left / window_right: -1 = unbounded; key j visible to query i iff
-#     j >= i + off - left and j <= i + off + right (off as for causal; causal => right = 0)
-#   softcap: 0 = off; scaled scores x -> softcap * tanh(x / softcap)
-BASE_ATTRIBUTES = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
-                   "window_left": "i32", "window_right": "i32", "softcap": "f32"}
-# Every target also takes `extras`: the optional operands after the fixed ones, by name
-# (varlen and paged targets: only "alibi").
-ATTRIBUTE_SCHEMA = {**BASE_ATTRIBUTES, "extras": "string"}
-# Per direction: varlen adds the length bounds.
-ATTRIBUTES = {
-    "fwd": ATTRIBUTE_SCHEMA, "bwd": ATTRIBUTE_SCHEMA,
-    "fwd_varlen": {**ATTRIBUTE_SCHEMA, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
-    "bwd_varlen": {**ATTRIBUTE_SCHEMA, "max_seqlen_q": "i32", "max_seqlen_k": "i32"},
-    "fwd_paged": ATTRIBUTE_SCHEMA,
-}
-# The extras a varlen or paged target takes.
-PACKED_EXTRAS = ("alibi",)
+# The call contract (attributes, extras, validation) lives in flashgen.contract; these names are
+# re-exported for the modules that still import them from here (issue 20 moves them).
+from flashgen.contract import (EXTRAS as _CONTRACT_EXTRAS, CALLS as _CALLS,  # noqa: E402
+                               ATTRIBUTES as _CONTRACT_ATTRIBUTES, extra_operand_index, normalize_extras,
+                               normalize_scale, normalize_softcap, normalize_window)
 
-# The optional operands of the dense targets, in the order they follow the fixed operands
-# (README "Variants"): name -> the operands it adds.
-EXTRAS = {
-    "alibi": ("alibi_slopes",),
-    "bias": ("bias",),
-    "mask": ("mask",),
-    "segment_ids": ("q_segment_ids", "kv_segment_ids"),
-}
-
-
-def extra_operand_index(extras, name: str) -> int:
-    """Where extra `name`'s first operand sits among the extra operands of a call whose
-    (normalized) extras are `extras`."""
-    return sum(len(EXTRAS[e]) for e in extras[:extras.index(name)])
-
-
-def normalize_extras(extras) -> tuple[str, ...]:
-    """The extras as a tuple in canonical order; ValueError for unknown or repeated names."""
-    if extras is None or extras == "":
-        return ()
-    names = extras.split(",") if isinstance(extras, str) else list(extras)
-    unknown = [n for n in names if n not in EXTRAS]
-    if unknown:
-        raise ValueError(f"unknown extras {unknown}: supported are {', '.join(EXTRAS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"extras repeat a name: {names}")
-    return tuple(n for n in EXTRAS if n in names)
-
-# Defaults of the runtime attributes that KernelSpec does not fix.
-DEFAULT_WINDOW = (-1, -1)
-DEFAULT_SOFTCAP = 0.0
-
-
-def normalize_window(window) -> tuple[int, int]:
-    """(left, right) as Python ints >= -1 (-1 = unbounded); None means (-1, -1)."""
-    if window is None:
-        return DEFAULT_WINDOW
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
-    out = []
-    for name, x in (("left", left), ("right", right)):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise ValueError(f"window {name} must be a Python int (-1 = unbounded), got {x!r}")
-        x = int(x)
-        if not -1 <= x < 2**31:
-            raise ValueError(f"window {name} must be in [-1, 2^31), got {x}")
-        out.append(x)
-    return out[0], out[1]
-
-
-def normalize_scale(scale) -> float:
-    """scale as a Python float that is exact in f32, finite, positive and normal."""
-    s = float(np.float32(scale))
-    if not (s > 0 and math.isfinite(s)):
-        raise ValueError(f"scale must be a finite positive f32, got {scale}")
-    if s < np.finfo(np.float32).tiny:  # flushed to zero by XLA's CPU threads, as softcap below
-        raise ValueError(f"scale {scale} is below the smallest normal f32 "
-                         f"({np.finfo(np.float32).tiny:.8g})")
-    return s
-
-
-def normalize_softcap(softcap) -> float:
-    """softcap as a Python float that is exact in f32, finite and >= 0 (0 = off)."""
-    if softcap is None:
-        return DEFAULT_SOFTCAP
-    if hasattr(softcap, "aval"):
-        raise TypeError("softcap must be a Python number (a compile-time attribute), not a traced value")
-    c = float(np.float32(softcap))
-    if not (c >= 0 and math.isfinite(c)):
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
-    if 0 < c < np.finfo(np.float32).tiny:
-        # XLA's CPU threads flush subnormals to zero: the kernels would see softcap = 0 (off).
-        raise ValueError(f"softcap {softcap} is below the smallest normal f32 "
-                         f"({np.finfo(np.float32).tiny:.8g}); use 0 for no softcap")
-    return c
+ATTRIBUTES = {d: {n: _CONTRACT_ATTRIBUTES[n].mlir for n in c.attributes} for d, c in _CALLS.items()}
+EXTRAS = {e: tuple(o.name for o in ops) for e, ops in _CONTRACT_EXTRAS.items()}
+PACKED_EXTRAS = _CALLS["fwd_varlen"].extras
+DEFAULT_WINDOW = normalize_window(None)
+DEFAULT_SOFTCAP = normalize_softcap(None)
 
 
 # Operands and results, per direction, in call order ("*extras": the operands `extras` names).
