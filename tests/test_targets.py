@@ -5,15 +5,16 @@ import types
 
 import pytest
 
-from flashgen import codegen, resources, targets, toolchain
+from flashgen import build, codegen, resources, runtime, targets, toolchain
 from flashgen.emulate import nvcc as emulate_nvcc
 from flashgen.spec import DIRECTIONS, KernelSpec
+
+from conftest import needs_nvcc
 
 COMPILER_OF_LANGUAGE = {"c++": "cxx", "cuda": "nvcc"}
 
 
-@pytest.mark.parametrize("row", targets.TARGETS.values(), ids=list(targets.TARGETS))
-def test_each_row_is_consistent(row):
+def check_row(row):
     assert targets.TARGETS[row.name] is row and targets.lookup(row.name) is row
     assert row.name.isidentifier()  # it ends up in file and module names (KernelSpec.stem)
     family = row.family
@@ -30,6 +31,11 @@ def test_each_row_is_consistent(row):
         assert row.arch_flags[1].startswith(f"arch={row.gpu.ptx_arch},code=")
 
 
+@pytest.mark.parametrize("row", targets.TARGETS.values(), ids=list(targets.TARGETS))
+def test_each_row_is_consistent(row):
+    check_row(row)
+
+
 def test_one_host_target_and_gpu_backends_apart_from_it():
     hosts = [t for t in targets.TARGETS.values() if t.on_host]
     assert len(hosts) == 1
@@ -42,15 +48,16 @@ def test_the_existing_targets_keep_their_flags():
     """What the cache keys and manifests of cpu, sm80 and sm90a libraries were built from."""
     assert targets.lookup("sm80").arch_flags == ("-gencode", "arch=compute_80,code=[sm_80,compute_80]")
     assert targets.lookup("sm90a").arch_flags == ("-gencode", "arch=compute_90a,code=sm_90a")
-    assert [(t.compiler, t.link_flags, t.platform, t.xla_platform) for t in targets.TARGETS.values()] == [
-        ("cxx", ("-pthread",), "cpu", "Host"), ("nvcc", (), "CUDA", "CUDA"), ("nvcc", (), "CUDA", "CUDA")]
+    assert [(t.compiler, t.link_flags, t.platform, t.xla_platform) for t in map(targets.lookup, ("cpu", "sm80", "sm90a"))] \
+        == [("cxx", ("-pthread",), "cpu", "Host"), ("nvcc", (), "CUDA", "CUDA"), ("nvcc", (), "CUDA", "CUDA")]
     assert emulate_nvcc.ptx_flags("sm90a")[4] == "-arch=compute_90a"
 
 
 @pytest.mark.parametrize("bad", ["sm70", "CPU", "", ["cpu"], None])
 def test_an_unknown_target_is_refused_naming_the_supported_ones(bad):
-    with pytest.raises(ValueError, match=r"unsupported target .*: supported targets are cpu, sm80, sm90a$"):
+    with pytest.raises(ValueError) as e:
         targets.lookup(bad)
+    assert str(e.value) == f"unsupported target {bad!r}: supported targets are {', '.join(targets.TARGETS)}"
 
 
 def _nvidia_smi_says(monkeypatch, answer):
@@ -115,6 +122,7 @@ def sm89(monkeypatch):
 
 
 def test_a_new_row_reusing_a_kernel_family_flows_through_every_layer(sm89):
+    check_row(sm89)
     spec = KernelSpec(64, "bf16", True, "sm89")  # spec validation
     assert spec.platform == "CUDA" and spec.stem == "d64_bf16_causal_sm89"
     src = codegen.render_spec(spec)  # codegen renders the family's template
@@ -137,3 +145,12 @@ def test_a_new_row_reusing_a_kernel_family_flows_through_every_layer(sm89):
 def test_without_the_row_the_same_spec_is_refused():
     with pytest.raises(ValueError, match="unsupported target 'sm89'"):
         KernelSpec(64, "bf16", True, "sm89")
+
+
+@needs_nvcc
+def test_a_cuda_library_reports_the_jax_platform_flashgen_run_is_given():
+    """`flashgen run --platform cuda --library DIR` compares the two; the manifest says "CUDA"
+    (what jax.ffi registers for), which used to be returned and refused every CUDA library."""
+    lib = build([KernelSpec(64, "bf16", True, "sm80"), KernelSpec(128, "f16", False, "sm80")])  # test_cuda_build's
+    assert lib.manifest["platform"] == "CUDA"
+    assert runtime.library_platform(lib.manifest_path) == "cuda"
