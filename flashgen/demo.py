@@ -18,9 +18,9 @@ def run(head_dim: int = 64, dtype: str = "bf16", causal: bool = False, target: s
     import jax
     import jax.numpy as jnp
 
+    from flashgen import targets
     from flashgen.jax import flash_attention
     from flashgen.jax.attention import local_target
-    from flashgen import targets
     from flashgen.spec import KernelSpec, normalize_dtype
 
     dtype = normalize_dtype(dtype)

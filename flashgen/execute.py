@@ -130,10 +130,10 @@ def register_targets(source, platform: str = "cpu") -> list:
     if not names:
         return []
     from flashgen import runtime, targets
-    target = targets.local(platform)
-    if target is None:
+    local = targets.local(platform)
+    if local is None:
         raise FlashgenError("no supported NVIDIA GPU found to build flashgen kernels for")
-    specs = specs_for_targets(names, target.name)
+    specs = specs_for_targets(names, local.name)
     runtime.ensure(specs)
     return specs
 

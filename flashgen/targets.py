@@ -66,6 +66,7 @@ class Gpu:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
+    """One value of KernelSpec.target."""
     name: str
     family: KernelFamily
     platform: str                  # what its handlers register for with jax.ffi (the manifest's "platform")
@@ -86,6 +87,7 @@ class Target:
         return self.gpu.arch_flags if self.gpu else ()
 
 
+# What every CUDA target shares.
 _CUDA = dict(platform="CUDA", xla_platform="CUDA", jax_platforms=("cuda", "gpu"), compiler="nvcc", link_flags=())
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
