@@ -3,7 +3,8 @@
 Data flow: spec -> codegen -> build (content cache) -> emit -> rewrite -> runtime.
 """
 from flashgen.build import BuildError, Library, build
-from flashgen.spec import DTYPES, HEAD_DIMS, TARGETS, KernelSpec, target_name
+from flashgen.spec import DTYPES, HEAD_DIMS, KernelSpec, target_name
+from flashgen.targets import TARGETS
 
 __version__ = "0.1.0"
 

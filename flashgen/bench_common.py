@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from flashgen import targets
+
 
 def flops(batch, heads, sq, sk, d, causal, direction) -> float:
     f = 4.0 * batch * heads * sq * sk * d / (2 if causal else 1)
@@ -74,7 +76,7 @@ def environment(platform_name: str) -> dict:
         "python": platform.python_version(), "host": platform.node(), "cpu_count": os.cpu_count(),
         "flashgen_commit": _git_commit(),
     }
-    if platform_name != "cpu":
+    if not targets.is_host(platform_name):
         env["gpu"] = _nvidia_smi()
     else:
         try:

@@ -19,7 +19,7 @@ import shutil
 import time
 from typing import Callable, Iterable
 
-from flashgen import cache, codegen, resources, toolchain
+from flashgen import cache, codegen, resources, targets, toolchain
 from flashgen.cache import MANIFEST
 from flashgen.spec import ATTRIBUTES, SIGNATURES, KernelSpec
 from flashgen.errors import BuildError
@@ -52,10 +52,10 @@ def resolve_target(target: str | None) -> tuple[str, str]:
     """(target, why) for 'auto' or None: the local GPU's arch, else cpu."""
     if target not in (None, "auto"):
         return target, "requested"
-    gpu = toolchain.detect_gpu_target()
+    gpu = targets.local("cuda")
     if gpu:
-        return gpu, f"auto: local GPU is {gpu}"
-    return "cpu", "auto: no supported NVIDIA GPU found, using the CPU backend"
+        return gpu.name, f"auto: local GPU is {gpu.name}"
+    return targets.local("cpu").name, "auto: no supported NVIDIA GPU found, using the CPU backend"
 
 
 def _digest(*parts: object) -> str:
@@ -183,13 +183,14 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
         raise ValueError("build needs at least one KernelSpec")
     if target not in (None, "auto"):
         specs = [dataclasses.replace(s, target=target) for s in specs]
-    targets = {s.target for s in specs}
-    if len(targets) != 1:
-        raise ValueError(f"one library serves one target; got specs for {sorted(targets)}")
-    (target,) = targets
-    if host == "emulate" and target == "cpu":
-        raise ValueError("host 'emulate' runs CUDA targets (sm80, sm90a) on the CPU; "
-                         "a cpu library runs natively")
+    names = {s.target for s in specs}
+    if len(names) != 1:
+        raise ValueError(f"one library serves one target; got specs for {sorted(names)}")
+    (target,) = names
+    row = targets.lookup(target)
+    if host == "emulate" and row.on_host:
+        raise ValueError(f"host 'emulate' runs CUDA targets ({', '.join(targets.emulated())}) on the CPU; "
+                         f"a {target} library runs natively")
     specs = sorted(set(specs))
     say = progress or log.info
 
@@ -206,15 +207,15 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
     if host == "exla":
         compile_jobs.append(_job(codegen.render_static_registration(specs), target, env_key))
     if host == "nif":
-        if target != "cpu":
+        if not row.on_host:
             raise ValueError("host 'nif' calls the CPU kernels; build it with target cpu")
         compile_jobs.append(_job(codegen.render_nif_face(), target, env_key))
     # The library's file and Python module are named after its C sources. The Python face is
     # one object per toolchain (its module init is named PyInit_FACE_INIT); the link gives it
     # the library's module name as well.
     module_name = f"{LIBRARY_PREFIX}{target}_{_digest([j.key for j in compile_jobs])[:16]}"
-    linker = "nvcc" if target != "cpu" else "cxx"
-    link_flags = ["-shared"] + (["-pthread"] if target == "cpu" else [])
+    linker = row.compiler
+    link_flags = ["-shared", *row.link_flags]
     if host == "emulate":  # cudart_emu.cc, loaded first by flashgen.emulate, is the runtime
         link_flags += ["-cudart", "none"]
     if host == "python":
@@ -298,8 +299,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "flags": {j.source.name: list(j.flags) for j in compile_jobs},
                 "link_flags": link_flags,
                 "objects": {j.source.name: o.stem for j, o in zip(compile_jobs, objects)},
-                "host_isa": toolchain.host_isa() if target == "cpu" else None,
-                "cpu_isa": list(toolchain.cpu_isa()) if target == "cpu" else None,
+                "host_isa": toolchain.host_isa() if row.on_host else None,
+                "cpu_isa": list(toolchain.cpu_isa()) if row.on_host else None,
                 "ffi_headers": {k: v for k, v in ffi.items() if k != "include_dir"},
                 "cache_key": lib_key,
                 "serves": {"toolchain": serves[0], "any_toolchain": serves[1]},

@@ -12,7 +12,8 @@ import sys
 
 from flashgen.cli_args import add_spec_args, positive_int
 from flashgen.errors import FlashgenError, UsageError
-from flashgen.spec import DIRECTIONS, TARGETS, KernelSpec
+from flashgen.spec import DIRECTIONS, KernelSpec
+from flashgen.targets import TARGETS
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,7 +11,7 @@ import json
 
 import jinja2
 
-from flashgen import resources
+from flashgen import resources, targets
 from flashgen.spec import ATTRIBUTES, DIRECTIONS, EXTRAS, FFI_DTYPES, KernelSpec
 
 _ENV = jinja2.Environment(
@@ -46,17 +46,14 @@ def _spec_context(spec: KernelSpec) -> dict:
 
 
 def render_spec(spec: KernelSpec) -> Source:
-    if spec.target == "cpu":
-        text = _ENV.get_template("cpu/spec.cc.j2").render(**_spec_context(spec))
-        return Source(f"{spec.stem}.cc", text, "c++")
-    text = _ENV.get_template("cuda/spec.cu.j2").render(**_spec_context(spec))
-    return Source(f"{spec.stem}.cu", text, "cuda")
+    family = targets.lookup(spec.target).family
+    text = _ENV.get_template(family.template).render(**_spec_context(spec))
+    return Source(f"{spec.stem}{family.suffix}", text, family.language)
 
 
 def _handlers(specs: list[KernelSpec]) -> list[dict]:
     return [{"symbol": s.target_name(d), "platform": s.platform,
-             # XLA's own registry names: what static registration must say.
-             "xla_platform": "Host" if s.platform == "cpu" else "CUDA"}
+             "xla_platform": targets.lookup(s.target).xla_platform}
             for s in specs for d in DIRECTIONS]
 
 

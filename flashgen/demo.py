@@ -18,6 +18,7 @@ def run(head_dim: int = 64, dtype: str = "bf16", causal: bool = False, target: s
     import jax
     import jax.numpy as jnp
 
+    from flashgen import targets
     from flashgen.jax import flash_attention
     from flashgen.jax.attention import local_target
     from flashgen.spec import KernelSpec, normalize_dtype
@@ -25,8 +26,9 @@ def run(head_dim: int = 64, dtype: str = "bf16", causal: bool = False, target: s
     dtype = normalize_dtype(dtype)
     target, why = resolve_target(target)
     KernelSpec(head_dim, dtype, causal, target)  # validate before any work
-    if target == "cpu":  # takes effect only before JAX's first backend query (the CLI's case)
-        jax.config.update("jax_platforms", "cpu")
+    row = targets.lookup(target)
+    if row.on_host:  # takes effect only before JAX's first backend query (the CLI's case)
+        jax.config.update("jax_platforms", row.jax_platforms[0])
     running = local_target()  # what flash_attention will build and run, whatever was asked
     if running != target:
         raise FlashgenError(f"demo --target {target} cannot run here: JAX runs on "

@@ -129,15 +129,11 @@ def register_targets(source, platform: str = "cpu") -> list:
     names = flashgen_targets(source)
     if not names:
         return []
-    from flashgen import runtime
-    if platform == "cpu":
-        target = "cpu"
-    else:
-        from flashgen import toolchain
-        target = toolchain.detect_gpu_target()
-        if not target:
-            raise FlashgenError("no supported NVIDIA GPU found to build flashgen kernels for")
-    specs = specs_for_targets(names, target)
+    from flashgen import runtime, targets
+    local = targets.local(platform)
+    if local is None:
+        raise FlashgenError("no supported NVIDIA GPU found to build flashgen kernels for")
+    specs = specs_for_targets(names, local.name)
     runtime.ensure(specs)
     return specs
 

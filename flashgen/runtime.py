@@ -12,7 +12,7 @@ import importlib.util
 import pathlib
 import threading
 
-from flashgen import cache, toolchain
+from flashgen import cache, targets, toolchain
 from flashgen.build import build
 from flashgen.cache import MANIFEST
 from flashgen.errors import LoadError
@@ -95,7 +95,7 @@ def cancel_kernels(on: bool) -> None:
 
 def library_platform(path: str | pathlib.Path) -> str:
     """The JAX platform ("cpu", "cuda") a built library's handlers run on."""
-    return _resolve(path)[1]["platform"]
+    return targets.lookup(_resolve(path)[1]["target"]).jax_platforms[0]
 
 
 def ensure(specs: list[KernelSpec]) -> None:

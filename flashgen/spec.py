@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from flashgen import targets
+
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("f16", "bf16", "f32")
-TARGETS = ("cpu", "sm80", "sm90a")
 # Kernel entry points of one spec: dense BSHD forward/backward, packed variable-length
 # forward/backward, and the paged-KV forward (decode). README "Variants" has their operands.
 from flashgen.contract import DIRECTIONS  # noqa: E402
@@ -74,14 +75,12 @@ class KernelSpec:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
-        if self.target not in TARGETS:
-            raise ValueError(
-                f"unsupported target {self.target!r}: supported targets are {', '.join(TARGETS)}")
+        targets.lookup(self.target)
 
     @property
     def platform(self) -> str:
         """The JAX/XLA platform that runs this spec's handlers."""
-        return "cpu" if self.target == "cpu" else "CUDA"
+        return targets.lookup(self.target).platform
 
     def target_name(self, direction: str) -> str:
         if direction not in DIRECTIONS:

@@ -20,15 +20,8 @@ import subprocess
 import sys
 import sysconfig
 
-from flashgen import resources
+from flashgen import resources, targets
 from flashgen.errors import BuildError
-
-CUDA_ARCH_FLAGS = {
-    # PTX alongside the sm_80 SASS lets the Ampere build JIT onto newer GPUs.
-    "sm80": ["-gencode", "arch=compute_80,code=[sm_80,compute_80]"],
-    "sm90a": ["-gencode", "arch=compute_90a,code=sm_90a"],
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Compiler:
@@ -219,8 +212,8 @@ def cpu_compile_flags() -> list[str]:
     return ["-std=c++17", "-O3", "-march=native", "-fPIC", "-pthread", *_includes()]
 
 
-def cuda_compile_flags(arch: str) -> list[str]:
-    return ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCH_FLAGS[arch],
+def cuda_compile_flags(target: str) -> list[str]:
+    return ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *targets.lookup(target).arch_flags,
             "-Xptxas", "-warn-spills", *_includes()]
 
 
@@ -335,21 +328,3 @@ def run(cmd: list[str], what: str, group: ProcessGroup | None = None, *,
         tail = "\n".join(msg[-40:])
         raise BuildError(f"{what} failed (exit {out.returncode}):\n{tail}")
 
-
-def detect_gpu_target() -> str | None:
-    """sm90a / sm80 for the local GPU, None without one."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    caps = [l.strip() for l in out.stdout.splitlines() if l.strip()]
-    if out.returncode != 0 or not caps:
-        return None
-    major = int(caps[0].split(".")[0])
-    if major >= 9:
-        return "sm90a" if caps[0].startswith("9.") else "sm80"
-    return "sm80" if major == 8 else None

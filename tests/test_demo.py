@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from flashgen import toolchain
+from flashgen import targets
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(toolchain.detect_gpu_target() is not None, reason="a GPU could run sm80")
+@pytest.mark.skipif(targets.local("cuda") is not None, reason="a GPU could run sm80")
 def test_a_gpu_target_on_a_cpu_only_host_is_an_error_not_a_cpu_pass():
     """It used to build and run the CPU kernels and print PASS for --target sm80."""
     r = subprocess.run([sys.executable, "-m", "flashgen", "demo", "--target", "sm80"],

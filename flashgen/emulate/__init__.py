@@ -4,9 +4,8 @@ Emulation establishes correctness, never speed. Entry points: PtxModule.parse / 
 GlobalMemory, launch (see machine.py for the execution model and memory.py for the checks).
 """
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.machine import SM_COUNT, SMEM_LIMIT, LaunchStats, launch
+from flashgen.emulate.machine import LaunchStats, launch
 from flashgen.emulate.memory import GlobalMemory
 from flashgen.emulate.ptx import Kernel, Param, PtxModule, load_ptx
 
-__all__ = ["EmulationError", "GlobalMemory", "Kernel", "LaunchStats", "Param", "PtxModule", "SMEM_LIMIT",
-           "SM_COUNT", "launch", "load_ptx"]
+__all__ = ["EmulationError", "GlobalMemory", "Kernel", "LaunchStats", "Param", "PtxModule", "launch", "load_ptx"]

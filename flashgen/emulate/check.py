@@ -17,7 +17,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from flashgen import reference
+from flashgen import reference, targets
 from flashgen.spec import EXTRAS, KernelSpec, normalize_extras
 
 NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
@@ -281,8 +281,9 @@ def cmd_check(args) -> int:
     if not args.emulate:
         raise UsageError("flashgen check runs the CUDA kernels on the CPU under the PTX emulator: pass --emulate "
                          "(on a GPU machine, the GPU tests are `pytest -m gpu`)")
-    if set(args.target) - {"sm80", "sm90a"}:
-        raise UsageError(f"flashgen check emulates CUDA targets sm80 and sm90a, not {', '.join(args.target)}")
+    if set(args.target) - set(targets.emulated()):
+        raise UsageError(f"flashgen check emulates CUDA targets {', '.join(targets.emulated())}, "
+                         f"not {', '.join(args.target)}")
     causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
     specs = [KernelSpec(d, t, c, target) for target in args.target for d in args.hdim for t in args.dtype
              for c in causal]
@@ -312,7 +313,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("check", help="run CUDA specs' kernels under the PTX emulator against float64 "
                                      "(no GPU needed)")
-    p.add_argument("--target", required=True, type=csv, help="sm80, sm90a (comma-separated)")
+    p.add_argument("--target", required=True, type=csv, help=f"{', '.join(targets.emulated())} (comma-separated)")
     p.add_argument("--emulate", action="store_true", help="run on the CPU under flashgen's PTX emulator")
     add_spec_args(p, multi=True)
     p.add_argument("--causal", nargs="?", const="on", default="off", choices=["on", "off", "both"],

@@ -23,10 +23,10 @@ import time
 import ml_dtypes
 import numpy as np
 
-from flashgen import cache
+from flashgen import cache, targets
 from flashgen.build import Library, emulation_runtime
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.machine import SM_COUNT, SMEM_LIMIT, LaunchStats, launch, short_name
+from flashgen.emulate.machine import LaunchStats, launch, short_name
 from flashgen.emulate.memory import GlobalMemory
 from flashgen.emulate.ptx import PtxModule
 from flashgen.errors import FlashgenError
@@ -246,8 +246,8 @@ class EmulatedLibrary:
         record = CallRecord()
         message = ctypes.create_string_buffer(4096)
         scratch = ctypes.c_int64()
-        major = int(self.arch[2])  # sm80 -> 8.0, sm90a -> 9.0
-        self._rt.flashgen_emu_set_device(major, 0, SM_COUNT[self.arch], SMEM_LIMIT[self.arch])
+        gpu = targets.lookup(self.arch).gpu
+        self._rt.flashgen_emu_set_device(*gpu.compute_capability, gpu.sm_count, gpu.smem_limit)
         self._rt.flashgen_emu_reset_errors()
         _current = _Call(self, memory, record, seed, race_check)
         t0 = time.perf_counter()

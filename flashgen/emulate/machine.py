@@ -24,15 +24,13 @@ import time
 
 import numpy as np
 
+from flashgen import targets
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
 from flashgen.emulate.semantics import compile_instruction, unsupported
 
-# Largest dynamic shared memory per block after cudaFuncSetAttribute opt-in (bytes).
-SMEM_LIMIT = {"sm80": 163 * 1024, "sm90a": 227 * 1024}
-SM_COUNT = {"sm80": 108, "sm90a": 132}
 MAX_THREADS_PER_BLOCK = 1024
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
@@ -428,8 +426,8 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
            *, arch: str, seed: int | None = None, race_check: bool = True,
            max_warp_instructions: int = 200_000_000) -> LaunchStats:
     """Run one kernel launch to completion; raise EmulationError on anything unsupported or unsafe."""
-    if arch not in SMEM_LIMIT:
-        raise EmulationError(f"unknown arch {arch!r} (expected one of {', '.join(SMEM_LIMIT)})")
+    if arch not in targets.emulated():
+        raise EmulationError(f"unknown arch {arch!r} (expected one of {', '.join(targets.emulated())})")
     kernel = module.kernel(kernel_name)
     grid, block = tuple(int(x) for x in grid), tuple(int(x) for x in block)
     if len(grid) != 3 or len(block) != 3 or min(grid) < 1 or min(block) < 1:
@@ -440,7 +438,7 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
     if kernel.max_threads and nthreads > int(np.prod(kernel.max_threads)):
         raise EmulationError(f"{nthreads} threads per block exceed the kernel's .maxntid {kernel.max_threads}")
     _, static, dyn_base = shared_layout(kernel.shared)
-    limit = SMEM_LIMIT[arch]
+    limit = targets.lookup(arch).gpu.smem_limit
     if dynamic_smem < 0 or static + dynamic_smem > limit:
         raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
                              f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")

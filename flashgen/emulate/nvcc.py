@@ -8,15 +8,13 @@ from __future__ import annotations
 import pathlib
 import tempfile
 
-from flashgen import toolchain
-
-PTX_ARCH = {"sm80": "compute_80", "sm90a": "compute_90a"}
+from flashgen import targets, toolchain
 
 
 def ptx_flags(arch: str, include_first: str | None = None) -> list[str]:
     flags = toolchain.cuda_compile_flags(arch)
     i = flags.index("-gencode")
-    flags[i:i + 2] = [f"-arch={PTX_ARCH[arch]}"]
+    flags[i:i + 2] = [f"-arch={targets.lookup(arch).gpu.ptx_arch}"]
     if include_first:          # e.g. a mutated copy of csrc/ that must shadow the real headers
         flags = ["-I", include_first, *flags]
     return flags

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashgen import runtime
+from flashgen import runtime, targets
 from flashgen.jax import sharding
 from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, normalize_dtype,
                            normalize_scale, normalize_softcap, normalize_window)
@@ -22,12 +22,13 @@ from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, n
 def local_target() -> str:
     """The KernelSpec target for JAX's default backend."""
     backend = jax.default_backend()
-    if backend == "cpu":
-        return "cpu"
-    if backend in ("gpu", "cuda"):
-        cc = getattr(jax.devices()[0], "compute_capability", "8.0")
-        return "sm90a" if str(cc).startswith("9") else "sm80"
-    raise ValueError(f"flashgen has no kernels for the {backend!r} backend (cpu and CUDA only)")
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    row = targets.local(backend, cc)
+    if row is None:
+        raise ValueError(f"flashgen has no kernels for the {backend!r} backend"
+                         f"{f' (compute capability {cc})' if cc else ''}; its targets are "
+                         f"{', '.join(targets.TARGETS)}")
+    return row.name
 
 
 def _check(q, k, v, scale) -> tuple[str, float]:
