@@ -1,0 +1,75 @@
+"""Helpers shared by the forward sections: the golden size, export through jax and torchax,
+Q/K/V specs, the custom-call target names, a softmax by hand and flax's causal attention.
+"""
+
+
+B, T, H, D = 2, 8, 4, 32
+
+
+def jax_modules():
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    return jax, jnp, export
+
+
+def spec(shape, dtype="float32"):
+    jax, jnp, _ = jax_modules()
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def export_fn(fn, *args):
+    jax, _, export = jax_modules()
+    return export.export(jax.jit(fn), platforms=["cpu"])(*args)
+
+
+def qkv(dtype="float32", b=B, t=T, s=None, h=H, hkv=None, d=D, layout="BSHD"):
+    s = t if s is None else s
+    hkv = h if hkv is None else hkv
+    if layout == "BSHD":
+        return spec((b, t, h, d), dtype), spec((b, s, hkv, d), dtype), spec((b, s, hkv, d), dtype)
+    return spec((b, h, t, d), dtype), spec((b, hkv, s, d), dtype), spec((b, hkv, s, d), dtype)
+
+
+def softmax_manual(jnp, s, axis=-1):
+    m = jnp.max(s, axis=axis, keepdims=True)
+    e = jnp.exp(s - m)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def tname(d, dt, causal):
+    return f"flashgen_fwd_d{d}_{dt}{'_causal' if causal else ''}"
+
+
+def flax_causal_mha(x):
+    """flax linen MultiHeadDotProductAttention with make_causal_mask, exported for the input
+    ``x`` (a ShapeDtypeStruct; its dims may be symbolic)."""
+    jax, jnp, _ = jax_modules()
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
+    m = M()
+    params = m.init(jax.random.key(0), jnp.ones((B, T, H * D)))
+    return export_fn(m.apply, jax.tree.map(lambda a: spec(a.shape, a.dtype), params), x)
+
+
+def torch_modules():
+    """torch and torchax. torchax 0.0.13 names ATen overloads that torch 2.13 removed
+    (named-tensor variants such as ``aten.prod.dim_Dimname``) in module-level tables, so it
+    does not import as shipped: it is imported through ``flashgen.frontends.torchax_compat``
+    (its module doc says what it does and why)."""
+    import torch
+
+    from flashgen.frontends.torchax_compat import import_torchax
+    return torch, import_torchax()
+
+
+def torch_export(module, *args):
+    torch, torchax = torch_modules()
+    ep = torch.export.export(module, tuple(args))
+    _, exported = torchax.export.exported_program_to_stablehlo(ep)
+    return exported
