@@ -27,27 +27,28 @@ def keras_export(layer_call, weights, *arg_specs):
     return export_fn(f, [spec(w.shape, w.dtype) for w in weights], *arg_specs)
 
 
-@golden(rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
-def keras_mha_dropout_inference():
-    # keras 3 MultiHeadAttention(dropout > 0) at inference: the masked Softmax applies the mask
-    # again after the softmax (where(mask, probs, 0)); rows without a visible key are 0 in both
+def _mha_dropout(training):
+    """keras 3 MultiHeadAttention(dropout > 0) self-attention with a [B, T, T] mask, called
+    with ``training``."""
     keras = _keras()
     layer = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, dropout=0.1, seed=0)
     layer(np.ones((B, T, H * D), np.float32), np.ones((B, T, H * D), np.float32),
           attention_mask=np.ones((B, T, T), bool))
-    return keras_export(lambda x, m: layer(x, x, attention_mask=m, training=False),
+    return keras_export(lambda x, m: layer(x, x, attention_mask=m, training=training),
                         layer.weights, spec((B, T, H * D)), spec((B, T, T), "bool"))
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def keras_mha_dropout_inference():
+    # at inference the masked Softmax applies the mask again after the softmax
+    # (where(mask, probs, 0)); rows without a visible key are 0 in both
+    return _mha_dropout(training=False)
 
 
 @golden(rejected=["dropout"])
 def neg_keras_mha_dropout_training():
     # the same layer in training: the probabilities meet a random dropout mask
-    keras = _keras()
-    layer = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, dropout=0.1, seed=0)
-    layer(np.ones((B, T, H * D), np.float32), np.ones((B, T, H * D), np.float32),
-          attention_mask=np.ones((B, T, T), bool))
-    return keras_export(lambda x, m: layer(x, x, attention_mask=m, training=True),
-                        layer.weights, spec((B, T, H * D)), spec((B, T, T), "bool"))
+    return _mha_dropout(training=True)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, window=[-1, -1],
