@@ -1,5 +1,6 @@
 """Helpers shared by the forward sections: the golden size, export through jax and torchax,
-Q/K/V specs, the custom-call target names, a softmax by hand and flax's causal attention.
+Q/K/V specs, hand-written attention around a score function, the custom-call target names,
+a softmax by hand and flax's causal attention.
 """
 
 
@@ -35,6 +36,18 @@ def softmax_manual(jnp, s, axis=-1):
     m = jnp.max(s, axis=axis, keepdims=True)
     e = jnp.exp(s - m)
     return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_attention(scores, *extra, inputs=None, axis=-1):
+    """Export attention in [B, S, H, D] spelled by hand around ``scores(q, k, *extra)``, the
+    logits [B, H, Sq, Sk]: jax.nn.softmax over ``axis`` (the keys' by default), then the einsum
+    with V. ``extra``: the specs of scores' further arguments; ``inputs``: those of q, k, v
+    (default qkv())."""
+    jax, jnp, _ = jax_modules()
+
+    def f(q, k, v, *e):
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores(q, k, *e), axis=axis), v)
+    return export_fn(f, *(inputs or qkv()), *extra)
 
 
 def tname(d, dt, causal):

@@ -4,7 +4,7 @@ from jax.nn and by hand.
 
 import numpy as np
 
-from .common import B, T, H, D, export_fn, jax_modules, qkv, spec, tname
+from .common import B, T, H, D, export_fn, jax_modules, qkv, softmax_attention, spec, tname
 from .registry import golden
 
 
@@ -68,66 +68,61 @@ def jnn_decode_padding():
 @golden(rewritten=1, targets=[tname(32, "f32", False)], extras=["bias"])
 def const_position_bias():
     # a constant relative-position bias 0.1·(j - i): no ALiBi without a causal mask
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
     rel = (np.arange(T)[None, :] - np.arange(T)[:, None]).astype(np.float32) * 0.1
 
-    def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + rel
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+    def scores(q, k):
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + rel
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, extras=["segment_ids"])
 def segment_ids_causal():
     # packed sequences: q_seg[:, None, :, None] == kv_seg[:, None, None, :], ANDed with causal
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, seg):
+    def scores(q, k, seg):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
         visible = (seg[:, None, :, None] == seg[:, None, None, :]) & (j <= i)
-        s = jnp.where(visible, s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, T), "int32"))
+        return jnp.where(visible, s, -1e9)
+    return softmax_attention(scores, spec((B, T), "int32"))
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
 def segment_ids_per_head():
     # near miss: ids that differ per head are no segment ids [B, S]: a plain mask
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, ids):
+    def scores(q, k, ids):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-        s = jnp.where(ids[:, :, :, None] == ids[:, :, None, :], s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, H, T), "int32"))
+        return jnp.where(ids[:, :, :, None] == ids[:, :, None, :], s, -1e9)
+    return softmax_attention(scores, spec((B, H, T), "int32"))
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], causal=False, extras=["mask"])
 def prefix_lm_mask():
     # prefix LM: causal OR key inside the per-example prefix (an OR: one run-time mask)
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, prefix):
+    def scores(q, k, prefix):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
         visible = (j <= i)[None, None] | (j < prefix[:, None, None, None])
-        s = jnp.where(visible, s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B,), "int32"))
+        return jnp.where(visible, s, -1e9)
+    return softmax_attention(scores, spec((B,), "int32"))
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], causal=False, extras=["mask"])
 def const_strided_mask():
     # a constant mask that is no band on the diagonal (every other key): a constant operand
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = jnp.where((j <= i) & ((i - j) % 2 == 0), s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.where((j <= i) & ((i - j) % 2 == 0), s, -1e9)
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, extras=["segment_ids"])
@@ -154,11 +149,10 @@ def const_mask_empty_row():
     # strictly-below-diagonal: the first query sees nothing. The program gives the mean of V
     # there (a finite fill: equal scores), the kernel 0: a constant mask operand and, the
     # empty rows being known statically, select(constant row flags, mean of V, o)
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = jnp.where(j < i, s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.where(j < i, s, -1e9)
+    return softmax_attention(scores)

@@ -6,18 +6,15 @@ import math
 
 import numpy as np
 
-from .common import B, T, H, D, export_fn, jax_modules, qkv, softmax_manual, spec, tname
+from .common import (
+    B, T, H, D, export_fn, jax_modules, qkv, softmax_attention, softmax_manual, spec, tname)
 from .registry import golden
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], scale=0.125, layout="BSHD")
 def einsum_bshd():
-    jax, jnp, _ = jax_modules()
-
-    def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-    return export_fn(f, *qkv())
+    _, jnp, _ = jax_modules()
+    return softmax_attention(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125)
 
 
 @golden(rewritten=1, targets=[tname(64, "f32", False)], scale=1 / 8, layout="BHSD")
@@ -70,14 +67,13 @@ def einsum_bf16_softmax():
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True)
 def einsum_dense_mask():
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
     mask = np.tril(np.ones((T, T), bool))
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(32)
-        s = jnp.where(mask, s, -jnp.inf)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.where(mask, s, -jnp.inf)
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True)
@@ -116,15 +112,14 @@ def einsum_v_left():
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, bottom_right=True)
 def bottom_right_causal():
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         sq, sk = s.shape[-2:]
         visible = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
-        s = jnp.where(visible, s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(t=4, s=8))
+        return jnp.where(visible, s, -1e9)
+    return softmax_attention(scores, inputs=qkv(t=4, s=8))
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True)

@@ -2,18 +2,14 @@
 given.
 """
 
-from .common import B, T, H, export_fn, jax_modules, qkv, spec
+from .common import B, T, H, export_fn, jax_modules, qkv, softmax_attention, spec
 from .registry import golden
 
 
 @golden(rejected=["query axis"])
 def neg_softmax_query_axis():
-    jax, jnp, _ = jax_modules()
-
-    def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-2), v)
-    return export_fn(f, *qkv())
+    _, jnp, _ = jax_modules()
+    return softmax_attention(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, axis=-2)
 
 
 @golden(rejected=["returned as output 1"])
@@ -94,46 +90,42 @@ def neg_value_head_dim():
 
 @golden(rejected=["before the softcap"])
 def neg_bias_before_softcap():
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, b):
+    def scores(q, k, b):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125 + b
-        s = jnp.tanh(s / 5.0) * 5.0
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, H, T, T)))
+        return jnp.tanh(s / 5.0) * 5.0
+    return softmax_attention(scores, spec((B, H, T, T)))
 
 
 @golden(rejected=["depends on the scores"])
 def neg_bias_from_scores():
     # a "bias" computed from the scores themselves cannot be passed in ahead of the kernel
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-        s = s + jnp.flip(s, -1) * 0.1
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return s + jnp.flip(s, -1) * 0.1
+    return softmax_attention(scores)
 
 
 @golden(rejected=["not a large negative number"])
 def neg_mask_fill_zero():
     # a run-time mask whose fill (0) does not remove the key from the softmax
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, m):
-        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, 0.0)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))
+    def scores(q, k, m):
+        return jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, 0.0)
+    return softmax_attention(scores, spec((B, 1, T, T), "bool"))
 
 
 @golden(rejected=["fill value is not a constant"])
 def neg_runtime_fill():
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, m, fill):
-        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, fill)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"), spec(()))
+    def scores(q, k, m, fill):
+        return jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, fill)
+    return softmax_attention(scores, spec((B, 1, T, T), "bool"), spec(()))
 
 
 @golden(rejected=["masked"])
@@ -152,11 +144,10 @@ def neg_const_mask_empty_row_small_fill():
     # the same mask added as a constant 0 / -1e5 bias: -1e5 + s rounds to no single value in
     # f32, so the first query's row is the softmax of its (rounded) scores, not a mean of V,
     # and no kernel mode reproduces it
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = s + jnp.where(j < i, 0.0, -1e5)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return s + jnp.where(j < i, 0.0, -1e5)
+    return softmax_attention(scores)

@@ -1,19 +1,18 @@
 """A scale known only at run time: multiplied into Q before the call, or refused.
 """
 
-from .common import B, T, H, export_fn, jax_modules, qkv, spec, tname
+from .common import B, T, H, export_fn, jax_modules, qkv, softmax_attention, spec, tname
 from .registry import golden
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], scale=1.0)
 def runtime_scale():
     # a scale argument: multiplied into Q before the call, the kernel's scale is 1
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, scale):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec(()))
+    def scores(q, k, scale):
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    return softmax_attention(scores, spec(()))
 
 
 @golden(rewritten=1, targets=[tname(32, "bf16", True)], causal=True, scale=0.5)
@@ -32,29 +31,26 @@ def runtime_scale_divide_bf16():
 @golden(rejected=["run time after a mask"])
 def neg_runtime_scale_after_mask():
     # a negative run-time scale would turn the fill into +large: refused
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, m, scale):
-        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9) * scale
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"), spec(()))
+    def scores(q, k, m, scale):
+        return jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9) * scale
+    return softmax_attention(scores, spec((B, 1, T, T), "bool"), spec(()))
 
 
 @golden(rejected=["not a scalar"])
 def neg_runtime_scale_tensor():
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, scale):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, H, T, T)))
+    def scores(q, k, scale):
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    return softmax_attention(scores, spec((B, H, T, T)))
 
 
 @golden(rejected=["run time"])
 def neg_bias_runtime_scale():
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v, b, scale):
-        s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) + b) * scale
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv(), spec((B, H, T, T)), spec(()))
+    def scores(q, k, b, scale):
+        return (jnp.einsum("bqhd,bkhd->bhqk", q, k) + b) * scale
+    return softmax_attention(scores, spec((B, H, T, T)), spec(()))

@@ -2,7 +2,7 @@
 lax.scan) and Gemma-style logit softcapping.
 """
 
-from .common import T, export_fn, jax_modules, qkv, tname
+from .common import T, export_fn, jax_modules, qkv, softmax_attention, tname
 from .registry import golden
 
 
@@ -10,28 +10,26 @@ from .registry import golden
         window=[2, -1], softcap=0.0)
 def sliding_window_causal():
     # causal sliding window of 3 keys (left = 2): two iota compares combined with `and`
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = jnp.where((j <= i) & (j > i - 3), s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.where((j <= i) & (j > i - 3), s, -1e9)
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], causal=False, bottom_right=False,
         window=[2, 2])
 def sliding_window_symmetric():
     # non-causal local attention |i - j| <= 2 (window (2, 2)) on the query-key distance
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(32.0)
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = jnp.where(jnp.abs(i - j) <= 2, s, jnp.finfo(jnp.float32).min)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.where(jnp.abs(i - j) <= 2, s, jnp.finfo(jnp.float32).min)
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, window=[3, -1])
@@ -46,15 +44,14 @@ def jnn_local_window():
         softcap=5.0)
 def softcap_gemma():
     # Gemma-2 logit softcapping: cap * tanh(scores / cap) between the scale and the causal mask
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         s = jnp.tanh(s / 5.0) * 5.0
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-        s = jnp.where(j <= i, s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.where(j <= i, s, -1e9)
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "bf16", False)], causal=False, bottom_right=True,
@@ -75,15 +72,14 @@ def softcap_window_bf16():
 @golden(rejected=["masked before the softcap"])
 def neg_softcap_masked_first():
     # tanh after the mask turns the -1e9 fill into -cap: not a mask the kernel can apply
-    jax, jnp, _ = jax_modules()
+    _, jnp, _ = jax_modules()
 
-    def f(q, k, v):
+    def scores(q, k):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
         i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
         s = jnp.where(j <= i, s, -1e9)
-        s = jnp.tanh(s / 5.0) * 5.0
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
-    return export_fn(f, *qkv())
+        return jnp.tanh(s / 5.0) * 5.0
+    return softmax_attention(scores)
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, window=[3, -1], extras=[])
