@@ -1,8 +1,7 @@
-"""Helpers shared by the forward sections: the golden size, export through jax and torchax,
-Q/K/V specs, hand-written attention around a score function, the custom-call target names,
-a softmax by hand and flax's causal attention.
+"""Helpers shared by the sections: export through jax and torchax and the kernels' custom-call
+target names (all sections); for the forward ones, the golden size, Q/K/V specs, hand-written
+attention around a score function, a softmax by hand and flax's causal attention.
 """
-
 
 B, T, H, D = 2, 8, 4, 32
 
@@ -50,8 +49,13 @@ def softmax_attention(scores, *extra, inputs=None, axis=-1):
     return export_fn(f, *(inputs or qkv()), *extra)
 
 
+def kernel_target(direction, d, dt, causal):
+    """The custom-call target of a flashgen kernel (direction: fwd or bwd)."""
+    return f"flashgen_{direction}_d{d}_{dt}{'_causal' if causal else ''}"
+
+
 def tname(d, dt, causal):
-    return f"flashgen_fwd_d{d}_{dt}{'_causal' if causal else ''}"
+    return kernel_target("fwd", d, dt, causal)
 
 
 def flax_causal_mha(x):

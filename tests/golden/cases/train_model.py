@@ -1,17 +1,18 @@
-"""The training goldens' model and shapes, shared by the training sections: gradients of a small
-transformer (RMS norm, attention, MLP) exported for CPU.
+"""The training goldens' model and shapes, shared by the training sections: gradients of a
+2-layer transformer (RMS norm, attention, MLP), exported for CPU. The model is
+flashgen.bench_train's (the training-step benchmark measures the same one).
 """
 
 from flashgen.bench_train import jnn_attention, layer, weight_shapes
 
-from .common import export_fn, spec, torch_modules
+from .common import export_fn, kernel_target, spec, torch_modules
 
 
 B, T, H, D, LAYERS = 2, 16, 4, 32, 2   # the golden size; bench_train runs S=2048
 
 
 def target(direction, d=D, dt="f32", causal=True):
-    return f"flashgen_{direction}_d{d}_{dt}{'_causal' if causal else ''}"
+    return kernel_target(direction, d, dt, causal)
 
 
 def weights(dtype, hkv=H, stacked=False):

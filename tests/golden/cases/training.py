@@ -10,7 +10,6 @@ from .train_model import (
     B, T, H, D, LAYERS, attention_grad, scanned_step, target, torch_block, torch_grad, weights)
 
 
-# the model is flashgen.bench_train's (the training-step benchmark measures the same one)
 def attention_einsum(q, k, v, mask=None, causal=True):
     """Hand-written: scale as a divide by sqrt(d), -1e9 fill, softmax by hand."""
     import jax.numpy as jnp
