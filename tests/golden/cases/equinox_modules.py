@@ -1,5 +1,4 @@
-"""equinox modules.
-"""
+"""equinox modules: MultiheadAttention under jax.vmap."""
 
 from .common import B, T, H, D, export_fn, jax_modules, spec, tname
 from .registry import golden

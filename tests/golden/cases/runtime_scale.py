@@ -1,5 +1,4 @@
-"""A scale known only at run time: multiplied into Q before the call, or refused.
-"""
+"""A scale known only at run time: multiplied into Q before the call, or refused."""
 
 from .common import B, T, H, export_fn, jax_modules, qkv, softmax_attention, spec, tname
 from .registry import golden
