@@ -1,0 +1,96 @@
+"""jax.nn.dot_product_attention as exported: dtypes, GQA, scale, decoding, the three input
+formats (.mlir, .mlirbc, .jax_exported), a value-and-grad graph.
+"""
+
+import math
+
+from .common import B, T, export_fn, jax_modules, qkv, spec, tname
+from .registry import golden
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", False)], causal=False, scale=1 / math.sqrt(32),
+        layout="BSHD")
+def jnn_f32():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *qkv())
+
+
+@golden(rewritten=1, targets=[tname(32, "bf16", True)], causal=True)
+def jnn_causal_bf16():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *qkv("bfloat16"))
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True, kv_heads=2)
+def jnn_gqa_causal():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *qkv(hkv=2))
+
+
+@golden(rewritten=1, targets=[tname(32, "bf16", False)], kv_heads=1)
+def jnn_gqa_bf16():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+                     *qkv("bfloat16", hkv=1))
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", False)], scale=0.5)
+def jnn_scale_cross():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.5),
+                     *qkv(s=16))
+
+
+@golden(rewritten=1, targets=[tname(64, "f16", False)])
+def einsum_f16_d64():
+    jax, jnp, _ = jax_modules()
+
+    def f(q, k, v):  # jax.nn.dot_product_attention has no f16 lowering on CPU
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(jnp.float16), v)
+    return export_fn(f, *qkv("float16", d=64))
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def jnn_decode_step():
+    jax, _, _ = jax_modules()
+    q, k, v = qkv(t=1, s=8)  # one query row against 8 keys: the causal mask is j <= 0
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     q, k, v)
+
+
+@golden(fmt="mlirbc", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def jnn_f32_portable():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), *qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def jnn_causal_exported():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), *qkv())
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True)
+def jnn_value_and_grad():
+    # a training graph: the forward and its backward become flashgen_fwd + flashgen_bwd
+    # (tests/test_rewrite_backward.py has the full training cases)
+    jax, jnp, _ = jax_modules()
+
+    def loss(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+    return export_fn(jax.value_and_grad(loss, argnums=(0, 1, 2)), *qkv())
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def jnn_softmax_where():
+    # jax.nn.softmax(s, where=mask): masked max and sum, the exponent of a second select, and a
+    # final select to 0
+    jax, jnp, _ = jax_modules()
+
+    def f(q, k, v, m):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, where=m), v)
+    return export_fn(f, *qkv(), spec((B, 1, T, T), "bool"))

@@ -1,0 +1,167 @@
+"""Shape-polymorphic exports: jax.export with symbolic batch and sequence dims
+(flashgen.rewrite.polymorphic). The call gets dynamic result shapes;
+tests/test_rewrite_polymorphic.py runs them at two concrete shapes.
+"""
+
+import math
+
+from .common import H, D, export_fn, flax_causal_mha, jax_modules, softmax_manual, tname
+from .registry import golden
+
+
+def poly_qkv(dims="b, t", h=H, d=D):
+    jax, jnp, export = jax_modules()
+    b, t, *rest = export.symbolic_shape(dims)
+    h = rest[0] if rest else h
+    return [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32)] * 3
+
+
+def einsum_attention(jnp, q, k, v, mask=None, fill=-1e9):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(D))
+    if mask is not None:
+        s = jnp.where(mask, s, fill)
+    return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        numerics=False)
+def poly_jnn_causal():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *poly_qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        scale=1 / math.sqrt(32), numerics=False)
+def poly_jnn():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *poly_qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        layout="BSHD", numerics=False)
+def poly_einsum():
+    _, jnp, _ = jax_modules()
+    return export_fn(lambda q, k, v: einsum_attention(jnp, q, k, v), *poly_qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        numerics=False)
+def poly_einsum_tril():
+    # the causal mask of a symbolic length: tril(ones((s, s))) becomes dynamic_iota compares
+    _, jnp, _ = jax_modules()
+    return export_fn(lambda q, k, v: einsum_attention(
+        jnp, q, k, v, jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))), *poly_qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        window=[3, -1], numerics=False)
+def poly_einsum_window():
+    # a sliding window from two iota compares (jax.nn's local_window_size does not export with
+    # a symbolic length: it builds the mask with range(T))
+    _, jnp, _ = jax_modules()
+
+    def f(q, k, v):
+        i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(q.shape[1])[None, :]
+        return einsum_attention(jnp, q, k, v, (i >= j) & (i - j <= 3))
+    return export_fn(f, *poly_qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True, kv_heads=2,
+        numerics=False)
+def poly_jnn_gqa():
+    jax, jnp, export = jax_modules()
+    b, t = export.symbolic_shape("b, t")
+    q = jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, t, 2, D), jnp.float32)
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     q, kv, kv)
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        numerics=False, rejected=["the scores have"])
+def poly_layers_shared_fn():
+    # two layers calling one jitted attention: one private function, rewritten once; the
+    # projections reach the softmax too and are rejected as candidates of their own
+    jax, jnp, export = jax_modules()
+    attn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+    def f(x, w):
+        for i in range(2):
+            q = jnp.einsum("bshd,hde->bshe", x, w[i])
+            x = attn(q, q * 0.5, q + 1) + x
+        return x
+    b, t = export.symbolic_shape("b, t")
+    return export_fn(f, jax.ShapeDtypeStruct((b, t, H, D), jnp.float32),
+                     jax.ShapeDtypeStruct((2, H, D, D), jnp.float32))
+
+
+@golden(fmt="jax_exported",
+        rejected=["training site (forward and backward) in a shape-polymorphic module"])
+def neg_poly_training():
+    jax, jnp, _ = jax_modules()
+
+    def loss(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1, 2)), *poly_qkv())
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        numerics=False)
+def poly_flax_linen_causal():
+    # flax's MultiHeadDotProductAttention with make_causal_mask of a symbolic length; its
+    # 1/sqrt(d) on the query goes into the call's scale
+    jax, jnp, export = jax_modules()
+    b, t = export.symbolic_shape("b, t")
+    return flax_causal_mha(jax.ShapeDtypeStruct((b, t, H * D), jnp.float32))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "bf16", False)], kv_heads=2,
+        scale=0.17, numerics=False)
+def poly_einsum_gqa_upcast():
+    # bf16 inputs upcast to f32, K/V repeated over the query heads, Q scaled by a constant:
+    # walked back to their sources as for a static module (a bf16 call on the unrepeated K/V)
+    jax, jnp, export = jax_modules()
+    b, t = export.symbolic_shape("b, t")
+    q = jax.ShapeDtypeStruct((b, t, H, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, 2, D), jnp.bfloat16)
+
+    def f(q, k, v):
+        k, v = (jnp.repeat(x, 2, axis=2).astype(jnp.float32) for x in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32) * 0.17, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+    return export_fn(f, q, kv, kv)
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        numerics=False)
+def poly_constrained():
+    # symbolic constraints: the instantiation sizes must satisfy jax.export's shape assertions
+    jax, jnp, export = jax_modules()
+    b, t = export.symbolic_shape("b, t", constraints=["t >= 128", "b <= 8"])
+    x = jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     x, x, x)
+
+
+@golden(fmt="jax_exported", rejected=["shape-polymorphic site with extra operands"])
+def neg_poly_padding_mask():
+    # a run-time key padding mask would be an extra operand: not rewritten when polymorphic
+    _, jnp, _ = jax_modules()
+    return export_fn(lambda q, k, v: einsum_attention(
+        jnp, q, k, v, (k[:, :, 0, 0] > 0)[:, None, None, :]), *poly_qkv())
+
+
+@golden(fmt="jax_exported", rejected=["heads of q is symbolic"])
+def neg_poly_symbolic_heads():
+    # the head count selects nothing in the kernel but the call's static result type
+    _, jnp, _ = jax_modules()
+    return export_fn(lambda q, k, v: einsum_attention(jnp, q, k, v), *poly_qkv("b, t, h"))
+
+
+@golden(fmt="jax_exported", rejected=["head dim is symbolic"])
+def neg_poly_symbolic_head_dim():
+    jax, jnp, export = jax_modules()
+    b, t, d = export.symbolic_shape("b, t, d")
+    x = jax.ShapeDtypeStruct((b, t, H, d), jnp.float32)
+    return export_fn(lambda q, k, v: einsum_attention(jnp, q, k, v), x, x, x)
