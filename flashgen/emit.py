@@ -2,9 +2,8 @@
 
 Two attribute forms, both carrying contract.CallAttributes' typed dictionary (every attribute of
 contract.CALLS[direction]: extras on every call, max_seqlen_q/_k on varlen calls too):
-  native (default): {api_version = 4 : i32, backend_config = {causal = ..., scale = ... : f32,
-                     bottom_right = ..., window_left = -1 : i32, window_right = -1 : i32,
-                     softcap = 0.0 : f32, extras = ""}} — StableHLO >= 1.3, what EXLA emits.
+  native (default): {api_version = 4 : i32, backend_config = {causal = false, extras = "",
+                     scale = 1.250000e-01 : f32, ...}} — StableHLO >= 1.3, what EXLA emits.
   legacy:           {backend_config = "", mhlo.backend_config = {...}, operand_layouts,
                      result_layouts} — what jax.ffi.ffi_call prints; XLA upgrades it.
 """
@@ -232,9 +231,8 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
                      bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0,
                      extras=(), legacy_attrs: bool = False) -> ir.Module:
     """A complete module whose public @main(q, k, v, *extras) returns the forward (o, lse).
-    Extras take their full shapes and widest types (contract.Operand.full_shape, full_dtype):
-    alibi_slopes [Hq] f32, bias [B,Hq,Sq,Sk] f32, mask [B,Hq,Sq,Sk] i1, q/kv_segment_ids
-    [B,Sq] / [B,Sk] i32."""
+    Extras take their full shapes and widest types (contract.Operand.full_shape, full_dtype:
+    a bias [B,Hq,Sq,Sk] f32)."""
     kv_heads = heads if kv_heads is None else kv_heads
     _check_problem(batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads)
     scale = 1.0 / np.sqrt(spec.head_dim) if scale is None else scale

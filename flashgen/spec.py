@@ -1,6 +1,6 @@
 """KernelSpec: the few properties that change a kernel's shape.
 
-Everything else (scale, causal alignment, sliding window, softcap, batch,
+Everything else (the call's attributes, flashgen.contract.ATTRIBUTES; batch,
 sequence lengths, head counts) is a runtime argument of the custom call, so one
 compiled specialization serves every model with the same head dim, dtype and
 causal flag. A field is added here only for what changes a kernel's shape.
