@@ -172,3 +172,21 @@ def test_the_jax_lowering_passes_every_attribute_with_its_contract_type():
     assert seen == set(DIRECTIONS)
     exported = fj.export(jax.grad(everything, (0, 1)), q, tok)
     fj.check_calls(exported)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.replace('extras = ""', 'extras = "relative"'), "unknown extras"),
+    (lambda t: t.replace("window_left = -1 : i32", "window_left = -7 : i32"), "window left must be in"),
+])
+def test_check_module_refuses_bad_values_before_xla(edit, words):
+    """The contract check used to compare only the attributes' names and types; a value the
+    handler refuses (an unknown extra, a window below -1) passed it."""
+    from flashgen import KernelSpec, emit
+    from flashgen.call_contract import check_module
+    from flashgen.errors import UsageError
+    text = str(emit.attention_module(KernelSpec(32, "f32", False, "cpu"), batch=1, seq_q=8, seq_k=8, heads=1))
+    check_module(text)
+    bad = edit(text)
+    assert bad != text
+    with pytest.raises(UsageError, match=f"the call of flashgen_fwd_d32_f32 at .*: {words}"):
+        check_module(bad)
