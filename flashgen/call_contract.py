@@ -23,10 +23,14 @@ def check_module(source) -> None:
             parsed = parse_target_name(name)
             if parsed is not None:
                 try:
-                    CallAttributes.parse(op, parsed[0])
+                    attrs = CallAttributes.parse(op, parsed[0])
                     problem = _operand_problem(op, parsed)
                 except ValueError as e:
                     problem = str(e)
+                else:
+                    if not problem and attrs.causal != parsed[3]:
+                        problem = (f"attribute causal is {str(attrs.causal).lower()}, but the target is the "
+                                   f"{'causal' if parsed[3] else 'non-causal'} specialization")
                 if problem:
                     raise UsageError(f"the call of {name} at {op.location}: {problem}")
 

@@ -177,10 +177,12 @@ def test_the_jax_lowering_passes_every_attribute_with_its_contract_type():
 @pytest.mark.parametrize("edit, words", [
     (lambda t: t.replace('extras = ""', 'extras = "relative"'), "unknown extras"),
     (lambda t: t.replace("window_left = -1 : i32", "window_left = -7 : i32"), "window left must be in"),
+    (lambda t: t.replace("causal = false", "causal = true"),
+     "attribute causal is true, but the target is the non-causal specialization"),
 ])
 def test_check_module_refuses_bad_values_before_xla(edit, words):
     """The contract check used to compare only the attributes' names and types; a value the
-    handler refuses (an unknown extra, a window below -1) passed it."""
+    handler refuses (an unknown extra, a window below -1, causal against the target) passed it."""
     from flashgen import KernelSpec, emit
     from flashgen.call_contract import check_module
     from flashgen.errors import UsageError
