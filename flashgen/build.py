@@ -21,7 +21,8 @@ from typing import Callable, Iterable
 
 from flashgen import cache, codegen, resources, targets, toolchain
 from flashgen.cache import MANIFEST
-from flashgen.spec import ATTRIBUTES, SIGNATURES, KernelSpec
+from flashgen.contract import ATTRIBUTE_TYPES, DIRECTIONS, signature
+from flashgen.spec import KernelSpec
 from flashgen.errors import BuildError
 
 __all__ = ["build", "Library", "BuildError", "cache_root", "resolve_target"]
@@ -150,7 +151,7 @@ def _library_info(specs: list[KernelSpec], target: str) -> dict:
     return {
         "target": target,
         "specs": [s.to_json() for s in specs],
-        "attributes": ATTRIBUTES,
+        "attributes": ATTRIBUTE_TYPES,
         "ffi_api_version": toolchain.ffi_headers()["api_version"],
     }
 
@@ -284,7 +285,7 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 "flashgen_library": lib_name,
                 **info,
                 "platform": specs[0].platform,
-                "signatures": SIGNATURES,
+                "signatures": {d: signature(d) for d in DIRECTIONS},
                 "host": host,
                 "python_face": host == "python",
                 "python": toolchain.python_identity() if host == "python" else None,
@@ -322,7 +323,7 @@ def _serves(compile_jobs: list[_Job], target: str, host: str, link_flags: list[s
     spec come from the same templates, headers and flags."""
     kinds = sorted({json.dumps([j.compiler, j.source.language, j.flags, j.extra]) for j in compile_jobs})
     context = _digest(resources.tree_digest(resources.templates_dir()), env_key, target, host,
-                      link_flags, kinds, ATTRIBUTES)
+                      link_flags, kinds, ATTRIBUTE_TYPES)
     return _digest(context, toolchains), context
 
 

@@ -11,8 +11,8 @@ import json
 
 import jinja2
 
-from flashgen import resources, targets
-from flashgen.spec import ATTRIBUTES, DIRECTIONS, EXTRAS, FFI_DTYPES, KernelSpec
+from flashgen import contract, resources, targets
+from flashgen.spec import DIRECTIONS, FFI_DTYPES, KernelSpec
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
@@ -100,9 +100,9 @@ _NIF_ATTR_TYPES = {"i1": "XLA_FFI_DataType_PRED", "i32": "XLA_FFI_DataType_S32",
 
 def render_nif_face() -> Source:
     """The erl_nif face of a library (module NIF_MODULE), with the call contract's tables."""
-    directions = [{"name": d, "attrs": [{"name": n, "type": _NIF_ATTR_TYPES[t]} for n, t in ATTRIBUTES[d].items()]}
+    directions = [{"name": d, "attrs": [{"name": n, "type": _NIF_ATTR_TYPES[t]} for n, t in contract.ATTRIBUTE_TYPES[d].items()]}
                   for d in DIRECTIONS]
-    extras = [{"name": n, "operands": list(ops)} for n, ops in EXTRAS.items()]
+    extras = [{"name": n, "operands": [o.name for o in ops]} for n, ops in contract.EXTRAS.items()]
     text = _ENV.get_template("common/nif_face.cc.j2").render(module=NIF_MODULE, directions=directions,
                                                                extras=extras, inline_work=NIF_INLINE_WORK)
     return Source("nif_face.cc", text, "c++")

@@ -13,6 +13,8 @@ and one elementwise step, not the kernel's shape, so one compiled specialization
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 
 import numpy as np
@@ -47,17 +49,40 @@ ATTRIBUTES = {a.name: a for a in (
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """One operand or result. `shape` names dims symbolically; `dtype` "T" is the spec's dtype,
-    "T|f32" the spec's dtype or f32, otherwise a fixed MLIR element type."""
+    """One operand or result. `shape` names dims symbolically ("1|B": 1 or B, a broadcast dim);
+    `other_shape`, if any, is a second accepted shape; `dtype` "T" is the spec's dtype, "T|f32"
+    the spec's dtype or f32, otherwise a fixed MLIR element type."""
     name: str
     shape: tuple[str, ...]
     dtype: str = "T"
+    other_shape: tuple[str, ...] = ()
+
+    def shapes(self, dims: dict[str, int]) -> list[list[int]]:
+        """Every concrete shape this operand may take, given the symbolic dims' sizes."""
+        out = []
+        for shape in filter(None, (self.shape, self.other_shape)):
+            options = [sorted({1 if s == "1" else dims[s] for s in d.split("|")}) for d in shape]
+            out += [list(c) for c in itertools.product(*options) if list(c) not in out]
+        return out
+
+    def full_shape(self, dims: dict[str, int]) -> list[int]:
+        """The shape without broadcasting: each "1|X" taken as X."""
+        return [dims[d.split("|")[-1]] for d in self.shape]
+
+    def dtypes(self, spec_dtype: str) -> list[str]:
+        """The MLIR element types this operand may have, for a spec of dtype `spec_dtype`."""
+        return sorted({spec_dtype if t == "T" else t for t in self.dtype.split("|")})
+
+    def full_dtype(self, spec_dtype: str) -> str:
+        """The widest element type it accepts ("T|f32": f32)."""
+        t = self.dtype.split("|")[-1]
+        return spec_dtype if t == "T" else t
 
 
 # The optional operands of a call, in the order they follow the fixed operands: extra -> its operands.
 # Bias and mask broadcast over batch and heads (a dim of 1).
 EXTRAS = {
-    "alibi": (Operand("alibi_slopes", ("Hq",), "f32"),),   # or [B, Hq]
+    "alibi": (Operand("alibi_slopes", ("Hq",), "f32", other_shape=("B", "Hq")),),
     "bias": (Operand("bias", ("1|B", "1|Hq", "Sq", "Sk"), "T|f32"),),
     "mask": (Operand("mask", ("1|B", "1|Hq", "Sq", "Sk"), "i1"),),
     "segment_ids": (Operand("q_segment_ids", ("B", "Sq"), "i32"), Operand("kv_segment_ids", ("B", "Sk"), "i32")),
@@ -73,6 +98,18 @@ class Call:
     attributes: tuple[str, ...]
     extras: tuple[str, ...]          # the EXTRAS this call accepts
     dbias: bool = False              # with a bias, one more result (optional): dbias, like the bias
+
+    def extra_operands(self, extras, call_name: str | None = None) -> tuple[Operand, ...]:
+        """The operands that follow the fixed ones for `extras` (normalized, EXTRAS order);
+        ValueError naming the call (`call_name`, its target) if it does not take one of them."""
+        extras = normalize_extras(extras)
+        if not set(extras) <= set(self.extras):
+            raise ValueError(f"{call_name or f'a {self.direction} call'} takes only the extras "
+                             f"{', '.join(self.extras)}, got {', '.join(extras)}")
+        return tuple(o for e in extras for o in EXTRAS[e])
+
+    def operand_names(self, extras=()) -> list[str]:
+        return [o.name for o in self.operands + self.extra_operands(extras)]
 
 
 _Q, _K, _V = Operand("q", ("B", "Sq", "Hq", "D")), Operand("k", ("B", "Sk", "Hkv", "D")), \
@@ -100,6 +137,19 @@ CALLS = {c.direction: c for c in (
          (_O, _LSE), _DENSE, _PACKED_EXTRAS),
 )}
 DIRECTIONS = tuple(CALLS)
+# name -> MLIR type of every attribute a direction's call carries (the build manifest's schema).
+ATTRIBUTE_TYPES = {d: {n: ATTRIBUTES[n].mlir for n in c.attributes} for d, c in CALLS.items()}
+
+
+def signature(direction: str) -> dict[str, list[str]]:
+    """A direction's operands and results as text, e.g. "lse[B,Hq,Sq]:f32" (the build manifest's)."""
+    def text(o: Operand) -> str:
+        return f"{o.name}[{','.join(o.shape)}]" + ("" if o.dtype == "T" else f":{o.dtype}")
+    call = CALLS[direction]
+    results = [text(o) for o in call.results]
+    if call.dbias:
+        results.append("dbias (optional, only with extras bias)")
+    return {"operands": [text(o) for o in call.operands] + ["*extras"], "results": results}
 
 
 # ----------------------------------------------------------------------------------------
@@ -168,3 +218,126 @@ def normalize_softcap(softcap) -> float:
         raise ValueError(f"softcap {softcap} is below the smallest normal f32 "
                          f"({np.finfo(np.float32).tiny:.8g}); use 0 for no softcap")
     return c
+
+
+# ----------------------------------------------------------------------------------------
+# One call's attribute values: built into the typed dictionary a handler decodes (to_mlir, or
+# ffi_kwargs for jax.ffi), and read back from one (parse).
+
+@dataclasses.dataclass(frozen=True)
+class CallAttributes:
+    """The attribute values of one flashgen call, normalized (ValueError for a bad one).
+    `max_seqlen` = (max_seqlen_q, max_seqlen_k) is needed by, and only passed to, varlen calls."""
+    causal: bool
+    scale: float
+    bottom_right: bool = ATTRIBUTES["bottom_right"].default
+    window: tuple[int, int] = (ATTRIBUTES["window_left"].default, ATTRIBUTES["window_right"].default)
+    softcap: float = ATTRIBUTES["softcap"].default
+    extras: tuple[str, ...] = ()
+    max_seqlen: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        fix = functools.partial(object.__setattr__, self)
+        fix("causal", bool(self.causal))
+        fix("scale", normalize_scale(self.scale))
+        fix("bottom_right", bool(self.bottom_right))
+        fix("window", normalize_window(self.window))
+        fix("softcap", normalize_softcap(self.softcap))
+        fix("extras", normalize_extras(self.extras))
+        if self.max_seqlen is not None:
+            for name, x in zip(("max_seqlen_q", "max_seqlen_k"), self.max_seqlen):
+                if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= x < 2**31:
+                    raise ValueError(f"{name} must be an int in [0, 2^31), got {x!r}")
+            fix("max_seqlen", tuple(int(x) for x in self.max_seqlen))
+
+    def values(self, direction: str) -> dict[str, object]:
+        """name -> Python value of every attribute of CALLS[direction], in contract order."""
+        call = _call(direction)
+        call.extra_operands(self.extras)
+        by_name = {"causal": self.causal, "scale": self.scale, "bottom_right": self.bottom_right,
+                   "window_left": self.window[0], "window_right": self.window[1],
+                   "softcap": self.softcap, "extras": ",".join(self.extras)}
+        if "max_seqlen_q" in call.attributes:
+            if self.max_seqlen is None:
+                raise ValueError("varlen calls need max_seqlen=(max_seqlen_q, max_seqlen_k)")
+            by_name["max_seqlen_q"], by_name["max_seqlen_k"] = self.max_seqlen
+        return {n: by_name[n] for n in call.attributes}
+
+    def to_mlir(self, direction: str):
+        """The typed ir.DictAttr of a `direction` call (inside an MLIR context)."""
+        from jaxlib.mlir import ir
+        make = {"i1": ir.BoolAttr.get, "string": ir.StringAttr.get,
+                "i32": lambda x: ir.IntegerAttr.get(ir.IntegerType.get_signless(32), x),
+                "f32": lambda x: ir.FloatAttr.get(ir.F32Type.get(), x, loc=ir.Location.unknown())}
+        return ir.DictAttr.get({n: make[ATTRIBUTES[n].mlir](x) for n, x in self.values(direction).items()})
+
+    def ffi_kwargs(self, direction: str) -> dict[str, object]:
+        """The attributes as jax.ffi's lowering takes them: numpy scalars carry the MLIR type."""
+        make = {"i1": bool, "i32": np.int32, "f32": np.float32, "string": str}
+        return {n: make[ATTRIBUTES[n].mlir](x) for n, x in self.values(direction).items()}
+
+    @classmethod
+    def parse(cls, source, direction: str) -> "CallAttributes":
+        """The attributes of a `direction` call from its custom_call op, its backend_config
+        ir.DictAttr, or that dictionary's text (what XLA hands a custom-call partitioner).
+        ValueError naming the first attribute that is missing, extra, mistyped or invalid."""
+        from jaxlib.mlir import ir
+        call = _call(direction)
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            source = bytes(source).decode()
+        if isinstance(source, str):
+            from flashgen.mlir_context import new_context
+            with new_context():
+                try:
+                    config = ir.Attribute.parse(source)
+                except ir.MLIRError as e:
+                    raise ValueError(f"backend_config {source!r} is not an MLIR attribute: "
+                                     f"{str(e).splitlines()[0]}") from None
+                return cls._from_dict(config, call)
+        if not isinstance(source, ir.Attribute):
+            attrs = source.operation.attributes
+            source = next((attrs[k] for k in ("mhlo.backend_config", "backend_config") if k in attrs), None)
+        return cls._from_dict(source, call)
+
+    @classmethod
+    def _from_dict(cls, config, call: Call) -> "CallAttributes":
+        from jaxlib.mlir import ir
+        if not isinstance(config, ir.DictAttr):
+            raise ValueError("its backend_config is not a dictionary of typed attributes "
+                             "(flashgen emit shows the form)")
+        given = {config[i].name: config[i].attr for i in range(len(config))}
+        for name in call.attributes:
+            want = ATTRIBUTES[name].mlir
+            if name not in given:
+                raise ValueError(f"attribute {name} is missing (expected {want})")
+            got = _mlir_type(given[name])
+            if got != want:
+                raise ValueError(f"attribute {name} is {got}, expected {want}")
+        unexpected = sorted(set(given) - set(call.attributes))
+        if unexpected:
+            raise ValueError(f"unexpected attribute {unexpected[0]}")
+        v = {n: given[n].value for n in call.attributes}
+        attrs = cls(v["causal"], v["scale"], v["bottom_right"], (v["window_left"], v["window_right"]),
+                    v["softcap"], v["extras"],
+                    (v["max_seqlen_q"], v["max_seqlen_k"]) if "max_seqlen_q" in v else None)
+        attrs.values(call.direction)  # the extras this call takes
+        return attrs
+
+
+def _call(direction: str) -> Call:
+    if direction not in CALLS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    return CALLS[direction]
+
+
+def _mlir_type(attr) -> str:
+    """An attribute's type in ATTRIBUTES' spelling: "i1", "i32", "f32", "string" (or its text)."""
+    from jaxlib.mlir import ir
+    if isinstance(attr, ir.BoolAttr):
+        return "i1"
+    if isinstance(attr, (ir.IntegerAttr, ir.FloatAttr)):
+        return str(attr.type)
+    if isinstance(attr, ir.StringAttr):
+        return "string"
+    return str(attr)
+

@@ -1,11 +1,9 @@
 """Build flashgen's stablehlo.custom_call ops with the MLIR Python bindings.
 
-Two attribute forms:
-  native (default): {api_version = 4 : i32, backend_config = {causal = ..., scale = ... : f32,
-                     bottom_right = ..., window_left = -1 : i32, window_right = -1 : i32,
-                     softcap = 0.0 : f32, extras = ""}} — StableHLO >= 1.3, what EXLA emits.
-                     (varlen calls carry max_seqlen_q/_k : i32 instead of extras; paged
-                     calls neither: spec.ATTRIBUTES.)
+Two attribute forms, both carrying contract.CallAttributes' typed dictionary (every attribute of
+contract.CALLS[direction]: extras on every call, max_seqlen_q/_k on varlen calls too):
+  native (default): {api_version = 4 : i32, backend_config = {causal = false, extras = "",
+                     scale = 1.250000e-01 : f32, ...}} — StableHLO >= 1.3, what EXLA emits.
   legacy:           {backend_config = "", mhlo.backend_config = {...}, operand_layouts,
                      result_layouts} — what jax.ffi.ffi_call prints; XLA upgrades it.
 """
@@ -17,8 +15,8 @@ from jaxlib.mlir.dialects import func, stablehlo
 
 from flashgen.mlir_context import new_context
 from flashgen.sharding_rule import context_has_sdy, sharding_rule_attr
-from flashgen.spec import (EXTRAS, PACKED_EXTRAS, KernelSpec, normalize_dtype, normalize_extras,
-                           normalize_scale, normalize_softcap, normalize_window)
+from flashgen.contract import CALLS, CallAttributes, normalize_extras
+from flashgen.spec import KernelSpec, normalize_dtype
 
 _MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -31,29 +29,8 @@ def element_dtype(t: ir.Type) -> str:
 def attention_attributes(causal: bool, scale: float, bottom_right: bool = False,
                          window=(-1, -1), softcap: float = 0.0, extras=(),
                          direction: str = "fwd", max_seqlen=None) -> ir.DictAttr:
-    """The typed attribute dictionary a flashgen handler decodes (spec.ATTRIBUTES[direction]):
-    the six base attributes and `extras`, plus max_seqlen_q/_k for varlen."""
-    scale = normalize_scale(scale)
-    left, right = normalize_window(window)
-    softcap = normalize_softcap(softcap)
-    i32 = ir.IntegerType.get_signless(32)
-    attrs = {
-        "causal": ir.BoolAttr.get(bool(causal)),
-        "scale": ir.FloatAttr.get(ir.F32Type.get(), scale),
-        "bottom_right": ir.BoolAttr.get(bool(bottom_right)),
-        "window_left": ir.IntegerAttr.get(i32, left),
-        "window_right": ir.IntegerAttr.get(i32, right),
-        "softcap": ir.FloatAttr.get(ir.F32Type.get(), softcap),
-    }
-    attrs["extras"] = ir.StringAttr.get(",".join(normalize_extras(extras)))
-    if direction in ("fwd_varlen", "bwd_varlen"):
-        if max_seqlen is None:
-            raise ValueError("varlen calls need max_seqlen=(max_seqlen_q, max_seqlen_k)")
-        for name, x in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlen):
-            if not 0 <= int(x) < 2**31:
-                raise ValueError(f"{name} must be in [0, 2^31), got {x}")
-            attrs[name] = ir.IntegerAttr.get(i32, int(x))
-    return ir.DictAttr.get(attrs)
+    """The typed attribute dictionary a flashgen handler decodes (contract.CallAttributes)."""
+    return CallAttributes(causal, scale, bottom_right, window, softcap, extras, max_seqlen).to_mlir(direction)
 
 
 def _tensor(v: ir.Value, name: str, rank: int = 4, layout: str = "[batch, seq, heads, head_dim] (BSHD)",
@@ -73,14 +50,6 @@ def _tensor(v: ir.Value, name: str, rank: int = 4, layout: str = "[batch, seq, h
     return t
 
 
-def _operand_names(direction: str, extras: tuple[str, ...]) -> list[str]:
-    fixed = {"fwd": ["q", "k", "v"], "bwd": ["q", "k", "v", "o", "lse", "do"],
-             "fwd_varlen": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"],
-             "bwd_varlen": ["q", "k", "v", "o", "lse", "do", "cu_seqlens_q", "cu_seqlens_k"],
-             "fwd_paged": ["q", "k_cache", "v_cache", "block_table", "seqused_k"]}[direction]
-    return fixed + [n for e in extras for n in EXTRAS[e]]
-
-
 def _expect(x: ir.Value, name: str, shapes: list[list[int]], elements: list[str]) -> ir.RankedTensorType:
     t = x.type
     ok = (isinstance(t, ir.RankedTensorType) and t.has_static_shape
@@ -91,21 +60,14 @@ def _expect(x: ir.Value, name: str, shapes: list[list[int]], elements: list[str]
     return t
 
 
-def _check_extras(extras, operands, b, sq, sk, hq, q_elt: str) -> list[ir.Type]:
-    """Type-checks the extra operands; returns the dbias result type (if any) as a list."""
-    it = iter(operands)
+def _check_extras(direction, extras, operands, dims: dict[str, int], q_elt: str) -> list[ir.Type]:
+    """Type-checks the extra operands against contract.EXTRAS (`dims`: the sizes of B, Sq, Sk,
+    Hq); returns the dbias result type (the bias's) as a list, if there is a bias."""
     dbias = []
-    for e in extras:
-        if e == "alibi":
-            _expect(next(it), "alibi_slopes", [[hq], [b, hq]], ["f32"])
-        elif e in ("bias", "mask"):
-            shapes = [[bb, hh, sq, sk] for bb in sorted({1, b}) for hh in sorted({1, hq})]
-            t = _expect(next(it), e, shapes, sorted({"f32", q_elt}) if e == "bias" else ["i1"])
-            if e == "bias":
-                dbias = [t]
-        else:
-            _expect(next(it), "q_segment_ids", [[b, sq]], ["i32"])
-            _expect(next(it), "kv_segment_ids", [[b, sk]], ["i32"])
+    for want, x in zip(CALLS[direction].extra_operands(extras), operands):
+        t = _expect(x, want.name, want.shapes(dims), want.dtypes(q_elt))
+        if want.name == "bias":
+            dbias = [t]
     return dbias
 
 
@@ -118,12 +80,11 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     if dynamic and (direction not in ("fwd", "bwd") or extras):
         raise ValueError("dynamic batch/sequence dims are supported only by the dense fwd/bwd "
                          "calls without extra operands")
-    if direction not in ("fwd", "bwd") and not set(extras) <= set(PACKED_EXTRAS):
-        raise ValueError(f"{spec.target_name(direction)} takes only the extras "
-                         f"{', '.join(PACKED_EXTRAS)}, got {', '.join(extras)}")
-    names = _operand_names(direction, extras)
+    call_name = spec.target_name(direction)  # ValueError for an unknown direction
+    CALLS[direction].extra_operands(extras, call_name)
+    names = CALLS[direction].operand_names(extras)
     if len(operands) != len(names):
-        raise ValueError(f"{spec.target_name(direction)} takes {len(names)} operands "
+        raise ValueError(f"{call_name} takes {len(names)} operands "
                          f"({', '.join(names)}), got {len(operands)}")
     rank = 3 if direction.endswith("varlen") else 4
     layout = "[tokens, heads, head_dim]" if rank == 3 else (
@@ -152,7 +113,8 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
             raise ValueError(f"cu_seqlens_q must be [batch + 1], got {cu}")
         _expect(operands[first], "cu_seqlens_q", [list(cu.shape)], i32)
         _expect(operands[first + 1], "cu_seqlens_k", [list(cu.shape)], i32)
-        _check_extras(extras, operands[first + 2:], cu.shape[0] - 1, 0, 0, hq, str(q.element_type))
+        _check_extras(direction, extras, operands[first + 2:], {"B": cu.shape[0] - 1, "Hq": hq},
+                      str(q.element_type))
         if direction == "fwd_varlen":
             return [q, lse]
         _check_saved(operands, q, lse)
@@ -163,13 +125,14 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
         bt = _tensor(operands[3], "block_table", 2, f"[batch={b}, max_blocks]")
         _expect(operands[3], "block_table", [[b, bt.shape[1]]], i32)
         _expect(operands[4], "seqused_k", [[b]], i32)
-        _check_extras(extras, operands[5:], b, sq, 0, hq, str(q.element_type))
+        _check_extras(direction, extras, operands[5:], {"B": b, "Sq": sq, "Hq": hq}, str(q.element_type))
         return [q, lse]
     if k.shape[0] != b:
         raise ValueError(f"mismatched shapes: q {q}, k {k}, v {v}")
     sk = k.shape[1]
     nfixed = 3 if direction == "fwd" else 6
-    dbias_type = _check_extras(extras, operands[nfixed:], b, sq, sk, hq, str(q.element_type))
+    dbias_type = _check_extras(direction, extras, operands[nfixed:], {"B": b, "Sq": sq, "Sk": sk, "Hq": hq},
+                               str(q.element_type))
     if direction == "fwd":
         return [q, lse]
     _check_saved(operands, q, lse)
@@ -216,8 +179,22 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     (flashgen/sharding_rule.py; flashgen/jax/sharding.py partitions it); it
     changes nothing on one device.
     """
+    attrs = CallAttributes(spec.causal, scale, bottom_right, window, softcap, extras, max_seqlen)
+    return emit_call(spec, direction, operands, attrs, dbias=dbias, legacy_attrs=legacy_attrs,
+                     sharding_rule=sharding_rule, result_shapes=result_shapes, loc=loc, ip=ip)
+
+
+def emit_call(spec: KernelSpec, direction: str, operands: list[ir.Value], attrs: CallAttributes, *,
+              dbias: bool = True, legacy_attrs: bool = False, sharding_rule: bool = True,
+              result_shapes=None, loc: ir.Location | None = None,
+              ip: ir.InsertionPoint | None = None) -> list[ir.Value]:
+    """emit_custom_call with the attributes as one contract.CallAttributes (whose causal flag
+    must be the spec's)."""
+    if attrs.causal != spec.causal:
+        raise ValueError(f"the attributes say causal={attrs.causal}, the target "
+                         f"{spec.target_name(direction)} causal={spec.causal}")
     dynamic = result_shapes is not None
-    types = result_types(spec, direction, operands, extras, dbias, dynamic)
+    types = result_types(spec, direction, operands, attrs.extras, dbias, dynamic)
     if dynamic:
         if len(result_shapes) != len(types):
             raise ValueError(f"{len(types)} results need {len(types)} result shapes, got "
@@ -225,18 +202,17 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
         sharding_rule = False   # the rule names static factor sizes
         if legacy_attrs:
             raise ValueError("dynamic result shapes need the native attribute form")
-    attrs = attention_attributes(spec.causal, scale, bottom_right, window, softcap, extras,
-                                 direction, max_seqlen)
+    config = attrs.to_mlir(direction)
     name = spec.target_name(direction)
     if legacy_attrs:
         op = stablehlo.CustomCallOp(
             types, operands, name, backend_config=ir.StringAttr.get(""),
             operand_layouts=_row_major_layouts([o.type for o in operands]),
             result_layouts=_row_major_layouts(types), loc=loc, ip=ip)
-        op.attributes["mhlo.backend_config"] = attrs
+        op.attributes["mhlo.backend_config"] = config
     else:
         op = stablehlo.CustomCallOp(
-            types, list(operands) + list(result_shapes or ()), name, backend_config=attrs,
+            types, list(operands) + list(result_shapes or ()), name, backend_config=config,
             api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4), loc=loc, ip=ip)
     if dynamic:
         # as jax's own custom calls with dynamic results: the trailing i32 shape operands
@@ -246,7 +222,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     if sharding_rule:
         if context_has_sdy(op.context):
             op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
-                direction, [list(x.type.shape) for x in operands], normalize_extras(extras), dbias)
+                direction, [list(x.type.shape) for x in operands], attrs.extras, dbias)
     return list(op.results)
 
 
@@ -255,23 +231,20 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
                      bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0,
                      extras=(), legacy_attrs: bool = False) -> ir.Module:
     """A complete module whose public @main(q, k, v, *extras) returns the forward (o, lse).
-    Extras take their full shapes: alibi_slopes [Hq] f32, bias [B,Hq,Sq,Sk] f32, mask
-    [B,Hq,Sq,Sk] i1, q/kv_segment_ids [B,Sq] / [B,Sk] i32."""
+    Extras take their full shapes and widest types (contract.Operand.full_shape, full_dtype:
+    a bias [B,Hq,Sq,Sk] f32)."""
     kv_heads = heads if kv_heads is None else kv_heads
     _check_problem(batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads)
     scale = 1.0 / np.sqrt(spec.head_dim) if scale is None else scale
-    extras = normalize_extras(extras)
     with new_context(), ir.Location.unknown():
         module = ir.Module.create()
         elt = ir.Type.parse(_MLIR_DTYPES[spec.dtype])
         q_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim], elt)
         kv_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
         lse_t = ir.RankedTensorType.get([batch, heads, seq_q], ir.F32Type.get())
-        full = [batch, heads, seq_q, seq_k]
-        extra_types = {"alibi": [([heads], "f32")], "bias": [(full, "f32")], "mask": [(full, "i1")],
-                       "segment_ids": [([batch, seq_q], "i32"), ([batch, seq_k], "i32")]}
-        extra_t = [ir.RankedTensorType.get(shape, ir.Type.parse(t))
-                   for e in extras for shape, t in extra_types[e]]
+        dims = {"B": batch, "Sq": seq_q, "Sk": seq_k, "Hq": heads}
+        extra_t = [ir.RankedTensorType.get(o.full_shape(dims), ir.Type.parse(o.full_dtype(spec.dtype)))
+                   for o in CALLS["fwd"].extra_operands(extras)]
         with ir.InsertionPoint(module.body):
             main = func.FuncOp("main", ir.FunctionType.get([q_t, kv_t, kv_t, *extra_t], [q_t, lse_t]))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")

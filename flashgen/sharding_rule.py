@@ -13,7 +13,7 @@ from __future__ import annotations
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
-from flashgen.spec import DIRECTIONS
+from flashgen.contract import CALLS, DIRECTIONS
 
 
 def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
@@ -28,17 +28,15 @@ def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
     sizes = {"g": kv_heads, "h": heads // kv_heads, "d": int(q_shape[-1])}
     if direction in ("fwd_varlen", "bwd_varlen"):
         # Packed tokens: only heads are parallel (a token's sequence is data, cu_seqlens).
-        nfixed = 5 if direction == "fwd_varlen" else 8
+        nfixed = len(CALLS[direction].operands)
         sizes.update(s=int(q_shape[0]), t=int(kv_shape[0]), c=int(shapes[nfixed - 1][0]))
         q, kv, lse, cu = ("s", qh, "d"), ("t", "g", "d"), (qh, "s"), ("c",)
-        if len(shapes) > nfixed:  # ALiBi slopes [Hq] or [B, Hq]: B (= c - 1) stays whole
-            sizes["e"] = int(shapes[nfixed][0])
-            alibi = [(qh,) if len(shapes[nfixed]) == 1 else ("e", qh)]
-        else:
-            alibi = []
+        sizes["e"] = sizes["c"] - 1  # the batch of a varlen call's extras (ALiBi [B, Hq]): stays whole
+        extra = _extra_mappings(direction, shapes[nfixed:], extras, {"B": "e", "Hq": qh},
+                                {"B": sizes["e"], "Hq": heads}, sizes)
         if direction == "fwd_varlen":
-            return [q, kv, kv, cu, cu, *alibi], [q, lse], sizes
-        return [q, kv, kv, q, lse, q, cu, cu, *alibi], [q, kv, kv], sizes
+            return [q, kv, kv, cu, cu, *extra], [q, lse], sizes
+        return [q, kv, kv, q, lse, q, cu, cu, *extra], [q, kv, kv], sizes
     b, sq = int(q_shape[0]), int(q_shape[1])
     sizes.update(b=b, s=sq)
     q, lse = ("b", "s", qh, "d"), ("b", qh, "s")
@@ -47,33 +45,34 @@ def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
         # along blocks; batch and kv heads are parallel.
         sizes.update(n=int(kv_shape[0]), p=int(kv_shape[1]), m=int(shapes[3][1]))
         cache = ("n", "p", "g", "d")
-        alibi = [((qh,) if len(shapes[5]) == 1 else ("b", qh))] if len(shapes) > 5 else []
-        return [q, cache, cache, ("b", "m"), ("b",), *alibi], [q, lse], sizes
+        extra = _extra_mappings(direction, shapes[5:], extras, {"B": "b", "Hq": qh}, {"B": b, "Hq": heads}, sizes)
+        return [q, cache, cache, ("b", "m"), ("b",), *extra], [q, lse], sizes
     sizes["t"] = int(kv_shape[1])
     kv = ("b", "t", "g", "d")
     fixed = [q, kv, kv] if direction == "fwd" else [q, kv, kv, q, lse, q]
-    extra, dbias = [], []
-    it = iter(shapes[len(fixed):])
-    for e in extras:
-        if e == "alibi":
-            extra.append((qh,) if len(next(it)) == 1 else ("b", qh))
-        elif e in ("bias", "mask"):
-            bb, hh = next(it)[:2]
-            units = [f"u{len(sizes) + i}" for i in range(2)]
-            sizes.update({u: 1 for u in units})
-            m = ("b" if bb != 1 or b == 1 else units[0], qh if hh != 1 or heads == 1 else units[1],
-                 "s", "t")
-            extra.append(m)
-            if e == "bias":
-                dbias = [m]
-        else:
-            next(it), next(it)
-            extra += [("b", "s"), ("b", "t")]
+    extra = _extra_mappings(direction, shapes[len(fixed):], extras, {"B": "b", "Hq": qh, "Sq": "s", "Sk": "t"},
+                            {"B": b, "Hq": heads, "Sq": sq, "Sk": sizes["t"]}, sizes)
+    dbias = [m for m, o in zip(extra, CALLS[direction].extra_operands(extras)) if o.name == "bias"]
     if direction == "fwd":
         return fixed + extra, [q, lse], sizes
     if direction == "bwd":
         return fixed + extra, [q, kv, kv] + (dbias if with_dbias else []), sizes
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+
+def _extra_mappings(direction, shapes, extras, factors: dict, dims: dict, sizes: dict) -> list[tuple]:
+    """The factors of the extra operands (contract.EXTRAS), from their symbolic dims: `factors`
+    maps a dim name to its factor and `dims` to its size; a broadcast dim ("1|X") of size 1
+    where X is not gets a unit factor of its own (added to `sizes`)."""
+    out = []
+    for operand, shape in zip(CALLS[direction].extra_operands(extras), shapes):
+        symbolic = operand.shape if len(shape) == len(operand.shape) else operand.other_shape
+        broadcast = [i for i, d in enumerate(symbolic) if "|" in d]  # each owns a unit, used or not
+        units = {i: f"u{len(sizes) + k}" for k, i in enumerate(broadcast)}
+        sizes.update({u: 1 for u in units.values()})
+        out.append(tuple(units[i] if i in units and n == 1 and dims[d.split("|")[-1]] != 1
+                         else factors[d.split("|")[-1]] for i, (d, n) in enumerate(zip(symbolic, shape))))
+    return out
 
 
 def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = True) -> ir.Attribute:

@@ -1,6 +1,6 @@
 """KernelSpec: the few properties that change a kernel's shape.
 
-Everything else (scale, causal alignment, sliding window, softcap, batch,
+Everything else (the call's attributes, flashgen.contract.ATTRIBUTES; batch,
 sequence lengths, head counts) is a runtime argument of the custom call, so one
 compiled specialization serves every model with the same head dim, dtype and
 causal flag. A field is added here only for what changes a kernel's shape.
@@ -98,44 +98,3 @@ class KernelSpec:
             "target": self.target,
             "targets": {d: self.target_name(d) for d in DIRECTIONS},
         }
-
-
-# The call contract (attributes, extras, validation) lives in flashgen.contract; these names are
-# re-exported for the modules that still import them from here (issue 20 moves them).
-from flashgen.contract import (EXTRAS as _CONTRACT_EXTRAS, CALLS as _CALLS,  # noqa: E402
-                               ATTRIBUTES as _CONTRACT_ATTRIBUTES, extra_operand_index, normalize_extras,
-                               normalize_scale, normalize_softcap, normalize_window)
-
-ATTRIBUTES = {d: {n: _CONTRACT_ATTRIBUTES[n].mlir for n in c.attributes} for d, c in _CALLS.items()}
-EXTRAS = {e: tuple(o.name for o in ops) for e, ops in _CONTRACT_EXTRAS.items()}
-PACKED_EXTRAS = _CALLS["fwd_varlen"].extras
-DEFAULT_WINDOW = normalize_window(None)
-DEFAULT_SOFTCAP = normalize_softcap(None)
-
-
-# Operands and results, per direction, in call order ("*extras": the operands `extras` names).
-SIGNATURES = {
-    "fwd": {
-        "operands": ["q[B,Sq,Hq,D]", "k[B,Sk,Hkv,D]", "v[B,Sk,Hkv,D]", "*extras"],
-        "results": ["o[B,Sq,Hq,D]", "lse[B,Hq,Sq]:f32"],
-    },
-    "bwd": {
-        "operands": ["q", "k", "v", "o", "lse:f32", "do", "*extras"],
-        "results": ["dq", "dk", "dv", "dbias (optional, only with extras bias)"],
-    },
-    "fwd_varlen": {
-        "operands": ["q[Tq,Hq,D]", "k[Tk,Hkv,D]", "v[Tk,Hkv,D]", "cu_seqlens_q[B+1]:i32",
-                     "cu_seqlens_k[B+1]:i32", "*extras"],
-        "results": ["o[Tq,Hq,D]", "lse[Hq,Tq]:f32"],
-    },
-    "bwd_varlen": {
-        "operands": ["q", "k", "v", "o", "lse:f32", "do", "cu_seqlens_q:i32", "cu_seqlens_k:i32",
-                     "*extras"],
-        "results": ["dq", "dk", "dv"],
-    },
-    "fwd_paged": {
-        "operands": ["q[B,Sq,Hq,D]", "k_cache[NB,BS,Hkv,D]", "v_cache[NB,BS,Hkv,D]",
-                     "block_table[B,MB]:i32", "seqused_k[B]:i32", "*extras"],
-        "results": ["o[B,Sq,Hq,D]", "lse[B,Hq,Sq]:f32"],
-    },
-}

@@ -98,7 +98,7 @@ def test_bad_operands_are_refused_in_python(types, direction, kw, match):
 
 
 def test_attribute_schemas_are_what_the_handlers_bind():
-    from flashgen.spec import ATTRIBUTES, DIRECTIONS
+    from flashgen.contract import ATTRIBUTE_TYPES as ATTRIBUTES, DIRECTIONS
     assert set(ATTRIBUTES) == set(DIRECTIONS)
     base = {"causal", "scale", "bottom_right", "window_left", "window_right", "softcap"}
     assert set(ATTRIBUTES["fwd"]) == set(ATTRIBUTES["bwd"]) == base | {"extras"}

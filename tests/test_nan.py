@@ -19,7 +19,7 @@ import pytest
 
 from conftest import needs_nvcc
 from flashgen import execute, reference
-from flashgen.spec import normalize_softcap
+from flashgen.contract import normalize_softcap
 
 HERE = pathlib.Path(__file__).resolve().parent
 GOLDEN = HERE / "golden" / "inputs"

@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 
 from flashgen import reference, targets
-from flashgen.spec import EXTRAS, KernelSpec, normalize_extras
+from flashgen.contract import CallAttributes, normalize_extras
+from flashgen.spec import KernelSpec
 
 NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 # Relative error allowed per element type: a few units in the last place of the
@@ -79,10 +80,9 @@ class Checker:
         self.dt = NP_DTYPES[spec.dtype]
         self.scale = float(np.float32(1 / np.sqrt(spec.head_dim)))
 
-    def _attrs(self, bottom_right, window, softcap, extras=""):
-        return dict(causal=self.spec.causal, scale=self.scale, bottom_right=bottom_right,
-                    window_left=int(window[0]), window_right=int(window[1]), softcap=float(softcap),
-                    extras=extras)
+    def _attrs(self, direction, bottom_right, window, softcap, extras=(), max_seqlen=None):
+        return CallAttributes(self.spec.causal, self.scale, bottom_right, window, softcap, extras,
+                              max_seqlen).values(direction)
 
     def _normal(self, *shape):
         return self.rng.standard_normal(shape).astype(self.dt)
@@ -130,7 +130,7 @@ class Checker:
             kw.update(q_segment_ids=qs, kv_segment_ids=ks)
         names = normalize_extras(tuple(ops))
         extra_ops = [a for n in names for a in ops[n]]
-        attrs = self._attrs(bottom_right, window, softcap, ",".join(names))
+        attrs = self._attrs("fwd", bottom_right, window, softcap, names)
         family = "extras" if names else "dense"
         case = _describe(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, bottom_right=bottom_right, window=window,
                          softcap=softcap, alibi=alibi, bias=bias and f"{bias}{':f32' if bias_f32 else ''}",
@@ -166,8 +166,8 @@ class Checker:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (len(seqlens_q), hq))
                          .astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = dict(self._attrs(bottom_right, window, softcap, "alibi" if alibi else ""),
-                     max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
+        attrs = self._attrs("fwd_varlen", bottom_right, window, softcap, "alibi" if alibi else "",
+                            (max(seqlens_q), max(seqlens_k)))
         case = _describe(seqlens_q=tuple(seqlens_q), seqlens_k=tuple(seqlens_k), pad=(pad_q, pad_k), hq=hq,
                          hkv=hkv, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=self.spec.causal, scale=self.scale,
@@ -203,7 +203,7 @@ class Checker:
         if alibi:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "")
+        attrs = self._attrs("fwd_paged", bottom_right, window, softcap, "alibi" if alibi else "")
         case = _describe(seqused_k=tuple(seqused_k), sq=seqlen_q, block_size=bs, hq=hq, hkv=hkv,
                          bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_paged(q, kc, vc, table, used, causal=self.spec.causal, scale=self.scale,

@@ -30,7 +30,8 @@ from flashgen.emulate.machine import LaunchStats, launch, short_name
 from flashgen.emulate.memory import GlobalMemory
 from flashgen.emulate.ptx import PtxModule
 from flashgen.errors import FlashgenError
-from flashgen.spec import ATTRIBUTES, parse_target_name
+from flashgen.contract import ATTRIBUTE_TYPES
+from flashgen.spec import parse_target_name
 
 # XLA_FFI_DataType codes (xla/ffi/api/c_api.h).
 _FFI_DTYPES = {np.dtype(np.bool_): 1, np.dtype(np.int32): 4, np.dtype(np.float16): 10,
@@ -203,7 +204,7 @@ class EmulatedLibrary:
         """Run handler `target` on `operands` (numpy arrays) producing `results`
         ((shape, dtype) pairs, or arrays to fill in place); returns (results, CallRecord).
 
-        Attributes are keywords, typed by the target's schema (spec.ATTRIBUTES).
+        Attributes are keywords, typed by the target's schema (contract.ATTRIBUTE_TYPES).
         `scratch_limit` (bytes) makes the host refuse larger scratch, as XLA may.
         Raises HandlerError when the handler returns an error, EmulationError when a
         kernel (or a host access to device memory) does something unsafe or unsupported."""
@@ -211,7 +212,7 @@ class EmulatedLibrary:
         if target not in self.handlers:
             raise ValueError(f"{target} is not in this library (it has {', '.join(sorted(self.handlers))})")
         parsed = parse_target_name(target)
-        schema = ATTRIBUTES[parsed[0]] if parsed else {}
+        schema = ATTRIBUTE_TYPES[parsed[0]] if parsed else {}
         unknown = set(attrs) - set(schema)
         if unknown:
             raise ValueError(f"{target} takes no attribute(s) {sorted(unknown)}; its attributes: {sorted(schema)}")

@@ -1,8 +1,8 @@
 """flash_attention: the forward and backward custom calls, wired for jit, grad and vmap.
 
-Side by side, each small: argument checks, the two ffi_calls, their batching
-rule (vmap folds the mapped axis into the batch), and the custom VJP that
-hands the forward's log-sum-exp to the backward kernel.
+Side by side, each small: argument checks, the two kernel calls (flashgen.jax.primitive, with
+its batching rule), and the custom VJP that hands the forward's log-sum-exp to the backward
+kernel.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashgen import runtime, targets
-from flashgen.jax import sharding
-from flashgen.spec import (EXTRAS, HEAD_DIMS, KernelSpec, extra_operand_index, normalize_dtype,
-                           normalize_scale, normalize_softcap, normalize_window)
+from flashgen.contract import EXTRAS, CallAttributes, extra_operand_index, normalize_scale, normalize_window
+from flashgen.jax import primitive, sharding
+from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_dtype
 
 
 def local_target() -> str:
@@ -56,40 +56,21 @@ def _check(q, k, v, scale) -> tuple[str, float]:
     return dtype, normalize_scale(scale)
 
 
-def _fold_vmap(call, fold: bool = True):
-    """Batching rule for a kernel call: fold the vmapped axis into the batch axis (when every
-    operand leads with the batch: `fold`), else map the call over it."""
-    call = jax.custom_batching.custom_vmap(call)
-
-    @call.def_vmap
-    def rule(axis_size, in_batched, *args):
-        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
-        if not fold:
-            outs = jax.lax.map(lambda xs: call(*xs), tuple(args))
-            return tuple(outs), (True,) * len(outs)
-        outs = call(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
-        outs = tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs)
-        return outs, (True,) * len(outs)
-
-    return call
-
-
 @functools.cache
 def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1, -1), softcap=0.0,
                   extras=(), dbias: bool = True):
-    # The FFI calls, carrying the batch/head sharding rule (flashgen/jax/sharding.py).
-    # Extra operands (bias, masks, ...) follow the fixed ones; they may broadcast over the
-    # batch, so a vmap maps the call instead of folding it into the batch. With a bias, the
-    # backward returns dbias unless `dbias` is False.
-    attrs = dict(scale=scale, bottom_right=bottom_right, window=window, softcap=softcap, extras=extras)
+    # The kernel calls (flashgen.jax.primitive). Extra operands (bias, masks, ...) follow the
+    # fixed ones; they may broadcast over the batch, so a vmap maps the call instead of folding
+    # it into the batch. With a bias, the backward returns dbias unless `dbias` is False.
+    attrs = CallAttributes(spec.causal, scale, bottom_right, window, softcap, extras)
 
     def fwd(q, k, v, *extra):
-        return sharding.kernel_call(spec, "fwd", (q, k, v, *extra), **attrs)
+        return primitive.kernel_call(spec, "fwd", (q, k, v, *extra), attrs)
 
     def bwd(q, k, v, o, lse, do, *extra):
-        return sharding.kernel_call(spec, "bwd", (q, k, v, o, lse, do, *extra), dbias=dbias, **attrs)
+        return primitive.kernel_call(spec, "bwd", (q, k, v, o, lse, do, *extra), attrs, dbias=dbias)
 
-    return _fold_vmap(fwd, not extras), _fold_vmap(bwd, not extras)
+    return primitive.fold_vmap(fwd, not extras), primitive.fold_vmap(bwd, not extras)
 
 
 # `mask` = (bottom_right, window, softcap, extras): the runtime attributes besides scale;
@@ -191,7 +172,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
     if fold:
         q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False
     spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
-    q, k, v, *ex = sharding.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
+    q, k, v, *ex = primitive.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
     o, lse = _attention(q, k, v, tuple(ex), spec, scale, attrs)
     if fold:
         o, lse = _unfold_group(o, query.shape[2]), lse.reshape(lse.shape[0], -1, 1)
@@ -287,15 +268,14 @@ def _alibi_operand(alibi_slopes, batch: int, heads: int):
 def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0, extras=(),
              check_shardings=True):
     dtype, scale = _check(q, k, v, scale)
-    window = normalize_window(window)
-    softcap = normalize_softcap(softcap)
-    if bottom_right and not causal and window == (-1, -1) and "alibi" not in extras:
+    attrs = CallAttributes(causal, scale, bottom_right, window, softcap, extras)
+    if attrs.bottom_right and not attrs.causal and attrs.window == (-1, -1) and "alibi" not in attrs.extras:
         raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
     if check_shardings:
         sharding.check_operand_shardings(q, k, v)
-    spec = KernelSpec(q.shape[3], dtype, bool(causal), local_target())
+    spec = KernelSpec(q.shape[3], dtype, attrs.causal, local_target())
     runtime.ensure([spec])
-    return spec, scale, (bool(bottom_right), window, softcap, tuple(extras))
+    return spec, scale, (attrs.bottom_right, attrs.window, attrs.softcap, attrs.extras)
 
 
 def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -346,9 +326,7 @@ def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap, extras):
 # attrs = (bottom_right, window, softcap, extras); `ex` = the extra operands (ALiBi slopes),
 # constants of the backward.
 def _varlen_call(direction, operands, spec, scale, attrs, max_seqlen):
-    bottom_right, window, softcap, extras = attrs
-    return sharding.kernel_call(spec, direction, operands, scale=scale, bottom_right=bottom_right,
-                                window=window, softcap=softcap, extras=extras, max_seqlen=max_seqlen)
+    return primitive.kernel_call(spec, direction, operands, CallAttributes(spec.causal, scale, *attrs, max_seqlen))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -411,10 +389,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _attention_paged(q, k_cache, v_cache, block_table, seqused_k, ex, spec, scale, attrs):
-    bottom_right, window, softcap, extras = attrs
-    return sharding.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k, *ex),
-                                scale=scale, bottom_right=bottom_right, window=window,
-                                softcap=softcap, extras=extras)
+    return primitive.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k, *ex),
+                                 CallAttributes(spec.causal, scale, *attrs))
 
 
 def _attention_paged_fwd(*args):

@@ -1,17 +1,14 @@
 """jax.export with flashgen's custom calls allowed through the safety check."""
 from __future__ import annotations
 
-import itertools
-
 import jax
 
-from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, target_name
+from flashgen.jax.sharding import all_target_names
 
 
 def flashgen_custom_call_checks() -> list:
     """DisabledSafetyCheck entries for every flashgen target name."""
-    return [jax.export.DisabledSafetyCheck.custom_call(target_name(d, h, t, c))
-            for d, h, t, c in itertools.product(DIRECTIONS, HEAD_DIMS, DTYPES, (False, True))]
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in all_target_names()]
 
 
 def export(fn, *args, platforms=None, **kwargs):

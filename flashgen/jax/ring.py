@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from flashgen.jax.attention import _check, attention_bwd, attention_with_lse
-from flashgen.spec import normalize_window
+from flashgen.contract import normalize_window
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, scale: float | None = None,

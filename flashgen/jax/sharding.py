@@ -15,13 +15,13 @@ head_dim stay whole on every device:
   their sharding-inference callback) alike, and any module that holds
   flashgen calls: ``flash_attention``, ``jax.export`` round trips, emitted or
   rewritten StableHLO.
-* ``kernel_call``: the JAX primitive behind ``flash_attention``: an FFI call
-  whose lowering carries the rule, whose abstract evaluation keeps explicit
-  (sharding-in-types) shardings and shard_map varying axes.
+* checks of the shardings JAX can see before compiling (``check_operand_shardings``,
+  ``attention_shardings``).
 
-Imported by ``flashgen.jax``, so importing that package registers the
-partitioners; a process that compiles sharded flashgen modules without it
-should call ``register_partitioners()``.
+A partitioner reads the call it splits with the contract's one parse
+(``contract.CallAttributes.parse``) and emits it again on the local shapes with those
+attributes. Importing this module (flashgen.jax.primitive does) registers the partitioners, so
+importing ``flashgen.jax`` does; ``register_partitioners()`` does it explicitly.
 """
 from __future__ import annotations
 
@@ -30,17 +30,13 @@ import itertools
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir as jax_mlir
 from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
 
-from flashgen.emit import emit_custom_call
-from flashgen.sharding_rule import sharding_rule_attr
-from flashgen.spec import (DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, extra_operand_index,
-                           normalize_extras, parse_target_name, target_name)
+from flashgen.contract import CALLS, CallAttributes, extra_operand_index
+from flashgen.emit import emit_call
+from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, parse_target_name, target_name
 
 BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 
@@ -106,30 +102,17 @@ def _lse_sharding(s):
     return xc.HloSharding.from_proto(op)
 
 
-def _parse_call(name: str, backend_string: bytes):
-    direction, hd, dtype, causal = parse_target_name(name)
-    from flashgen.mlir_context import new_context
-    with new_context():
-        attrs = ir.DictAttr(ir.Attribute.parse(bytes(backend_string).decode() or "{}"))
-        scale = ir.FloatAttr(attrs["scale"]).value
-        bottom_right = "bottom_right" in attrs and ir.BoolAttr(attrs["bottom_right"]).value
-        extra = {
-            "window": tuple(ir.IntegerAttr(attrs[n]).value if n in attrs else -1
-                            for n in ("window_left", "window_right")),
-            "softcap": ir.FloatAttr(attrs["softcap"]).value if "softcap" in attrs else 0.0,
-            "extras": normalize_extras(ir.StringAttr(attrs["extras"]).value if "extras" in attrs else ""),
-        }
-        if "max_seqlen_q" in attrs:
-            extra["max_seqlen"] = tuple(ir.IntegerAttr(attrs[n]).value
-                                        for n in ("max_seqlen_q", "max_seqlen_k"))
-    return KernelSpec(hd, dtype, causal, "cpu"), direction, scale, bool(bottom_right), extra
+def _read_call(name: str, backend_string: bytes):
+    """(spec, direction, attributes) of the call XLA asks about, read by the contract's parse."""
+    direction, head_dim, dtype, causal = parse_target_name(name)
+    return KernelSpec(head_dim, dtype, causal, "cpu"), direction, CallAttributes.parse(backend_string, direction)
 
 
 _MLIR_ELEMENTS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "bool": "i1", "int32": "i32"}
 
 
-def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, scale, bottom_right,
-                  extra=None) -> bytes:
+def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, attrs: CallAttributes,
+                  dbias: bool) -> bytes:
     """A module whose @main is the same flashgen call on per-device shapes."""
     from jaxlib.mlir.dialects import func
     from flashgen.mlir_context import new_context
@@ -142,9 +125,8 @@ def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, scal
             fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
             block = fn.add_entry_block()
             with ir.InsertionPoint(block):
-                results = emit_custom_call(spec, direction, list(block.arguments), scale=scale,
-                                           bottom_right=bottom_right, legacy_attrs=True,
-                                           sharding_rule=False, **(extra or {}))
+                results = emit_call(spec, direction, list(block.arguments), attrs, dbias=dbias,
+                                    legacy_attrs=True, sharding_rule=False)
                 func.ReturnOp(results)
             fn.attributes["function_type"] = ir.TypeAttr.get(
                 ir.FunctionType.get(types, [r.type for r in results]))
@@ -162,7 +144,7 @@ def _plan_for(direction, base, shapes, extras, with_dbias):
     """_plan, except that a backward returning the dbias of a bias broadcast over batch or
     heads keeps that dim whole: dbias sums over it, which per-device calls cannot do."""
     if with_dbias and base is not None and base.is_tiled():
-        bias = shapes[6 + extra_operand_index(extras, "bias")]
+        bias = shapes[len(CALLS[direction].operands) + extra_operand_index(extras, "bias")]
         whole = [dim for dim, n in ((BATCH, bias[0]), (HEADS, bias[1])) if n == 1]
         if whole:
             base = _replicate_dims(base, whole)
@@ -208,11 +190,11 @@ def _follow(devices, roles, shape):
     return xc.HloSharding.from_proto(op)
 
 
-def _extra_shardings(qs, shapes, extras):
-    """Shardings of the extra operands that follow q's batch/head tiling `qs`: ALiBi slopes
-    [Hq] / [B, Hq], bias and mask [1|B, 1|Hq, Sq, Sk], segment ids [B, S]. A dim of size 1
-    (broadcast) is not split; factors an operand lacks become replication. None when q's
-    sharding has subgroups other than replication (the call then runs whole)."""
+def _extra_shardings(direction, qs, shapes, extras):
+    """Shardings of the extra operands that follow q's batch/head tiling `qs` (contract.EXTRAS:
+    a batch or q-head dim splits as q's, a dim of size 1 (broadcast) is not split; factors an
+    operand lacks become replication). None when q's sharding has subgroups other than
+    replication (the call then runs whole)."""
     xc = _xc()
     if not extras:
         return []
@@ -221,19 +203,16 @@ def _extra_shardings(qs, shapes, extras):
     devices = _batch_head_devices(qs, BATCH, HEADS)
     if devices is None:
         return None
-    out, it = [], iter(shapes)
-    for e in extras:
-        if e == "alibi":
-            shape = next(it)
-            out.append(_follow(devices, ("h",) if len(shape) == 1 else ("b", "h"), shape))
-        elif e in ("bias", "mask"):
-            out.append(_follow(devices, ("b", "h", None, None), next(it)))
-        else:
-            out += [_follow(devices, ("b", None), next(it)), _follow(devices, ("b", None), next(it))]
-    return out
+    return [_follow(devices, _roles(o, s), s) for o, s in zip(CALLS[direction].extra_operands(extras), shapes)]
 
 
-def _packed_shardings(direction, base, shapes):
+def _roles(operand, shape) -> tuple:
+    """_follow's roles of an extra operand's dims: 'b' for the batch, 'h' for the q heads."""
+    symbolic = operand.shape if len(shape) == len(operand.shape) else operand.other_shape
+    return tuple({"B": "b", "Hq": "h"}.get(d.split("|")[-1]) for d in symbolic)
+
+
+def _packed_shardings(direction, base, shapes, extras):
     """(operand, result) shardings of a varlen call (heads split; the packed tokens and
     cu_seqlens stay whole: sequence boundaries are data) or a paged call (batch and heads
     split; the caches split by kv head only, their blocks are addressed by global ids)."""
@@ -256,18 +235,18 @@ def _packed_shardings(direction, base, shapes):
     if devices is None:
         return whole
     f = functools.partial(_follow, devices)
-    nfixed = {"fwd_paged": 5, "fwd_varlen": 5, "bwd_varlen": 8}[direction]
-    # ALiBi slopes [Hq] or [B, Hq] follow the heads (and, for paged calls, the batch).
-    alibi = [f(("h",) if len(x) == 1 else ("b" if paged else None, "h"), x) for x in shapes[nfixed:]]
+    nfixed = len(CALLS[direction].operands)
+    # The extras follow the heads (and, for paged calls, the batch; varlen has no batch axis).
+    extra = [f(_roles(o, x), x) for o, x in zip(CALLS[direction].extra_operands(extras), shapes[nfixed:])]
     if paged:
         q, cache = f(("b", None, "h", None), q_shape), f((None, None, "h", None), shapes[1])
         lse = f(("b", "h", None), (q_shape[0], q_shape[2], q_shape[1]))
-        return [q, cache, cache, f(("b", None), shapes[3]), f(("b",), shapes[4]), *alibi], [q, lse]
+        return [q, cache, cache, f(("b", None), shapes[3]), f(("b",), shapes[4]), *extra], [q, lse]
     q, kv = f((None, "h", None), q_shape), f((None, "h", None), shapes[1])
     lse = f(("h", None), (q_shape[1], q_shape[0]))
     if direction == "fwd_varlen":
-        return [q, kv, kv, rep, rep, *alibi], [q, lse]
-    return [q, kv, kv, q, lse, q, rep, rep, *alibi], [q, kv, kv]
+        return [q, kv, kv, rep, rep, *extra], [q, lse]
+    return [q, kv, kv, q, lse, q, rep, rep, *extra], [q, kv, kv]
 
 
 def _base_sharding(arg_shardings, result_sharding=None):
@@ -282,14 +261,17 @@ def _base_sharding(arg_shardings, result_sharding=None):
     return None
 
 
+def _with_dbias(direction, result_shape) -> bool:
+    """A backward with a bias that returns dbias: one result more than the call's fixed ones."""
+    return CALLS[direction].dbias and len(result_shape.tuple_shapes()) > len(CALLS[direction].results)
+
+
 def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, backend_string):
     xc = _xc()
-    spec, direction, scale, bottom_right, extra = _parse_call(name, backend_string)
+    spec, direction, attrs = _read_call(name, backend_string)
     shapes = [tuple(s.dimensions()) for s in arg_shapes]
     elements = [str(np.dtype(s.numpy_dtype())) for s in arg_shapes]
-    with_dbias = direction == "bwd" and len(result_shape.tuple_shapes()) == 4
-    if direction == "bwd":
-        extra["dbias"] = with_dbias
+    with_dbias = _with_dbias(direction, result_shape)
     if any(s is not None and s.is_manual() for s in arg_shardings):
         # Inside a fully manual region the call already sees local shapes.
         operand_sh = [xc.HloSharding.manual()] * len(shapes)
@@ -297,22 +279,22 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
         local = shapes
     elif direction not in ("fwd", "bwd"):
         operand_sh, result_sh = _packed_shardings(direction, _base_sharding(arg_shardings, result_sharding),
-                                                  shapes)
+                                                  shapes, attrs.extras)
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
     else:
         plan = _plan_for(direction, _base_sharding(arg_shardings, result_sharding), shapes,
-                         extra["extras"], with_dbias)
+                         attrs.extras, with_dbias)
         operand_sh, result_sh = _shardings_for(direction, plan)
-        extra_sh = _extra_shardings(plan[0], shapes[len(operand_sh):], extra["extras"])
+        extra_sh = _extra_shardings(direction, plan[0], shapes[len(operand_sh):], attrs.extras)
         if extra_sh is None:  # a tiling the extras cannot follow: the call runs whole
             plan = (xc.HloSharding.replicate(),) * 3
             operand_sh, result_sh = _shardings_for(direction, plan)
             extra_sh = [plan[0]] * (len(shapes) - len(operand_sh))
         operand_sh = operand_sh + extra_sh
         if with_dbias:
-            result_sh = result_sh + [extra_sh[extra_operand_index(extra["extras"], "bias")]]
+            result_sh = result_sh + [extra_sh[extra_operand_index(attrs.extras, "bias")]]
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
-    module = _local_module(spec, direction, local, elements, scale, bottom_right, extra)
+    module = _local_module(spec, direction, local, elements, attrs, with_dbias)
     return module, operand_sh, xc.HloSharding.tuple_sharding(result_shape, result_sh)
 
 
@@ -323,21 +305,20 @@ def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_
         if base is None:
             return None
         shapes = [tuple(s.dimensions()) for s in arg_shapes]
-        direction = parse_target_name(name)[0]
+        _, direction, attrs = _read_call(name, backend_string)
         if direction not in ("fwd", "bwd"):
-            result_sh = _packed_shardings(direction, base, shapes)[1]
+            result_sh = _packed_shardings(direction, base, shapes, attrs.extras)[1]
             return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
-        extras = _parse_call(name, backend_string)[4]["extras"]
-        with_dbias = direction == "bwd" and len(result_shape.tuple_shapes()) == 4
-        plan = _plan_for(direction, base, shapes, extras, with_dbias)
+        with_dbias = _with_dbias(direction, result_shape)
+        plan = _plan_for(direction, base, shapes, attrs.extras, with_dbias)
         _, result_sh = _shardings_for(direction, plan)
-        nfixed = 3 if direction == "fwd" else 6
+        nfixed = len(CALLS[direction].operands)
         if len(shapes) > nfixed:  # extras; the backward's dbias follows the bias
-            extra_sh = _extra_shardings(plan[0], shapes[nfixed:], extras)
+            extra_sh = _extra_shardings(direction, plan[0], shapes[nfixed:], attrs.extras)
             if extra_sh is None:
                 return None
             if with_dbias:
-                result_sh = result_sh + [extra_sh[extra_operand_index(extras, "bias")]]
+                result_sh = result_sh + [extra_sh[extra_operand_index(attrs.extras, "bias")]]
         return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
     except Exception:  # noqa: BLE001 - fall back to XLA's default (replicated) choice
         return None
@@ -372,96 +353,6 @@ def register_partitioners() -> None:
             except Exception:  # noqa: BLE001 - no plugin support: CPU and built-in backends only
                 pass
         _registered = True
-
-
-# --------------------------------------------------------------------------------------
-# The JAX primitive behind flash_attention's kernels.
-
-_kernel_p = Primitive("flashgen_kernel")
-_kernel_p.multiple_results = True
-
-
-def _abstract_eval(*avals, target, direction, attrs, dbias):
-    q = avals[0]
-    if direction.startswith("bwd"):
-        dbias = [avals[6 + extra_operand_index(_extras_of(attrs), "bias")]] if dbias else []
-        return [a.update(weak_type=False) for a in [*avals[:3], *dbias]]
-    if direction == "fwd_varlen":
-        lse = q.update(shape=(q.shape[1], q.shape[0]), dtype=jnp.float32, weak_type=False)
-        return [q.update(weak_type=False), lse]
-    b, sq, hq, _ = q.shape
-    sharding = q.sharding
-    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
-    lse = q.update(shape=(b, hq, sq), dtype=jnp.float32, weak_type=False,
-                   sharding=sharding.update(spec=P(spec[BATCH], spec[HEADS], None)))
-    return [q.update(weak_type=False), lse]
-
-
-def _extras_of(attrs) -> tuple[str, ...]:
-    return normalize_extras(dict(attrs).get("extras", ""))
-
-
-def _fully_manual(ctx) -> bool:
-    axis_context = ctx.module_context.axis_context
-    manual = getattr(axis_context, "manual_axes", None)
-    mesh = getattr(axis_context, "mesh", None)
-    return bool(manual) and mesh is not None and set(manual) == set(mesh.axis_names)
-
-
-def _lowering(ctx, *args, target, direction, attrs, dbias):
-    extra = {}
-    if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx):
-        extra["sdy.sharding_rule"] = sharding_rule_attr(
-            direction, [a.shape for a in ctx.avals_in], _extras_of(attrs), dbias)
-    rule = jax.ffi.ffi_lowering(target, extra_attributes=extra or None)
-    return rule(ctx, *args, **dict(attrs))
-
-
-@functools.partial(jax.jit, static_argnames=("target", "direction", "attrs", "dbias"))
-def _apply(*args, target, direction, attrs, dbias):
-    return _kernel_p.bind(*args, target=target, direction=direction, attrs=attrs, dbias=dbias)
-
-
-_kernel_p.def_abstract_eval(_abstract_eval)
-_kernel_p.def_impl(lambda *args, **params: _apply(*args, **params))
-jax_mlir.register_lowering(_kernel_p, _lowering)
-
-
-def _varying(x) -> frozenset:
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def match_varying(*operands):
-    """Inside shard_map, make every operand vary over the union of their manual axes
-    (a replicated k next to a sequence-split q). Outside, the operands unchanged."""
-    varying = frozenset().union(*map(_varying, operands))
-    if not varying:
-        return operands
-    return tuple(x if _varying(x) == varying else
-                 jax.lax.pcast(x, tuple(sorted(varying - _varying(x), key=str)), to="varying")
-                 for x in operands)
-
-
-def kernel_call(spec: KernelSpec, direction: str, operands, *, scale: float, bottom_right: bool,
-                window=(-1, -1), softcap: float = 0.0, extras=(), max_seqlen=None,
-                dbias: bool = True):
-    """Bind one flashgen kernel (`direction` one of spec.DIRECTIONS; operands as README
-    "KernelSpec and the custom calls" lists them, the dense ones followed by the operands
-    `extras` names; a dense backward with a bias also returns dbias unless `dbias=False`).
-    Passes every attribute of spec.ATTRIBUTES[direction] with its exact type."""
-    register_partitioners()
-    operands = match_varying(*operands)
-    left, right = window
-    attrs = [("bottom_right", bool(bottom_right)), ("causal", spec.causal),
-             ("scale", np.float32(scale)), ("softcap", np.float32(softcap)),
-             ("window_left", np.int32(left)), ("window_right", np.int32(right))]
-    attrs.append(("extras", ",".join(normalize_extras(extras))))
-    if direction.endswith("varlen"):
-        attrs += [("max_seqlen_k", np.int32(max_seqlen[1])), ("max_seqlen_q", np.int32(max_seqlen[0]))]
-    with_dbias = bool(dbias) and direction == "bwd" and "bias" in normalize_extras(extras)
-    return tuple(_kernel_p.bind(*operands, target=spec.target_name(direction),
-                                direction=direction, attrs=tuple(sorted(attrs)), dbias=with_dbias))
 
 
 # --------------------------------------------------------------------------------------

@@ -60,7 +60,8 @@ from flashgen.rewrite.report import AttentionSite, Rejection
 from flashgen.rewrite.roles import RolesStage
 from flashgen.rewrite.scores import ScoresStage
 from flashgen.rewrite.softmax import SoftmaxStage
-from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_scale
+from flashgen.contract import normalize_scale
+from flashgen.spec import HEAD_DIMS, KernelSpec
 
 
 @dataclasses.dataclass
