@@ -58,8 +58,9 @@ from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
 from flashgen.rewrite.probabilities import ProbabilitiesStage
 from flashgen.rewrite.report import AttentionSite, Rejection
 from flashgen.rewrite.roles import RolesStage
-from flashgen.rewrite.scores import ScoresStage
+from flashgen.rewrite.scores import ScoreWalk
 from flashgen.rewrite.softmax import SoftmaxStage
+from flashgen.rewrite.variants.state import Scores
 from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_scale
 
 
@@ -84,7 +85,7 @@ class Plan:
     runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
 
 
-class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage):
+class AttentionPattern:
     """Finds dot_general → softmax → dot_general attention and replaces it."""
 
     name = "attention"
@@ -101,6 +102,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         self.walk_inputs = walk_inputs
         self.proven = proven      # backward proofs shared by the driver's two match passes
         self.folder = Folder(graph)
+        self.roles = RolesStage(graph, self.folder)
         self.legacy_attrs = legacy_attrs
         self.target = target
 
@@ -208,13 +210,16 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         m.matched.append("Q·K product")
 
         # 1. scores -> softmax entry
-        x, x_layout = self._walk_scores(m, Ref(dot1.result), scores_layout)
+        x, x_layout, scores = ScoreWalk(self.g, self.folder, m).walk(Ref(dot1.result),
+                                                                    scores_layout)
         # 2. the softmax
-        p, p_layout, R = self._softmax(m, x, x_layout)
+        softmax = SoftmaxStage(self.g, self.folder, scores)
+        p, p_layout, R = softmax._softmax(m, x, x_layout)
         m.softmax_axes = R
         m.matched.append("softmax")
         # 3. probabilities -> P·V product
-        dot2, p_idx, dot2_ctx = self._walk_probs(m, p, p_layout)
+        dot2, p_idx, dot2_ctx = ProbabilitiesStage(self.g, self.folder, softmax)._walk_probs(
+            m, p, p_layout)
         m.matched.append("P·V product")
         if dot2_ctx:
             raise Reject("the P·V product is inside a called function; the site spans functions")
@@ -234,12 +239,12 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             raise Reject("the softmax normalizes over only part of the key axes",
                          softmax_axes=pieces_text(R))
         # 5. P·V product dimension roles
-        v_ref, v_layout, out_layout = self._pv_roles(m, dot2, p_idx, p_layout, R, sizes)
+        v_ref, v_layout, out_layout = self.roles._pv_roles(m, dot2, p_idx, p_layout, R, sizes)
         # 6. exit chain
         if self.polymorphic:
             exit_op, exit_value, exit_layout = dot2, dot2.result, out_layout
         else:
-            exit_op, exit_value, exit_layout = self._exit(m, dot2, out_layout)
+            exit_op, exit_value, exit_layout = self.roles._exit(m, dot2, out_layout)
         # 7. inputs
         q_val, k_val = (rhs, lhs) if k_side == "lhs" else (lhs, rhs)
         q_lay, k_lay = (rhs_layout, lhs_layout) if k_side == "lhs" else (lhs_layout, rhs_layout)
@@ -256,19 +261,19 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             m.notes.append("scale split between Q and K")
         if covered(k_in[3]):
             m.notes.append("K/V broadcast over heads (GQA) read through")
-        scale = m.scale * q_in[2] * k_in[2]
-        if m.softcap:
+        scale = scores.scale * q_in[2] * k_in[2]
+        if scores.softcap:
             # c·tanh(pre·qk): the kernel's scale is pre·c, its softcap c
-            scale *= m.softcap
+            scale *= scores.softcap
         # 8. closure: no intermediate may have a user outside the site (in a training
         # graph: outside the site and its backward, checked by backward.find)
         if not m.training:
             self._check_closure(m, exit_op)
         # 9. mask, kernel layout, limits
-        site = self._plan(m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
+        site = self._plan(m, scores, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
                           exit_op, exit_value, exit_layout, scale)
         if m.training:
-            if m.runtime_scales:
+            if scores.runtime_scales:
                 raise Reject("a training site with a scale known only at run time (its "
                              "gradient would need the scale too)")
             view = backward.SiteView(
@@ -291,13 +296,13 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
 
     def _inputs(self, q_ref, q_lay, k_ref, k_lay, v_ref, v_layout):
         """Q, K, V walked back to their sources: (value, layout, scale, absent pieces) each."""
-        q_in = self._walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
-        k_in = self._walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
-        v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=True)
+        q_in = self.roles._walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
+        k_in = self.roles._walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
+        v_in = self.roles._walk_input(v_ref, v_layout, scale=False, bcast=True)
         if L.common_refinement((k_in[3],), (v_in[3],)) is None or \
                 covered(k_in[3]) != covered(v_in[3]):
-            k_in = self._walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
-            v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=False)
+            k_in = self.roles._walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
+            v_in = self.roles._walk_input(v_ref, v_layout, scale=False, bcast=False)
         return q_in, k_in, v_in
 
     # ------------------------------------------------------------------ closure
@@ -323,15 +328,15 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                                  f"{short_location(user)})")
 
     # ------------------------------------------------------------------ plan
-    def _plan(self, m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
+    def _plan(self, m, scores, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
               exit_op, exit_value, exit_layout, scale) -> AttentionSite:
         q_val, q_lay, _, q_abs = q_in
         k_val, k_lay, _, k_abs = k_in
         v_val, v_lay, _, v_abs = v_in
         if q_abs:
             raise Reject("the query is broadcast")
-        mask_layouts = [lay for _, lay, _ in m.masks] + [b.layout for b in m.biases] + \
-            X.layouts(m.extras)
+        mask_layouts = [lay for _, lay, _ in scores.masks] + [b.layout for b in scores.biases] + \
+            X.layouts(scores.extras)
         everything = [q_lay, k_lay, v_lay, exit_layout, (k_abs,), (v_abs,), (tuple(R),)] + mask_layouts
         cuts = L.boundaries(everything)
         if cuts is None:
@@ -348,22 +353,22 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         # mask -> causal / window attributes, or a constant mask operand
         const_masks = []
         try:
-            causal, bottom_right, q_seq, window = masks.classify(m.masks, cuts, q_free, k_free)
+            causal, bottom_right, q_seq, window = masks.classify(scores.masks, cuts, q_free, k_free)
         except masks.NotBand as e:
             causal, bottom_right, q_seq, window = False, False, [], (-1, -1)
-            const_masks = m.masks
+            const_masks = scores.masks
             m.notes.append(f"constant mask passed as an operand ({e.reason})")
         if not q_seq and q_free:
             # without a band any split is correct: name the query axis that a constant bias,
             # constant mask or segment ids vary along the sequence, else the largest
-            hint = self._seq_hint(m, const_masks, cuts, q_free)
+            hint = self._seq_hint(scores, const_masks, cuts, q_free)
             q_seq = [hint if hint is not None else
                      max(q_free, key=lambda p: (p[2], -qp.index(p)))]
         group_q = [p for p in q_free if p not in q_seq]
         first_seq = min((qp.index(p) for p in q_seq), default=len(qp))
         kv_batch = [p for p in batching if p not in absent]
         b_pieces = [p for p in kv_batch if qp.index(p) < first_seq]
-        held = self._held_pieces(m, const_masks, cuts)
+        held = self._held_pieces(scores, const_masks, cuts)
         if held is not None and len(b_pieces) > 1:
             # an extra operand is [1|B, 1|H, Sq, Sk]: keep the heads it does not vary along
             # out of the batch, or it would be materialized once per head
@@ -413,13 +418,13 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             normalize_scale(scale)
         except ValueError as e:
             raise Reject(str(e), **details) from None
-        resolved = X.resolve(m.extras, m.biases, const_masks, cuts=cuts,
-                             kernel_q=kernel["q"], k_free=tuple(k_free), final_scale=m.scale,
+        resolved = X.resolve(scores.extras, scores.biases, const_masks, cuts=cuts,
+                             kernel_q=kernel["q"], k_free=tuple(k_free), final_scale=scores.scale,
                              causal=causal, bottom_right=bottom_right, window=window,
                              kernel_dtype=dtype)
         bottom_right = resolved.bottom_right
         m.notes.extend(resolved.notes)
-        if self.polymorphic and (resolved.names or m.runtime_scales):
+        if self.polymorphic and (resolved.names or scores.runtime_scales):
             what = ", ".join(resolved.names) if resolved.names else "a run-time scale"
             raise Reject(f"a shape-polymorphic site with extra operands ({what}): only causal "
                          "and window masks (attributes) are rewritten there", **details)
@@ -427,7 +432,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             # a row without a visible key would be e / 0 in the original
             raise Reject("the softmax sums only the unmasked exponentials, but the "
                          "probabilities are not masked again")
-        empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards) or m.remasked,
+        empty = empty_rows.behaviour(scores.fills, zeroed_after=bool(m.guards) or m.remasked,
                                      max_subtracted=m.max_subtracted,
                                      may_empty=empty_rows.may_empty_rows(resolved, seq_q, seq_k))
         if self.polymorphic and empty == "mean":
@@ -442,8 +447,8 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                     inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
                     kernel=kernel, spec=spec, scale=float(np.float32(scale)),
                     bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
-                    softcap=float(np.float32(m.softcap)), extras=resolved, empty_rows=empty,
-                    runtime_scales=tuple(m.runtime_scales))
+                    softcap=float(np.float32(scores.softcap)), extras=resolved, empty_rows=empty,
+                    runtime_scales=tuple(scores.runtime_scales))
         return AttentionSite(
             location=where["location"], function=where["function"], op=where["op"],
             q_shape=shape_of(q_val), k_shape=shape_of(k_val), v_shape=shape_of(v_val),
@@ -451,38 +456,38 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
             target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan,
-            window=list(window), softcap=float(np.float32(m.softcap)),
+            window=list(window), softcap=float(np.float32(scores.softcap)),
             extras=list(resolved.names), extras_detail=list(resolved.describe),
             empty_rows=empty)
 
     @staticmethod
-    def _held_pieces(m: MatchState, const_masks, cuts):
+    def _held_pieces(scores: Scores, const_masks, cuts):
         """The pieces the extra operands vary along (None without extras)."""
-        if not (m.extras or m.biases or const_masks):
+        if not (scores.extras or scores.biases or const_masks):
             return None
         held = set()
-        consts = [(b.const.array, b.layout) for b in m.biases] + \
+        consts = [(b.const.array, b.layout) for b in scores.biases] + \
             [(c.array, lay) for c, lay, _ in const_masks]
         for arr, lay in consts:
             for i, d in enumerate(L.refine(lay, cuts)):
                 if arr.shape[i] > 1:
                     held |= set(d)
-        for lay in X.layouts(m.extras):
+        for lay in X.layouts(scores.extras):
             held |= set(L.pieces(L.refine(lay, cuts)))
         return held
 
     @staticmethod
-    def _seq_hint(m: MatchState, const_masks, cuts, q_free):
+    def _seq_hint(scores: Scores, const_masks, cuts, q_free):
         """The one query piece that a constant bias / mask or segment ids vary along, or None."""
         found = set()
         q_set = set(q_free)
-        consts = [(b.const.array, b.layout) for b in m.biases] + \
+        consts = [(b.const.array, b.layout) for b in scores.biases] + \
             [(c.array, lay) for c, lay, _ in const_masks]
         for arr, lay in consts:
             for i, d in enumerate(L.refine(lay, cuts)):
                 if arr.shape[i] > 1:
                     found |= {p for p in d if p in q_set}
-        for it in m.extras:
+        for it in scores.extras:
             if isinstance(it, X.SegmentIds):
                 for _, lay in (it.a, it.b):
                     found |= {p for p in L.pieces(L.refine(lay, cuts)) if p in q_set}

@@ -12,6 +12,8 @@ from flashgen.rewrite.chain import (
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
+from flashgen.rewrite.scores import is_score_mask
+from flashgen.rewrite.softmax import SoftmaxStage
 
 # private functions jax.random lowers to: their values are random bits
 _RANDOM_FUNCTIONS = re.compile(r"threefry|bernoulli|_uniform|random_bits")
@@ -22,7 +24,11 @@ PROB_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
 
 
 class ProbabilitiesStage:
-    """Mixin of AttentionPattern: the probabilities up to the P·V product."""
+    """The probabilities up to the P·V product, for one match attempt; ``softmax`` analyses
+    a guard's row statistics."""
+
+    def __init__(self, g, folder, softmax: SoftmaxStage):
+        self.g, self.folder, self.softmax = g, folder, softmax
 
     def _walk_probs(self, m: MatchState, p: Ref, layout):
         for _ in range(MAX_CHAIN):
@@ -50,7 +56,7 @@ class ProbabilitiesStage:
                 if other is None or not other.uniform or float(other.scalar()) != 0.0:
                     raise Reject(self._dropout_or(p, "the probabilities are selected against "
                                                      "a non-zero value"))
-                if self._is_score_mask(m, Ref(user.operands[0], ctx), layout, idx == 2):
+                if is_score_mask(self.g, self.softmax.scores, Ref(user.operands[0], ctx), layout, idx == 2):
                     # keras' masked softmax: it changes only rows without a visible key (0)
                     m.remasked = True
                     m.notes.append("the scores' mask applied again after the softmax")
@@ -69,7 +75,7 @@ class ProbabilitiesStage:
     def _guard(self, m: MatchState, p: Ref, pred: Ref):
         """A row-wise predicate computed from the scores (torch's fully-masked-row guard)."""
         try:
-            term = self._term(m, pred)
+            term = self.softmax.term(m, pred)
         except Reject:
             raise Reject(self._dropout_or(p, "the probabilities are masked after the "
                                              "softmax")) from None

@@ -17,7 +17,10 @@ from flashgen.rewrite.softmax import rowwise_ok
 
 
 class RolesStage:
-    """Mixin of AttentionPattern: the P·V product, the exit and the inputs."""
+    """The P·V product, the exit and the inputs."""
+
+    def __init__(self, g, folder):
+        self.g, self.folder = g, folder
 
     def _pv_roles(self, m: MatchState, dot2, p_idx: int, p_layout, R, sizes):
         """Check the P·V product; return V (Ref, layout) and the product's result layout."""
