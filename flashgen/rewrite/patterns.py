@@ -3,7 +3,8 @@
 
 match() runs the stages in order, each in its own module: scores (Q·K product to the
 softmax, masks and biases), softmax, probabilities (to the P·V product), roles (V, the
-exit, Q/K/V sources); then the closure check and the Plan (kernel layout and limits) here.
+exit, Q/K/V sources); then the closure check here, and the Plan: the composition of the variants' plan steps
+(flashgen.rewrite.plan, flashgen.rewrite.variants).
 
 What is matched, starting at a ``dot_general`` (the Q·K product):
 
@@ -39,18 +40,14 @@ never assumed.
 """
 from __future__ import annotations
 
-import dataclasses
-from math import prod
-
-import numpy as np
 from jaxlib.mlir import ir
 
-from flashgen.rewrite import adapters, backward, empty_rows, masks
+from flashgen.rewrite import adapters, backward, empty_rows
 from flashgen.rewrite import extras as X
 from flashgen.rewrite import layout as L
+from flashgen.rewrite import plan as P
 from flashgen.rewrite.chain import (
-    ELEMENTWISE, KERNEL_DTYPES, LAYOUT_OPS, MatchState, covered, dot_dims, elt, pieces_text,
-    reduce_kind, shape_of,
+    ELEMENTWISE, LAYOUT_OPS, MatchState, covered, dot_dims, pieces_text, reduce_kind, shape_of,
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Folder
@@ -60,29 +57,6 @@ from flashgen.rewrite.report import AttentionSite, Rejection
 from flashgen.rewrite.roles import RolesStage
 from flashgen.rewrite.scores import ScoreWalk
 from flashgen.rewrite.softmax import SoftmaxStage
-from flashgen.rewrite.variants.state import Scores
-from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_scale
-
-
-@dataclasses.dataclass
-class Plan:
-    """Everything rewrite() needs; built by match(), valid until the module changes."""
-    dot1: object
-    exit_op: object
-    exit_value: ir.Value
-    exit_layout: tuple
-    inputs: dict              # 'q'|'k'|'v' -> (ir.Value, layout)
-    kernel: dict              # 'q'|'k'|'v'|'o' -> tuple of dims (each a tuple of pieces)
-    spec: KernelSpec
-    scale: float
-    bottom_right: bool
-    site_ops: set             # {(ir.Operation, ctx)} the site's own ops
-    window: tuple = (-1, -1)  # (left, right), -1 = unbounded
-    softcap: float = 0.0      # 0 = none
-    extras: object = None     # extras.Resolved: the operands after q, k, v
-    empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
-    backward: object = None   # backward.Backward: a training site's VJP cluster
-    runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
 
 
 class AttentionPattern:
@@ -261,17 +235,20 @@ class AttentionPattern:
             m.notes.append("scale split between Q and K")
         if covered(k_in[3]):
             m.notes.append("K/V broadcast over heads (GQA) read through")
-        scale = scores.scale * q_in[2] * k_in[2]
-        if scores.softcap:
-            # c·tanh(pre·qk): the kernel's scale is pre·c, its softcap c
-            scale *= scores.softcap
         # 8. closure: no intermediate may have a user outside the site (in a training
         # graph: outside the site and its backward, checked by backward.find)
         if not m.training:
             self._check_closure(m, exit_op)
-        # 9. mask, kernel layout, limits
-        site = self._plan(m, scores, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
-                          exit_op, exit_value, exit_layout, scale)
+        # 9. the plan: the variants' steps (masks, kernel layout, limits)
+        found = P.Site(scores=scores, q=q_in, k=k_in, v=v_in, exit_layout=exit_layout,
+                       q_labels=frozenset(q_labels), k_labels=frozenset(k_labels),
+                       softmax_axes=tuple(R), max_subtracted=m.max_subtracted,
+                       masked_sum=m.masked_sum, remasked=m.remasked, guarded=bool(m.guards),
+                       polymorphic=self.polymorphic)
+        draft = P.build(found)
+        m.notes.extend(draft.notes)
+        site = P.finish(found, draft, target=self.target, where=where, dot1=dot1,
+                        exit_op=exit_op, exit_value=exit_value, site_ops=m.ops)
         if m.training:
             if scores.runtime_scales:
                 raise Reject("a training site with a scale known only at run time (its "
@@ -327,172 +304,6 @@ class AttentionPattern:
                     raise Reject(f"{what} have another user ({op_name(user)} at "
                                  f"{short_location(user)})")
 
-    # ------------------------------------------------------------------ plan
-    def _plan(self, m, scores, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
-              exit_op, exit_value, exit_layout, scale) -> AttentionSite:
-        q_val, q_lay, _, q_abs = q_in
-        k_val, k_lay, _, k_abs = k_in
-        v_val, v_lay, _, v_abs = v_in
-        if q_abs:
-            raise Reject("the query is broadcast")
-        mask_layouts = [lay for _, lay, _ in scores.masks] + [b.layout for b in scores.biases] + \
-            X.layouts(scores.extras)
-        everything = [q_lay, k_lay, v_lay, exit_layout, (k_abs,), (v_abs,), (tuple(R),)] + mask_layouts
-        cuts = L.boundaries(everything)
-        if cuts is None:
-            raise Reject("the axes are split inconsistently between the pieces of the site")
-        q_lay, k_lay, v_lay, exit_layout = (L.refine(x, cuts) for x in (q_lay, k_lay, v_lay, exit_layout))
-        absent = set(L.refine_dim(k_abs, cuts))
-        qp, kp, vp = L.pieces(q_lay), L.pieces(k_lay), L.pieces(v_lay)
-        q_free = [p for p in qp if p[0] in q_labels]
-        k_free = [p for p in kp if p[0] in k_labels]
-        c_pieces = [p for p in qp if p[0][0] == "C"]
-        v_pieces = [p for p in vp if p[0][0] == "V"]
-        batching = [p for p in qp if p[0][0] == "B"]
-
-        # mask -> causal / window attributes, or a constant mask operand
-        const_masks = []
-        try:
-            causal, bottom_right, q_seq, window = masks.classify(scores.masks, cuts, q_free, k_free)
-        except masks.NotBand as e:
-            causal, bottom_right, q_seq, window = False, False, [], (-1, -1)
-            const_masks = scores.masks
-            m.notes.append(f"constant mask passed as an operand ({e.reason})")
-        if not q_seq and q_free:
-            # without a band any split is correct: name the query axis that a constant bias,
-            # constant mask or segment ids vary along the sequence, else the largest
-            hint = self._seq_hint(scores, const_masks, cuts, q_free)
-            q_seq = [hint if hint is not None else
-                     max(q_free, key=lambda p: (p[2], -qp.index(p)))]
-        group_q = [p for p in q_free if p not in q_seq]
-        first_seq = min((qp.index(p) for p in q_seq), default=len(qp))
-        kv_batch = [p for p in batching if p not in absent]
-        b_pieces = [p for p in kv_batch if qp.index(p) < first_seq]
-        held = self._held_pieces(scores, const_masks, cuts)
-        if held is not None and len(b_pieces) > 1:
-            # an extra operand is [1|B, 1|H, Sq, Sk]: keep the heads it does not vary along
-            # out of the batch, or it would be materialized once per head
-            last = max((i for i, p in enumerate(b_pieces) if p in held), default=0)
-            b_pieces = b_pieces[:last + 1]
-        hkv = [p for p in kv_batch if p not in b_pieces]
-        group = sorted([p for p in batching if p in absent] + group_q, key=qp.index)
-        hq = hkv + group
-        kernel = {
-            "q": (tuple(b_pieces), tuple(q_seq), tuple(hq), tuple(c_pieces)),
-            "k": (tuple(b_pieces), tuple(k_free), tuple(hkv), tuple(c_pieces)),
-            "v": (tuple(b_pieces), tuple(k_free), tuple(hkv), tuple(v_pieces)),
-            "o": (tuple(b_pieces), tuple(q_seq), tuple(hq), tuple(v_pieces)),
-        }
-        for name, lay in (("q", q_lay), ("k", k_lay), ("v", v_lay), ("o", exit_layout)):
-            if sorted(L.pieces(lay)) != sorted(L.pieces(kernel[name])):
-                raise Reject(f"the {'output' if name == 'o' else name} layout does not map onto "
-                             f"the kernel's [batch, seq, heads, head_dim]",
-                             layout=L.describe(lay))
-        dims = {k: [prod(pc[2] for pc in d) for d in v] for k, v in kernel.items()}
-        _, seq_q, _, head_dim = dims["q"]
-        seq_k = dims["k"][1]
-        head_dim_v = dims["v"][3]
-        # logical sizes for the report: the outermost piece of the Q·K product's first
-        # batching dim is the batch, every other batching piece and the query's extra axes
-        # are heads (GQA groups included). Ordered by the product's dims, not by where the
-        # pieces sit in Q's source: vmap puts the mapped batch anywhere in it.
-        by_dim = sorted(batching, key=lambda p: (int(p[0][1:]), -p[1]))
-        first, rest = by_dim[:1], by_dim[1:]
-        batch = prod(p[2] for p in first)
-        heads = prod(p[2] for p in rest) * prod(p[2] for p in group_q)
-        kv_heads = heads // prod(p[2] for p in group)
-        # dtype
-        dts = [elt(x) for x in (q_val, k_val, v_val)]
-        for dt in dts:
-            if dt not in KERNEL_DTYPES:
-                raise Reject(f"element type {dt} is not supported (f16, bf16, f32)")
-        dtype = dts[0] if len(set(dts)) == 1 else "f32"
-        details = dict(q_shape=shape_of(q_val), head_dim=head_dim, dtype=dtype)
-        if head_dim != head_dim_v:
-            raise Reject(f"the value head dim ({head_dim_v}) differs from the query/key head dim "
-                         f"({head_dim})", **details)
-        if head_dim not in HEAD_DIMS:
-            raise Reject(f"head dim {head_dim} is not supported (supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))})", **details)
-        try:
-            normalize_scale(scale)
-        except ValueError as e:
-            raise Reject(str(e), **details) from None
-        resolved = X.resolve(scores.extras, scores.biases, const_masks, cuts=cuts,
-                             kernel_q=kernel["q"], k_free=tuple(k_free), final_scale=scores.scale,
-                             causal=causal, bottom_right=bottom_right, window=window,
-                             kernel_dtype=dtype)
-        bottom_right = resolved.bottom_right
-        m.notes.extend(resolved.notes)
-        if self.polymorphic and (resolved.names or scores.runtime_scales):
-            what = ", ".join(resolved.names) if resolved.names else "a run-time scale"
-            raise Reject(f"a shape-polymorphic site with extra operands ({what}): only causal "
-                         "and window masks (attributes) are rewritten there", **details)
-        if m.masked_sum and not m.remasked:
-            # a row without a visible key would be e / 0 in the original
-            raise Reject("the softmax sums only the unmasked exponentials, but the "
-                         "probabilities are not masked again")
-        empty = empty_rows.behaviour(scores.fills, zeroed_after=bool(m.guards) or m.remasked,
-                                     max_subtracted=m.max_subtracted,
-                                     may_empty=empty_rows.may_empty_rows(resolved, seq_q, seq_k))
-        if self.polymorphic and empty == "mean":
-            raise Reject("a shape-polymorphic site whose rows without a visible key need the "
-                         "finite-fill fix-up (a padding mask, a constant mask leaving rows "
-                         "without a key) is not rewritten", **details)
-        if empty in empty_rows.NOTES:
-            m.notes.append(empty_rows.NOTES[empty])
-        spec = KernelSpec(head_dim, dtype, causal, self.target)
-        layout_text = _layout_letters(q_lay, first, q_seq, rest + group_q, c_pieces)
-        plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
-                    inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
-                    kernel=kernel, spec=spec, scale=float(np.float32(scale)),
-                    bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
-                    softcap=float(np.float32(scores.softcap)), extras=resolved, empty_rows=empty,
-                    runtime_scales=tuple(scores.runtime_scales))
-        return AttentionSite(
-            location=where["location"], function=where["function"], op=where["op"],
-            q_shape=shape_of(q_val), k_shape=shape_of(k_val), v_shape=shape_of(v_val),
-            out_shape=shape_of(exit_value), layout=layout_text, dtype=dtype, batch=batch,
-            seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
-            target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan,
-            window=list(window), softcap=float(np.float32(scores.softcap)),
-            extras=list(resolved.names), extras_detail=list(resolved.describe),
-            empty_rows=empty)
-
-    @staticmethod
-    def _held_pieces(scores: Scores, const_masks, cuts):
-        """The pieces the extra operands vary along (None without extras)."""
-        if not (scores.extras or scores.biases or const_masks):
-            return None
-        held = set()
-        consts = [(b.const.array, b.layout) for b in scores.biases] + \
-            [(c.array, lay) for c, lay, _ in const_masks]
-        for arr, lay in consts:
-            for i, d in enumerate(L.refine(lay, cuts)):
-                if arr.shape[i] > 1:
-                    held |= set(d)
-        for lay in X.layouts(scores.extras):
-            held |= set(L.pieces(L.refine(lay, cuts)))
-        return held
-
-    @staticmethod
-    def _seq_hint(scores: Scores, const_masks, cuts, q_free):
-        """The one query piece that a constant bias / mask or segment ids vary along, or None."""
-        found = set()
-        q_set = set(q_free)
-        consts = [(b.const.array, b.layout) for b in scores.biases] + \
-            [(c.array, lay) for c, lay, _ in const_masks]
-        for arr, lay in consts:
-            for i, d in enumerate(L.refine(lay, cuts)):
-                if arr.shape[i] > 1:
-                    found |= {p for p in d if p in q_set}
-        for it in scores.extras:
-            if isinstance(it, X.SegmentIds):
-                for _, lay in (it.a, it.b):
-                    found |= {p for p in L.pieces(L.refine(lay, cuts)) if p in q_set}
-        return found.pop() if len(found) == 1 else None
-
     # ------------------------------------------------------------------ rewrite
     def rewrite(self, site: AttentionSite) -> None:
         """Insert the custom call and its adapters before the site's exit; redirect uses.
@@ -500,7 +311,7 @@ class AttentionPattern:
         Dead ops are removed by the driver afterwards.
         """
         from flashgen.emit import emit_custom_call
-        plan: Plan = site.plan
+        plan: P.Plan = site.plan
         exit_op = plan.exit_op
         loc = ir.Location.name("flashgen.attention", childLoc=plan.dot1.location)
         kdt = ir.Type.parse(plan.spec.dtype)
@@ -553,7 +364,7 @@ class AttentionPattern:
             for source, g in dbias.items():
                 bw.dbias[source].replace_all_uses_except(g, inside)
 
-    def _rewrite_backward(self, plan: Plan, operands, o, lse, created) -> dict:
+    def _rewrite_backward(self, plan: P.Plan, operands, o, lse, created) -> dict:
         """One flashgen_bwd call for the site's backward cluster, placed before the first
         use of its gradients; returns ({'q'|'k'|'v': the value replacing that gradient},
         {differentiated bias source: the value replacing its gradient})."""
@@ -600,26 +411,6 @@ class AttentionPattern:
             dbias = X.emit_bias_grads(plan.extras, results[3], bw.dbias, created) \
                 if bw.dbias else {}
         return out, dbias
-
-
-def _layout_letters(q_lay, b, s, h, d) -> str:
-    role = {}
-    for pieces_, letter in ((b, "B"), (s, "S"), (h, "H"), (d, "D")):
-        for p in pieces_:
-            role[p] = letter
-    out = []
-    for dim in q_lay:
-        letters = []
-        for p in dim:
-            if role.get(p) and role[p] not in letters:
-                letters.append(role[p])
-        if not letters:
-            out.append("1")
-        elif len(letters) == 1:
-            out.append(letters[0])
-        else:
-            out.append("(" + "".join(letters) + ")")
-    return "".join(out)
 
 
 def _describe_op(op, state) -> str:
