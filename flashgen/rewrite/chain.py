@@ -74,21 +74,18 @@ class Term:
 
 
 class MatchState:
-    """Mutable state of one match attempt."""
+    """The trace of one match attempt: the ops and values it visited (read by the closure
+    check and the backward's walk), what matched and the notes (for the report). What the
+    stages find is theirs and passed on explicitly (variants.state.Scores, the stages'
+    own fields)."""
 
     def __init__(self):
         self.ops: set = set()          # (operation, ctx)
         self.chain: dict = {}          # (value, ctx) -> (layout, tag)
         self.matched: list = []
         self.notes: list = []
-        self.guards: list = []         # row-wise predicates of fully-masked-row guards
-        self.max_subtracted = True     # the softmax subtracts a row max before exp
         self.twins: dict = {}          # (value, ctx) -> refs of equal selects (softmax where=)
-        self.remasked = False          # the probabilities are masked again by a score mask
-        self.masked_sum = False        # the row sum adds only the unmasked exponentials
-        self.probs_layout = None       # the probabilities' layout at the P·V product
         self.dot1 = None               # the Q·K product
-        self.softmax_axes = None       # R: the pieces the softmax normalizes over
         # a training graph: the forward's intermediates also feed its backward
         # (flashgen.rewrite.backward); only tried after a plain match met such uses
         self.training = False

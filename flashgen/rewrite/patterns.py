@@ -188,12 +188,11 @@ class AttentionPattern:
                                                                     scores_layout)
         # 2. the softmax
         softmax = SoftmaxStage(self.g, self.folder, scores)
-        p, p_layout, R = softmax._softmax(m, x, x_layout)
-        m.softmax_axes = R
+        p, p_layout, R = softmax.match(m, x, x_layout)
         m.matched.append("softmax")
         # 3. probabilities -> P·V product
-        dot2, p_idx, dot2_ctx = ProbabilitiesStage(self.g, self.folder, softmax)._walk_probs(
-            m, p, p_layout)
+        probs = ProbabilitiesStage(self.g, self.folder, softmax)
+        dot2, p_idx, dot2_ctx, p_layout = probs.walk(m, p, p_layout, R)
         m.matched.append("P·V product")
         if dot2_ctx:
             raise Reject("the P·V product is inside a called function; the site spans functions")
@@ -213,12 +212,13 @@ class AttentionPattern:
             raise Reject("the softmax normalizes over only part of the key axes",
                          softmax_axes=pieces_text(R))
         # 5. P·V product dimension roles
-        v_ref, v_layout, out_layout = self.roles._pv_roles(m, dot2, p_idx, p_layout, R, sizes)
+        v_ref, v_layout, out_layout = self.roles.pv_roles(dot2, p_idx, p_layout, R, sizes,
+                                                                probs.guards)
         # 6. exit chain
         if self.polymorphic:
             exit_op, exit_value, exit_layout = dot2, dot2.result, out_layout
         else:
-            exit_op, exit_value, exit_layout = self.roles._exit(m, dot2, out_layout)
+            exit_op, exit_value, exit_layout = self.roles.exit(m, dot2, out_layout)
         # 7. inputs
         q_val, k_val = (rhs, lhs) if k_side == "lhs" else (lhs, rhs)
         q_lay, k_lay = (rhs_layout, lhs_layout) if k_side == "lhs" else (lhs_layout, rhs_layout)
@@ -242,8 +242,9 @@ class AttentionPattern:
         # 9. the plan: the variants' steps (masks, kernel layout, limits)
         found = P.Site(scores=scores, q=q_in, k=k_in, v=v_in, exit_layout=exit_layout,
                        q_labels=frozenset(q_labels), k_labels=frozenset(k_labels),
-                       softmax_axes=tuple(R), max_subtracted=m.max_subtracted,
-                       masked_sum=m.masked_sum, remasked=m.remasked, guarded=bool(m.guards),
+                       softmax_axes=tuple(R), max_subtracted=softmax.max_subtracted,
+                       masked_sum=softmax.masked_sum, remasked=probs.remasked,
+                       guarded=bool(probs.guards),
                        polymorphic=self.polymorphic)
         draft = P.build(found)
         m.notes.extend(draft.notes)
@@ -273,13 +274,13 @@ class AttentionPattern:
 
     def _inputs(self, q_ref, q_lay, k_ref, k_lay, v_ref, v_layout):
         """Q, K, V walked back to their sources: (value, layout, scale, absent pieces) each."""
-        q_in = self.roles._walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
-        k_in = self.roles._walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
-        v_in = self.roles._walk_input(v_ref, v_layout, scale=False, bcast=True)
+        q_in = self.roles.walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
+        k_in = self.roles.walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
+        v_in = self.roles.walk_input(v_ref, v_layout, scale=False, bcast=True)
         if L.common_refinement((k_in[3],), (v_in[3],)) is None or \
                 covered(k_in[3]) != covered(v_in[3]):
-            k_in = self.roles._walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
-            v_in = self.roles._walk_input(v_ref, v_layout, scale=False, bcast=False)
+            k_in = self.roles.walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
+            v_in = self.roles.walk_input(v_ref, v_layout, scale=False, bcast=False)
         return q_in, k_in, v_in
 
     # ------------------------------------------------------------------ closure
@@ -331,10 +332,8 @@ class AttentionPattern:
                 names = plan.extras.names if plan.extras is not None else ()
                 if names:
                     operands += X.emit(plan.extras, plan.spec.dtype, created)
-                o, lse = emit_custom_call(plan.spec, "fwd", operands, scale=plan.scale,
-                                          bottom_right=plan.bottom_right, window=plan.window,
-                                          softcap=plan.softcap, extras=names,
-                                          legacy_attrs=self.legacy_attrs)
+                o, lse = emit_custom_call(plan.spec, "fwd", operands, **plan.attributes,
+                                          extras=names, legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
                 o_kernel = o
                 if plan.empty_rows == "mean":
@@ -391,9 +390,8 @@ class AttentionPattern:
                 do = adapters.convert(do, kdt, created)
             names = plan.extras.names if plan.extras is not None else ()
             results = emit_custom_call(plan.spec, "bwd", operands[:3] + [o, lse, do] + operands[3:],
-                                       scale=plan.scale, bottom_right=plan.bottom_right,
-                                       window=plan.window, softcap=plan.softcap, extras=names,
-                                       dbias=bool(bw.dbias), legacy_attrs=self.legacy_attrs)
+                                       **plan.attributes, extras=names, dbias=bool(bw.dbias),
+                                       legacy_attrs=self.legacy_attrs)
             created.append(results[0].owner)
             if plan.empty_rows == "mean":   # the forward's fix-up has a gradient too
                 results[2] = empty_rows.emit_mean_fixup_grad(

@@ -43,11 +43,9 @@ class Plan:
     backward: object = None   # backward.Backward: a training site's VJP cluster
     runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
 
-    # the attributes by name, for the emit helpers that take them one by one
-    scale = property(lambda self: self.attributes["scale"])
+    # the band's attributes, which the empty-row fix-up reads too
     bottom_right = property(lambda self: self.attributes["bottom_right"])
     window = property(lambda self: self.attributes["window"])
-    softcap = property(lambda self: self.attributes["softcap"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,15 +29,19 @@ class ProbabilitiesStage:
 
     def __init__(self, g, folder, softmax: SoftmaxStage):
         self.g, self.folder, self.softmax = g, folder, softmax
+        self.remasked = False          # found: masked again by the scores' mask (keras)
+        self.guards = []               # found: (row-wise Term, layout) of fully-masked-row guards
 
-    def _walk_probs(self, m: MatchState, p: Ref, layout):
+    def walk(self, m: MatchState, p: Ref, layout, axes):
+        """(the P·V product, the probabilities' operand index, its ctx, their layout there);
+        ``axes``: the pieces the softmax normalizes over."""
         for _ in range(MAX_CHAIN):
             users = list(self.g.users(p))
             steps = [u for u in users if op_name(u[0]) in PROB_STEPS]
             if len(steps) > 1 and m.training:
                 # the backward's dV = Pᵀ·dO contracts the query axis: not the P·V product
                 steps = [u for u in steps if op_name(u[0]) != "stablehlo.dot_general"
-                         or _contracts(u, layout, m.softmax_axes)]
+                         or _contracts(u, layout, axes)]
             if len(steps) != 1:
                 if not users:
                     raise Reject("the probabilities are never used")
@@ -47,8 +51,7 @@ class ProbabilitiesStage:
             name = op_name(user)
             m.add(user, ctx)
             if name == "stablehlo.dot_general":
-                m.probs_layout = layout
-                return user, idx, ctx
+                return user, idx, ctx, layout
             if name == "stablehlo.select":
                 if idx == 0:
                     raise Reject("the probabilities are used as a predicate")
@@ -58,10 +61,10 @@ class ProbabilitiesStage:
                                                      "a non-zero value"))
                 if is_score_mask(self.g, self.softmax.scores, Ref(user.operands[0], ctx), layout, idx == 2):
                     # keras' masked softmax: it changes only rows without a visible key (0)
-                    m.remasked = True
+                    self.remasked = True
                     m.notes.append("the scores' mask applied again after the softmax")
                 else:
-                    m.guards.append((self._guard(m, p, Ref(user.operands[0], ctx)), layout))
+                    self.guards.append((self._guard(m, p, Ref(user.operands[0], ctx)), layout))
                     m.notes.append("fully-masked-row guard after the softmax")
             elif name == "stablehlo.convert":
                 if elt(user.result) not in FLOAT_TYPES:

@@ -23,8 +23,10 @@ class SoftmaxStage:
 
     def __init__(self, g, folder, scores: Scores):
         self.g, self.folder, self.scores = g, folder, scores
+        self.max_subtracted = True     # found: the softmax subtracts a row max before exp
+        self.masked_sum = False        # found: the row sum adds only the unmasked exponentials
 
-    def _softmax(self, m: MatchState, x: Ref, x_layout):
+    def match(self, m: MatchState, x: Ref, x_layout):
         # the row max may be taken on one view of the scores and subtracted from another
         # (JAX transposes between the two): follow the non-reduce users through layout ops
         for _ in range(MAX_CHAIN):
@@ -74,7 +76,7 @@ class SoftmaxStage:
             if not exps:
                 raise Reject("no exponential follows the row maximum")
             m.notes.append("softmax without max subtraction")
-            m.max_subtracted = False
+            self.max_subtracted = False
         exp, _, ctx = exps[0]
         m.add(exp, ctx)
         e = Ref(exp.result, ctx)
@@ -242,7 +244,7 @@ class SoftmaxStage:
         if name == "stablehlo.select":
             kept = self._masked_by_scores_mask(m, op, r.ctx)
             if kept is not None:
-                m.masked_sum = True
+                self.masked_sum = True
                 return self.term(m, kept, depth + 1)
         if name in ELEMENTWISE:
             parts = [self.term(m, Ref(x, r.ctx), depth + 1) for x in op.operands]

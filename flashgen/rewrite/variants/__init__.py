@@ -17,11 +17,13 @@ from flashgen.rewrite.variants.operands import Operands
 from flashgen.rewrite.variants.scale import Scale
 from flashgen.rewrite.variants.softcap import Softcap
 
-SOFTCAP, SCALE = Softcap(), Scale()
+SOFTCAP, SCALE, BANDS = Softcap(), Scale(), Bands()
 # order matters: a multiply after a tanh is the softcap's cap, not a scale
 SCORE_VARIANTS = (SOFTCAP, SCALE, Mask(), Bias())
 # the plan (flashgen.rewrite.plan): the bands come before the kernel layout (they name the
 # query sequence axis), the rest after it, in this order (the softcap's cap is part of the
 # kernel's scale; empty rows depend on the resolved operands)
-BAND_VARIANTS = (Bands(),)
+BAND_VARIANTS = (BANDS,)
 PLAN_VARIANTS = (SOFTCAP, SCALE, Operands(), EmptyRows())
+# the --explain line of a matched site: "causal, softcap 50, scale 0.125"
+DESCRIBED = (BANDS, SOFTCAP, SCALE)

@@ -21,3 +21,13 @@ class Bands(ScoreVariant):
                              note=f"constant mask passed as an operand ({e.reason})")
         return draft.but(causal=causal, bottom_right=bottom_right, window=tuple(window),
                          q_seq=tuple(q_seq))
+
+    def describe(self, site) -> str:
+        mask = ("causal (bottom-right aligned)" if site.bottom_right else "causal") \
+            if site.causal else "no mask"
+        if tuple(site.window) != (-1, -1):
+            w = f"sliding window (left {site.window[0]}, right {site.window[1]})"
+            mask = w if mask == "no mask" else f"{mask}, {w}"
+            if site.bottom_right and not site.causal:
+                mask += " bottom-right aligned"
+        return mask

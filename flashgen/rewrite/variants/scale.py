@@ -39,6 +39,9 @@ class Scale(ScoreVariant):
             raise Reject(str(e), **draft.details) from None
         return draft.but(scale=scale, runtime_scales=tuple(site.scores.runtime_scales))
 
+    def describe(self, site) -> str:
+        return f", scale {site.scale:.6g}"
+
 
 def _runtime_scale(walk, found: Scores, step: Step, *, divide: bool) -> Scores:
     """A scalar of the site's function, folded into Q when the site is rewritten."""

@@ -55,3 +55,6 @@ class Softcap(ScoreVariant):
         if not c:
             return draft
         return draft.but(scale=draft.scale * c, softcap=c)
+
+    def describe(self, site) -> str:
+        return f", softcap {site.softcap:g}" if site.softcap else ""

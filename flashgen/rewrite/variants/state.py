@@ -58,8 +58,8 @@ class Scores:
 class ScoreVariant:
     """One score modifier or mask form: ``recognize`` a step of the scores (a new Scores, or
     None when the step is not this variant's; Reject when it is but cannot be rewritten),
-    ``finish`` checks once the walk reached the softmax, and ``plan`` its part of the site's
-    Plan (flashgen.rewrite.plan). A variant with no step of its own on the scores (a band,
+    ``finish`` checks once the walk reached the softmax, ``plan`` its part of the site's
+    Plan (flashgen.rewrite.plan), ``describe`` its part of the report's explanation. A variant with no step of its own on the scores (a band,
     empty rows) only plans."""
     name = ""
 
@@ -71,3 +71,7 @@ class ScoreVariant:
 
     def plan(self, site, draft):
         return draft
+
+    def describe(self, site) -> str:
+        """Its part of the ``--explain`` line of a matched site (report.AttentionSite)."""
+        return ""
