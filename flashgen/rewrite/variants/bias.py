@@ -21,14 +21,13 @@ class Bias(ScoreVariant):
     name = "bias"
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
-        name = op_name(step.op)
-        if not (name == "stablehlo.add" or (name == "stablehlo.subtract" and step.idx == 0)):
+        if not step.is_binary("stablehlo.add", lhs="stablehlo.subtract"):
             return None
         # a fill already in the scores now has this term added: it must absorb it
         found = found.but(add_dtype=elt(step.op.result),
                           fills=tuple(("add", v, dt) for _, v, dt in found.fills))
         found = bias_terms(walk, found, step.other, step.layout,
-                           -1.0 if name == "stablehlo.subtract" else 1.0, 0)
+                           -1.0 if step.name == "stablehlo.subtract" else 1.0, 0)
         return found.plus(step="bias")
 
 

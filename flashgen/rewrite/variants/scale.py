@@ -9,7 +9,6 @@ import numpy as np
 from flashgen.contract import normalize_scale
 from flashgen.rewrite.chain import FLOAT_TYPES, elt, shape_of
 from flashgen.rewrite.errors import Reject
-from flashgen.rewrite.graph import op_name
 from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
 
 
@@ -17,10 +16,9 @@ class Scale(ScoreVariant):
     name = "scale"
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
-        name = op_name(step.op)
-        if not (name == "stablehlo.multiply" or (name == "stablehlo.divide" and step.idx == 0)):
+        if not step.is_binary("stablehlo.multiply", lhs="stablehlo.divide"):
             return None
-        divide = name == "stablehlo.divide"
+        divide = step.name == "stablehlo.divide"
         if walk.folder.fold(step.other) is None:
             return _runtime_scale(walk, found, step, divide=divide)
         s = walk.uniform(step.other, "scale")

@@ -8,7 +8,6 @@ import numpy as np
 
 from flashgen.rewrite import extras as X
 from flashgen.rewrite.errors import Reject
-from flashgen.rewrite.graph import op_name
 from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
 
 
@@ -16,7 +15,7 @@ class Softcap(ScoreVariant):
     name = "softcap"
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
-        name = op_name(step.op)
+        name = step.name
         if name == "stablehlo.tanh":
             if found.tanh:
                 raise Reject("the scores pass through tanh twice")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Optional
 
-from flashgen.rewrite.graph import Ref
+from flashgen.rewrite.graph import Ref, op_name
 
 
 class Step(NamedTuple):
@@ -18,6 +18,15 @@ class Step(NamedTuple):
     idx: int                 # which of its operands the scores are
     ctx: tuple               # the call context it is seen in
     layout: tuple            # the scores' layout there
+
+    @property
+    def name(self) -> str:
+        return op_name(self.op)
+
+    def is_binary(self, either: str, lhs: str) -> bool:
+        """Is the op ``either`` (the scores on either side) or ``lhs`` with the scores as its
+        left operand (x - b, x / c)?"""
+        return self.name == either or (self.name == lhs and self.idx == 0)
 
     @property
     def other(self) -> Optional[Ref]:
