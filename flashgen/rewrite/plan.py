@@ -26,6 +26,13 @@ from flashgen.rewrite.variants.state import Scores
 from flashgen.spec import HEAD_DIMS, KernelSpec
 
 
+# the call's attributes that the variants set, by emit_custom_call's keywords, and the
+# contract's defaults for those a site leaves unset (emit applies the same)
+DEFAULTS = {"bottom_right": ATTRIBUTES["bottom_right"].default,
+            "window": (ATTRIBUTES["window_left"].default, ATTRIBUTES["window_right"].default),
+            "softcap": ATTRIBUTES["softcap"].default}
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything rewrite() needs; built by match(), valid until the module changes."""
@@ -36,16 +43,19 @@ class Plan:
     inputs: dict              # 'q'|'k'|'v' -> (ir.Value, layout)
     kernel: dict              # 'q'|'k'|'v'|'o' -> tuple of dims (each a tuple of pieces)
     spec: KernelSpec
-    attributes: dict          # the call's attributes, as emit_custom_call's keywords
+    attributes: dict          # the call's attributes the variants set (emit's keywords)
     site_ops: set             # {(ir.Operation, ctx)} the site's own ops
     extras: object = None     # extras.Resolved: the operands after q, k, v
     empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
     backward: object = None   # backward.Backward: a training site's VJP cluster
     runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
 
+    def attribute(self, name: str):
+        return self.attributes.get(name, DEFAULTS.get(name))
+
     # the band's attributes, which the empty-row fix-up reads too
-    bottom_right = property(lambda self: self.attributes["bottom_right"])
-    window = property(lambda self: self.attributes["window"])
+    bottom_right = property(lambda self: self.attribute("bottom_right"))
+    window = property(lambda self: self.attribute("window"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +87,8 @@ class Site:
 @dataclasses.dataclass(frozen=True)
 class Draft:
     """The plan as the steps build it (each returns a copy)."""
-    attributes: dict = dataclasses.field(default_factory=lambda: {
-        "scale": 1.0, "bottom_right": ATTRIBUTES["bottom_right"].default,
-        "window": (ATTRIBUTES["window_left"].default, ATTRIBUTES["window_right"].default),
-        "softcap": ATTRIBUTES["softcap"].default})
+    attributes: dict = dataclasses.field(default_factory=dict)  # what the variants set
+    scale_factor: float = 1.0   # what variants fold into the kernel's scale (a softcap's cap)
     causal: bool = False
     # the refined axes (_refine)
     cuts: object = None
@@ -104,13 +112,11 @@ class Draft:
     empty_rows: str = "none"
     notes: tuple = ()
 
-    @property
-    def scale(self) -> float:
-        return self.attributes["scale"]
+    def attribute(self, name: str):
+        return self.attributes.get(name, DEFAULTS.get(name))
 
-    def but(self, *, note: str | None = None, notes=(), **changes) -> "Draft":
-        """A copy with ``changes``; an attribute's name sets that attribute."""
-        attrs = {k: changes.pop(k) for k in list(changes) if k in self.attributes}
+    def but(self, *, note: str | None = None, notes=(), attrs=None, **changes) -> "Draft":
+        """A copy with ``changes``, the call attributes ``attrs`` set and the notes added."""
         if attrs:
             changes["attributes"] = {**self.attributes, **attrs}
         extra = tuple(notes) + ((note,) if note else ())
@@ -227,9 +233,10 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
            site_ops) -> AttentionSite:
     """The AttentionSite, its Plan attached."""
     spec = KernelSpec(draft.report["head_dim"], draft.dtype, draft.causal, target)
-    attributes = dict(draft.attributes, scale=float(np.float32(draft.scale)),
-                      softcap=float(np.float32(draft.attributes["softcap"])),
-                      window=tuple(draft.attributes["window"]))
+    # as the call carries them: f32, the window a pair
+    attributes = {k: float(np.float32(x)) if isinstance(x, float) else
+                  tuple(x) if isinstance(x, (list, tuple)) else x
+                  for k, x in draft.attributes.items()}
     plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value,
                 exit_layout=draft.layouts["o"],
                 inputs={n: (x[0], draft.layouts[n]) for n, x in zip("qkv", (site.q, site.k, site.v))},
@@ -241,9 +248,9 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
         location=where["location"], function=where["function"], op=where["op"],
         q_shape=shape_of(site.q[0]), k_shape=shape_of(site.k[0]), v_shape=shape_of(site.v[0]),
         out_shape=shape_of(exit_value), dtype=draft.dtype, seq_q=draft.seq_q,
-        seq_k=draft.seq_k, causal=draft.causal, bottom_right=attributes["bottom_right"],
-        scale=attributes["scale"], target=spec.target_name("fwd"), spec=spec.to_json(),
-        plan=plan, window=list(attributes["window"]), softcap=attributes["softcap"],
+        seq_k=draft.seq_k, causal=draft.causal, bottom_right=plan.attribute("bottom_right"),
+        scale=plan.attribute("scale"), target=spec.target_name("fwd"), spec=spec.to_json(),
+        plan=plan, window=list(plan.attribute("window")), softcap=plan.attribute("softcap"),
         extras=list(resolved.names), extras_detail=list(resolved.describe),
         empty_rows=draft.empty_rows, **draft.report)
 

@@ -124,11 +124,14 @@ def _same_layouts(a: AttentionSite, b: AttentionSite) -> str | None:
 
 
 def _same_attributes(a: AttentionSite, b: AttentionSite) -> str | None:
-    # the call's attributes (each also a field of the site) as the plan names them
-    for f in ("target", "causal", *a.plan.attributes, "layout", "heads", "kv_heads",
-              "head_dim", "dtype", "extras", "empty_rows"):
-        if getattr(a, f) != getattr(b, f):
-            return f"{f} {getattr(a, f)!r} vs {getattr(b, f)!r}"
+    site = lambda *names: [(f, getattr(a, f), getattr(b, f)) for f in names]  # noqa: E731
+    pairs = site("target", "causal") + \
+        [(f, a.plan.attribute(f), b.plan.attribute(f))   # the call's other attributes
+         for f in {**a.plan.attributes, **b.plan.attributes}] + \
+        site("layout", "heads", "kv_heads", "head_dim", "dtype", "extras", "empty_rows")
+    for f, x, y in pairs:
+        if x != y:
+            return f"{f} {x!r} vs {y!r}"
     return None
 
 

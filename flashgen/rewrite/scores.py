@@ -15,10 +15,9 @@ from flashgen.rewrite.graph import Ref, op_name
 from flashgen.rewrite.variants import SCORE_VARIANTS
 from flashgen.rewrite.variants.state import Scores, Step
 
-# which users continue the chain of the scores
+# which users continue the chain of the scores: layout ops and what a variant may recognize
 SCORE_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
-               "stablehlo.broadcast_in_dim", "stablehlo.multiply", "stablehlo.divide",
-               "stablehlo.select", "stablehlo.add", "stablehlo.subtract", "stablehlo.tanh"}
+               "stablehlo.broadcast_in_dim", *(op for v in SCORE_VARIANTS for op in v.ops)}
 
 
 class ScoreWalk:

@@ -19,8 +19,8 @@ class Bands(ScoreVariant):
         except masks.NotBand as e:
             return draft.but(const_masks=site.scores.masks,
                              note=f"constant mask passed as an operand ({e.reason})")
-        return draft.but(causal=causal, bottom_right=bottom_right, window=tuple(window),
-                         q_seq=tuple(q_seq))
+        return draft.but(causal=causal, q_seq=tuple(q_seq),
+                         attrs=dict(bottom_right=bottom_right, window=tuple(window)))
 
     def describe(self, site) -> str:
         mask = ("causal (bottom-right aligned)" if site.bottom_right else "causal") \

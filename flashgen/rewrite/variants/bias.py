@@ -19,6 +19,7 @@ from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
 
 class Bias(ScoreVariant):
     name = "bias"
+    ops = ("stablehlo.add", "stablehlo.subtract")
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
         if not step.is_binary("stablehlo.add", lhs="stablehlo.subtract"):

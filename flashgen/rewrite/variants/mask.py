@@ -22,6 +22,7 @@ NONZERO_TESTS = {"NE": (True, True), "EQ": (False, False), "GT": (True, None),
 
 class Mask(ScoreVariant):
     name = "mask"
+    ops = ("stablehlo.select",)
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
         user, idx, ctx, layout = step

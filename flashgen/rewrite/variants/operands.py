@@ -18,11 +18,11 @@ class Operands(ScoreVariant):
         resolved = X.resolve(sc.extras, sc.biases, draft.const_masks, cuts=draft.cuts,
                              kernel_q=draft.kernel["q"], k_free=draft.k_free,
                              final_scale=sc.scale, causal=draft.causal,
-                             bottom_right=draft.attributes["bottom_right"],
-                             window=draft.attributes["window"], kernel_dtype=draft.dtype)
+                             bottom_right=draft.attribute("bottom_right"),
+                             window=draft.attribute("window"), kernel_dtype=draft.dtype)
         if site.polymorphic and (resolved.names or sc.runtime_scales):
             what = ", ".join(resolved.names) if resolved.names else "a run-time scale"
             raise Reject(f"a shape-polymorphic site with extra operands ({what}): only causal "
                          "and window masks (attributes) are rewritten there", **draft.details)
-        return draft.but(extras=resolved, bottom_right=resolved.bottom_right,
+        return draft.but(extras=resolved, attrs=dict(bottom_right=resolved.bottom_right),
                          notes=resolved.notes)

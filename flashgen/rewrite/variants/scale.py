@@ -14,6 +14,7 @@ from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
 
 class Scale(ScoreVariant):
     name = "scale"
+    ops = ("stablehlo.multiply", "stablehlo.divide")
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
         if not step.is_binary("stablehlo.multiply", lhs="stablehlo.divide"):
@@ -29,13 +30,15 @@ class Scale(ScoreVariant):
 
     def plan(self, site, draft):
         """The kernel's scale: the constant factors of the scores and of Q and K's sources,
-        times what the other variants fold into it (``draft.scale``, e.g. a softcap's cap)."""
-        scale = site.scores.scale * site.q_scale * site.k_scale * draft.scale
+        times what the other variants fold into it (``draft.scale_factor``, e.g. a softcap's
+        cap)."""
+        scale = site.scores.scale * site.q_scale * site.k_scale * draft.scale_factor
         try:
             normalize_scale(scale)
         except ValueError as e:
             raise Reject(str(e), **draft.details) from None
-        return draft.but(scale=scale, runtime_scales=tuple(site.scores.runtime_scales))
+        return draft.but(attrs=dict(scale=scale),
+                         runtime_scales=tuple(site.scores.runtime_scales))
 
     def describe(self, site) -> str:
         return f", scale {site.scale:.6g}"

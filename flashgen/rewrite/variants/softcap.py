@@ -13,6 +13,9 @@ from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
 
 class Softcap(ScoreVariant):
     name = "softcap"
+    # a select, add or subtract only to refuse it between the tanh and the cap
+    ops = ("stablehlo.tanh", "stablehlo.multiply", "stablehlo.divide", "stablehlo.select",
+           "stablehlo.add", "stablehlo.subtract")
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
         name = step.name
@@ -53,7 +56,7 @@ class Softcap(ScoreVariant):
         c = site.scores.softcap
         if not c:
             return draft
-        return draft.but(scale=draft.scale * c, softcap=c)
+        return draft.but(scale_factor=draft.scale_factor * c, attrs=dict(softcap=c))
 
     def describe(self, site) -> str:
         return f", softcap {site.softcap:g}" if site.softcap else ""

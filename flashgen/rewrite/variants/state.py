@@ -71,6 +71,7 @@ class ScoreVariant:
     Plan (flashgen.rewrite.plan), ``describe`` its part of the report's explanation. A variant with no step of its own on the scores (a band,
     empty rows) only plans."""
     name = ""
+    ops: tuple = ()   # the ops on the scores it may recognize (the walk follows those)
 
     def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
         return None
