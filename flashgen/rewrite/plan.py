@@ -248,11 +248,18 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
         location=where["location"], function=where["function"], op=where["op"],
         q_shape=shape_of(site.q[0]), k_shape=shape_of(site.k[0]), v_shape=shape_of(site.v[0]),
         out_shape=shape_of(exit_value), dtype=draft.dtype, seq_q=draft.seq_q,
-        seq_k=draft.seq_k, causal=draft.causal, bottom_right=plan.attribute("bottom_right"),
-        scale=plan.attribute("scale"), target=spec.target_name("fwd"), spec=spec.to_json(),
-        plan=plan, window=list(plan.attribute("window")), softcap=plan.attribute("softcap"),
-        extras=list(resolved.names), extras_detail=list(resolved.describe),
-        empty_rows=draft.empty_rows, **draft.report)
+        seq_k=draft.seq_k, causal=draft.causal, target=spec.target_name("fwd"),
+        spec=spec.to_json(), plan=plan, extras=list(resolved.names),
+        extras_detail=list(resolved.describe), empty_rows=draft.empty_rows, **draft.report,
+        **_reported(plan))
+
+
+def _reported(plan: Plan) -> dict:
+    """The call's attributes that the report has a field for (scale, window, ...), as JSON."""
+    names = {f.name for f in dataclasses.fields(AttentionSite)}
+    return {k: list(x) if isinstance(x, tuple) else x
+            for k in {**DEFAULTS, **plan.attributes} if k in names
+            for x in [plan.attribute(k)]}
 
 
 def _held_pieces(scores: Scores, const_masks, cuts):
