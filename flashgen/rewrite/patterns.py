@@ -2,17 +2,15 @@
 ``rewrite(site)`` replaces it with one flashgen custom call.
 
 match() runs the stages in order, each in its own module: scores (Q·K product to the
-softmax, masks and biases), softmax, probabilities (to the P·V product), roles (V, the
-exit, Q/K/V sources); then the closure check here, and the Plan: the composition of the variants' plan steps
-(flashgen.rewrite.plan, flashgen.rewrite.variants).
+softmax), softmax, probabilities (to the P·V product), roles (V, the exit, Q/K/V sources);
+then the closure check here, and the Plan: the composition of the variants' plan steps
+(flashgen.rewrite.plan).
 
 What is matched, starting at a ``dot_general`` (the Q·K product):
 
     scores = dot_general(Q, K)                   any operand order and layout
-    scores -> [scale] -> [softcap] -> [mask]     multiply/divide by constants; softcap
-                                                 c·tanh(x/c): tanh then a multiply by c (the
-                                                 divide by c is part of the scale); select with
-                                                 a large negative fill; additive biases;
+    scores -> [variants]                         what flashgen.rewrite.variants recognize
+                                                 (one module each: scale, masks, biases, ...);
                                                  converts, reshapes, transposes, unit
                                                  broadcasts, private calls
     p = exp(x - rowconst) / rowsum               the softmax over the key axes R; rowconst is
@@ -20,17 +18,6 @@ What is matched, starting at a ``dot_general`` (the Q·K product):
     p -> [layout, converts, fully-masked guard]
     out = dot_general(p, V) contracting R        V on either side
     out -> [transpose/reshape/convert]           the site's exit value
-
-Masks and biases (flashgen.rewrite.extras, README "Variants"): a select's predicate is split
-into its AND-ed conjuncts. Constant conjuncts that form a causal / sliding-window band become
-the call's attributes (flashgen.rewrite.masks), other constant masks a constant ``mask``
-operand; run-time conjuncts a ``mask`` operand, or ``segment_ids`` when they compare integer
-ids along the queries with ids along the keys. An added value is split into its terms:
-constants (whose large negative entries mask) become ALiBi slopes when they equal
--slope·|i + off - j| up to per-row constants on the visible entries, else a constant
-``bias``; ``where(p, 0, -inf)`` terms are masks; other run-time terms a ``bias`` operand.
-Run-time operands are walked back through layout ops to their most compact form and must
-not depend on the Q·K product; they are rejected after a tanh (the kernel caps first).
 
 Roles are read from dimension numbers: the operand of the first product
 whose free axes the softmax reduces is K, the other is Q. Every tensor on the

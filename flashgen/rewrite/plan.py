@@ -3,7 +3,7 @@
 ``build`` folds STEPS over an immutable Draft: first the site's common refinement of axes,
 then the band variant (causal / window attributes: it names the query sequence axis), the
 kernel layout and dtype (here), then every other variant's step in
-flashgen.rewrite.variants.PLAN_VARIANTS order (softcap, scale, extra operands, empty rows).
+flashgen.rewrite.variants.PLAN_VARIANTS order.
 Each step reads the stages' findings (Site) and returns a new Draft; none changes the IR.
 """
 from __future__ import annotations
@@ -26,11 +26,16 @@ from flashgen.rewrite.variants.state import Scores
 from flashgen.spec import HEAD_DIMS, KernelSpec
 
 
-# the call's attributes that the variants set, by emit_custom_call's keywords, and the
-# contract's defaults for those a site leaves unset (emit applies the same)
-DEFAULTS = {"bottom_right": ATTRIBUTES["bottom_right"].default,
-            "window": (ATTRIBUTES["window_left"].default, ATTRIBUTES["window_right"].default),
-            "softcap": ATTRIBUTES["softcap"].default}
+# emit_custom_call takes the window as one keyword, the pair of the contract's attributes
+WINDOW = ("window_left", "window_right")
+
+
+def default(name: str):
+    """The contract's default of an attribute the plan names by emit's keyword (which emit
+    applies where a site leaves it unset)."""
+    if name == "window":
+        return tuple(ATTRIBUTES[n].default for n in WINDOW)
+    return ATTRIBUTES[name].default if name in ATTRIBUTES else None
 
 
 @dataclasses.dataclass
@@ -51,7 +56,7 @@ class Plan:
     runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
 
     def attribute(self, name: str):
-        return self.attributes.get(name, DEFAULTS.get(name))
+        return self.attributes.get(name, default(name))
 
     # the band's attributes, which the empty-row fix-up reads too
     bottom_right = property(lambda self: self.attribute("bottom_right"))
@@ -88,7 +93,7 @@ class Site:
 class Draft:
     """The plan as the steps build it (each returns a copy)."""
     attributes: dict = dataclasses.field(default_factory=dict)  # what the variants set
-    scale_factor: float = 1.0   # what variants fold into the kernel's scale (a softcap's cap)
+    scale_factor: float = 1.0   # what variants fold into the kernel's scale (a cap)
     causal: bool = False
     # the refined axes (_refine)
     cuts: object = None
@@ -113,7 +118,7 @@ class Draft:
     notes: tuple = ()
 
     def attribute(self, name: str):
-        return self.attributes.get(name, DEFAULTS.get(name))
+        return self.attributes.get(name, default(name))
 
     def but(self, *, note: str | None = None, notes=(), attrs=None, **changes) -> "Draft":
         """A copy with ``changes``, the call attributes ``attrs`` set and the notes added."""
@@ -256,10 +261,10 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
 
 def _reported(plan: Plan) -> dict:
     """The call's attributes that the report has a field for (scale, window, ...), as JSON."""
-    names = {f.name for f in dataclasses.fields(AttentionSite)}
-    return {k: list(x) if isinstance(x, tuple) else x
-            for k in {**DEFAULTS, **plan.attributes} if k in names
-            for x in [plan.attribute(k)]}
+    attributes = {"window", *ATTRIBUTES} - {"causal", "extras"}   # causal: the spec's
+    return {f.name: list(x) if isinstance(x, tuple) else x
+            for f in dataclasses.fields(AttentionSite) if f.name in attributes
+            for x in [plan.attribute(f.name)]}
 
 
 def _held_pieces(scores: Scores, const_masks, cuts):

@@ -1,6 +1,5 @@
 """Stage 1: from the Q·K product to the softmax's entry. Walks the scores through layout ops
-and asks the score variants (flashgen.rewrite.variants: scale, softcap, mask, bias) about
-every other op; what they recognize is an immutable Scores record that the walk returns.
+and asks the score variants (flashgen.rewrite.variants) about every other op; what they recognize is an immutable Scores record that the walk returns.
 """
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ class ScoreWalk:
                 steps = steps[:1]
                 m.twins[(steps[0][0].results[0], steps[0][2])] = twins
             if len(steps) > 1 and m.training:
-                # a backward also reads the scores (softcap: tanh's derivative 1 - t²): the
+                # a backward also reads the scores (e.g. tanh's derivative 1 - t²): the
                 # forward step is the one whose other operands do not depend on the scores
                 steps = [u for u in steps if self._forward_step(u)]
             if len(steps) != 1:

@@ -30,8 +30,7 @@ class Scale(ScoreVariant):
 
     def plan(self, site, draft):
         """The kernel's scale: the constant factors of the scores and of Q and K's sources,
-        times what the other variants fold into it (``draft.scale_factor``, e.g. a softcap's
-        cap)."""
+        times what the other variants fold into it (``draft.scale_factor``)."""
         scale = site.scores.scale * site.q_scale * site.k_scale * draft.scale_factor
         try:
             normalize_scale(scale)
