@@ -62,6 +62,15 @@ class Plan:
     bottom_right = property(lambda self: self.attribute("bottom_right"))
     window = property(lambda self: self.attribute("window"))
 
+    @property
+    def scale(self) -> float:
+        return self.attributes["scale"]
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        # what a deliberately wrong rewrite changes (the --verify tests)
+        self.attributes["scale"] = value
+
 
 @dataclasses.dataclass(frozen=True)
 class Site:
