@@ -14,16 +14,13 @@ from flashgen.rewrite.chain import LARGE_NEGATIVE, MAX_CHAIN, elt
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
 from flashgen.rewrite.variants.mask import mask_terms
-from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
+from flashgen.rewrite.variants.state import BinaryVariant, Scores, Step
 
 
-class Bias(ScoreVariant):
-    name = "bias"
-    ops = ("stablehlo.add", "stablehlo.subtract")
+class Bias(BinaryVariant):
+    name, either, lhs = "bias", "stablehlo.add", "stablehlo.subtract"
 
-    def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
-        if not step.is_binary("stablehlo.add", lhs="stablehlo.subtract"):
-            return None
+    def on_binary(self, walk, found: Scores, step: Step) -> Scores:
         # a fill already in the scores now has this term added: it must absorb it
         found = found.but(add_dtype=elt(step.op.result),
                           fills=tuple(("add", v, dt) for _, v, dt in found.fills))

@@ -9,16 +9,13 @@ import numpy as np
 from flashgen.contract import normalize_scale
 from flashgen.rewrite.chain import FLOAT_TYPES, elt, shape_of
 from flashgen.rewrite.errors import Reject
-from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
+from flashgen.rewrite.variants.state import BinaryVariant, Scores, Step
 
 
-class Scale(ScoreVariant):
-    name = "scale"
-    ops = ("stablehlo.multiply", "stablehlo.divide")
+class Scale(BinaryVariant):
+    name, either, lhs = "scale", "stablehlo.multiply", "stablehlo.divide"
 
-    def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
-        if not step.is_binary("stablehlo.multiply", lhs="stablehlo.divide"):
-            return None
+    def on_binary(self, walk, found: Scores, step: Step) -> Scores:
         divide = step.name == "stablehlo.divide"
         if walk.folder.fold(step.other) is None:
             return _runtime_scale(walk, found, step, divide=divide)

@@ -85,3 +85,21 @@ class ScoreVariant:
     def describe(self, site) -> str:
         """Its part of the ``--explain`` line of a matched site (report.AttentionSite)."""
         return ""
+
+
+class BinaryVariant(ScoreVariant):
+    """A variant of a binary op on the scores: ``either`` with the scores on either side
+    (x·c, c·x), ``lhs`` with the scores on the left only (x / c, x - b)."""
+    either = lhs = ""
+
+    @property
+    def ops(self) -> tuple:
+        return (self.either, self.lhs)
+
+    def recognize(self, walk, found: Scores, step: Step) -> Scores | None:
+        if not step.is_binary(self.either, lhs=self.lhs):
+            return None
+        return self.on_binary(walk, found, step)
+
+    def on_binary(self, walk, found: Scores, step: Step) -> Scores:
+        raise NotImplementedError
