@@ -7,10 +7,11 @@
 
 ``flashgen.rewrite(...)`` (the package called like a function) is the same call.
 Modules: modules (formats), graph (navigation through calls), fold (constant
-evaluation), layout (axis bookkeeping), patterns (match/rewrite, the Plan) built from its
-stages scores, softmax, probabilities and roles (chain: what the stages share), masks (causal /
-window bands), extras (ALiBi, bias, mask and segment-id operands), adapters (layout
-ops), driver (applies the pattern), instances and polymorphic (shape-polymorphic
+evaluation), layout (axis bookkeeping), patterns (match/rewrite) built from its
+stages scores, softmax, probabilities and roles (chain: what the stages share), variants (one
+module per score modifier / mask form: its recognizer and its plan step), plan (the Plan: the
+composition of the variants' steps), masks (causal / window bands), extras (ALiBi, bias, mask
+and segment-id operands), adapters (layout ops), driver (applies the pattern), instances and polymorphic (shape-polymorphic
 modules: matched on static instances, rewritten with a dynamic custom call), report (the records).
 """
 from __future__ import annotations

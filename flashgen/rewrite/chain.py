@@ -2,9 +2,10 @@
 (MatchState), the record of a row statistic (Term), and small helpers for reading op
 attributes, types and layouts.
 
-The stages (scores, softmax, probabilities, roles) are mixins of
-flashgen.rewrite.patterns.AttentionPattern; they share ``self.g`` (the Graph) and
-``self.folder`` (the constant Folder) and this module.
+The stages (scores, softmax, probabilities, roles) are objects that
+flashgen.rewrite.patterns.AttentionPattern builds per match attempt from the Graph and the
+constant Folder; what the score walk recognizes is an immutable record
+(flashgen.rewrite.variants.state.Scores) passed on explicitly.
 """
 from __future__ import annotations
 
@@ -73,31 +74,18 @@ class Term:
 
 
 class MatchState:
-    """Mutable state of one match attempt."""
+    """The trace of one match attempt: the ops and values it visited (read by the closure
+    check and the backward's walk), what matched and the notes (for the report). What the
+    stages find is theirs and passed on explicitly (variants.state.Scores, the stages'
+    own fields)."""
 
     def __init__(self):
         self.ops: set = set()          # (operation, ctx)
         self.chain: dict = {}          # (value, ctx) -> (layout, tag)
-        self.scale = 1.0
-        self.masks: list = []          # (Const visible, layout, how)
         self.matched: list = []
         self.notes: list = []
-        self.guards: list = []         # row-wise predicates of fully-masked-row guards
-        self.fills: list = []          # (how 'select'|'add', fill, dtype) per masking step
-        self.add_dtype = None          # element type of the add/subtract being analysed
-        self.max_subtracted = True     # the softmax subtracts a row max before exp
-        self.runtime_scales: list = []  # (scalar ir.Value, divide) folded into Q
-        self.score_masks: list = []    # (predicate root, layout, negate) of the masking selects
         self.twins: dict = {}          # (value, ctx) -> refs of equal selects (softmax where=)
-        self.remasked = False          # the probabilities are masked again by a score mask
-        self.masked_sum = False        # the row sum adds only the unmasked exponentials
-        self.probs_layout = None       # the probabilities' layout at the P·V product
-        self.tanh = False              # the scores went through tanh (a softcap's first half)
-        self.softcap = 0.0             # the cap c multiplied onto tanh (0: no softcap)
-        self.biases: list = []         # X.ConstBias: constant additive biases
-        self.extras: list = []         # X.ValueBias | X.ValueMask | X.SegmentIds (run time)
         self.dot1 = None               # the Q·K product
-        self.softmax_axes = None       # R: the pieces the softmax normalizes over
         # a training graph: the forward's intermediates also feed its backward
         # (flashgen.rewrite.backward); only tried after a plain match met such uses
         self.training = False

@@ -2,16 +2,15 @@
 ``rewrite(site)`` replaces it with one flashgen custom call.
 
 match() runs the stages in order, each in its own module: scores (Q·K product to the
-softmax, masks and biases), softmax, probabilities (to the P·V product), roles (V, the
-exit, Q/K/V sources); then the closure check and the Plan (kernel layout and limits) here.
+softmax), softmax, probabilities (to the P·V product), roles (V, the exit, Q/K/V sources);
+then the closure check here, and the Plan: the composition of the variants' plan steps
+(flashgen.rewrite.plan).
 
 What is matched, starting at a ``dot_general`` (the Q·K product):
 
     scores = dot_general(Q, K)                   any operand order and layout
-    scores -> [scale] -> [softcap] -> [mask]     multiply/divide by constants; softcap
-                                                 c·tanh(x/c): tanh then a multiply by c (the
-                                                 divide by c is part of the scale); select with
-                                                 a large negative fill; additive biases;
+    scores -> [variants]                         what flashgen.rewrite.variants recognize
+                                                 (one module each: scale, masks, biases, ...);
                                                  converts, reshapes, transposes, unit
                                                  broadcasts, private calls
     p = exp(x - rowconst) / rowsum               the softmax over the key axes R; rowconst is
@@ -19,17 +18,6 @@ What is matched, starting at a ``dot_general`` (the Q·K product):
     p -> [layout, converts, fully-masked guard]
     out = dot_general(p, V) contracting R        V on either side
     out -> [transpose/reshape/convert]           the site's exit value
-
-Masks and biases (flashgen.rewrite.extras, README "Variants"): a select's predicate is split
-into its AND-ed conjuncts. Constant conjuncts that form a causal / sliding-window band become
-the call's attributes (flashgen.rewrite.masks), other constant masks a constant ``mask``
-operand; run-time conjuncts a ``mask`` operand, or ``segment_ids`` when they compare integer
-ids along the queries with ids along the keys. An added value is split into its terms:
-constants (whose large negative entries mask) become ALiBi slopes when they equal
--slope·|i + off - j| up to per-row constants on the visible entries, else a constant
-``bias``; ``where(p, 0, -inf)`` terms are masks; other run-time terms a ``bias`` operand.
-Run-time operands are walked back through layout ops to their most compact form and must
-not depend on the Q·K product; they are rejected after a tanh (the kernel caps first).
 
 Roles are read from dimension numbers: the operand of the first product
 whose free axes the softmax reduces is K, the other is Q. Every tensor on the
@@ -39,18 +27,14 @@ never assumed.
 """
 from __future__ import annotations
 
-import dataclasses
-from math import prod
-
-import numpy as np
 from jaxlib.mlir import ir
 
-from flashgen.rewrite import adapters, backward, empty_rows, masks
+from flashgen.rewrite import adapters, backward, empty_rows
 from flashgen.rewrite import extras as X
 from flashgen.rewrite import layout as L
+from flashgen.rewrite import plan as P
 from flashgen.rewrite.chain import (
-    ELEMENTWISE, KERNEL_DTYPES, LAYOUT_OPS, MatchState, covered, dot_dims, elt, pieces_text,
-    reduce_kind, shape_of,
+    ELEMENTWISE, LAYOUT_OPS, MatchState, covered, dot_dims, pieces_text, reduce_kind, shape_of,
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.fold import Folder
@@ -58,34 +42,11 @@ from flashgen.rewrite.graph import Graph, Ref, op_name, short_location
 from flashgen.rewrite.probabilities import ProbabilitiesStage
 from flashgen.rewrite.report import AttentionSite, Rejection
 from flashgen.rewrite.roles import RolesStage
-from flashgen.rewrite.scores import ScoresStage
+from flashgen.rewrite.scores import ScoreWalk
 from flashgen.rewrite.softmax import SoftmaxStage
-from flashgen.contract import normalize_scale
-from flashgen.spec import HEAD_DIMS, KernelSpec
 
 
-@dataclasses.dataclass
-class Plan:
-    """Everything rewrite() needs; built by match(), valid until the module changes."""
-    dot1: object
-    exit_op: object
-    exit_value: ir.Value
-    exit_layout: tuple
-    inputs: dict              # 'q'|'k'|'v' -> (ir.Value, layout)
-    kernel: dict              # 'q'|'k'|'v'|'o' -> tuple of dims (each a tuple of pieces)
-    spec: KernelSpec
-    scale: float
-    bottom_right: bool
-    site_ops: set             # {(ir.Operation, ctx)} the site's own ops
-    window: tuple = (-1, -1)  # (left, right), -1 = unbounded
-    softcap: float = 0.0      # 0 = none
-    extras: object = None     # extras.Resolved: the operands after q, k, v
-    empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
-    backward: object = None   # backward.Backward: a training site's VJP cluster
-    runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
-
-
-class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage):
+class AttentionPattern:
     """Finds dot_general → softmax → dot_general attention and replaces it."""
 
     name = "attention"
@@ -102,6 +63,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         self.walk_inputs = walk_inputs
         self.proven = proven      # backward proofs shared by the driver's two match passes
         self.folder = Folder(graph)
+        self.roles = RolesStage(graph, self.folder)
         self.legacy_attrs = legacy_attrs
         self.target = target
 
@@ -209,13 +171,15 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         m.matched.append("Q·K product")
 
         # 1. scores -> softmax entry
-        x, x_layout = self._walk_scores(m, Ref(dot1.result), scores_layout)
+        x, x_layout, scores = ScoreWalk(self.g, self.folder, m).walk(Ref(dot1.result),
+                                                                    scores_layout)
         # 2. the softmax
-        p, p_layout, R = self._softmax(m, x, x_layout)
-        m.softmax_axes = R
+        softmax = SoftmaxStage(self.g, self.folder, scores)
+        p, p_layout, R = softmax.match(m, x, x_layout)
         m.matched.append("softmax")
         # 3. probabilities -> P·V product
-        dot2, p_idx, dot2_ctx = self._walk_probs(m, p, p_layout)
+        probs = ProbabilitiesStage(self.g, self.folder, softmax)
+        dot2, p_idx, dot2_ctx, p_layout = probs.walk(m, p, p_layout, R)
         m.matched.append("P·V product")
         if dot2_ctx:
             raise Reject("the P·V product is inside a called function; the site spans functions")
@@ -235,12 +199,13 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             raise Reject("the softmax normalizes over only part of the key axes",
                          softmax_axes=pieces_text(R))
         # 5. P·V product dimension roles
-        v_ref, v_layout, out_layout = self._pv_roles(m, dot2, p_idx, p_layout, R, sizes)
+        v_ref, v_layout, out_layout = self.roles.pv_roles(dot2, p_idx, p_layout, R, sizes,
+                                                                probs.guards)
         # 6. exit chain
         if self.polymorphic:
             exit_op, exit_value, exit_layout = dot2, dot2.result, out_layout
         else:
-            exit_op, exit_value, exit_layout = self._exit(m, dot2, out_layout)
+            exit_op, exit_value, exit_layout = self.roles.exit(m, dot2, out_layout)
         # 7. inputs
         q_val, k_val = (rhs, lhs) if k_side == "lhs" else (lhs, rhs)
         q_lay, k_lay = (rhs_layout, lhs_layout) if k_side == "lhs" else (lhs_layout, rhs_layout)
@@ -257,19 +222,23 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             m.notes.append("scale split between Q and K")
         if covered(k_in[3]):
             m.notes.append("K/V broadcast over heads (GQA) read through")
-        scale = m.scale * q_in[2] * k_in[2]
-        if m.softcap:
-            # c·tanh(pre·qk): the kernel's scale is pre·c, its softcap c
-            scale *= m.softcap
         # 8. closure: no intermediate may have a user outside the site (in a training
         # graph: outside the site and its backward, checked by backward.find)
         if not m.training:
             self._check_closure(m, exit_op)
-        # 9. mask, kernel layout, limits
-        site = self._plan(m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
-                          exit_op, exit_value, exit_layout, scale)
+        # 9. the plan: the variants' steps (masks, kernel layout, limits)
+        found = P.Site(scores=scores, q=q_in, k=k_in, v=v_in, exit_layout=exit_layout,
+                       q_labels=frozenset(q_labels), k_labels=frozenset(k_labels),
+                       softmax_axes=tuple(R), max_subtracted=softmax.max_subtracted,
+                       masked_sum=softmax.masked_sum, remasked=probs.remasked,
+                       guarded=bool(probs.guards),
+                       polymorphic=self.polymorphic)
+        draft = P.build(found)
+        m.notes.extend(draft.notes)
+        site = P.finish(found, draft, target=self.target, where=where, dot1=dot1,
+                        exit_op=exit_op, exit_value=exit_value, site_ops=m.ops)
         if m.training:
-            if m.runtime_scales:
+            if scores.runtime_scales:
                 raise Reject("a training site with a scale known only at run time (its "
                              "gradient would need the scale too)")
             view = backward.SiteView(
@@ -292,13 +261,13 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
 
     def _inputs(self, q_ref, q_lay, k_ref, k_lay, v_ref, v_layout):
         """Q, K, V walked back to their sources: (value, layout, scale, absent pieces) each."""
-        q_in = self._walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
-        k_in = self._walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
-        v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=True)
+        q_in = self.roles.walk_input(q_ref, tuple(q_lay), scale=True, bcast=False)
+        k_in = self.roles.walk_input(k_ref, tuple(k_lay), scale=True, bcast=True)
+        v_in = self.roles.walk_input(v_ref, v_layout, scale=False, bcast=True)
         if L.common_refinement((k_in[3],), (v_in[3],)) is None or \
                 covered(k_in[3]) != covered(v_in[3]):
-            k_in = self._walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
-            v_in = self._walk_input(v_ref, v_layout, scale=False, bcast=False)
+            k_in = self.roles.walk_input(k_ref, tuple(k_lay), scale=True, bcast=False)
+            v_in = self.roles.walk_input(v_ref, v_layout, scale=False, bcast=False)
         return q_in, k_in, v_in
 
     # ------------------------------------------------------------------ closure
@@ -323,172 +292,6 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                     raise Reject(f"{what} have another user ({op_name(user)} at "
                                  f"{short_location(user)})")
 
-    # ------------------------------------------------------------------ plan
-    def _plan(self, m, where, dot1, sizes, q_labels, k_labels, R, q_in, k_in, v_in,
-              exit_op, exit_value, exit_layout, scale) -> AttentionSite:
-        q_val, q_lay, _, q_abs = q_in
-        k_val, k_lay, _, k_abs = k_in
-        v_val, v_lay, _, v_abs = v_in
-        if q_abs:
-            raise Reject("the query is broadcast")
-        mask_layouts = [lay for _, lay, _ in m.masks] + [b.layout for b in m.biases] + \
-            X.layouts(m.extras)
-        everything = [q_lay, k_lay, v_lay, exit_layout, (k_abs,), (v_abs,), (tuple(R),)] + mask_layouts
-        cuts = L.boundaries(everything)
-        if cuts is None:
-            raise Reject("the axes are split inconsistently between the pieces of the site")
-        q_lay, k_lay, v_lay, exit_layout = (L.refine(x, cuts) for x in (q_lay, k_lay, v_lay, exit_layout))
-        absent = set(L.refine_dim(k_abs, cuts))
-        qp, kp, vp = L.pieces(q_lay), L.pieces(k_lay), L.pieces(v_lay)
-        q_free = [p for p in qp if p[0] in q_labels]
-        k_free = [p for p in kp if p[0] in k_labels]
-        c_pieces = [p for p in qp if p[0][0] == "C"]
-        v_pieces = [p for p in vp if p[0][0] == "V"]
-        batching = [p for p in qp if p[0][0] == "B"]
-
-        # mask -> causal / window attributes, or a constant mask operand
-        const_masks = []
-        try:
-            causal, bottom_right, q_seq, window = masks.classify(m.masks, cuts, q_free, k_free)
-        except masks.NotBand as e:
-            causal, bottom_right, q_seq, window = False, False, [], (-1, -1)
-            const_masks = m.masks
-            m.notes.append(f"constant mask passed as an operand ({e.reason})")
-        if not q_seq and q_free:
-            # without a band any split is correct: name the query axis that a constant bias,
-            # constant mask or segment ids vary along the sequence, else the largest
-            hint = self._seq_hint(m, const_masks, cuts, q_free)
-            q_seq = [hint if hint is not None else
-                     max(q_free, key=lambda p: (p[2], -qp.index(p)))]
-        group_q = [p for p in q_free if p not in q_seq]
-        first_seq = min((qp.index(p) for p in q_seq), default=len(qp))
-        kv_batch = [p for p in batching if p not in absent]
-        b_pieces = [p for p in kv_batch if qp.index(p) < first_seq]
-        held = self._held_pieces(m, const_masks, cuts)
-        if held is not None and len(b_pieces) > 1:
-            # an extra operand is [1|B, 1|H, Sq, Sk]: keep the heads it does not vary along
-            # out of the batch, or it would be materialized once per head
-            last = max((i for i, p in enumerate(b_pieces) if p in held), default=0)
-            b_pieces = b_pieces[:last + 1]
-        hkv = [p for p in kv_batch if p not in b_pieces]
-        group = sorted([p for p in batching if p in absent] + group_q, key=qp.index)
-        hq = hkv + group
-        kernel = {
-            "q": (tuple(b_pieces), tuple(q_seq), tuple(hq), tuple(c_pieces)),
-            "k": (tuple(b_pieces), tuple(k_free), tuple(hkv), tuple(c_pieces)),
-            "v": (tuple(b_pieces), tuple(k_free), tuple(hkv), tuple(v_pieces)),
-            "o": (tuple(b_pieces), tuple(q_seq), tuple(hq), tuple(v_pieces)),
-        }
-        for name, lay in (("q", q_lay), ("k", k_lay), ("v", v_lay), ("o", exit_layout)):
-            if sorted(L.pieces(lay)) != sorted(L.pieces(kernel[name])):
-                raise Reject(f"the {'output' if name == 'o' else name} layout does not map onto "
-                             f"the kernel's [batch, seq, heads, head_dim]",
-                             layout=L.describe(lay))
-        dims = {k: [prod(pc[2] for pc in d) for d in v] for k, v in kernel.items()}
-        _, seq_q, _, head_dim = dims["q"]
-        seq_k = dims["k"][1]
-        head_dim_v = dims["v"][3]
-        # logical sizes for the report: the outermost piece of the Q·K product's first
-        # batching dim is the batch, every other batching piece and the query's extra axes
-        # are heads (GQA groups included). Ordered by the product's dims, not by where the
-        # pieces sit in Q's source: vmap puts the mapped batch anywhere in it.
-        by_dim = sorted(batching, key=lambda p: (int(p[0][1:]), -p[1]))
-        first, rest = by_dim[:1], by_dim[1:]
-        batch = prod(p[2] for p in first)
-        heads = prod(p[2] for p in rest) * prod(p[2] for p in group_q)
-        kv_heads = heads // prod(p[2] for p in group)
-        # dtype
-        dts = [elt(x) for x in (q_val, k_val, v_val)]
-        for dt in dts:
-            if dt not in KERNEL_DTYPES:
-                raise Reject(f"element type {dt} is not supported (f16, bf16, f32)")
-        dtype = dts[0] if len(set(dts)) == 1 else "f32"
-        details = dict(q_shape=shape_of(q_val), head_dim=head_dim, dtype=dtype)
-        if head_dim != head_dim_v:
-            raise Reject(f"the value head dim ({head_dim_v}) differs from the query/key head dim "
-                         f"({head_dim})", **details)
-        if head_dim not in HEAD_DIMS:
-            raise Reject(f"head dim {head_dim} is not supported (supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))})", **details)
-        try:
-            normalize_scale(scale)
-        except ValueError as e:
-            raise Reject(str(e), **details) from None
-        resolved = X.resolve(m.extras, m.biases, const_masks, cuts=cuts,
-                             kernel_q=kernel["q"], k_free=tuple(k_free), final_scale=m.scale,
-                             causal=causal, bottom_right=bottom_right, window=window,
-                             kernel_dtype=dtype)
-        bottom_right = resolved.bottom_right
-        m.notes.extend(resolved.notes)
-        if self.polymorphic and (resolved.names or m.runtime_scales):
-            what = ", ".join(resolved.names) if resolved.names else "a run-time scale"
-            raise Reject(f"a shape-polymorphic site with extra operands ({what}): only causal "
-                         "and window masks (attributes) are rewritten there", **details)
-        if m.masked_sum and not m.remasked:
-            # a row without a visible key would be e / 0 in the original
-            raise Reject("the softmax sums only the unmasked exponentials, but the "
-                         "probabilities are not masked again")
-        empty = empty_rows.behaviour(m.fills, zeroed_after=bool(m.guards) or m.remasked,
-                                     max_subtracted=m.max_subtracted,
-                                     may_empty=empty_rows.may_empty_rows(resolved, seq_q, seq_k))
-        if self.polymorphic and empty == "mean":
-            raise Reject("a shape-polymorphic site whose rows without a visible key need the "
-                         "finite-fill fix-up (a padding mask, a constant mask leaving rows "
-                         "without a key) is not rewritten", **details)
-        if empty in empty_rows.NOTES:
-            m.notes.append(empty_rows.NOTES[empty])
-        spec = KernelSpec(head_dim, dtype, causal, self.target)
-        layout_text = _layout_letters(q_lay, first, q_seq, rest + group_q, c_pieces)
-        plan = Plan(dot1=dot1, exit_op=exit_op, exit_value=exit_value, exit_layout=exit_layout,
-                    inputs={"q": (q_val, q_lay), "k": (k_val, k_lay), "v": (v_val, v_lay)},
-                    kernel=kernel, spec=spec, scale=float(np.float32(scale)),
-                    bottom_right=bottom_right, site_ops=set(m.ops), window=tuple(window),
-                    softcap=float(np.float32(m.softcap)), extras=resolved, empty_rows=empty,
-                    runtime_scales=tuple(m.runtime_scales))
-        return AttentionSite(
-            location=where["location"], function=where["function"], op=where["op"],
-            q_shape=shape_of(q_val), k_shape=shape_of(k_val), v_shape=shape_of(v_val),
-            out_shape=shape_of(exit_value), layout=layout_text, dtype=dtype, batch=batch,
-            seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            causal=causal, bottom_right=bottom_right, scale=float(np.float32(scale)),
-            target=spec.target_name("fwd"), spec=spec.to_json(), plan=plan,
-            window=list(window), softcap=float(np.float32(m.softcap)),
-            extras=list(resolved.names), extras_detail=list(resolved.describe),
-            empty_rows=empty)
-
-    @staticmethod
-    def _held_pieces(m: MatchState, const_masks, cuts):
-        """The pieces the extra operands vary along (None without extras)."""
-        if not (m.extras or m.biases or const_masks):
-            return None
-        held = set()
-        consts = [(b.const.array, b.layout) for b in m.biases] + \
-            [(c.array, lay) for c, lay, _ in const_masks]
-        for arr, lay in consts:
-            for i, d in enumerate(L.refine(lay, cuts)):
-                if arr.shape[i] > 1:
-                    held |= set(d)
-        for lay in X.layouts(m.extras):
-            held |= set(L.pieces(L.refine(lay, cuts)))
-        return held
-
-    @staticmethod
-    def _seq_hint(m: MatchState, const_masks, cuts, q_free):
-        """The one query piece that a constant bias / mask or segment ids vary along, or None."""
-        found = set()
-        q_set = set(q_free)
-        consts = [(b.const.array, b.layout) for b in m.biases] + \
-            [(c.array, lay) for c, lay, _ in const_masks]
-        for arr, lay in consts:
-            for i, d in enumerate(L.refine(lay, cuts)):
-                if arr.shape[i] > 1:
-                    found |= {p for p in d if p in q_set}
-        for it in m.extras:
-            if isinstance(it, X.SegmentIds):
-                for _, lay in (it.a, it.b):
-                    found |= {p for p in L.pieces(L.refine(lay, cuts)) if p in q_set}
-        return found.pop() if len(found) == 1 else None
-
     # ------------------------------------------------------------------ rewrite
     def rewrite(self, site: AttentionSite) -> None:
         """Insert the custom call and its adapters before the site's exit; redirect uses.
@@ -496,7 +299,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
         Dead ops are removed by the driver afterwards.
         """
         from flashgen.emit import emit_custom_call
-        plan: Plan = site.plan
+        plan: P.Plan = site.plan
         exit_op = plan.exit_op
         loc = ir.Location.name("flashgen.attention", childLoc=plan.dot1.location)
         kdt = ir.Type.parse(plan.spec.dtype)
@@ -516,10 +319,8 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 names = plan.extras.names if plan.extras is not None else ()
                 if names:
                     operands += X.emit(plan.extras, plan.spec.dtype, created)
-                o, lse = emit_custom_call(plan.spec, "fwd", operands, scale=plan.scale,
-                                          bottom_right=plan.bottom_right, window=plan.window,
-                                          softcap=plan.softcap, extras=names,
-                                          legacy_attrs=self.legacy_attrs)
+                o, lse = emit_custom_call(plan.spec, "fwd", operands, **plan.attributes,
+                                          extras=names, legacy_attrs=self.legacy_attrs)
                 created.append(o.owner)
                 o_kernel = o
                 if plan.empty_rows == "mean":
@@ -549,7 +350,7 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             for source, g in dbias.items():
                 bw.dbias[source].replace_all_uses_except(g, inside)
 
-    def _rewrite_backward(self, plan: Plan, operands, o, lse, created) -> dict:
+    def _rewrite_backward(self, plan: P.Plan, operands, o, lse, created) -> dict:
         """One flashgen_bwd call for the site's backward cluster, placed before the first
         use of its gradients; returns ({'q'|'k'|'v': the value replacing that gradient},
         {differentiated bias source: the value replacing its gradient})."""
@@ -576,9 +377,8 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
                 do = adapters.convert(do, kdt, created)
             names = plan.extras.names if plan.extras is not None else ()
             results = emit_custom_call(plan.spec, "bwd", operands[:3] + [o, lse, do] + operands[3:],
-                                       scale=plan.scale, bottom_right=plan.bottom_right,
-                                       window=plan.window, softcap=plan.softcap, extras=names,
-                                       dbias=bool(bw.dbias), legacy_attrs=self.legacy_attrs)
+                                       **plan.attributes, extras=names, dbias=bool(bw.dbias),
+                                       legacy_attrs=self.legacy_attrs)
             created.append(results[0].owner)
             if plan.empty_rows == "mean":   # the forward's fix-up has a gradient too
                 results[2] = empty_rows.emit_mean_fixup_grad(
@@ -596,26 +396,6 @@ class AttentionPattern(ScoresStage, SoftmaxStage, ProbabilitiesStage, RolesStage
             dbias = X.emit_bias_grads(plan.extras, results[3], bw.dbias, created) \
                 if bw.dbias else {}
         return out, dbias
-
-
-def _layout_letters(q_lay, b, s, h, d) -> str:
-    role = {}
-    for pieces_, letter in ((b, "B"), (s, "S"), (h, "H"), (d, "D")):
-        for p in pieces_:
-            role[p] = letter
-    out = []
-    for dim in q_lay:
-        letters = []
-        for p in dim:
-            if role.get(p) and role[p] not in letters:
-                letters.append(role[p])
-        if not letters:
-            out.append("1")
-        elif len(letters) == 1:
-            out.append(letters[0])
-        else:
-            out.append("(" + "".join(letters) + ")")
-    return "".join(out)
 
 
 def _describe_op(op, state) -> str:

@@ -46,10 +46,7 @@ class PolyPlan:
     exit_layout: tuple
     symbols: dict             # piece -> dimension variable, for the pieces that are symbolic
     spec: object
-    scale: float
-    bottom_right: bool
-    window: tuple
-    softcap: float
+    attributes: dict          # the call's attributes (flashgen.rewrite.plan.Plan.attributes)
 
 
 def _operands(site: AttentionSite, dot1, dot2, dyn1, dyn2) -> dict | None:
@@ -127,10 +124,14 @@ def _same_layouts(a: AttentionSite, b: AttentionSite) -> str | None:
 
 
 def _same_attributes(a: AttentionSite, b: AttentionSite) -> str | None:
-    for f in ("target", "causal", "bottom_right", "scale", "window", "softcap", "layout",
-              "heads", "kv_heads", "head_dim", "dtype", "extras", "empty_rows"):
-        if getattr(a, f) != getattr(b, f):
-            return f"{f} {getattr(a, f)!r} vs {getattr(b, f)!r}"
+    site = lambda *names: [(f, getattr(a, f), getattr(b, f)) for f in names]  # noqa: E731
+    pairs = site("target", "causal") + \
+        [(f, a.plan.attribute(f), b.plan.attribute(f))   # the call's other attributes
+         for f in {**a.plan.attributes, **b.plan.attributes}] + \
+        site("layout", "heads", "kv_heads", "head_dim", "dtype", "extras", "empty_rows")
+    for f, x, y in pairs:
+        if x != y:
+            return f"{f} {x!r} vs {y!r}"
     return None
 
 
@@ -308,8 +309,7 @@ def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where
     site.plan = PolyPlan(dot1=dot1, dot2=dot2, values=values,
                          inputs={n: plan.inputs[n][1] for n in "qkv"}, kernel=plan.kernel,
                          exit_layout=plan.exit_layout, symbols=symbols, spec=plan.spec,
-                         scale=plan.scale, bottom_right=plan.bottom_right,
-                         window=plan.window, softcap=plan.softcap)
+                         attributes=plan.attributes)
     return site
 
 
@@ -451,8 +451,7 @@ def rewrite(site: AttentionSite, legacy_attrs: bool = False) -> None:
                 operands.append(x)
             b, sq, hq, _ = plan.kernel["o"]
             o, _lse = emit_custom_call(
-                plan.spec, "fwd", operands, scale=plan.scale, bottom_right=plan.bottom_right,
-                window=plan.window, softcap=plan.softcap,
+                plan.spec, "fwd", operands, **plan.attributes,
                 result_shapes=[sizes.shape_tensor(plan.kernel["o"]),
                                sizes.shape_tensor((b, hq, sq))])
             created.append(o.owner)

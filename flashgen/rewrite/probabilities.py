@@ -12,6 +12,8 @@ from flashgen.rewrite.chain import (
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
+from flashgen.rewrite.scores import is_score_mask
+from flashgen.rewrite.softmax import SoftmaxStage
 
 # private functions jax.random lowers to: their values are random bits
 _RANDOM_FUNCTIONS = re.compile(r"threefry|bernoulli|_uniform|random_bits")
@@ -22,16 +24,24 @@ PROB_STEPS = {"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
 
 
 class ProbabilitiesStage:
-    """Mixin of AttentionPattern: the probabilities up to the P·V product."""
+    """The probabilities up to the P·V product, for one match attempt; ``softmax`` analyses
+    a guard's row statistics."""
 
-    def _walk_probs(self, m: MatchState, p: Ref, layout):
+    def __init__(self, g, folder, softmax: SoftmaxStage):
+        self.g, self.folder, self.softmax = g, folder, softmax
+        self.remasked = False          # found: masked again by the scores' mask (keras)
+        self.guards = []               # found: (row-wise Term, layout) of fully-masked-row guards
+
+    def walk(self, m: MatchState, p: Ref, layout, axes):
+        """(the P·V product, the probabilities' operand index, its ctx, their layout there);
+        ``axes``: the pieces the softmax normalizes over."""
         for _ in range(MAX_CHAIN):
             users = list(self.g.users(p))
             steps = [u for u in users if op_name(u[0]) in PROB_STEPS]
             if len(steps) > 1 and m.training:
                 # the backward's dV = Pᵀ·dO contracts the query axis: not the P·V product
                 steps = [u for u in steps if op_name(u[0]) != "stablehlo.dot_general"
-                         or _contracts(u, layout, m.softmax_axes)]
+                         or _contracts(u, layout, axes)]
             if len(steps) != 1:
                 if not users:
                     raise Reject("the probabilities are never used")
@@ -41,8 +51,7 @@ class ProbabilitiesStage:
             name = op_name(user)
             m.add(user, ctx)
             if name == "stablehlo.dot_general":
-                m.probs_layout = layout
-                return user, idx, ctx
+                return user, idx, ctx, layout
             if name == "stablehlo.select":
                 if idx == 0:
                     raise Reject("the probabilities are used as a predicate")
@@ -50,12 +59,12 @@ class ProbabilitiesStage:
                 if other is None or not other.uniform or float(other.scalar()) != 0.0:
                     raise Reject(self._dropout_or(p, "the probabilities are selected against "
                                                      "a non-zero value"))
-                if self._is_score_mask(m, Ref(user.operands[0], ctx), layout, idx == 2):
+                if is_score_mask(self.g, self.softmax.scores, Ref(user.operands[0], ctx), layout, idx == 2):
                     # keras' masked softmax: it changes only rows without a visible key (0)
-                    m.remasked = True
+                    self.remasked = True
                     m.notes.append("the scores' mask applied again after the softmax")
                 else:
-                    m.guards.append((self._guard(m, p, Ref(user.operands[0], ctx)), layout))
+                    self.guards.append((self._guard(m, p, Ref(user.operands[0], ctx)), layout))
                     m.notes.append("fully-masked-row guard after the softmax")
             elif name == "stablehlo.convert":
                 if elt(user.result) not in FLOAT_TYPES:
@@ -69,7 +78,7 @@ class ProbabilitiesStage:
     def _guard(self, m: MatchState, p: Ref, pred: Ref):
         """A row-wise predicate computed from the scores (torch's fully-masked-row guard)."""
         try:
-            term = self._term(m, pred)
+            term = self.softmax.term(m, pred)
         except Reject:
             raise Reject(self._dropout_or(p, "the probabilities are masked after the "
                                              "softmax")) from None

@@ -13,6 +13,8 @@ import os
 import re
 from typing import Any, Optional
 
+from flashgen.rewrite.variants import DESCRIBED
+
 
 @dataclasses.dataclass
 class AttentionSite:
@@ -54,15 +56,6 @@ class AttentionSite:
         return d
 
     def explain(self) -> str:
-        mask = ("causal (bottom-right aligned)" if self.bottom_right else "causal") \
-            if self.causal else "no mask"
-        if tuple(self.window) != (-1, -1):
-            w = f"sliding window (left {self.window[0]}, right {self.window[1]})"
-            mask = w if mask == "no mask" else f"{mask}, {w}"
-            if self.bottom_right and not self.causal:
-                mask += " bottom-right aligned"
-        if self.softcap:
-            mask += f", softcap {self.softcap:g}"
         gqa = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
         lines = [
             f"{self.status.upper()}: attention at {short_loc(self.location)} "
@@ -71,7 +64,7 @@ class AttentionSite:
             f" -> out {_shape(self.out_shape)}  [{self.dtype}]",
             f"  layout {self.layout}: batch {self.batch}, {self.heads} heads{gqa}, "
             f"seq {self.seq_q}x{self.seq_k}, head dim {self.head_dim}",
-            f"  {mask}, scale {self.scale:.6g}",
+            "  " + "".join(v.describe(self) for v in DESCRIBED),
             *([f"  extras: {'; '.join(self.extras_detail or self.extras)}"] if self.extras else []),
             f"  -> {self.target}" + (f" + {self.backward_target}" if self.backward_target else "")
             if self.status != "rejected" else f"  reason: {self.reason}",

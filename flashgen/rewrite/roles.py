@@ -17,12 +17,15 @@ from flashgen.rewrite.softmax import rowwise_ok
 
 
 class RolesStage:
-    """Mixin of AttentionPattern: the P·V product, the exit and the inputs."""
+    """The P·V product, the exit and the inputs."""
 
-    def _pv_roles(self, m: MatchState, dot2, p_idx: int, p_layout, R, sizes):
-        """Check the P·V product; return V (Ref, layout) and the product's result layout."""
-        p_layout = m.probs_layout
-        for t, at in m.guards:
+    def __init__(self, g, folder):
+        self.g, self.folder = g, folder
+
+    def pv_roles(self, dot2, p_idx: int, p_layout, R, sizes, guards):
+        """Check the P·V product (the probabilities' ``p_layout`` there, the fully-masked-row
+        ``guards`` on the way); return V (Ref, layout) and the product's result layout."""
+        for t, at in guards:
             if not rowwise_ok(t.layout, at, R):
                 raise Reject("the fully-masked-row guard is not constant along the softmax axis")
         lb, rb, lc, rc = dot_dims(dot2)
@@ -59,7 +62,7 @@ class RolesStage:
         out = batch + (p_free + v_free if p_idx == 0 else v_free + p_free)
         return Ref(v_val), tuple(v_layout), tuple(out)
 
-    def _exit(self, m: MatchState, dot2, layout):
+    def exit(self, m: MatchState, dot2, layout):
         op, value = dot2, dot2.result
         while True:
             uses = self.g.raw_users(value)
@@ -79,7 +82,7 @@ class RolesStage:
         return op, value, layout
 
     # ------------------------------------------------------------------ inputs
-    def _walk_input(self, ref: Ref, layout, *, scale: bool, bcast: bool):
+    def walk_input(self, ref: Ref, layout, *, scale: bool, bcast: bool):
         """Look back from a product's operand through layout ops, upcasts, constant
         scales and (for K/V) head broadcasts. Returns (value, layout, scale, absent pieces)."""
         value, factor, absent = ref.value, 1.0, ()

@@ -13,12 +13,20 @@ from flashgen.rewrite.chain import (
 )
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.graph import Ref, op_name
+from flashgen.rewrite.scores import is_score_mask
+from flashgen.rewrite.variants.state import Scores
 
 
 class SoftmaxStage:
-    """Mixin of AttentionPattern: the softmax and its row statistics."""
+    """The softmax and its row statistics, for one match attempt (the trace ``m`` passed to
+    each method); ``scores`` is what the score walk recognized (its mask, for a masked sum)."""
 
-    def _softmax(self, m: MatchState, x: Ref, x_layout):
+    def __init__(self, g, folder, scores: Scores):
+        self.g, self.folder, self.scores = g, folder, scores
+        self.max_subtracted = True     # found: the softmax subtracts a row max before exp
+        self.masked_sum = False        # found: the row sum adds only the unmasked exponentials
+
+    def match(self, m: MatchState, x: Ref, x_layout):
         # the row max may be taken on one view of the scores and subtracted from another
         # (JAX transposes between the two): follow the non-reduce users through layout ops
         for _ in range(MAX_CHAIN):
@@ -47,7 +55,7 @@ class SoftmaxStage:
             for sub, _, ctx in subs:
                 saved = set(m.ops)
                 try:
-                    shift = self._term(m, Ref(sub.operands[1], ctx))
+                    shift = self.term(m, Ref(sub.operands[1], ctx))
                 except Reject as e:
                     m.ops, first_error = saved, first_error or e
                     continue
@@ -68,7 +76,7 @@ class SoftmaxStage:
             if not exps:
                 raise Reject("no exponential follows the row maximum")
             m.notes.append("softmax without max subtraction")
-            m.max_subtracted = False
+            self.max_subtracted = False
         exp, _, ctx = exps[0]
         m.add(exp, ctx)
         e = Ref(exp.result, ctx)
@@ -128,7 +136,7 @@ class SoftmaxStage:
                 continue
             saved = set(m.ops)
             try:
-                term = self._term(m, Ref(user.operands[1], ctx))
+                term = self.term(m, Ref(user.operands[1], ctx))
             except Reject:
                 m.ops = saved
                 continue
@@ -164,13 +172,13 @@ class SoftmaxStage:
                                self.g.resolve(Ref(op.operands[keep], ctx)).ctx))
             if hit is None:
                 continue
-            if self._is_score_mask(m, Ref(op.operands[0], ctx), hit[0], keep == 2):
+            if is_score_mask(self.g, self.scores, Ref(op.operands[0], ctx), hit[0], keep == 2):
                 return Ref(op.operands[keep], ctx)
         return None
 
     def _normalizer(self, m: MatchState, user, den: Ref, x_layout):
         """Check ``user`` (divide or multiply) normalizes by the row sum; return R."""
-        term = self._term(m, den)
+        term = self.term(m, den)
         sums = [r for r in term.reduces if r[0] == "add" and r[1] == "exp"]
         if len(term.reduces) != 1 or not sums or term.full:
             raise Reject("the softmax denominator is not the row sum of the exponentials")
@@ -185,7 +193,7 @@ class SoftmaxStage:
             raise Reject("the softmax denominator is not broadcast along the summed axis")
         return R
 
-    def _term(self, m: MatchState, ref: Ref, depth: int = 0) -> Term:
+    def term(self, m: MatchState, ref: Ref, depth: int = 0) -> Term:
         """Analyse a value computed from chain values by elementwise ops and reductions."""
         if depth > 40:
             raise Reject("the softmax bookkeeping is too deep to analyse")
@@ -212,7 +220,7 @@ class SoftmaxStage:
             init = self.folder.fold(Ref(op.operands[1], r.ctx))
             if init is None:
                 raise Reject("a softmax reduction has a runtime initial value")
-            src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
+            src = self.term(m, Ref(op.operands[0], r.ctx), depth + 1)
             if not src.full:
                 raise Reject("the softmax reduces a row-wise value again")
             dims = ints(op.operation.attributes["dimensions"])
@@ -230,16 +238,16 @@ class SoftmaxStage:
             return Term(out, False, [(kind, tag, reduced)], [])
         if name in ("stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
                     "stablehlo.convert"):
-            src = self._term(m, Ref(op.operands[0], r.ctx), depth + 1)
+            src = self.term(m, Ref(op.operands[0], r.ctx), depth + 1)
             lay = term_layout_step(op, src.layout)
             return Term(lay, src.full, src.reduces, src.ops + [name], src.tag)
         if name == "stablehlo.select":
             kept = self._masked_by_scores_mask(m, op, r.ctx)
             if kept is not None:
-                m.masked_sum = True
-                return self._term(m, kept, depth + 1)
+                self.masked_sum = True
+                return self.term(m, kept, depth + 1)
         if name in ELEMENTWISE:
-            parts = [self._term(m, Ref(x, r.ctx), depth + 1) for x in op.operands]
+            parts = [self.term(m, Ref(x, r.ctx), depth + 1) for x in op.operands]
             lay = merge_layouts([t.layout for t in parts])
             if lay is None:
                 raise Reject("the softmax combines misaligned values")
