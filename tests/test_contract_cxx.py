@@ -4,15 +4,18 @@ Each handler's generated binding (templates/common/bind.j2, for the CPU and the 
 the attribute structs csrc/flashgen/call.h decodes into (their members and the FFI's struct
 decoding), call.h's per-call decode signatures and the NIF face's tables are read back from the
 sources and compared with contract.CALLS / ATTRIBUTES / EXTRAS. Each check is also run against
-a contract with one fact changed, which it must report.
+a contract with one fact changed, which it must report. And call.h validates once for every
+backend: the CPU and the (emulated) CUDA handlers refuse a bad call in the same words.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 
+from conftest import needs_nvcc
 from flashgen import codegen, contract, resources
 from flashgen.spec import FFI_DTYPES, KernelSpec
 
@@ -183,3 +186,65 @@ def test_each_check_reports_a_changed_contract(monkeypatch):
     assert attribute_mismatches({"fwd": reordered}, contract.ATTRIBUTES)
     assert binding_mismatches(SPECS[0], {**contract.CALLS, "bwd": dataclasses.replace(contract.CALLS["bwd"],
                                                                                         dbias=False)})
+
+
+# ---- one validation for every backend ---------------------------------------------------------
+def _bad_calls():
+    """(direction, operands, results, attribute changes, the words of the refusal): calls a
+    hand-written module could make, each wrong in one way."""
+    import ml_dtypes
+    bf16, i32, f32 = ml_dtypes.bfloat16, np.int32, np.float32
+    z = lambda *shape, t=bf16: np.zeros(shape, t)  # noqa: E731
+    fwd_outs = [((1, 1, 2, 64), bf16), ((1, 2, 1), f32)]
+    table, used = np.zeros((1, 2), i32), np.zeros((1,), i32)
+    packed = [z(4, 2, 64), z(4, 2, 64), z(4, 2, 64), np.array([0, 4], i32), np.array([0, 4], i32)]
+    return [
+        ("fwd_paged", [z(1, 1, 2, 64), z(4, 16, 2, 64), z(4, 8, 2, 64), table, used], fwd_outs, {},
+         "k_cache and v_cache shapes differ"),
+        ("fwd_paged", [z(1, 1, 2, 64), z(4, 0, 2, 64), z(4, 0, 2, 64), table, used], fwd_outs, {},
+         "block_size (k_cache dim 1) must be > 0"),
+        ("fwd_paged", [z(1, 1, 2, 64), z(4, 16, 2, 64), z(4, 16, 2, 64), np.zeros((2, 2), i32), used], fwd_outs, {},
+         "block_table must be [1, max_blocks]"),
+        ("fwd_varlen", packed, [((4, 2, 64), bf16), ((2, 4), f32)], {"max_seqlen_q": -1},
+         "max_seqlen_q / max_seqlen_k must be >= 0"),
+        ("bwd", [z(1, 8, 2, 64)] * 4 + [z(1, 2, 7, t=f32), z(1, 8, 2, 64)], [((1, 8, 2, 64), bf16)] * 3, {},
+         "lse has shape [1, 2, 7], expected [1, 2, 8]"),
+        ("fwd", [z(1, 8, 2, 64)] * 3, [((1, 8, 2, 64), bf16), ((1, 2, 8), f32)], {"causal": False},
+         "does not match this kernel"),
+    ]
+
+
+def _attributes(direction: str, changes: dict) -> dict:
+    values = {"causal": True, "scale": 0.125, "max_seqlen_q": 4, "max_seqlen_k": 4}
+    return {n: changes.get(n, values.get(n, contract.ATTRIBUTES[n].default))
+            for n in contract.CALLS[direction].attributes}
+
+
+def _cpu_refusal(target: str, operands, results, attrs) -> str:
+    import jax
+    types = {"i1": bool, "i32": np.int32, "f32": np.float32, "string": str}
+    typed = {n: types[contract.ATTRIBUTES[n].mlir](v) for n, v in attrs.items()}
+    outs = [jax.ShapeDtypeStruct(s, t) for s, t in results]
+    with pytest.raises(Exception) as e:
+        jax.block_until_ready(jax.ffi.ffi_call(target, outs)(*operands, **typed))
+    return re.search(rf"{target}: ([^\n]*)", str(e.value)).group(1)
+
+
+@needs_nvcc
+def test_cpu_and_cuda_handlers_refuse_a_bad_call_alike():
+    """call.h validates for both backends: the CPU handler (under XLA) and the CUDA handler (under
+    the emulator's host) refuse the same bad call with the same message, before any kernel."""
+    from flashgen import runtime
+    from flashgen.build import build
+    from flashgen.emulate.host import EmulatedLibrary, HandlerError
+    cpu, cuda = KernelSpec(64, "bf16", True, "cpu"), KernelSpec(64, "bf16", True, "sm80")
+    runtime.ensure([cpu])
+    lib = EmulatedLibrary(build(cuda, host="emulate"))
+    for direction, operands, results, changes, words in _bad_calls():
+        target, attrs = cpu.target_name(direction), _attributes(direction, changes)
+        assert target == cuda.target_name(direction)
+        with pytest.raises(HandlerError) as e:
+            lib.call(target, operands, results, **attrs)
+        assert e.value.record.launches == []
+        got = {"cpu": _cpu_refusal(target, operands, results, attrs), "cuda": e.value.message.split(": ", 1)[1]}
+        assert got["cpu"] == got["cuda"] and words in got["cpu"], (direction, got)
