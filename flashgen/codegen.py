@@ -48,9 +48,10 @@ def _shaped(ops) -> str:
 def call_bindings(spec: KernelSpec) -> list[dict]:
     """Each call of `spec` as its handler binds it: contract.CALLS' operands and results in order,
     the call.h types its attributes and buffers decode into."""
-    out = []
+    out, ffi_dtype = [], FFI_DTYPES[spec.dtype]
     for direction, call in contract.CALLS.items():
-        ffi_dtype = FFI_DTYPES[spec.dtype]
+        if call.attributes not in _ATTRS_TYPES:
+            raise ValueError(f"no struct in csrc/flashgen/call.h decodes {direction}'s attributes {call.attributes}")
         extras = f" (+ {', '.join(call.extras)})" if call.extras else ""
         out.append({
             "direction": direction, "symbol": spec.target_name(direction),
