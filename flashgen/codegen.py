@@ -1,8 +1,8 @@
 """Render the Jinja2 templates of a set of KernelSpecs into C++/CUDA sources.
 
-One file per spec (both directions), plus a library table of contents and,
-for Python hosts, the pybind11 face. Templates only bind names; the logic
-lives in csrc/ headers.
+One file per spec (the handler of each call flashgen.contract defines, bound as
+its CALLS say), plus a library table of contents and, for Python hosts, the
+pybind11 face. Templates only bind names; the logic lives in csrc/ headers.
 """
 from __future__ import annotations
 
@@ -30,17 +30,48 @@ class Source:
     language: str  # "c++" or "cuda"
 
 
+# contract's fixed element types as XLA FFI data types ("T" is the spec's dtype).
+_FFI_TYPES = {"i1": "PRED", "i32": "S32", "f32": "F32"}
+# csrc/flashgen/call.h's decoded attributes: the struct each attribute list decodes into.
+_ATTRS_TYPES = {contract.CALLS["fwd"].attributes: "DenseAttrs", contract.CALLS["fwd_varlen"].attributes: "VarlenAttrs"}
+
+
+def _buffer(op: contract.Operand, ffi_dtype: str) -> dict:
+    return {"name": op.name, "ffi_type": ffi_dtype if op.dtype == "T" else _FFI_TYPES[op.dtype]}
+
+
+def _shaped(ops) -> str:
+    return ", ".join(f"{o.name} [{', '.join(o.shape)}]" for o in ops)
+
+
+def call_bindings(spec: KernelSpec) -> list[dict]:
+    """Each call of `spec` as its handler binds it: contract.CALLS' operands and results in order,
+    the call.h types its attributes and buffers decode into."""
+    out, ffi_dtype = [], FFI_DTYPES[spec.dtype]
+    for direction, call in contract.CALLS.items():
+        if call.attributes not in _ATTRS_TYPES:
+            raise ValueError(f"no struct in csrc/flashgen/call.h decodes {direction}'s attributes {call.attributes}")
+        extras = f" (+ {', '.join(call.extras)})" if call.extras else ""
+        out.append({
+            "direction": direction, "symbol": spec.target_name(direction),
+            "summary": f"{_shaped(call.operands)}{extras} -> {_shaped(call.results)}" +
+                       (" (+ dbias iff bias)" if call.dbias else ""),
+            "operands": [_buffer(o, ffi_dtype) for o in call.operands],
+            "results": [_buffer(o, ffi_dtype) for o in call.results],
+            "dbias": call.dbias,
+            "call_type": "".join(w.capitalize() for w in direction.split("_")) + "Call",
+            "attrs_type": _ATTRS_TYPES[call.attributes],
+        })
+    return out
+
+
 def _spec_context(spec: KernelSpec) -> dict:
     return {
         "head_dim": spec.head_dim,
         "dtype": spec.dtype,
         "ffi_dtype": FFI_DTYPES[spec.dtype],
         "causal": spec.causal,
-        "fwd_symbol": spec.target_name("fwd"),
-        "bwd_symbol": spec.target_name("bwd"),
-        "fwd_varlen_symbol": spec.target_name("fwd_varlen"),
-        "bwd_varlen_symbol": spec.target_name("bwd_varlen"),
-        "fwd_paged_symbol": spec.target_name("fwd_paged"),
+        "calls": call_bindings(spec),
         "arch": spec.target,
     }
 
@@ -92,16 +123,16 @@ NIF_MODULE = "Elixir.FlashGen.NIF"
 # normal scheduler: about 100 us of kernel on one core (S = 64, H = 4, D = 64 forward), well
 # inside the BEAM's 1 ms for a NIF; larger calls go to a dirty CPU scheduler.
 NIF_INLINE_WORK = 1 << 20
-# flashgen.spec's attribute types as the XLA FFI scalar types the NIF hands the handlers
-# (a string attribute has no scalar type).
-_NIF_ATTR_TYPES = {"i1": "XLA_FFI_DataType_PRED", "i32": "XLA_FFI_DataType_S32",
-                   "f32": "XLA_FFI_DataType_F32", "string": "XLA_FFI_DataType_INVALID"}
 
 
 def render_nif_face() -> Source:
     """The erl_nif face of a library (module NIF_MODULE), with the call contract's tables."""
-    directions = [{"name": d, "attrs": [{"name": n, "type": _NIF_ATTR_TYPES[t]} for n, t in contract.ATTRIBUTE_TYPES[d].items()]}
-                  for d in DIRECTIONS]
+    # An attribute's XLA FFI scalar type, as the NIF hands it to the handlers (a string has none).
+    def scalar(name):
+        mlir = contract.ATTRIBUTES[name].mlir
+        return "XLA_FFI_DataType_" + ("INVALID" if mlir == "string" else _FFI_TYPES[mlir])
+    directions = [{"name": d, "attrs": [{"name": n, "type": scalar(n)} for n in call.attributes]}
+                  for d, call in contract.CALLS.items()]
     extras = [{"name": n, "operands": [o.name for o in ops]} for n, ops in contract.EXTRAS.items()]
     text = _ENV.get_template("common/nif_face.cc.j2").render(module=NIF_MODULE, directions=directions,
                                                                extras=extras, inline_work=NIF_INLINE_WORK)

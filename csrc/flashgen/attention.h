@@ -71,7 +71,7 @@ FLASHGEN_HD bool band_masks_anything(const AttentionShape& s, const VisibleBand&
 }
 
 // Optional score terms of the dense targets (README "Variants"), decoded and
-// validated by the handlers (ffi_common.h decode_extras). A null pointer means
+// validated once for every backend (call.h, ffi_common.h decode_extras). A null pointer means
 // absent. In natural-log units, after scale and softcap:
 //   score(b,h,i,j) += -alibi(b,h) * |i + off - j|  (off as causal_offset)
 //                  +  bias(b,h,i,j)

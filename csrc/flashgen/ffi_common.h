@@ -1,6 +1,6 @@
-// Validation shared by every flashgen FFI handler. A handler must never trust
-// the shapes it is handed: a hand-written module can call any target with any
-// buffers, and the answer to a mismatch is an ffi::Error, never a crash.
+// The checks call.h composes into each call's validation. A handler must never
+// trust the shapes it is handed: a hand-written module can call any target with
+// any buffers, and the answer to a mismatch is an ffi::Error, never a crash.
 #pragma once
 #include <cstdlib>
 #include <cstring>
@@ -90,14 +90,6 @@ inline ffi::Error check_attrs(const char* target, bool spec_causal, const Attent
   if (a.bottom_right && !a.causal && a.window_left < 0 && a.window_right < 0 && !has_alibi)
     return invalid(target, "bottom_right=true needs causal=true, a sliding window or alibi");
   return ffi::Error::Success();
-}
-
-// Everything a backward call must agree on, given the forward shape.
-inline ffi::Error check_bwd_operands(const char* target, const AttentionShape& s, Dims o, Dims lse,
-                                     Dims dout) {
-  if (auto e = expect_dims(target, "o", o, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure()) return e;
-  if (auto e = expect_dims(target, "lse", lse, {s.batch, s.heads_q, s.seqlen_q}); e.failure()) return e;
-  return expect_dims(target, "do", dout, {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
 }
 
 // ---------------------------------------------------------------------------

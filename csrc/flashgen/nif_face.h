@@ -42,7 +42,7 @@ struct XLA_FFI_ExecutionContext {
 
 namespace flashgen::nif {
 
-// Rendered from flashgen.spec (ATTRIBUTES, EXTRAS) by templates/common/nif_face.cc.j2.
+// Rendered from flashgen.contract (CALLS, ATTRIBUTES, EXTRAS) by templates/common/nif_face.cc.j2.
 struct AttrSpec {
   const char* name;
   XLA_FFI_DataType type;  // PRED, S32, F32; INVALID = string
@@ -442,7 +442,7 @@ inline ERL_NIF_TERM info(ErlNifEnv* env, int, const ERL_NIF_TERM[]) {
 }
 
 // contract() -> #{attributes => #{Direction => [{Name, Type}]}, extras => [{Name, [Operand]}],
-// inline_work => integer()}: flashgen.spec's ATTRIBUTES and EXTRAS, as this library was built
+// inline_work => integer()}: flashgen.contract's CALLS' attributes and EXTRAS, as this library was built
 // with them, and the most work a call runs on a normal scheduler.
 template <const Contract& C>
 ERL_NIF_TERM contract(ErlNifEnv* env, int, const ERL_NIF_TERM[]) {

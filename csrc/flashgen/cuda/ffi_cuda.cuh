@@ -1,16 +1,14 @@
-// XLA FFI handler implementations for the CUDA kernels, as templates on
-// (dtype, head dim, causal). The generated spec TU (templates/cuda/spec.cu.j2)
-// binds them with XLA_FFI_DEFINE_HANDLER_SYMBOL: cuda_fwd / cuda_bwd (dense,
-// optional `extras` operands; no extras -> the unchanged fast-path kernels),
-// cuda_fwd_varlen / cuda_bwd_varlen (packed batches) and cuda_fwd_paged
-// (paged KV cache with split-KV); these three take `extras` = "" or "alibi"
-// (decode_packed_extras; "" -> the unchanged varlen / paged kernels).
+// XLA FFI handlers of the CUDA kernels, as templates on (dtype, head dim,
+// causal). The generated spec TU (templates/cuda/spec.cu.j2) binds Handler to
+// each call's symbol; call.h decodes and validates the call; launch() here
+// chooses the kernels: dense (no extras -> the unchanged fast-path kernels,
+// else the extras kernels), varlen (packed batches) and paged (paged KV cache
+// with split-KV), the last two with "" or "alibi" extras.
 //
-// Contract: every operand and result shape and every attribute is validated
-// (ffi_common.h) before anything runs; work is enqueued on the given stream
-// only (no host synchronization, no cudaMalloc: workspaces come from
-// ffi::ScratchAllocator); every CUDA return code is checked and turned into
-// ffi::Error::Internal with cudaGetErrorString.
+// Contract: work is enqueued on the given stream only (no host
+// synchronization, no cudaMalloc: workspaces come from ffi::ScratchAllocator);
+// every CUDA return code is checked and turned into ffi::Error::Internal with
+// cudaGetErrorString.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,12 +16,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <string_view>
 
 #include "flashgen/attention.h"
 #include "flashgen/cuda/bwd.cuh"
 #include "flashgen/cuda/fwd.cuh"
-#include "flashgen/ffi_common.h"
+#include "flashgen/call.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashgen {
@@ -99,31 +96,27 @@ inline ffi::Error memset_async(const char* target, const char* name, void* ptr, 
 
 // FLASHGEN_POISON=1 (tests): fill the outputs with 0xFF bytes (NaN) before the
 // kernels run, so that an element a kernel forgets to write shows up.
-template <class... Results>
-ffi::Error poison_async(const char* target, cudaStream_t stream, Results&... results) {
+template <class Outs>
+ffi::Error poison_async(const char* target, cudaStream_t stream, const Outs& outs) {
   if (!poison_outputs()) return ffi::Error::Success();
-  ffi::Error err = ffi::Error::Success();
-  ((err.success() ? (void)(err = memset_async(target, "poison", results->untyped_data(), results->size_bytes(),
-                                               stream, poison_byte()))
-                  : (void)0),
-   ...);
-  return err;
+  for (const Out& r : outs)
+    if (auto e = memset_async(target, "poison", r.data, r.bytes, stream, poison_byte()); e.failure()) return e;
+  return ffi::Error::Success();
 }
 
 // The forward's launch preconditions: check_limits, 16-byte aligned q and o
 // (and k, v when there are keys to read), then the poison fill of o and lse.
-template <class O, class L>
-ffi::Error check_fwd_buffers(const char* target, cudaStream_t stream, const AttentionShape& s, const void* q,
-                             const void* k, const void* v, bool has_keys, O& o, L& lse, const char* k_name = "k",
-                             const char* v_name = "v") {
+inline ffi::Error check_fwd_buffers(const char* target, cudaStream_t stream, const AttentionShape& s, const void* q,
+                                    const void* k, const void* v, bool has_keys, const Out& o, const Out& lse,
+                                    const char* k_name = "k", const char* v_name = "v") {
   if (auto e = check_limits(target, s); e.failure()) return e;
   if (auto e = check_aligned(target, "q", q); e.failure()) return e;
-  if (auto e = check_aligned(target, "o", o->untyped_data()); e.failure()) return e;
+  if (auto e = check_aligned(target, "o", o.data); e.failure()) return e;
   if (has_keys) {
     if (auto e = check_aligned(target, k_name, k); e.failure()) return e;
     if (auto e = check_aligned(target, v_name, v); e.failure()) return e;
   }
-  return poison_async(target, stream, o, lse);
+  return poison_async(target, stream, std::array<Out, 2>{o, lse});
 }
 
 template <class Kernel>
@@ -193,13 +186,6 @@ inline ffi::Error alloc_scratch(const char* target, ffi::ScratchAllocator& scrat
 
 inline size_t round_up256(size_t x) { return (x + 255) / 256 * 256; }
 
-inline ffi::Error check_max_seqlen(const char* target, int32_t max_seqlen_q, int32_t max_seqlen_k) {
-  if (max_seqlen_q < 0 || max_seqlen_k < 0)
-    return invalid(target, "max_seqlen_q / max_seqlen_k must be >= 0, got (" + std::to_string(max_seqlen_q) + ", " +
-                               std::to_string(max_seqlen_k) + ")");
-  return ffi::Error::Success();
-}
-
 // ---------------------------------------------------------------------------
 // forward (dense, dense + extras, varlen, paged) -- the launch
 // ---------------------------------------------------------------------------
@@ -240,41 +226,22 @@ ffi::Error launch_fwd(const char* target, cudaStream_t stream, const FwdVarParam
 // forward
 // ---------------------------------------------------------------------------
 template <ffi::DataType DT, int D, bool CAUSAL>
-ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
-                    ffi::Buffer<DT> v, ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> o,
-                    ffi::ResultBuffer<ffi::F32> lse, bool causal, float scale, bool bottom_right,
-                    int32_t window_left, int32_t window_right, float softcap, std::string_view extras) {
+ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator&, const FwdCall& c) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
-
-  auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
-  if (shape_or.has_error()) return shape_or.error();
-  const AttentionShape s = shape_or.value();
-  auto x_or = decode_extras(target, extras, extra_args, s, DT, nullptr);
-  if (x_or.has_error()) return x_or.error();
-  const ScoreExtras x = x_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
-  if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure())
-    return e;
-  if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
-    return e;
+  const AttentionShape& s = c.s;
 
   // Nothing to write when o / lse are empty. (seqlen_k == 0 with rows present
   // is handled by the kernel: o = 0, lse = -inf.)
   if (s.batch == 0 || s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
-  if (auto e = check_fwd_buffers(target, stream, s, q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                                 s.seqlen_k > 0, o, lse);
-      e.failure())
-    return e;
+  if (auto e = check_fwd_buffers(target, stream, s, c.q, c.k, c.v, s.seqlen_k > 0, c.o, c.lse); e.failure()) return e;
 
   FwdVarParams p;
-  fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k.untyped_data(), v.untyped_data(), o->untyped_data(),
-                        lse->typed_data());
+  fill_fwd_params<T, D>(p, s, c.attrs, c.q, c.k, c.v, c.o.data, static_cast<float*>(c.lse.data));
   const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  if (!x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense>(target, stream, p, grid);
-  p.x = extras_params(x, s, bottom_right);
+  if (!c.x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense>(target, stream, p, grid);
+  p.x = extras_params(c.x, s, c.attrs.bottom_right);
   return launch_fwd<T, D, CAUSAL, kFwdExtras>(target, stream, p, grid);
 }
 
@@ -282,54 +249,35 @@ ffi::Error cuda_fwd(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, 
 // forward, packed variable-length batch
 // ---------------------------------------------------------------------------
 template <ffi::DataType DT, int D, bool CAUSAL>
-ffi::Error cuda_fwd_varlen(const char* target, cudaStream_t stream, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
-                           ffi::Buffer<DT> v, ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k,
-                           ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse,
-                           bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
-                           float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
+ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator&, const FwdVarlenCall& c) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
-
-  auto shape_or = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q.dimensions(),
-                               cu_k.dimensions());
-  if (shape_or.has_error()) return shape_or.error();
-  const AttentionShape s = shape_or.value();
-  auto x_or = decode_packed_extras(target, extras, extra_args, s, DT);
-  if (x_or.has_error()) return x_or.error();
-  const ScoreExtras x = x_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
-  if (auto e = check_max_seqlen(target, max_seqlen_q, max_seqlen_k); e.failure()) return e;
-  if (auto e = expect_dims(target, "o", o->dimensions(), {s.seqlen_q, s.heads_q, s.head_dim}); e.failure()) return e;
-  if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.heads_q, s.seqlen_q}); e.failure()) return e;
+  const AttentionShape& s = c.s;
+  const VarlenArgs& va = c.varlen;
 
   if (s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
-  if (auto e = check_fwd_buffers(target, stream, s, q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                                 s.seqlen_k > 0, o, lse);
-      e.failure())
-    return e;
+  if (auto e = check_fwd_buffers(target, stream, s, c.q, c.k, c.v, s.seqlen_k > 0, c.o, c.lse); e.failure()) return e;
 
   // Rows no sequence computes: o = 0, lse = -inf.
   flash_fwd_varlen_fill_kernel<T, D><<<grid_for(s.seqlen_q, 8), 256, 0, stream>>>(
-      cu_q.typed_data(), static_cast<int>(s.batch), static_cast<int>(s.seqlen_q), max_seqlen_q,
-      static_cast<int>(s.heads_q), static_cast<T*>(o->untyped_data()), lse->typed_data());
+      va.cu_seqlens_q, static_cast<int>(s.batch), static_cast<int>(s.seqlen_q), va.max_seqlen_q,
+      static_cast<int>(s.heads_q), static_cast<T*>(c.o.data), static_cast<float*>(c.lse.data));
   if (auto e = check_launch(target, "flash_fwd_varlen_fill_kernel"); e.failure()) return e;
 
   // No sequence is longer than the packed total (the kernel clamps), so the
   // grid needs at most min(max_seqlen_q, Tq) rows.
-  const int64_t rows = std::min<int64_t>(max_seqlen_q, s.seqlen_q);
+  const int64_t rows = std::min<int64_t>(va.max_seqlen_q, s.seqlen_q);
   if (s.batch == 0 || rows == 0) return ffi::Error::Success();
   FwdVarParams p;
-  fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k.untyped_data(), v.untyped_data(), o->untyped_data(),
-                        lse->typed_data());
-  p.cu_q = cu_q.typed_data();
-  p.cu_k = cu_k.typed_data();
-  p.max_seqlen_q = max_seqlen_q;
-  p.max_seqlen_k = max_seqlen_k;
+  fill_fwd_params<T, D>(p, s, c.attrs, c.q, c.k, c.v, c.o.data, static_cast<float*>(c.lse.data));
+  p.cu_q = va.cu_seqlens_q;
+  p.cu_k = va.cu_seqlens_k;
+  p.max_seqlen_q = va.max_seqlen_q;
+  p.max_seqlen_k = va.max_seqlen_k;
   const dim3 grid(static_cast<unsigned>((rows + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  if (x.alibi == nullptr) return launch_fwd<T, D, CAUSAL, kFwdVarlen>(target, stream, p, grid);
-  p.x = extras_params(x, s, bottom_right);  // the kernel reads alibi / alibi_stride_b only
+  if (c.x.alibi == nullptr) return launch_fwd<T, D, CAUSAL, kFwdVarlen>(target, stream, p, grid);
+  p.x = extras_params(c.x, s, c.attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
   return launch_fwd<T, D, CAUSAL, kFwdVarlenAlibi>(target, stream, p, grid);
 }
 
@@ -346,60 +294,29 @@ inline ffi::Error sm_count(const char* target, int* sms) {
 }
 
 template <ffi::DataType DT, int D, bool CAUSAL>
-ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                          ffi::Buffer<DT> q, ffi::Buffer<DT> k_cache, ffi::Buffer<DT> v_cache,
-                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seqused_k,
-                          ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> o, ffi::ResultBuffer<ffi::F32> lse,
-                          bool causal, float scale, bool bottom_right, int32_t window_left, int32_t window_right,
-                          float softcap, std::string_view extras) {
+ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const FwdPagedCall& c) {
   using T = typename ElemOf<DT>::type;
   using Cfg = FwdConfig<T, D>;
-
-  Dims qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
-  if (qd.size() != 4 || qd[3] != D)
-    return invalid(target, "q must be rank 4 [batch, seq, heads, " + std::to_string(D) + "], got " + dims_str(qd));
-  if (kd.size() != 4 || kd[3] != D)
-    return invalid(target, "k_cache must be rank 4 [num_blocks, block_size, kv_heads, " + std::to_string(D) +
-                               "], got " + dims_str(kd));
-  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3])
-    return invalid(target, "k_cache and v_cache shapes differ: k_cache " + dims_str(kd) + ", v_cache " + dims_str(vd));
-  if (kd[2] <= 0 || qd[2] % kd[2] != 0)
-    return invalid(target, "kv heads (" + std::to_string(kd[2]) + ") must divide q heads (" + std::to_string(qd[2]) +
-                               ")");
-  Dims td = block_table.dimensions();
-  if (td.size() != 2 || td[0] != qd[0])
-    return invalid(target, "block_table must be [" + std::to_string(qd[0]) + ", max_blocks], got " + dims_str(td));
-  if (auto e = expect_dims(target, "seqused_k", seqused_k.dimensions(), {qd[0]}); e.failure()) return e;
-  const int64_t num_blocks = kd[0], block_size = kd[1], max_blocks = td[1];
-  const int64_t max_keys = (block_size == 0 || max_blocks == 0) ? 0 : max_blocks * block_size;
-  const AttentionShape s{qd[0], qd[1], max_keys, qd[2], kd[2], D};
-  auto x_or = decode_packed_extras(target, extras, extra_args, s, DT);
-  if (x_or.has_error()) return x_or.error();
-  const ScoreExtras x = x_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
-  if (auto e = expect_dims(target, "o", o->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim}); e.failure())
-    return e;
-  if (auto e = expect_dims(target, "lse", lse->dimensions(), {s.batch, s.heads_q, s.seqlen_q}); e.failure())
-    return e;
+  const AttentionShape& s = c.s;
+  const int64_t num_blocks = c.paged.num_blocks, block_size = c.paged.block_size, max_blocks = c.paged.max_blocks;
+  const int64_t max_keys = s.seqlen_k;
 
   if (s.batch == 0 || s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
   if (max_blocks > (int64_t{1} << 30) || block_size > (int64_t{1} << 30) ||
       num_blocks * block_size > int64_t{0x7fffffff})
     return invalid(target, "paged cache too large: num_blocks * block_size must be < 2^31 and max_blocks * "
-                           "block_size <= 2^30, got k_cache " + dims_str(kd) + ", block_table " + dims_str(td));
+                           "block_size <= 2^30, got num_blocks " + std::to_string(num_blocks) + ", block_size " +
+                           std::to_string(block_size) + ", max_blocks " + std::to_string(max_blocks));
   // (check_limits there: max_blocks * block_size <= 2^30)
-  if (auto e = check_fwd_buffers(target, stream, s, q.untyped_data(), k_cache.untyped_data(),
-                                 v_cache.untyped_data(), num_blocks > 0 && block_size > 0, o, lse, "k_cache",
-                                 "v_cache");
+  if (auto e = check_fwd_buffers(target, stream, s, c.q, c.k, c.v, num_blocks > 0 && block_size > 0, c.o,
+                                 c.lse, "k_cache", "v_cache");
       e.failure())
     return e;
 
   FwdVarParams p;
-  fill_fwd_params<T, D>(p, s, attrs, q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
-                        o->untyped_data(), lse->typed_data());
-  p.block_table = block_table.typed_data();
-  p.seqused_k = seqused_k.typed_data();
+  fill_fwd_params<T, D>(p, s, c.attrs, c.q, c.k, c.v, c.o.data, static_cast<float*>(c.lse.data));
+  p.block_table = c.paged.block_table;
+  p.seqused_k = c.paged.seqused_k;
   p.num_blocks = num_blocks;
   p.block_size = static_cast<int>(block_size);
   p.max_blocks = static_cast<int>(max_blocks);
@@ -426,15 +343,15 @@ ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchA
   }
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch * nsplit));
-  if (x.alibi == nullptr) {
+  if (c.x.alibi == nullptr) {
     if (auto e = launch_fwd<T, D, CAUSAL, kFwdPaged>(target, stream, p, grid); e.failure()) return e;
   } else {
-    p.x = extras_params(x, s, bottom_right);  // the kernel reads alibi / alibi_stride_b only
+    p.x = extras_params(c.x, s, c.attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
     if (auto e = launch_fwd<T, D, CAUSAL, kFwdPagedAlibi>(target, stream, p, grid); e.failure()) return e;
   }
   if (nsplit > 1) {
     flash_fwd_combine_kernel<T, D><<<grid_for(s.batch * s.heads_q * s.seqlen_q, 8), 256, 0, stream>>>(
-        p.o_part, p.lse_part, static_cast<T*>(o->untyped_data()), lse->typed_data(), nsplit,
+        p.o_part, p.lse_part, static_cast<T*>(c.o.data), static_cast<float*>(c.lse.data), nsplit,
         static_cast<int>(s.batch), static_cast<int>(s.heads_q), static_cast<int>(s.seqlen_q));
     if (auto e = check_launch(target, "flash_fwd_combine_kernel"); e.failure()) return e;
   }
@@ -444,17 +361,6 @@ ffi::Error cuda_fwd_paged(const char* target, cudaStream_t stream, ffi::ScratchA
 // ---------------------------------------------------------------------------
 // backward (shared by dense, dense + extras and varlen)
 // ---------------------------------------------------------------------------
-struct BwdBuffers {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* o;
-  const float* lse;
-  const void* dout;
-  void* dq;
-  void* dk;
-  void* dv;
-};
 
 // s: the dense shape, or for varlen {B, Tq, Tk, Hq, Hkv, D} (then `varlen` is set
 // and lse / dsum are [Hq, Tq]). x: extras (dense; varlen: alibi only, or null);
@@ -478,9 +384,9 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   const bool no_work = q_elems == 0 || kv_elems == 0 || s.batch == 0 ||
                        (is_varlen && (varlen->max_seqlen_q == 0 || varlen->max_seqlen_k == 0));
   if (no_work) {
-    if (auto e = memset_async(target, "dq", buf.dq, q_elems * sizeof(T), stream); e.failure()) return e;
-    if (auto e = memset_async(target, "dk", buf.dk, kv_elems * sizeof(T), stream); e.failure()) return e;
-    if (auto e = memset_async(target, "dv", buf.dv, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dq", buf.dq.data, q_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dk", buf.dk.data, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dv", buf.dv.data, kv_elems * sizeof(T), stream); e.failure()) return e;
     if (has_dbias)
       return memset_async(target, "dbias", dbias, dbias_elems * (dbias_f32 ? 4 : sizeof(T)), stream);
     return ffi::Error::Success();
@@ -488,7 +394,7 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   if (auto e = check_limits(target, s); e.failure()) return e;
   {
     const char* names[] = {"q", "k", "v", "o", "do", "dq", "dk", "dv"};
-    const void* ptrs[] = {buf.q, buf.k, buf.v, buf.o, buf.dout, buf.dq, buf.dk, buf.dv};
+    const void* ptrs[] = {buf.q, buf.k, buf.v, buf.o, buf.dout, buf.dq.data, buf.dk.data, buf.dv.data};
     for (int i = 0; i < 8; ++i)
       if (auto e = check_aligned(target, names[i], ptrs[i]); e.failure()) return e;
   }
@@ -510,12 +416,12 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
       e.failure())
     return e;
   float* dsum = reinterpret_cast<float*>(wsp);
-  float* dq_acc = kF32 ? reinterpret_cast<float*>(buf.dq) : reinterpret_cast<float*>(wsp + dsum_bytes);
+  float* dq_acc = kF32 ? reinterpret_cast<float*>(buf.dq.data) : reinterpret_cast<float*>(wsp + dsum_bytes);
   float* dk_acc = nullptr;
   float* dv_acc = nullptr;
   if (atomic_kv) {
-    dk_acc = kF32 ? reinterpret_cast<float*>(buf.dk) : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes);
-    dv_acc = kF32 ? reinterpret_cast<float*>(buf.dv)
+    dk_acc = kF32 ? reinterpret_cast<float*>(buf.dk.data) : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes);
+    dv_acc = kF32 ? reinterpret_cast<float*>(buf.dv.data)
                   : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes + kv_ws_bytes);
   }
   float* dbias_acc = nullptr;
@@ -532,8 +438,8 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
       return e;
   } else if (is_varlen) {
     // Key rows no sequence covers are never visited: they read 0.
-    if (auto e = memset_async(target, "dk", buf.dk, kv_elems * sizeof(T), stream); e.failure()) return e;
-    if (auto e = memset_async(target, "dv", buf.dv, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dk", buf.dk.data, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dv", buf.dv.data, kv_elems * sizeof(T), stream); e.failure()) return e;
   }
   if (has_dbias) {
     if (auto e = memset_async(target, "dbias accumulator", dbias_acc, dbias_elems * sizeof(float), stream);
@@ -566,8 +472,8 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     p.dq_acc = dq_acc;
     p.dk_acc = dk_acc;
     p.dv_acc = dv_acc;
-    p.dk = buf.dk;
-    p.dv = buf.dv;
+    p.dk = buf.dk.data;
+    p.dv = buf.dv.data;
     p.batch = static_cast<int>(s.batch);
     p.seqlen_q = static_cast<int>(s.seqlen_q);
     p.seqlen_k = static_cast<int>(s.seqlen_k);
@@ -621,10 +527,10 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     return check_launch(target, what);
   };
   if constexpr (!kF32) {
-    if (auto e = convert(dq_acc, buf.dq, q_elems, "flash_bwd_convert_kernel(dq)"); e.failure()) return e;
+    if (auto e = convert(dq_acc, buf.dq.data, q_elems, "flash_bwd_convert_kernel(dq)"); e.failure()) return e;
     if (atomic_kv) {
-      if (auto e = convert(dk_acc, buf.dk, kv_elems, "flash_bwd_convert_kernel(dk)"); e.failure()) return e;
-      if (auto e = convert(dv_acc, buf.dv, kv_elems, "flash_bwd_convert_kernel(dv)"); e.failure()) return e;
+      if (auto e = convert(dk_acc, buf.dk.data, kv_elems, "flash_bwd_convert_kernel(dk)"); e.failure()) return e;
+      if (auto e = convert(dv_acc, buf.dv.data, kv_elems, "flash_bwd_convert_kernel(dv)"); e.failure()) return e;
     }
     if (has_dbias && !dbias_f32) {
       if (auto e = convert(dbias_acc, dbias, dbias_elems, "flash_bwd_convert_kernel(dbias)"); e.failure())
@@ -635,86 +541,35 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
 }
 
 template <ffi::DataType DT, int D, bool CAUSAL>
-ffi::Error cuda_bwd(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::Buffer<DT> q,
-                    ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<DT> dout, ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> dq,
-                    ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv, ffi::RemainingRets extra_rets, bool causal,
-                    float scale, bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
-                    std::string_view extras) {
+ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdCall& c) {
   using T = typename ElemOf<DT>::type;
-
-  auto shape_or = shape_from_qkv(target, D, q.dimensions(), k.dimensions(), v.dimensions());
-  if (shape_or.has_error()) return shape_or.error();
-  const AttentionShape s = shape_or.value();
-  auto x_or = decode_extras(target, extras, extra_args, s, DT, &extra_rets);
-  if (x_or.has_error()) return x_or.error();
-  const ScoreExtras x = x_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
-  if (auto e = check_bwd_operands(target, s, o.dimensions(), lse.dimensions(), dout.dimensions()); e.failure())
-    return e;
-  if (auto e = expect_dims(target, "dq", dq->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
-      e.failure())
-    return e;
-  if (auto e = expect_dims(target, "dk", dk->dimensions(), {s.batch, s.seqlen_k, s.heads_kv, s.head_dim});
-      e.failure())
-    return e;
-  if (auto e = expect_dims(target, "dv", dv->dimensions(), {s.batch, s.seqlen_k, s.heads_kv, s.head_dim});
-      e.failure())
-    return e;
-
-  if (auto e = poison_async(target, stream, dq, dk, dv); e.failure()) return e;
-  size_t dbias_elems = 0;
-  if (x.dbias != nullptr) {
-    auto r = extra_rets.get<ffi::AnyBuffer>(0);
-    if (r.has_error()) return invalid(target, "dbias is not a buffer");
-    ffi::AnyBuffer db = *r.value();
-    dbias_elems = db.element_count();
-    if (poison_outputs())
-      if (auto e = memset_async(target, "poison", x.dbias, db.size_bytes(), stream, poison_byte()); e.failure()) return e;
-  }
-  const BwdBuffers buf{q.untyped_data(),   k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
-                       lse.typed_data(),   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
-                       dv->untyped_data()};
-  return bwd_run<T, D, CAUSAL>(target, stream, scratch, buf, s, attrs, &x, x.dbias, dbias_elems, nullptr);
+  if (auto e = poison_async(target, stream, c.results()); e.failure()) return e;
+  const size_t dbias_elems = c.dbias.bytes / (c.x.bias_type == ElemType::F32 ? sizeof(float) : sizeof(T));
+  return bwd_run<T, D, CAUSAL>(target, stream, scratch, c, c.s, c.attrs, &c.x, c.x.dbias, dbias_elems, nullptr);
 }
 
 template <ffi::DataType DT, int D, bool CAUSAL>
-ffi::Error cuda_bwd_varlen(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                           ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v, ffi::Buffer<DT> o,
-                           ffi::Buffer<ffi::F32> lse, ffi::Buffer<DT> dout, ffi::Buffer<ffi::S32> cu_q,
-                           ffi::Buffer<ffi::S32> cu_k, ffi::RemainingArgs extra_args, ffi::ResultBuffer<DT> dq,
-                           ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv, bool causal, float scale,
-                           bool bottom_right, int32_t window_left, int32_t window_right, float softcap,
-                           int32_t max_seqlen_q, int32_t max_seqlen_k, std::string_view extras) {
+ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdVarlenCall& c) {
   using T = typename ElemOf<DT>::type;
-
-  auto shape_or = varlen_shape(target, D, q.dimensions(), k.dimensions(), v.dimensions(), cu_q.dimensions(),
-                               cu_k.dimensions());
-  if (shape_or.has_error()) return shape_or.error();
-  const AttentionShape s = shape_or.value();
-  auto x_or = decode_packed_extras(target, extras, extra_args, s, DT);  // no dbias
-  if (x_or.has_error()) return x_or.error();
-  const ScoreExtras x = x_or.value();
-  const AttentionAttrs attrs{scale, causal, bottom_right, window_left, window_right, softcap};
-  if (auto e = check_attrs(target, CAUSAL, attrs, x.alibi != nullptr); e.failure()) return e;
-  if (auto e = check_max_seqlen(target, max_seqlen_q, max_seqlen_k); e.failure()) return e;
-  const int64_t Tq = s.seqlen_q, Tk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
-  if (auto e = expect_dims(target, "o", o.dimensions(), {Tq, Hq, D}); e.failure()) return e;
-  if (auto e = expect_dims(target, "lse", lse.dimensions(), {Hq, Tq}); e.failure()) return e;
-  if (auto e = expect_dims(target, "do", dout.dimensions(), {Tq, Hq, D}); e.failure()) return e;
-  if (auto e = expect_dims(target, "dq", dq->dimensions(), {Tq, Hq, D}); e.failure()) return e;
-  if (auto e = expect_dims(target, "dk", dk->dimensions(), {Tk, Hkv, D}); e.failure()) return e;
-  if (auto e = expect_dims(target, "dv", dv->dimensions(), {Tk, Hkv, D}); e.failure()) return e;
-  if (auto e = poison_async(target, stream, dq, dk, dv); e.failure()) return e;
-
-  const VarlenArgs va{cu_q.typed_data(), cu_k.typed_data(), max_seqlen_q, max_seqlen_k};
-  const BwdBuffers buf{q.untyped_data(),   k.untyped_data(),   v.untyped_data(),   o.untyped_data(),
-                       lse.typed_data(),   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
-                       dv->untyped_data()};
-  return bwd_run<T, D, CAUSAL>(target, stream, scratch, buf, s, attrs, x.alibi != nullptr ? &x : nullptr, nullptr,
-                               0, &va);
+  if (auto e = poison_async(target, stream, c.results()); e.failure()) return e;
+  return bwd_run<T, D, CAUSAL>(target, stream, scratch, c, c.s, c.attrs, c.x.alibi != nullptr ? &c.x : nullptr,
+                               nullptr, 0, &c.varlen);
 }
+
+// The handler of one call (templates/cuda/spec.cu.j2 binds it): Call (call.h) decodes and
+// validates the FFI's arguments -- shapes only: the operands live in device memory -- then
+// launch enqueues the kernels on the stream.
+template <ffi::DataType DT, int D, bool CAUSAL, class Call>
+struct Handler {
+  const char* target;
+
+  template <class... Args>
+  ffi::Error operator()(cudaStream_t stream, ffi::ScratchAllocator scratch, Args... args) const {
+    auto call = Call::decode(Callee{target, D, CAUSAL, /*host_operands=*/false}, std::move(args)...);
+    if (call.has_error()) return call.error();
+    return launch<DT, D, CAUSAL>(target, stream, scratch, call.value());
+  }
+};
 
 }  // namespace
 }  // namespace cuda
