@@ -1,5 +1,6 @@
-"""The SIMT machine: CTAs run one after another, their warps interleaved by a seeded random
-scheduler; each warp steps the lanes that sit at its lowest program counter.
+"""The SIMT machine: the CTAs of a launch run in waves of up to WAVE_LANES threads, all warps of a
+wave interleaved by a seeded random scheduler; each warp steps the lanes that sit at its lowest
+program counter.
 
 Per-lane program counters: a converged warp keeps one pc (the fast path); a divergent branch gives
 each lane its own, and the lanes at the minimum pc execute together until all live lanes meet
@@ -8,16 +9,22 @@ or the end of a random quantum, so any interleaving between barriers can occur; 
 race detector (memory.py) flags conflicting accesses whatever the interleaving was.
 
 Gangs: adjacent converged warps at the same pc usually execute together, one instruction over all
-their lanes (the registers of a CTA are one array per register, so a gang's registers are views).
-This changes no result -- the warps would run the same instructions in some order anyway -- but
-divides the interpreter's per-instruction cost by the gang size. A gang breaks up at a divergent
-branch or a partial exit (its warps then run alone until the next barrier), and the scheduler also
-runs parts of gangs one after the other at random, so interleavings stay varied.
+their lanes, across the CTAs of the wave too (the registers of a wave are one array per register,
+so a gang's registers are views). This changes no result -- the warps would run the same
+instructions in some order anyway -- but divides the interpreter's per-instruction cost by the gang
+size. Instructions that touch a CTA's state (memory, cp.async groups; semantics.CTA_SCOPED) run
+one CTA of the gang after another, on that CTA's memory and race detectors. To keep gangs wide,
+the scheduler usually picks the warps at the lowest pc, and a gang stops where it meets other
+warps' pc (they then join it); a warp that takes a divergent branch or exits in part leaves its
+gang until it is converged again. One time in four the scheduler picks a random warp instead,
+and one gang in four runs as two parts one after the other, so interleavings stay varied. A CTA's
+barrier is released once no warp of the wave can run.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import re
 import secrets
 import time
@@ -28,12 +35,13 @@ from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
-from flashgen.emulate.semantics import compile_instruction, unsupported
+from flashgen.emulate.semantics import CTA_STATE, PER_WARP, SCOPES, compile_instruction, unsupported
 
 # Largest dynamic shared memory per block after cudaFuncSetAttribute opt-in (bytes).
 SMEM_LIMIT = {"sm80": 163 * 1024, "sm90a": 227 * 1024}
 SM_COUNT = {"sm80": 108, "sm90a": 132}
 MAX_THREADS_PER_BLOCK = 1024
+WAVE_LANES = 4096                     # threads of the CTAs that run together (register file size)
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
 
@@ -47,8 +55,8 @@ class LaunchStats:
     opcode_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
-class _CtaRegisters:
-    """The register file of a CTA: one array per register over all its lanes, created on first use.
+class _Registers:
+    """The register file of a wave: one array per register over all its lanes, created on first use.
     Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
     is written shows up instead of passing as zero; predicates start false."""
 
@@ -78,20 +86,21 @@ class _RegisterView(dict):
 
 class Warp:
     nlanes = 32
+    segments = None                      # a warp lies in one CTA
 
-    def __init__(self, wid, cta, nthreads, block):
-        self.wid = self.lane_warp = wid
+    def __init__(self, wid, gid, cta, nthreads, block, registers):
+        self.wid = self.lane_warp = wid      # within its CTA (the race detectors' warp id)
+        self.gid = gid                       # within its wave (its place in the register file)
         self.label = f"warp {wid}"
         self.members = (self,)
         self.cta = cta
-        self.regs = _RegisterView(cta.registers, 32 * wid, 32 * wid + 32)
+        self.regs = _RegisterView(registers, 32 * gid, 32 * gid + 32)
         linear = wid * 32 + np.arange(32)
         self.alive = linear < nthreads
         self.alive_mask = None if self.alive.all() else self.alive.copy()
         self.pc = 0
         self.lane_pc = None                  # per-lane pcs while diverged
         self.at_barrier = False
-        self.solo = False                    # left a gang at a divergence: alone until a barrier
         self.done = not self.alive.any()
         self.cp_open = []                    # issued, uncommitted cp.async copies
         self.cp_groups = []                  # committed groups, oldest first
@@ -107,39 +116,63 @@ class Warp:
             self.special[("nctaid", ax)] = np.full(32, cta.grid[ax], u)
 
     def can_gang(self, pc) -> bool:
-        return (not self.done and not self.at_barrier and not self.solo and self.lane_pc is None
+        return (not self.done and not self.at_barrier and self.lane_pc is None
                 and self.alive_mask is None and self.pc == pc)
 
 
 class _Gang:
-    """Adjacent converged, fully populated warps executing one instruction stream together."""
+    """Adjacent converged, fully populated warps of a wave executing one instruction stream
+    together. A gang over several CTAs has no `cta`: its `segments` (first lane, end lane, the
+    warp or gang of one CTA) run the CTA-scoped instructions."""
     lane_pc = None
     alive_mask = None
 
-    def __init__(self, warps):
+    def __init__(self, wave, warps):
         self.members = tuple(warps)
-        self.cta = warps[0].cta
-        self.wid = warps[0].wid
-        self.label = f"warps {warps[0].wid}-{warps[-1].wid}"
+        first, last = warps[0], warps[-1]
+        self.wid = first.wid
         self.nlanes = 32 * len(warps)
-        self.regs = _RegisterView(self.cta.registers, 32 * warps[0].wid, 32 * warps[-1].wid + 32)
-        self.lane_warp = np.repeat([w.wid for w in warps], 32)
+        self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
         self.alive = np.ones(self.nlanes, bool)
-        self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in warps[0].special}
+        self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
+        if first.cta is last.cta:
+            self.cta, self.segments = first.cta, None
+            self.label = f"warps {first.wid}-{last.wid}"
+            self.lane_warp = np.repeat([w.wid for w in warps], 32)
+        else:
+            self.cta = self.lane_warp = None
+            self.label = f"warps {first.wid}-{last.wid} of blocks {first.cta.ctaid}-{last.cta.ctaid}"
+            self.segments = []
+            for _, part in itertools.groupby(warps, key=lambda w: w.cta):
+                part = list(part)
+                start = 32 * (part[0].gid - first.gid)
+                self.segments.append((start, start + 32 * len(part),
+                                      part[0] if len(part) == 1 else wave.gang(part[0].gid, part[-1].gid)))
 
 
 class _Cta:
-    def __init__(self, ctaid, grid, smem, gmem, params, types, nthreads):
+    def __init__(self, ctaid, grid, smem, gmem, params):
         self.ctaid, self.grid, self.smem, self.gmem, self.params = ctaid, grid, smem, gmem, params
         self.index = ctaid[0] + grid[0] * (ctaid[1] + grid[1] * ctaid[2])   # linear CTA id
-        self.registers = _CtaRegisters(types, 32 * -(-nthreads // 32))
-        self.gangs = {}                                                    # (first, last) -> _Gang
+        self.warps = []
 
-    def gang(self, warps):
-        key = (warps[0].wid, warps[-1].wid)
-        g = self.gangs.get(key)
+
+class _Wave:
+    """CTAs that run together: their warps in one list, their registers in one file."""
+
+    def __init__(self, ctas, types, nthreads, block):
+        per_cta = -(-nthreads // 32)
+        self.registers = _Registers(types, 32 * per_cta * len(ctas))
+        self.warps = []
+        for cta in ctas:
+            cta.warps = [Warp(i, len(self.warps) + i, cta, nthreads, block, self.registers) for i in range(per_cta)]
+            self.warps += cta.warps
+        self.gangs = {}                                                    # (first, last) gid -> _Gang
+
+    def gang(self, lo, hi):
+        g = self.gangs.get((lo, hi))
         if g is None:
-            g = self.gangs[key] = _Gang(warps)
+            g = self.gangs[(lo, hi)] = _Gang(self, self.warps[lo:hi + 1])
         return g
 
 
@@ -167,7 +200,8 @@ def short_name(kernel_name: str) -> str:
 
 
 class _Compiled:
-    """A kernel's instructions as (kind, run, guard, negated, target) tuples."""
+    """A kernel's instructions as (kind, run, guard, negated, target) tuples (an _ALU's target:
+    its handler's scope bits, semantics.SCOPES)."""
 
     def __init__(self, kernel: Kernel):
         ops = Operands(kernel)
@@ -202,7 +236,7 @@ class _Compiled:
                     raise unsupported(ins, "a thread count in a register")
                 count = int(ins.operands[1].text, 0)
             return (_BAR, count, *guard, None)
-        return (_ALU, compile_instruction(ins, ops), *guard, None)
+        return (_ALU, compile_instruction(ins, ops), *guard, SCOPES[ins.opcode])
 
 
 def compiled(kernel: Kernel) -> _Compiled:
@@ -211,66 +245,106 @@ def compiled(kernel: Kernel) -> _Compiled:
     return kernel.compiled
 
 
+class _Located(EmulationError):
+    """An error already prefixed with where it happened (in one CTA of a wide gang)."""
+
+
 class _Launch:
     def __init__(self, kernel, code, rng, budget, seed):
         self.kernel, self.code, self.rng, self.budget, self.seed = kernel, code, rng, budget, seed
         self.counts = [0] * len(code)
         self.executed = 0
 
-    def context(self, cta, w, pc) -> str:
+    def context(self, w, pc) -> str:
         ins = self.kernel.instructions[pc] if pc < len(self.kernel.instructions) else None
         where = f"PTX line {ins.line}: {ins.text}" if ins else "end of kernel"
-        return (f"{short_name(self.kernel.name)} block {cta.ctaid} {w.label} pc {pc} ({where}) "
+        block = "" if w.cta is None else f" block {w.cta.ctaid}"
+        return (f"{short_name(self.kernel.name)}{block} {w.label} pc {pc} ({where}) "
                 f"[schedule seed {self.seed}]")
 
-    def run_cta(self, cta, nthreads, block):
-        warps = [Warp(i, cta, nthreads, block) for i in range(-(-nthreads // 32))]
+    def run_wave(self, wave, nthreads):
+        warps = wave.warps
         rng = self.rng
         while True:
             runnable = [w for w in warps if not w.done and not w.at_barrier]
             if not runnable:
-                waiting = [w for w in warps if not w.done]
-                if not waiting:
+                if not self._release_barriers(wave, nthreads):
                     return
-                exited = sum(int((~w.alive).sum()) for w in warps) - (32 * len(warps) - nthreads)
-                if exited:
-                    w = waiting[0]
-                    raise EmulationError(f"{self.context(cta, w, w.pc - 1)}: bar.sync reached after {exited} "
-                                         f"threads of the block exited (the barrier would wait for them)")
-                cta.smem.barrier()
-                for w in waiting:
-                    w.at_barrier = w.solo = False
                 continue
-            w = runnable[int(rng.integers(len(runnable)))] if len(runnable) > 1 else runnable[0]
+            # Mostly the warps at the lowest pc: the others wait there for them, and they meet.
+            if len(runnable) == 1:
+                w = runnable[0]
+            elif rng.integers(4):
+                w = min(runnable, key=lambda x: x.pc)
+            else:
+                w = runnable[int(rng.integers(len(runnable)))]
             quantum = int(rng.integers(1, 257))
-            lo = hi = w.wid
+            lo = hi = w.gid
             if w.can_gang(w.pc):
                 while lo > 0 and warps[lo - 1].can_gang(w.pc):
                     lo -= 1
                 while hi + 1 < len(warps) and warps[hi + 1].can_gang(w.pc):
                     hi += 1
-            if hi == lo:
-                self.run_warp(w, cta, quantum, nthreads)
-                continue
-            # The adjacent warps at the same pc run together. One time in four they split in two
-            # parts that run one after the other for the same quantum: varied interleavings, and
-            # warps that stay in step (uniform control flow brings both parts to the same pc).
-            parts = [warps[lo:hi + 1]]
-            if not rng.integers(4):
+            parts = [(lo, hi)]
+            if hi > lo and not rng.integers(4):
+                # One time in four the gang runs as two parts, one after the other, for the same
+                # quantum: varied interleavings (uniform control flow brings them together again).
                 cut = int(rng.integers(lo + 1, hi + 1))
-                parts = [warps[lo:cut], warps[cut:hi + 1]]
+                parts = [(lo, cut - 1), (cut, hi)]
                 if rng.integers(2):
                     parts.reverse()
-            for part in parts:
-                self.run_warp(cta.gang(part) if len(part) > 1 else part[0], cta, quantum, nthreads)
+            for a, b in parts:
+                # the pcs where the part stops: those of the other converged warps, to join them
+                stops = {x.pc for x in runnable if x.lane_pc is None and not a <= x.gid <= b}
+                self.run_warp(wave.gang(a, b) if b > a else warps[a], quantum, nthreads, stops)
 
-    def run_warp(self, w, cta, quantum, nthreads):
-        """Run a warp or a gang for up to `quantum` instructions."""
+    def _release_barriers(self, wave, nthreads) -> bool:
+        """No warp can run: every live warp waits at a barrier. Release each CTA's (False: all done)."""
+        waiting = [w for w in wave.warps if not w.done]
+        if not waiting:
+            return False
+        for cta in dict.fromkeys(w.cta for w in waiting):
+            exited = sum(int((~w.alive).sum()) for w in cta.warps) - (32 * len(cta.warps) - nthreads)
+            if exited:
+                w = next(x for x in waiting if x.cta is cta)
+                raise EmulationError(f"{self.context(w, w.pc - 1)}: bar.sync reached after {exited} "
+                                     f"threads of the block exited (the barrier would wait for them)")
+            cta.smem.barrier()
+        for w in waiting:
+            w.at_barrier = False
+        return True
+
+    def _per_cta(self, g, fn, exe, pc):
+        """A CTA_STATE instruction of a gang over several CTAs: one CTA after the other."""
+        for start, end, part in g.segments:
+            self._run_part(part, fn, None if exe is None else exe[start:end], pc)
+
+    def _per_warp(self, g, fn, exe, pc):
+        """A PER_WARP instruction that not every lane of a gang executes: warp by warp."""
+        for j, m in enumerate(g.members):
+            self._run_part(m, fn, exe[32 * j:32 * j + 32], pc)
+
+    def _run_part(self, part, fn, m, pc):
+        if m is not None:
+            if not m.any():
+                return
+            if m.all():
+                m = None
+        try:
+            fn(part, m)
+        except EmulationError as e:
+            raise _Located(f"{self.context(part, pc)}: {e}") from None
+
+    def run_warp(self, w, quantum, nthreads, stops):
+        """Run a warp or a gang for up to `quantum` instructions, or until it reaches a pc in `stops`.
+        A gang whose lanes take a branch apart keeps running with per-lane pcs; it hands them to
+        its warps when its run ends diverged, or at an exit, a barrier or a partial bra.uni."""
         code, counts = self.code, self.counts
         gang = isinstance(w, _Gang)
+        segments = w.segments
         width = len(w.members)
         pc = w.members[0].pc
-        steps = 0
+        steps = executed = 0
         try:
             while steps < quantum:
                 steps += 1
@@ -281,7 +355,13 @@ class _Launch:
                     pc = int(lp.min())
                     active = lp == pc
                 kind, fn, guard, negated, target = code[pc]
-                counts[pc] += width
+                if lp is not None and gang:     # count the warps with a lane at this pc
+                    n = int(active.reshape(-1, 32).any(1).sum())
+                    counts[pc] += n
+                    executed += n
+                else:
+                    counts[pc] += width
+                    executed += width
                 if guard is None:
                     exe = active
                 else:
@@ -293,23 +373,56 @@ class _Launch:
                         exe = None
                 if kind == _ALU:
                     if exe is None or exe.any():
-                        fn(w, exe)
+                        if not (gang and target):
+                            fn(w, exe)
+                        elif exe is not None and target & PER_WARP:
+                            self._per_warp(w, fn, exe, pc)
+                        elif segments is not None and target & CTA_STATE:
+                            self._per_cta(w, fn, exe, pc)
+                        else:
+                            fn(w, exe)
                     if lp is None:
                         pc += 1
                     else:
                         lp[active] = pc + 1
                         _reconverge(w)
+                        if w.lane_pc is not None:
+                            continue
                         pc = w.pc
+                    if pc in stops:
+                        break
                     continue
                 if gang:
-                    if exe is not None and not exe.any():      # no lane branches or exits
-                        pc += 1
+                    if lp is None:
+                        if exe is not None and not exe.any():      # no lane branches or exits
+                            pc += 1
+                            continue
+                        if kind == _BRA and (exe is None or not fn):
+                            if exe is None:                        # the whole gang branches
+                                pc = target
+                            else:                                  # its lanes part
+                                w.lane_pc = lp = np.full(w.nlanes, pc + 1, np.int64)
+                                lp[exe] = target
+                                pc = min(pc + 1, target)
+                            if pc in stops:
+                                break
+                            continue
+                        self._gang_control(w, pc, kind, fn, exe, target, nthreads)
+                        return
+                    if kind == _BRA and not fn:
+                        lp[active & ~exe] = pc + 1
+                        lp[exe] = target
+                        _reconverge(w)
+                        if w.lane_pc is None:
+                            pc = w.pc
+                            if pc in stops:
+                                break
                         continue
-                    if kind == _BRA and exe is None:           # the whole gang branches
-                        pc = target
-                        continue
-                    self._gang_control(w, pc, kind, fn, exe, target, nthreads)
-                    return
+                    # an exit, a barrier or a bra.uni while the gang's lanes stand apart: each warp
+                    # takes it on its own
+                    counts[pc] -= n
+                    executed -= n
+                    break
                 w.pc = pc
                 if kind == _BRA:
                     self._branch(w, pc, active, exe, target, fn)
@@ -322,15 +435,21 @@ class _Launch:
                 else:   # _BAR
                     self._barrier(w, pc, nthreads)
                     return
+                if w.lane_pc is None and pc in stops:
+                    break
+        except _Located:
+            raise
         except EmulationError as e:
-            raise EmulationError(f"{self.context(cta, w, pc)}: {e}") from None
+            raise EmulationError(f"{self.context(w, pc)}: {e}") from None
         finally:
-            self.executed += steps * width
+            self.executed += executed
         if w.lane_pc is None:
             for m in w.members:
                 m.pc = pc
+        elif gang:
+            _hand_to_warps(w)
         if self.executed > self.budget:
-            raise EmulationError(f"{self.context(cta, w, pc)}: more than {self.budget} warp-instructions "
+            raise EmulationError(f"{self.context(w, pc)}: more than {self.budget} warp-instructions "
                                  f"in one launch (an infinite loop?)")
 
     def _barrier(self, w, pc, nthreads):
@@ -347,11 +466,10 @@ class _Launch:
 
     def _gang_control(self, g, pc, kind, fn, exe, target, nthreads):
         """A branch taken by some lanes, an exit or a barrier ends a gang's run: each warp takes it
-        on its own (a divergent branch leaves the warps alone until the next barrier)."""
+        on its own."""
         if kind == _BAR:
             self._barrier(g, pc, nthreads)
             return
-        diverged = exe is not None
         for j, m in enumerate(g.members):
             m.pc = pc
             part = None if exe is None else exe[32 * j:32 * j + 32]
@@ -359,7 +477,6 @@ class _Launch:
                 self._branch(m, pc, None, part, target, fn)
             else:
                 self._exit(m, pc, None, part)
-            m.solo = m.solo or diverged
 
     def _branch(self, w, pc, active, exe, target, uniform):
         if exe is None:
@@ -401,6 +518,15 @@ class _Launch:
             w.lane_pc[leaving] = _DEAD
             w.lane_pc[(active & ~leaving)] = pc + 1
             _reconverge(w)
+
+
+def _hand_to_warps(g):
+    """A gang's per-lane pcs become its warps' (each converged or diverged on its own)."""
+    lp, g.lane_pc = g.lane_pc, None
+    for j, m in enumerate(g.members):
+        mine = lp[32 * j:32 * j + 32]
+        m.pc = int(mine.min())
+        m.lane_pc = None if (mine == m.pc).all() else mine.copy()
 
 
 def _reconverge(w):
@@ -451,13 +577,16 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
     run = _Launch(kernel, code, np.random.default_rng(seed), max_warp_instructions, seed)
     blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     order = run.rng.permutation(len(blocks))      # blocks of a grid run in no defined order
+    per_wave = max(1, WAVE_LANES // (32 * -(-nthreads // 32)))
+    smem_bytes = dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base)
     t0 = time.perf_counter()
     memory.start_launch(track_writers=race_check)
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
-            for i in order:
-                smem = SharedMemory(dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base), race_check)
-                run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf, kernel.registers, nthreads), nthreads, block)
+            for first in range(0, len(order), per_wave):
+                ctas = [_Cta(blocks[i], grid, SharedMemory(smem_bytes, race_check), memory, pbuf)
+                        for i in order[first:first + per_wave]]
+                run.run_wave(_Wave(ctas, kernel.registers, nthreads, block), nthreads)
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)

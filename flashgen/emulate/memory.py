@@ -240,52 +240,55 @@ class SharedMemory:
         return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x}, {how} by {who} "
                               f"with no barrier in between")
 
-    def _per_warp(self, check, idx, warp, lanes):
-        """Rows of a gang's access (one warp per row) are checked warp after warp, so that two
-        warps touching the same byte within one instruction are seen too."""
-        if isinstance(warp, int):
-            check(idx, warp, lanes)
-            return
-        for w in range(int(warp.min()), int(warp.max()) + 1):
-            rows = warp == w
-            if rows.any():
-                check(idx[rows], w, None if lanes is None else lanes[rows])
-
     def _race_read(self, idx, warp, lanes):
+        """`warp`: one warp id, or one per row (a gang's access: its rows are checked at once, so
+        that two warps touching the same byte within one instruction are seen too)."""
         base = self.epoch << 8
-        mine = base | warp
+        rows = np.asarray(warp)[..., None]
+        mine = base | rows
         ws = self.w_stamp[idx]
         bad = (ws >= base) & (ws != mine)
         if bad.any():
             pos = tuple(np.argwhere(bad)[0])
-            raise self._race(int(idx[pos]), warp, int(ws[pos]), "reads", "written")
+            raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
+                             "reads", "written")
         own = ws == mine
         if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
-            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[warp])
+            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[rows])
             other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
             if other.any():
                 pos = tuple(np.argwhere(other)[0])
                 reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
                 writer = int(self.w_lane[idx][pos])
                 raise EmulationError(
-                    f"shared-memory race in warp {warp}: {reader} reads offset {int(idx[pos])}, written by "
-                    f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
+                    f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
+                    f"offset {int(idx[pos])}, written by {'the warp' if writer < 0 else f'lane {writer}'} "
+                    f"with no __syncwarp in between")
         rs = self.r_stamp[idx]
-        self.r_stamp[idx] = np.where((rs >= base) & (rs != mine), base | self.MANY, mine)
+        stamp = np.where((rs >= base) & (rs != mine), base | self.MANY, mine)
+        self.r_stamp[idx] = stamp
+        # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
+        self.r_stamp[idx[self.r_stamp[idx] != stamp]] = base | self.MANY
 
     def _race_write(self, idx, warp, lanes):
         base = self.epoch << 8
-        mine = base | warp
+        rows = np.asarray(warp)[..., None]
+        mine = np.broadcast_to(base | rows, idx.shape)
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
         ww = (ws >= base) & (ws != mine)
         rw = (rs >= base) & (rs != mine)
         if ww.any() or rw.any():
             pos = tuple(np.argwhere(ww | rw)[0])
             stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
-            raise self._race(int(idx[pos]), warp, stamp, "writes", how)
+            raise self._race(int(idx[pos]), int(mine[pos]) & 255, stamp, "writes", how)
         self.w_stamp[idx] = mine
+        clash = self.w_stamp[idx] != mine       # rows of two warps wrote the byte in this instruction
+        if clash.any():
+            pos = tuple(np.argwhere(clash)[0])
+            raise self._race(int(idx[pos]), int(mine[pos]) & 255, int(self.w_stamp[idx][pos]), "writes",
+                             "written")
         self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
-        self.w_wsync[idx] = self.warp_syncs[warp]
+        self.w_wsync[idx] = self.warp_syncs[rows]
 
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
     # None when the rows are read on behalf of the whole warp (ldmatrix).
@@ -293,14 +296,14 @@ class SharedMemory:
         idx = self._bytes(offs, nbytes, what)
         self._check_pending(idx, what)
         if self.race_check:
-            self._per_warp(self._race_read, idx, warp, lanes)
+            self._race_read(idx, warp, lanes)
         return self.data[idx]
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None) -> None:
         idx = self._bytes(offs, data.shape[1], what)
         self._check_pending(idx, what)
         if self.race_check:
-            self._per_warp(self._race_write, idx, warp, lanes)
+            self._race_write(idx, warp, lanes)
         self.data[idx] = data
 
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None) -> np.ndarray:
@@ -308,7 +311,7 @@ class SharedMemory:
         idx = self._bytes(offs, nbytes, "cp.async destination")
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
-            self._per_warp(self._race_write, idx, warp, lanes)
+            self._race_write(idx, warp, lanes)
         self.pending[idx] += 1
         self.in_flight += idx.size
         return idx

@@ -10,7 +10,7 @@ import numpy as np
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
-from flashgen.emulate.semantics.registry import handles, unsupported
+from flashgen.emulate.semantics.registry import CTA_STATE, PER_WARP, handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
 # more than the emulator gives every access (each one completes, in program order, before the next).
@@ -46,7 +46,7 @@ def _lane_ids(w, lanes):
     return w.special[("laneid", 0)][lanes]
 
 
-@handles("ld")
+@handles("ld", scope=CTA_STATE)
 def load(ins, ops):
     space = _space(ins)
     _check(ins, set(_SPACES) | {"v2", "v4"})
@@ -87,7 +87,7 @@ def load(ins, ops):
     return run
 
 
-@handles("st")
+@handles("st", scope=CTA_STATE)
 def store(ins, ops):
     space = _space(ins)
     if space == "param":
@@ -110,7 +110,7 @@ def store(ins, ops):
     return run
 
 
-@handles("atom", "red")
+@handles("atom", "red", scope=CTA_STATE)
 def atomic(ins, ops):
     space = _space(ins)
     if space != "global" or "add" not in ins.mods:
@@ -147,7 +147,7 @@ def atomic(ins, ops):
     return run
 
 
-@handles("cp")
+@handles("cp", scope=CTA_STATE | PER_WARP)
 def cp_async(ins, ops):
     if ins.mods[:1] != ("async",):
         raise unsupported(ins)

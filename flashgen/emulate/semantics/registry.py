@@ -4,12 +4,20 @@ from __future__ import annotations
 from flashgen.emulate.errors import EmulationError
 
 HANDLERS: dict = {}
+# How far an opcode's handler reaches beyond its lanes' registers (bits of SCOPES[opcode]). The
+# machine runs a handler over the warps of several CTAs in one step unless it touches CTA_STATE
+# (shared and global memory, parameters, cp.async groups: then one CTA after the other), and over
+# warps whose lanes stand at different pcs unless it is PER_WARP (a warp-collective op, or one on
+# the warp's own state: then warp by warp, each with its own executing lanes).
+CTA_STATE, PER_WARP = 1, 2
+SCOPES: dict = {}
 
 
-def handles(*opcodes):
+def handles(*opcodes, scope=0):
     def register(fn):
         for op in opcodes:
             HANDLERS[op] = fn
+            SCOPES[op] = scope
         return fn
     return register
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.semantics.registry import handles, require_full_warp, unsupported
+from flashgen.emulate.semantics.registry import CTA_STATE, PER_WARP, handles, require_full_warp, unsupported
 
 LANE = np.arange(32)
 GROUP = LANE >> 2          # "groupID" in the PTX ISA figures
@@ -70,7 +70,7 @@ def _to_float64(atype):
     return lambda e: (e & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
-@handles("mma")
+@handles("mma", scope=PER_WARP)
 def mma(ins, ops):
     mods = ins.mods
     # mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
@@ -117,7 +117,7 @@ def mma(ins, ops):
     return run
 
 
-@handles("ldmatrix")
+@handles("ldmatrix", scope=CTA_STATE | PER_WARP)
 def ldmatrix(ins, ops):
     mods = ins.mods
     nmat = next((int(m[1:]) for m in mods if m in ("x1", "x2", "x4")), None)
@@ -160,7 +160,7 @@ def _member_lanes(w, mask_reader, m, ins):
     return members
 
 
-@handles("shfl")
+@handles("shfl", scope=PER_WARP)
 def shfl(ins, ops):
     mods = ins.mods
     if mods[:1] != ("sync",) or len(mods) != 3 or mods[2] != "b32" or mods[1] not in ("up", "down", "bfly", "idx"):
@@ -202,7 +202,7 @@ def shfl(ins, ops):
     return run
 
 
-@handles("bar")
+@handles("bar", scope=CTA_STATE | PER_WARP)
 def bar_warp(ins, ops):
     # bar.sync (the CTA barrier) is the machine's; here only bar.warp.sync membermask.
     if ins.mods != ("warp", "sync"):
