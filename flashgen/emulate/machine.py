@@ -35,13 +35,13 @@ from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
-from flashgen.emulate.semantics import CTA_STATE, PER_WARP, SCOPES, compile_instruction, unsupported
+from flashgen.emulate.semantics import CTA_STATE, PER_WARP, compile_instruction, scope, unsupported
 
 # Largest dynamic shared memory per block after cudaFuncSetAttribute opt-in (bytes).
 SMEM_LIMIT = {"sm80": 163 * 1024, "sm90a": 227 * 1024}
 SM_COUNT = {"sm80": 108, "sm90a": 132}
 MAX_THREADS_PER_BLOCK = 1024
-WAVE_LANES = 4096                     # threads of the CTAs that run together (register file size)
+WAVE_LANES = 16384                    # threads of the CTAs that run together (register file size)
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
 
@@ -95,6 +95,7 @@ class Warp:
         self.members = (self,)
         self.cta = cta
         self.regs = _RegisterView(registers, 32 * gid, 32 * gid + 32)
+        self.gmem, self.params, self.cta_index = cta.gmem, cta.params, cta.index
         linear = wid * 32 + np.arange(32)
         self.alive = linear < nthreads
         self.alive_mask = None if self.alive.all() else self.alive.copy()
@@ -135,6 +136,9 @@ class _Gang:
         self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
         self.alive = np.ones(self.nlanes, bool)
         self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
+        self.gmem, self.params = first.gmem, first.params          # the same for every CTA of a launch
+        self.cta_index = (first.cta_index if first.cta is last.cta else
+                          np.repeat([w.cta_index for w in warps], 32))
         if first.cta is last.cta:
             self.cta, self.segments = first.cta, None
             self.label = f"warps {first.wid}-{last.wid}"
@@ -236,7 +240,7 @@ class _Compiled:
                     raise unsupported(ins, "a thread count in a register")
                 count = int(ins.operands[1].text, 0)
             return (_BAR, count, *guard, None)
-        return (_ALU, compile_instruction(ins, ops), *guard, SCOPES[ins.opcode])
+        return (_ALU, compile_instruction(ins, ops), *guard, scope(ins))
 
 
 def compiled(kernel: Kernel) -> _Compiled:

@@ -102,6 +102,22 @@ class GlobalMemory:
     def end_launch(self) -> None:
         self._owners = None
 
+    @staticmethod
+    def _rows(cta, sel):
+        """The CTA of each row of an access to one range: `cta` is one id, or one per address."""
+        if isinstance(cta, (int, np.integer)):
+            return cta
+        return (cta if sel is None else cta[sel])[:, None]
+
+    def _race(self, start, idx, bad, cta, what, prev):
+        pos = tuple(np.argwhere(bad)[0])
+        other = int(prev[pos])
+        how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
+        addr = start + int(idx[pos])
+        me = int(np.broadcast_to(cta, idx.shape)[pos])
+        return EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
+                              f"{how} in the same launch")
+
     def _conflict(self, start, idx, cta, what, allow_atomic):
         """Owner marks of `idx` in range `start`; raise if another CTA wrote them."""
         owners = self._owners.get(start)
@@ -112,19 +128,19 @@ class GlobalMemory:
         if allow_atomic:
             bad &= prev != self.ATOMIC
         if bad.any():
-            pos = tuple(np.argwhere(bad)[0])
-            other = int(prev[pos])
-            how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
-            addr = start + int(idx[pos])
-            raise EmulationError(f"global-memory race: CTA {cta} {what} {addr:#x} ({self.describe(addr)}), "
-                                 f"{how} in the same launch")
+            raise self._race(start, idx, bad, cta, what, prev)
         return owners
 
-    def _mark(self, start, view, idx, owner):
+    def _mark(self, start, view, idx, owner, what):
         owners = self._owners.get(start)
         if owners is None:
             owners = self._owners[start] = np.full(view.size, -1, np.int32)
         owners[idx] = owner
+        if not isinstance(owner, (int, np.integer)):     # rows of several CTAs: one byte, two writers?
+            now = owners[idx]
+            clash = now != owner
+            if clash.any():
+                raise self._race(start, idx, clash, owner, what, now)
 
     def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load", cta: int | None = None) -> np.ndarray:
         """Bytes [len(addrs), nbytes] read at each address."""
@@ -133,7 +149,7 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, nbytes, what):
             idx = off[:, None] + cols
             if self._owners is not None and cta is not None:
-                self._conflict(start, idx, cta, "reads", allow_atomic=False)
+                self._conflict(start, idx, self._rows(cta, sel), "reads", allow_atomic=False)
             if sel is None:
                 out[:] = view[idx]
             else:
@@ -146,8 +162,9 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, nbytes, what):
             idx = off[:, None] + cols
             if self._owners is not None and cta is not None:
-                self._conflict(start, idx, cta, "writes", allow_atomic=False)
-                self._mark(start, view, idx, cta)
+                rows = self._rows(cta, sel)
+                self._conflict(start, idx, rows, "writes", allow_atomic=False)
+                self._mark(start, view, idx, rows, "writes")
             view[idx] = data if sel is None else data[sel]
 
     def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic",
@@ -159,8 +176,8 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, n, what):
             if self._owners is not None and cta is not None:
                 idx = off[:, None] + np.arange(n)
-                self._conflict(start, idx, cta, "updates atomically", allow_atomic=True)
-                self._mark(start, view, idx, self.ATOMIC)
+                self._conflict(start, idx, self._rows(cta, sel), "updates atomically", allow_atomic=True)
+                self._mark(start, view, idx, self.ATOMIC, "updates atomically")
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
             vals = values if sel is None else values[sel]
@@ -316,9 +333,14 @@ class SharedMemory:
         self.in_flight += idx.size
         return idx
 
-    def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int, lanes=None) -> None:
-        self.pending[idx] -= 1
-        self.in_flight -= idx.size
+    def async_deliver(self, copies) -> None:
+        """Land issued copies, (byte indices, data, warp, lanes) each, in this order: a write of
+        the current epoch by their warps."""
+        for idx, _, _, _ in copies:
+            self.pending[idx] -= 1
+            self.in_flight -= idx.size
+        idx = np.concatenate([c[0] for c in copies])
         if self.race_check:
-            self._race_write(idx, warp, lanes)   # the bytes land now: a write in the current epoch
-        self.data[idx] = data
+            warps = np.concatenate([np.full(len(c[0]), c[2]) for c in copies])
+            self._race_write(idx, warps, np.concatenate([c[3] for c in copies]))
+        self.data[idx] = np.concatenate([c[1] for c in copies])

@@ -5,9 +5,9 @@ instruction runs. Control flow (bra, ret, bar.sync) is the machine's own (machin
 from __future__ import annotations
 
 from flashgen.emulate.semantics.registry import (CTA_STATE, HANDLERS, PER_WARP, SCOPES, compile_instruction,
-                                                 handles, require_full_warp, unsupported)
+                                                 handles, require_full_warp, scope, unsupported)
 # the families; importing them fills HANDLERS through @handles
 from flashgen.emulate.semantics import arith, data, memops, warpops  # noqa: F401
 
 __all__ = ["CTA_STATE", "HANDLERS", "PER_WARP", "SCOPES", "compile_instruction", "handles", "require_full_warp",
-           "unsupported", "arith", "data", "memops", "warpops"]
+           "scope", "unsupported", "arith", "data", "memops", "warpops"]

@@ -46,7 +46,18 @@ def _lane_ids(w, lanes):
     return w.special[("laneid", 0)][lanes]
 
 
-@handles("ld", scope=CTA_STATE)
+def _cta_of(w, lanes):
+    """The CTA of the executing lanes, for the global-memory race detector: one id for a warp or
+    a gang of one CTA, one per lane for a gang over several."""
+    return w.cta_index if isinstance(w.cta_index, int) else w.cta_index[lanes]
+
+
+def _shared_only(ins):
+    """Global and parameter accesses run over the lanes of several CTAs at once."""
+    return CTA_STATE if "shared" in ins.mods else 0
+
+
+@handles("ld", scope=_shared_only)
 def load(ins, ops):
     space = _space(ins)
     _check(ins, set(_SPACES) | {"v2", "v4"})
@@ -62,14 +73,15 @@ def load(ins, ops):
     if space == "param":
         def fetch(w, m):
             a = addr(w)[_lanes(m)] - PARAM_WINDOW
-            params = w.cta.params
+            params = w.params
             if a.size and ((a < 0).any() or (a + nbytes > params.size).any()):
                 raise EmulationError(f"parameter access at offset {int(a[0])} outside the "
                                      f"{params.size}-byte parameter buffer")
             return params[a[:, None] + np.arange(nbytes)]
     elif space == "global":
         def fetch(w, m):
-            return w.cta.gmem.load(addr(w)[_lanes(m)], nbytes, cta=w.cta.index)
+            lanes = _lanes(m)
+            return w.gmem.load(addr(w)[lanes], nbytes, cta=_cta_of(w, lanes))
     else:
         def fetch(w, m):
             lanes = _lanes(m)
@@ -87,7 +99,7 @@ def load(ins, ops):
     return run
 
 
-@handles("st", scope=CTA_STATE)
+@handles("st", scope=_shared_only)
 def store(ins, ops):
     space = _space(ins)
     if space == "param":
@@ -104,13 +116,13 @@ def store(ins, ops):
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
         a = addr(w)[lanes]
         if space == "global":
-            w.cta.gmem.store(a, raw, cta=w.cta.index)
+            w.gmem.store(a, raw, cta=_cta_of(w, lanes))
         else:
             w.cta.smem.store(a, raw, _who(w, lanes), lanes=_lane_ids(w, lanes))
     return run
 
 
-@handles("atom", "red", scope=CTA_STATE)
+@handles("atom", "red")
 def atomic(ins, ops):
     space = _space(ins)
     if space != "global" or "add" not in ins.mods:
@@ -138,7 +150,8 @@ def atomic(ins, ops):
         # a vector atomic is one atomic per element (PTX ISA: .v2/.v4 add element-wise)
         addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
         vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
-        old = w.cta.gmem.atomic_add(addrs, vals, cta=w.cta.index)
+        cta = _cta_of(w, lanes)
+        old = w.gmem.atomic_add(addrs, vals, cta=cta if isinstance(cta, int) else np.repeat(cta, nvec))
         if writers:
             full = np.zeros((w.nlanes, nvec), dt)
             full[lanes] = old.reshape(-1, nvec)
@@ -163,13 +176,15 @@ def cp_async(ins, ops):
         keep = 0 if kind == "wait_all" else int(ins.operands[0].text)
 
         def wait(w, m):
+            landing = []
             for warp in w.members:
                 if kind == "wait_all":
                     warp.cp_groups.append(warp.cp_open)
                     warp.cp_open = []
                 while len(warp.cp_groups) > keep:
-                    for idx, data, lane_ids in warp.cp_groups.pop(0):
-                        w.cta.smem.async_deliver(idx, data, warp.wid, lane_ids)
+                    landing += [(idx, data, warp.wid, lane_ids) for idx, data, lane_ids in warp.cp_groups.pop(0)]
+            if landing:
+                w.cta.smem.async_deliver(landing)
         return wait
     # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
     if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:

@@ -10,7 +10,12 @@ HANDLERS: dict = {}
 # warps whose lanes stand at different pcs unless it is PER_WARP (a warp-collective op, or one on
 # the warp's own state: then warp by warp, each with its own executing lanes).
 CTA_STATE, PER_WARP = 1, 2
-SCOPES: dict = {}
+SCOPES: dict = {}       # opcode -> bits, or a function of the instruction giving them
+
+
+def scope(ins) -> int:
+    s = SCOPES[ins.opcode]
+    return s(ins) if callable(s) else s
 
 
 def handles(*opcodes, scope=0):
