@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import re
 import secrets
 import time
@@ -35,13 +34,15 @@ from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
-from flashgen.emulate.semantics import CTA_STATE, PER_WARP, compile_instruction, scope, unsupported
+from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
 
 # Largest dynamic shared memory per block after cudaFuncSetAttribute opt-in (bytes).
 SMEM_LIMIT = {"sm80": 163 * 1024, "sm90a": 227 * 1024}
 SM_COUNT = {"sm80": 108, "sm90a": 132}
 MAX_THREADS_PER_BLOCK = 1024
-WAVE_LANES = 16384                    # threads of the CTAs that run together (register file size)
+# A wave: the CTAs that run together, up to this many threads (the register file's length) and
+# bytes of shared memory (its race bookkeeping takes 27 more bytes per byte).
+WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
 
@@ -86,7 +87,6 @@ class _RegisterView(dict):
 
 class Warp:
     nlanes = 32
-    segments = None                      # a warp lies in one CTA
 
     def __init__(self, wid, gid, cta, nthreads, block, registers):
         self.wid = self.lane_warp = wid      # within its CTA (the race detectors' warp id)
@@ -96,6 +96,7 @@ class Warp:
         self.cta = cta
         self.regs = _RegisterView(registers, 32 * gid, 32 * gid + 32)
         self.gmem, self.params, self.cta_index = cta.gmem, cta.params, cta.index
+        self.smem, self.smem_slot = cta.smem, cta.slot
         linear = wid * 32 + np.arange(32)
         self.alive = linear < nthreads
         self.alive_mask = None if self.alive.all() else self.alive.copy()
@@ -123,8 +124,7 @@ class Warp:
 
 class _Gang:
     """Adjacent converged, fully populated warps of a wave executing one instruction stream
-    together. A gang over several CTAs has no `cta`: its `segments` (first lane, end lane, the
-    warp or gang of one CTA) run the CTA-scoped instructions."""
+    together (a gang over several CTAs has no `cta`: its lanes say theirs)."""
     lane_pc = None
     alive_mask = None
 
@@ -136,39 +136,36 @@ class _Gang:
         self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
         self.alive = np.ones(self.nlanes, bool)
         self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
-        self.gmem, self.params = first.gmem, first.params          # the same for every CTA of a launch
-        self.cta_index = (first.cta_index if first.cta is last.cta else
-                          np.repeat([w.cta_index for w in warps], 32))
+        self.gmem, self.params, self.smem = first.gmem, first.params, first.smem   # one per wave
+        self.lane_warp = np.repeat([w.wid for w in warps], 32)
         if first.cta is last.cta:
-            self.cta, self.segments = first.cta, None
+            self.cta, self.cta_index, self.smem_slot = first.cta, first.cta_index, first.smem_slot
             self.label = f"warps {first.wid}-{last.wid}"
-            self.lane_warp = np.repeat([w.wid for w in warps], 32)
         else:
-            self.cta = self.lane_warp = None
+            self.cta = None
+            self.cta_index = np.repeat([w.cta_index for w in warps], 32)
+            self.smem_slot = np.repeat([w.smem_slot for w in warps], 32)
             self.label = f"warps {first.wid}-{last.wid} of blocks {first.cta.ctaid}-{last.cta.ctaid}"
-            self.segments = []
-            for _, part in itertools.groupby(warps, key=lambda w: w.cta):
-                part = list(part)
-                start = 32 * (part[0].gid - first.gid)
-                self.segments.append((start, start + 32 * len(part),
-                                      part[0] if len(part) == 1 else wave.gang(part[0].gid, part[-1].gid)))
 
 
 class _Cta:
-    def __init__(self, ctaid, grid, smem, gmem, params):
-        self.ctaid, self.grid, self.smem, self.gmem, self.params = ctaid, grid, smem, gmem, params
+    def __init__(self, ctaid, grid, smem, slot, gmem, params):
+        self.ctaid, self.grid, self.smem, self.slot, self.gmem, self.params = ctaid, grid, smem, slot, gmem, params
         self.index = ctaid[0] + grid[0] * (ctaid[1] + grid[1] * ctaid[2])   # linear CTA id
         self.warps = []
 
 
 class _Wave:
-    """CTAs that run together: their warps in one list, their registers in one file."""
+    """CTAs that run together: their warps in one list, their registers in one file, their
+    shared memory in one SharedMemory."""
 
-    def __init__(self, ctas, types, nthreads, block):
+    def __init__(self, blocks, grid, gmem, params, types, nthreads, block, smem_bytes, race_check):
         per_cta = -(-nthreads // 32)
-        self.registers = _Registers(types, 32 * per_cta * len(ctas))
+        self.registers = _Registers(types, 32 * per_cta * len(blocks))
+        smem = SharedMemory(smem_bytes, race_check, len(blocks))
         self.warps = []
-        for cta in ctas:
+        for slot, ctaid in enumerate(blocks):
+            cta = _Cta(ctaid, grid, smem, slot, gmem, params)
             cta.warps = [Warp(i, len(self.warps) + i, cta, nthreads, block, self.registers) for i in range(per_cta)]
             self.warps += cta.warps
         self.gangs = {}                                                    # (first, last) gid -> _Gang
@@ -205,7 +202,7 @@ def short_name(kernel_name: str) -> str:
 
 class _Compiled:
     """A kernel's instructions as (kind, run, guard, negated, target) tuples (an _ALU's target:
-    its handler's scope bits, semantics.SCOPES)."""
+    whether its handler runs warp by warp when a gang's lanes execute it in part)."""
 
     def __init__(self, kernel: Kernel):
         ops = Operands(kernel)
@@ -240,7 +237,7 @@ class _Compiled:
                     raise unsupported(ins, "a thread count in a register")
                 count = int(ins.operands[1].text, 0)
             return (_BAR, count, *guard, None)
-        return (_ALU, compile_instruction(ins, ops), *guard, scope(ins))
+        return (_ALU, compile_instruction(ins, ops), *guard, ins.opcode in PER_WARP)
 
 
 def compiled(kernel: Kernel) -> _Compiled:
@@ -313,15 +310,10 @@ class _Launch:
                 w = next(x for x in waiting if x.cta is cta)
                 raise EmulationError(f"{self.context(w, w.pc - 1)}: bar.sync reached after {exited} "
                                      f"threads of the block exited (the barrier would wait for them)")
-            cta.smem.barrier()
+            cta.smem.barrier(cta.slot)
         for w in waiting:
             w.at_barrier = False
         return True
-
-    def _per_cta(self, g, fn, exe, pc):
-        """A CTA_STATE instruction of a gang over several CTAs: one CTA after the other."""
-        for start, end, part in g.segments:
-            self._run_part(part, fn, None if exe is None else exe[start:end], pc)
 
     def _per_warp(self, g, fn, exe, pc):
         """A PER_WARP instruction that not every lane of a gang executes: warp by warp."""
@@ -345,7 +337,6 @@ class _Launch:
         its warps when its run ends diverged, or at an exit, a barrier or a partial bra.uni."""
         code, counts = self.code, self.counts
         gang = isinstance(w, _Gang)
-        segments = w.segments
         width = len(w.members)
         pc = w.members[0].pc
         steps = executed = 0
@@ -377,12 +368,8 @@ class _Launch:
                         exe = None
                 if kind == _ALU:
                     if exe is None or exe.any():
-                        if not (gang and target):
-                            fn(w, exe)
-                        elif exe is not None and target & PER_WARP:
+                        if gang and target and exe is not None:
                             self._per_warp(w, fn, exe, pc)
-                        elif segments is not None and target & CTA_STATE:
-                            self._per_cta(w, fn, exe, pc)
                         else:
                             fn(w, exe)
                     if lp is None:
@@ -581,16 +568,16 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
     run = _Launch(kernel, code, np.random.default_rng(seed), max_warp_instructions, seed)
     blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     order = run.rng.permutation(len(blocks))      # blocks of a grid run in no defined order
-    per_wave = max(1, WAVE_LANES // (32 * -(-nthreads // 32)))
     smem_bytes = dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base)
+    per_wave = max(1, min(WAVE_LANES // (32 * -(-nthreads // 32)), WAVE_SMEM // max(smem_bytes, 1)))
     t0 = time.perf_counter()
     memory.start_launch(track_writers=race_check)
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for first in range(0, len(order), per_wave):
-                ctas = [_Cta(blocks[i], grid, SharedMemory(smem_bytes, race_check), memory, pbuf)
-                        for i in order[first:first + per_wave]]
-                run.run_wave(_Wave(ctas, kernel.registers, nthreads, block), nthreads)
+                wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
+                             kernel.registers, nthreads, block, smem_bytes, race_check)
+                run.run_wave(wave, nthreads)
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)

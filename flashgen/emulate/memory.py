@@ -8,7 +8,8 @@ Within one launch GlobalMemory can also track which CTA wrote each byte (start_l
 write of a byte another CTA wrote or read-modified atomically, and a read of a byte another CTA
 wrote, are races (CTAs of a grid have no order); atomics may mix freely.
 
-SharedMemory: one CTA's shared memory, with the checks the hardware does not do for us:
+SharedMemory: the shared memory of CTAs (one region each), with the checks the hardware does
+not do for us:
  - cp.async tracking: bytes an issued cp.async has not delivered (no wait_group yet) cannot be
    read or written;
  - a race detector: within one barrier epoch (between two bar.sync), a byte written by one warp
@@ -199,37 +200,42 @@ class GlobalMemory:
 
 
 class SharedMemory:
-    """Race bookkeeping: per byte, a stamp `epoch * 256 + warp` of its last writer and of its
-    readers in the current epoch (warp MANY when several warps read it). Stamps of older epochs
-    are smaller than `epoch * 256`, so "accessed in this epoch by another warp" is two compares."""
+    """The shared memory of the CTAs of a wave, `size` bytes each, side by side: CTA slot s owns
+    bytes [s * size, (s + 1) * size). Accesses name the slot of each row and offsets within it.
+
+    Race bookkeeping: per byte, a stamp `epoch * 256 + warp` of its last writer and of its
+    readers in the current epoch of its CTA (warp MANY when several warps read it; warps are
+    numbered within their CTA). Stamps of older epochs are smaller than `epoch * 256`, so
+    "accessed in this epoch by another warp" is two compares."""
     MANY = 255
 
-    def __init__(self, nbytes: int, race_check: bool):
+    def __init__(self, nbytes: int, race_check: bool, ctas: int = 1):
         # Shared memory starts as garbage on a GPU: 0xFF bytes (NaN floats) make reads of never
         # written bytes visible in the results instead of reading convenient zeros.
-        self.data = np.full(nbytes, 0xFF, np.uint8)
+        total = nbytes * ctas
+        self.data = np.full(total, 0xFF, np.uint8)
         self.size = nbytes
         self.race_check = race_check
-        self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes
+        self.pending = np.zeros(total, np.int16)            # undelivered cp.async bytes
         self.in_flight = 0                                   # their number
-        self.epoch = 1
+        self.epochs = np.ones(ctas, np.int64)
         if race_check:
-            self.w_stamp = np.zeros(nbytes, np.int64)
-            self.r_stamp = np.zeros(nbytes, np.int64)
-            self.w_lane = np.full(nbytes, -1, np.int8)       # writer lane (-1: the whole warp)
-            self.w_wsync = np.zeros(nbytes, np.int64)        # the writer warp's __syncwarp count then
-            self.warp_syncs = np.zeros(32, np.int64)
+            self.w_stamp = np.zeros(total, np.int64)
+            self.r_stamp = np.zeros(total, np.int64)
+            self.w_lane = np.full(total, -1, np.int8)        # writer lane (-1: the whole warp)
+            self.w_wsync = np.zeros(total, np.int64)         # the writer warp's __syncwarp count then
+            self.warp_syncs = np.zeros((ctas, 32), np.int64)
 
-    def barrier(self) -> None:
-        self.epoch += 1
+    def barrier(self, slot: int = 0) -> None:
+        self.epochs[slot] += 1
 
     def warp_sync(self, warps) -> None:
         """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""
         if self.race_check:
             for w in warps:
-                self.warp_syncs[w.wid] += 1
+                self.warp_syncs[w.cta.slot, w.wid] += 1
 
-    def _bytes(self, offs: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+    def _bytes(self, offs: np.ndarray, nbytes: int, what: str, slot) -> np.ndarray:
         o = offs.astype(np.int64, copy=False)
         if o.size == 0:
             return o.reshape(0, nbytes)
@@ -240,29 +246,34 @@ class SharedMemory:
             x = int(o[(o < 0) | (o + nbytes > self.size)][0])
             raise EmulationError(f"out-of-bounds shared {what} of {nbytes} bytes at offset {x} "
                                  f"(the CTA has {self.size} bytes of shared memory)")
-        return o[:, None] + np.arange(nbytes)
+        return (o + slot * self.size)[:, None] + np.arange(nbytes)
 
     def _check_pending(self, idx: np.ndarray, what: str) -> None:
         if not self.in_flight:
             return
         p = self.pending[idx]
         if p.any():
-            x = int(idx[p > 0][0])
+            x = int(idx[p > 0][0]) % self.size
             raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
                                  f"yet (missing cp.async.wait_group before this access?)")
 
     def _race(self, x: int, warp: int, stamp: int, verb: str, how: str) -> EmulationError:
         other = stamp & 255
         who = "several warps" if other == self.MANY else f"warp {other}"
-        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x}, {how} by {who} "
+        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x % self.size}, {how} by {who} "
                               f"with no barrier in between")
 
+    def _stamps(self, idx, warp):
+        """(epoch base, this access's stamp, warp) per row of `idx`; `warp`: one id or one per row
+        (a gang's access: its rows are checked at once, so that two warps touching the same byte
+        within one instruction are seen too)."""
+        slots = idx[:, :1] // self.size
+        base = self.epochs[slots] << 8
+        rows = np.asarray(warp).reshape(-1, 1)
+        return base, base | rows, slots, rows
+
     def _race_read(self, idx, warp, lanes):
-        """`warp`: one warp id, or one per row (a gang's access: its rows are checked at once, so
-        that two warps touching the same byte within one instruction are seen too)."""
-        base = self.epoch << 8
-        rows = np.asarray(warp)[..., None]
-        mine = base | rows
+        base, mine, slots, rows = self._stamps(idx, warp)
         ws = self.w_stamp[idx]
         bad = (ws >= base) & (ws != mine)
         if bad.any():
@@ -271,7 +282,7 @@ class SharedMemory:
                              "reads", "written")
         own = ws == mine
         if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
-            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[rows])
+            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[slots, rows])
             other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
             if other.any():
                 pos = tuple(np.argwhere(other)[0])
@@ -279,18 +290,19 @@ class SharedMemory:
                 writer = int(self.w_lane[idx][pos])
                 raise EmulationError(
                     f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
-                    f"offset {int(idx[pos])}, written by {'the warp' if writer < 0 else f'lane {writer}'} "
-                    f"with no __syncwarp in between")
+                    f"offset {int(idx[pos]) % self.size}, written by "
+                    f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
         rs = self.r_stamp[idx]
-        stamp = np.where((rs >= base) & (rs != mine), base | self.MANY, mine)
+        many = np.broadcast_to(base | self.MANY, idx.shape)
+        stamp = np.where((rs >= base) & (rs != mine), many, mine)
         self.r_stamp[idx] = stamp
         # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
-        self.r_stamp[idx[self.r_stamp[idx] != stamp]] = base | self.MANY
+        again = self.r_stamp[idx] != stamp
+        self.r_stamp[idx[again]] = many[again]
 
     def _race_write(self, idx, warp, lanes):
-        base = self.epoch << 8
-        rows = np.asarray(warp)[..., None]
-        mine = np.broadcast_to(base | rows, idx.shape)
+        base, mine, slots, rows = self._stamps(idx, warp)
+        mine = np.broadcast_to(mine, idx.shape)
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
         ww = (ws >= base) & (ws != mine)
         rw = (rs >= base) & (rs != mine)
@@ -305,27 +317,28 @@ class SharedMemory:
             raise self._race(int(idx[pos]), int(mine[pos]) & 255, int(self.w_stamp[idx][pos]), "writes",
                              "written")
         self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
-        self.w_wsync[idx] = self.warp_syncs[rows]
+        self.w_wsync[idx] = self.warp_syncs[slots, rows]
 
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
-    # None when the rows are read on behalf of the whole warp (ldmatrix).
-    def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None) -> np.ndarray:
-        idx = self._bytes(offs, nbytes, what)
+    # None when the rows are read on behalf of the whole warp (ldmatrix); `slot`: the CTA's slot
+    # (one per row for a gang over several CTAs).
+    def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
+        idx = self._bytes(offs, nbytes, what, slot)
         self._check_pending(idx, what)
         if self.race_check:
             self._race_read(idx, warp, lanes)
         return self.data[idx]
 
-    def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None) -> None:
-        idx = self._bytes(offs, data.shape[1], what)
+    def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
+        idx = self._bytes(offs, data.shape[1], what, slot)
         self._check_pending(idx, what)
         if self.race_check:
             self._race_write(idx, warp, lanes)
         self.data[idx] = data
 
-    def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None) -> np.ndarray:
+    def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
         """A cp.async targets these bytes: check them like a write, then mark them in flight."""
-        idx = self._bytes(offs, nbytes, "cp.async destination")
+        idx = self._bytes(offs, nbytes, "cp.async destination", slot)
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
             self._race_write(idx, warp, lanes)

@@ -10,7 +10,7 @@ import numpy as np
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
-from flashgen.emulate.semantics.registry import CTA_STATE, PER_WARP, handles, unsupported
+from flashgen.emulate.semantics.registry import handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
 # more than the emulator gives every access (each one completes, in program order, before the next).
@@ -38,8 +38,13 @@ def _lanes(m):
 
 
 def _who(w, lanes):
-    """The warp of each executing lane, for the shared-memory race detector."""
+    """The warp (within its CTA) of each executing lane, for the shared-memory race detector."""
     return w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp[lanes]
+
+
+def _slot(w, lanes):
+    """The shared-memory slot of each executing lane's CTA."""
+    return w.smem_slot if isinstance(w.smem_slot, int) else w.smem_slot[lanes]
 
 
 def _lane_ids(w, lanes):
@@ -52,12 +57,7 @@ def _cta_of(w, lanes):
     return w.cta_index if isinstance(w.cta_index, int) else w.cta_index[lanes]
 
 
-def _shared_only(ins):
-    """Global and parameter accesses run over the lanes of several CTAs at once."""
-    return CTA_STATE if "shared" in ins.mods else 0
-
-
-@handles("ld", scope=_shared_only)
+@handles("ld")
 def load(ins, ops):
     space = _space(ins)
     _check(ins, set(_SPACES) | {"v2", "v4"})
@@ -85,7 +85,8 @@ def load(ins, ops):
     else:
         def fetch(w, m):
             lanes = _lanes(m)
-            return w.cta.smem.load(addr(w)[lanes], nbytes, _who(w, lanes), lanes=_lane_ids(w, lanes))
+            return w.smem.load(addr(w)[lanes], nbytes, _who(w, lanes), lanes=_lane_ids(w, lanes),
+                               slot=_slot(w, lanes))
 
     def run(w, m):
         raw = fetch(w, m)
@@ -99,7 +100,7 @@ def load(ins, ops):
     return run
 
 
-@handles("st", scope=_shared_only)
+@handles("st")
 def store(ins, ops):
     space = _space(ins)
     if space == "param":
@@ -118,7 +119,7 @@ def store(ins, ops):
         if space == "global":
             w.gmem.store(a, raw, cta=_cta_of(w, lanes))
         else:
-            w.cta.smem.store(a, raw, _who(w, lanes), lanes=_lane_ids(w, lanes))
+            w.smem.store(a, raw, _who(w, lanes), lanes=_lane_ids(w, lanes), slot=_slot(w, lanes))
     return run
 
 
@@ -160,7 +161,7 @@ def atomic(ins, ops):
     return run
 
 
-@handles("cp", scope=CTA_STATE | PER_WARP)
+@handles("cp", per_warp=True)
 def cp_async(ins, ops):
     if ins.mods[:1] != ("async",):
         raise unsupported(ins)
@@ -184,7 +185,7 @@ def cp_async(ins, ops):
                 while len(warp.cp_groups) > keep:
                     landing += [(idx, data, warp.wid, lane_ids) for idx, data, lane_ids in warp.cp_groups.pop(0)]
             if landing:
-                w.cta.smem.async_deliver(landing)
+                w.smem.async_deliver(landing)
         return wait
     # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
     if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:
@@ -201,6 +202,7 @@ def cp_async(ins, ops):
     else:
         src_size = constant(n, np.int64)
     daddr, saddr = ops.address(dst), ops.address(src)
+
     def issue(w, m):
         lanes = _lanes(m)
         d, s, k = daddr(w)[lanes], saddr(w)[lanes], src_size(w)[lanes]
@@ -209,23 +211,24 @@ def cp_async(ins, ops):
         data = np.zeros((d.size, n), np.uint8)
         # the source is read now (nothing writes it during a kernel); bytes past src-size are zero
         full = k == n
+        cta = _cta_of(w, lanes)
         if full.any():
-            data[full] = w.cta.gmem.load(s[full], n, "cp.async source", cta=w.cta.index)
+            data[full] = w.gmem.load(s[full], n, "cp.async source", cta=cta if isinstance(cta, int) else cta[full])
         part = (k > 0) & ~full
         for i in np.nonzero(part)[0]:
-            data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]))
+            data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]), cta if isinstance(cta, int) else int(cta[i]))
         who, lane_ids = _who(w, lanes), _lane_ids(w, lanes)
-        idx = w.cta.smem.async_issue(d, n, who, lane_ids)
-        if isinstance(who, int):
+        idx = w.smem.async_issue(d, n, who, lane_ids, slot=_slot(w, lanes))
+        if len(w.members) == 1:
             w.cp_open.append((idx, data, lane_ids))
         else:
-            for warp in w.members:
-                mine = who == warp.wid
+            member = np.arange(w.nlanes)[lanes] // 32
+            for j, warp in enumerate(w.members):
+                mine = member == j
                 if mine.any():
                     warp.cp_open.append((idx[mine], data[mine], lane_ids[mine]))
     return issue
 
 
-def _load_bytes(w, address: int, k: int) -> np.ndarray:
-    return w.cta.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source",
-                           cta=w.cta.index)[:, 0]
+def _load_bytes(w, address: int, k: int, cta: int) -> np.ndarray:
+    return w.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source", cta=cta)[:, 0]

@@ -4,25 +4,19 @@ from __future__ import annotations
 from flashgen.emulate.errors import EmulationError
 
 HANDLERS: dict = {}
-# How far an opcode's handler reaches beyond its lanes' registers (bits of SCOPES[opcode]). The
-# machine runs a handler over the warps of several CTAs in one step unless it touches CTA_STATE
-# (shared and global memory, parameters, cp.async groups: then one CTA after the other), and over
-# warps whose lanes stand at different pcs unless it is PER_WARP (a warp-collective op, or one on
-# the warp's own state: then warp by warp, each with its own executing lanes).
-CTA_STATE, PER_WARP = 1, 2
-SCOPES: dict = {}       # opcode -> bits, or a function of the instruction giving them
+# Opcodes whose handlers are warp-collective or act on the warp's own state (cp.async groups,
+# __syncwarp counts). The machine runs every other handler over any lanes of a gang of warps --
+# of several CTAs, standing at different pcs -- with a mask of the executing lanes; these it runs
+# warp by warp, each with its own executing lanes, whenever not every lane of the gang executes.
+PER_WARP: set = set()
 
 
-def scope(ins) -> int:
-    s = SCOPES[ins.opcode]
-    return s(ins) if callable(s) else s
-
-
-def handles(*opcodes, scope=0):
+def handles(*opcodes, per_warp=False):
     def register(fn):
         for op in opcodes:
             HANDLERS[op] = fn
-            SCOPES[op] = scope
+            if per_warp:
+                PER_WARP.add(op)
         return fn
     return register
 

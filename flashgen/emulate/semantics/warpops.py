@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.semantics.registry import CTA_STATE, PER_WARP, handles, require_full_warp, unsupported
+from flashgen.emulate.semantics.registry import handles, require_full_warp, unsupported
 
 LANE = np.arange(32)
 GROUP = LANE >> 2          # "groupID" in the PTX ISA figures
@@ -70,7 +70,7 @@ def _to_float64(atype):
     return lambda e: (e & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
-@handles("mma", scope=PER_WARP)
+@handles("mma", per_warp=True)
 def mma(ins, ops):
     mods = ins.mods
     # mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
@@ -117,7 +117,7 @@ def mma(ins, ops):
     return run
 
 
-@handles("ldmatrix", scope=CTA_STATE | PER_WARP)
+@handles("ldmatrix", per_warp=True)
 def ldmatrix(ins, ops):
     mods = ins.mods
     nmat = next((int(m[1:]) for m in mods if m in ("x1", "x2", "x4")), None)
@@ -138,8 +138,9 @@ def ldmatrix(ins, ops):
         g = w.nlanes // 32
         # lane i of each warp supplies the address of row i % 8 of matrix i // 8
         rows_addr = addr(w).reshape(g, 32)[:, :nrows].reshape(-1)
-        who = w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp.reshape(g, 32)[:, :nrows].reshape(-1)
-        raw = w.cta.smem.load(rows_addr, 16, who, "ldmatrix").view(np.uint16).reshape(g, -1)
+        who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[:, :nrows].reshape(-1)
+                     for x in (w.lane_warp, w.smem_slot))
+        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(g, -1)
         regs = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(g, nmat, 32)
         regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
@@ -160,7 +161,7 @@ def _member_lanes(w, mask_reader, m, ins):
     return members
 
 
-@handles("shfl", scope=PER_WARP)
+@handles("shfl", per_warp=True)
 def shfl(ins, ops):
     mods = ins.mods
     if mods[:1] != ("sync",) or len(mods) != 3 or mods[2] != "b32" or mods[1] not in ("up", "down", "bfly", "idx"):
@@ -202,7 +203,7 @@ def shfl(ins, ops):
     return run
 
 
-@handles("bar", scope=CTA_STATE | PER_WARP)
+@handles("bar", per_warp=True)
 def bar_warp(ins, ops):
     # bar.sync (the CTA barrier) is the machine's; here only bar.warp.sync membermask.
     if ins.mods != ("warp", "sync"):
@@ -211,5 +212,5 @@ def bar_warp(ins, ops):
 
     def run(w, m):
         _member_lanes(w, rmask, m, ins)
-        w.cta.smem.warp_sync(w.members)
+        w.smem.warp_sync(w.members)
     return run
