@@ -1,24 +1,21 @@
-"""The SIMT machine: the CTAs of a launch run in waves of up to WAVE_LANES threads, all warps of a
-wave interleaved by a seeded random scheduler; each warp steps the lanes that sit at its lowest
-program counter.
+"""The SIMT machine: the CTAs of a launch run in waves (up to WAVE_LANES threads and WAVE_SMEM
+bytes of shared memory), the warps of a wave interleaved by a seeded random scheduler.
 
-Per-lane program counters: a converged warp keeps one pc (the fast path); a divergent branch gives
-each lane its own, and the lanes at the minimum pc execute together until all live lanes meet
-again (which is where structured control flow reconverges). A warp runs until a barrier, its exit
-or the end of a random quantum, so any interleaving between barriers can occur; the shared-memory
-race detector (memory.py) flags conflicting accesses whatever the interleaving was.
+Per-lane program counters: lanes at the lowest pc execute together until all live lanes meet
+again (which is where structured control flow reconverges); a converged warp keeps one pc.
 
-Gangs: adjacent converged warps at the same pc usually execute together, one instruction over all
-their lanes, across the CTAs of the wave too (the registers of a wave are one array per register,
-so a gang's registers are views). This changes no result -- the warps would run the same
-instructions in some order anyway -- but divides the interpreter's per-instruction cost by the gang
-size. Instructions that touch a CTA's state (memory, cp.async groups; semantics.CTA_SCOPED) run
-one CTA of the gang after another, on that CTA's memory and race detectors. To keep gangs wide,
-the scheduler usually picks the warps at the lowest pc, and a gang stops where it meets other
-warps' pc (they then join it); a warp that takes a divergent branch or exits in part leaves its
-gang until it is converged again. One time in four the scheduler picks a random warp instead,
-and one gang in four runs as two parts one after the other, so interleavings stay varied. A CTA's
-barrier is released once no warp of the wave can run.
+Gangs: mostly, the scheduler runs all live warps of a wave as one gang, SIMT across warps and
+CTAs: each step executes one instruction, as one numpy operation, over the gang's lanes that
+stand at its lowest pc (the registers of a wave are one array per register, so a gang's are
+views). Warps at different pcs meet where the laggards catch up; lanes of warps that are done or
+wait at a barrier stand aside. This changes no result -- each lane runs the same instructions in
+some order anyway -- but divides the interpreter's per-instruction cost by the lanes it covers.
+Warp-collective handlers (semantics.PER_WARP) take the gang whole when each of its warps executes
+in full or not at all, and run warp by warp otherwise (so a diverged warp fails them as before).
+One time in four, and for up to 256 instructions, the scheduler runs a random warp alone instead,
+so any interleaving between barriers can occur; the race detectors (memory.py) flag conflicting
+accesses whatever the interleaving was. A CTA's barrier is released once no warp of the wave can
+run.
 """
 from __future__ import annotations
 
@@ -45,6 +42,7 @@ MAX_THREADS_PER_BLOCK = 1024
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
+_DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
 
 @dataclasses.dataclass
@@ -117,10 +115,6 @@ class Warp:
             self.special[("ctaid", ax)] = np.full(32, cta.ctaid[ax], u)
             self.special[("nctaid", ax)] = np.full(32, cta.grid[ax], u)
 
-    def can_gang(self, pc) -> bool:
-        return (not self.done and not self.at_barrier and self.lane_pc is None
-                and self.alive_mask is None and self.pc == pc)
-
 
 class _Gang:
     """Adjacent converged, fully populated warps of a wave executing one instruction stream
@@ -134,7 +128,6 @@ class _Gang:
         self.wid = first.wid
         self.nlanes = 32 * len(warps)
         self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
-        self.alive = np.ones(self.nlanes, bool)
         self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
         self.gmem, self.params, self.smem = first.gmem, first.params, first.smem   # one per wave
         self.lane_warp = np.repeat([w.wid for w in warps], 32)
@@ -267,43 +260,25 @@ class _Launch:
         warps = wave.warps
         rng = self.rng
         while True:
-            runnable = [w for w in warps if not w.done and not w.at_barrier]
+            live = [w for w in warps if not w.done]
+            runnable = [w for w in live if not w.at_barrier]
             if not runnable:
-                if not self._release_barriers(wave, nthreads):
+                if not live:
                     return
+                self._release_barriers(live, nthreads)
                 continue
-            # Mostly the warps at the lowest pc: the others wait there for them, and they meet.
-            if len(runnable) == 1:
-                w = runnable[0]
-            elif rng.integers(4):
-                w = min(runnable, key=lambda x: x.pc)
-            else:
-                w = runnable[int(rng.integers(len(runnable)))]
             quantum = int(rng.integers(1, 257))
-            lo = hi = w.gid
-            if w.can_gang(w.pc):
-                while lo > 0 and warps[lo - 1].can_gang(w.pc):
-                    lo -= 1
-                while hi + 1 < len(warps) and warps[hi + 1].can_gang(w.pc):
-                    hi += 1
-            parts = [(lo, hi)]
-            if hi > lo and not rng.integers(4):
-                # One time in four the gang runs as two parts, one after the other, for the same
-                # quantum: varied interleavings (uniform control flow brings them together again).
-                cut = int(rng.integers(lo + 1, hi + 1))
-                parts = [(lo, cut - 1), (cut, hi)]
-                if rng.integers(2):
-                    parts.reverse()
-            for a, b in parts:
-                # the pcs where the part stops: those of the other converged warps, to join them
-                stops = {x.pc for x in runnable if x.lane_pc is None and not a <= x.gid <= b}
-                self.run_warp(wave.gang(a, b) if b > a else warps[a], quantum, nthreads, stops)
+            if len(runnable) == 1 or not rng.integers(4):
+                # one time in four a random warp runs alone: varied interleavings
+                self.run_warp(runnable[int(rng.integers(len(runnable)))], quantum, nthreads)
+            else:
+                self.run_gang(wave.gang(live[0].gid, live[-1].gid), quantum, nthreads)
+            if self.executed > self.budget:
+                raise EmulationError(f"{short_name(self.kernel.name)}: more than {self.budget} warp-instructions "
+                                     f"in one launch (an infinite loop?) [schedule seed {self.seed}]")
 
-    def _release_barriers(self, wave, nthreads) -> bool:
-        """No warp can run: every live warp waits at a barrier. Release each CTA's (False: all done)."""
-        waiting = [w for w in wave.warps if not w.done]
-        if not waiting:
-            return False
+    def _release_barriers(self, waiting, nthreads):
+        """No warp can run: every live warp waits at a barrier. Release each CTA's."""
         for cta in dict.fromkeys(w.cta for w in waiting):
             exited = sum(int((~w.alive).sum()) for w in cta.warps) - (32 * len(cta.warps) - nthreads)
             if exited:
@@ -313,33 +288,119 @@ class _Launch:
             cta.smem.barrier(cta.slot)
         for w in waiting:
             w.at_barrier = False
-        return True
 
     def _per_warp(self, g, fn, exe, pc):
-        """A PER_WARP instruction that not every lane of a gang executes: warp by warp."""
+        """A PER_WARP instruction some warps of a gang execute in part: warp by warp."""
         for j, m in enumerate(g.members):
-            self._run_part(m, fn, exe[32 * j:32 * j + 32], pc)
+            part = exe[32 * j:32 * j + 32]
+            if not part.any():
+                continue
+            try:
+                fn(m, None if part.all() else part)
+            except EmulationError as e:
+                raise _Located(f"{self.context(m, pc)}: {e}") from None
 
-    def _run_part(self, part, fn, m, pc):
-        if m is not None:
-            if not m.any():
-                return
-            if m.all():
-                m = None
-        try:
-            fn(part, m)
-        except EmulationError as e:
-            raise _Located(f"{self.context(part, pc)}: {e}") from None
-
-    def run_warp(self, w, quantum, nthreads, stops):
-        """Run a warp or a gang for up to `quantum` instructions, or until it reaches a pc in `stops`.
-        A gang whose lanes take a branch apart keeps running with per-lane pcs; it hands them to
-        its warps when its run ends diverged, or at an exit, a barrier or a partial bra.uni."""
+    def run_gang(self, g, quantum, nthreads):
+        """Run the lanes of a gang of adjacent warps for up to `quantum` steps, each step the lanes
+        at the lowest pc: warps at different pcs meet where the laggards catch up. Lanes of warps
+        that are done or wait at a barrier, and exited lanes, stand at _DEAD."""
         code, counts = self.code, self.counts
-        gang = isinstance(w, _Gang)
-        width = len(w.members)
-        pc = w.members[0].pc
+        members = g.members
+        lp = np.concatenate([np.full(32, _DEAD) if m.done or m.at_barrier else
+                             m.lane_pc if m.lane_pc is not None else np.where(m.alive, m.pc, _DEAD)
+                             for m in members])
+        for m in members:               # the gang holds its warps' pcs until it hands them back
+            m.lane_pc = None
+        pc = int(lp[0])
+        converged = (lp == pc).all()
+        if converged:
+            lp = None
+        width = len(members)
         steps = executed = 0
+        try:
+            while steps < quantum:
+                steps += 1
+                if lp is None:
+                    active, n = None, width
+                else:
+                    pc = int(lp.min())
+                    if pc == _DEAD:
+                        break
+                    active = lp == pc
+                    n = int(active.reshape(-1, 32).any(1).sum())
+                counts[pc] += n
+                executed += n
+                kind, fn, guard, negated, target = code[pc]
+                if guard is None:
+                    exe = active
+                else:
+                    pv = g.regs[guard]
+                    exe = ~pv if negated else pv.copy()
+                    if active is not None:
+                        exe &= active
+                    elif exe.all():
+                        exe = None
+                if kind == _ALU:
+                    if exe is None or exe.any():
+                        if target and exe is not None and _splits_a_warp(exe):
+                            self._per_warp(g, fn, exe, pc)
+                        else:
+                            fn(g, exe)
+                    if lp is None:
+                        pc += 1
+                    else:
+                        lp[active] = pc + 1
+                    continue
+                if kind == _BRA and exe is None:
+                    pc = target                            # the whole gang branches
+                    continue
+                if lp is None:
+                    lp = np.full(g.nlanes, pc, np.int64)
+                    active = np.ones(g.nlanes, bool)
+                if exe is None:
+                    exe = active
+                if kind == _BRA:
+                    if fn and _splits_a_warp(exe, active):
+                        raise EmulationError("bra.uni taken by only some lanes")
+                    lp[active & ~exe] = pc + 1
+                    lp[exe] = target
+                elif kind == _RET:
+                    for j in np.flatnonzero(exe.reshape(-1, 32).any(1)):
+                        m = members[j]
+                        m.alive = m.alive & ~exe[32 * j:32 * j + 32]
+                        m.done = not m.alive.any()
+                        m.alive_mask = None if m.alive.all() else m.alive.copy()
+                    lp[active & ~exe] = pc + 1
+                    lp[exe] = _DEAD
+                else:   # _BAR: a warp whose live lanes all stand here waits; a warp split by it is an error
+                    self._check_barrier_count(pc, nthreads)
+                    for j in np.flatnonzero(active.reshape(-1, 32).any(1)):
+                        m = members[j]
+                        if not (active[32 * j:32 * j + 32] == m.alive).all():
+                            raise _Located(f"{self.context(m, pc)}: {_DIVERGED_BARRIER}")
+                        m.at_barrier, m.pc = True, pc + 1
+                    lp[active] = _DEAD
+        except _Located:
+            raise
+        except EmulationError as e:
+            raise EmulationError(f"{self.context(g, pc)}: {e}") from None
+        finally:
+            self.executed += executed
+        for j, m in enumerate(members):
+            if m.done or m.at_barrier:
+                continue
+            if lp is None:
+                m.pc = pc
+                continue
+            mine = lp[32 * j:32 * j + 32]
+            m.pc = int(mine.min())
+            m.lane_pc = None if ((mine == m.pc) | (mine == _DEAD)).all() else mine.copy()
+
+    def run_warp(self, w, quantum, nthreads):
+        """Run one warp for up to `quantum` instructions (its lanes at their lowest pc)."""
+        code, counts = self.code, self.counts
+        pc = w.pc
+        steps = 0
         try:
             while steps < quantum:
                 steps += 1
@@ -350,13 +411,7 @@ class _Launch:
                     pc = int(lp.min())
                     active = lp == pc
                 kind, fn, guard, negated, target = code[pc]
-                if lp is not None and gang:     # count the warps with a lane at this pc
-                    n = int(active.reshape(-1, 32).any(1).sum())
-                    counts[pc] += n
-                    executed += n
-                else:
-                    counts[pc] += width
-                    executed += width
+                counts[pc] += 1
                 if guard is None:
                     exe = active
                 else:
@@ -368,52 +423,14 @@ class _Launch:
                         exe = None
                 if kind == _ALU:
                     if exe is None or exe.any():
-                        if gang and target and exe is not None:
-                            self._per_warp(w, fn, exe, pc)
-                        else:
-                            fn(w, exe)
+                        fn(w, exe)
                     if lp is None:
                         pc += 1
                     else:
                         lp[active] = pc + 1
                         _reconverge(w)
-                        if w.lane_pc is not None:
-                            continue
                         pc = w.pc
-                    if pc in stops:
-                        break
                     continue
-                if gang:
-                    if lp is None:
-                        if exe is not None and not exe.any():      # no lane branches or exits
-                            pc += 1
-                            continue
-                        if kind == _BRA and (exe is None or not fn):
-                            if exe is None:                        # the whole gang branches
-                                pc = target
-                            else:                                  # its lanes part
-                                w.lane_pc = lp = np.full(w.nlanes, pc + 1, np.int64)
-                                lp[exe] = target
-                                pc = min(pc + 1, target)
-                            if pc in stops:
-                                break
-                            continue
-                        self._gang_control(w, pc, kind, fn, exe, target, nthreads)
-                        return
-                    if kind == _BRA and not fn:
-                        lp[active & ~exe] = pc + 1
-                        lp[exe] = target
-                        _reconverge(w)
-                        if w.lane_pc is None:
-                            pc = w.pc
-                            if pc in stops:
-                                break
-                        continue
-                    # an exit, a barrier or a bra.uni while the gang's lanes stand apart: each warp
-                    # takes it on its own
-                    counts[pc] -= n
-                    executed -= n
-                    break
                 w.pc = pc
                 if kind == _BRA:
                     self._branch(w, pc, active, exe, target, fn)
@@ -424,50 +441,23 @@ class _Launch:
                         return
                     pc = w.pc
                 else:   # _BAR
-                    self._barrier(w, pc, nthreads)
+                    if w.lane_pc is not None:
+                        raise EmulationError(_DIVERGED_BARRIER)
+                    self._check_barrier_count(pc, nthreads)
+                    w.pc, w.at_barrier = pc + 1, True
                     return
-                if w.lane_pc is None and pc in stops:
-                    break
-        except _Located:
-            raise
         except EmulationError as e:
             raise EmulationError(f"{self.context(w, pc)}: {e}") from None
         finally:
-            self.executed += executed
+            self.executed += steps
         if w.lane_pc is None:
-            for m in w.members:
-                m.pc = pc
-        elif gang:
-            _hand_to_warps(w)
-        if self.executed > self.budget:
-            raise EmulationError(f"{self.context(w, pc)}: more than {self.budget} warp-instructions "
-                                 f"in one launch (an infinite loop?)")
+            w.pc = pc
 
-    def _barrier(self, w, pc, nthreads):
-        if w.lane_pc is not None:
-            raise EmulationError("bar.sync executed by a diverged warp (.aligned requires the "
-                                 "whole warp to reach it together)")
+    def _check_barrier_count(self, pc, nthreads):
         count = self.code[pc][1]
         if count is not None and count != -(-nthreads // 32) * 32:
             raise unsupported(self.kernel.instructions[pc], f"barrier count {count} is not the "
                               f"block's {nthreads} threads")
-        for m in w.members:
-            m.pc = pc + 1
-            m.at_barrier = True
-
-    def _gang_control(self, g, pc, kind, fn, exe, target, nthreads):
-        """A branch taken by some lanes, an exit or a barrier ends a gang's run: each warp takes it
-        on its own."""
-        if kind == _BAR:
-            self._barrier(g, pc, nthreads)
-            return
-        for j, m in enumerate(g.members):
-            m.pc = pc
-            part = None if exe is None else exe[32 * j:32 * j + 32]
-            if kind == _BRA:
-                self._branch(m, pc, None, part, target, fn)
-            else:
-                self._exit(m, pc, None, part)
 
     def _branch(self, w, pc, active, exe, target, uniform):
         if exe is None:
@@ -511,13 +501,13 @@ class _Launch:
             _reconverge(w)
 
 
-def _hand_to_warps(g):
-    """A gang's per-lane pcs become its warps' (each converged or diverged on its own)."""
-    lp, g.lane_pc = g.lane_pc, None
-    for j, m in enumerate(g.members):
-        mine = lp[32 * j:32 * j + 32]
-        m.pc = int(mine.min())
-        m.lane_pc = None if (mine == m.pc).all() else mine.copy()
+def _splits_a_warp(lanes, within=None) -> bool:
+    """Whether some warp has lanes both in and out of `lanes` (among its lanes `within`)."""
+    per_warp = lanes.reshape(-1, 32)
+    if within is None:
+        return bool((per_warp.any(1) & ~per_warp.all(1)).any())
+    w = within.reshape(-1, 32)
+    return bool((per_warp.any(1) & (per_warp != w).any(1)).any())
 
 
 def _reconverge(w):

@@ -10,7 +10,7 @@ import numpy as np
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
-from flashgen.emulate.semantics.registry import handles, unsupported
+from flashgen.emulate.semantics.registry import executing_warps, handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
 # more than the emulator gives every access (each one completes, in program order, before the next).
@@ -169,7 +169,7 @@ def cp_async(ins, ops):
     # The copies in flight belong to each warp (a gang issues for all of its warps).
     if kind == "commit_group":
         def commit(w, m):
-            for warp in w.members:
+            for warp in executing_warps(w, m):
                 warp.cp_groups.append(warp.cp_open)
                 warp.cp_open = []
         return commit
@@ -178,7 +178,7 @@ def cp_async(ins, ops):
 
         def wait(w, m):
             landing = []
-            for warp in w.members:
+            for warp in executing_warps(w, m):
                 if kind == "wait_all":
                     warp.cp_groups.append(warp.cp_open)
                     warp.cp_open = []

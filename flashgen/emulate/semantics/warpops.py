@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.semantics.registry import handles, require_full_warp, unsupported
+from flashgen.emulate.semantics.registry import executing_warps, handles, require_full_warp, unsupported
 
 LANE = np.arange(32)
 GROUP = LANE >> 2          # "groupID" in the PTX ISA figures
@@ -113,7 +113,7 @@ def mma(ins, ops):
         d = (a @ b).reshape(g, 128) + cvals.reshape(g, 128)[:, c_perm]
         out = d[:, c_flat].astype(np.float32).reshape(g, 4, 32).transpose(1, 0, 2).reshape(4, -1)
         for i, wr in enumerate(wd):
-            wr(w, out[i], None)
+            wr(w, out[i], m)
     return run
 
 
@@ -136,24 +136,29 @@ def ldmatrix(ins, ops):
     def run(w, m):
         require_full_warp(w, m, ins)
         g = w.nlanes // 32
-        # lane i of each warp supplies the address of row i % 8 of matrix i // 8
-        rows_addr = addr(w).reshape(g, 32)[:, :nrows].reshape(-1)
-        who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[:, :nrows].reshape(-1)
+        # the executing warps; lane i of each supplies the address of row i % 8 of matrix i // 8
+        on = slice(None) if m is None else m.reshape(g, 32)[:, 0]
+        rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
+        who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
                      for x in (w.lane_warp, w.smem_slot))
-        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(g, -1)
-        regs = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(g, nmat, 32)
+        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(-1, nrows * 8)
+        regs = np.zeros((g, nmat, 32), np.uint32)
+        regs[on] = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
         regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
-            wr(w, regs[j], None)
+            wr(w, regs[j], m)
     return run
 
 
 def _member_lanes(w, mask_reader, m, ins):
-    """The lanes named by membermask must be exactly the executing lanes of each warp."""
+    """The lanes named by membermask must be exactly the executing lanes of each warp with an
+    executing lane (the other warps of a gang are not there: no lane of theirs is a member)."""
     mask = mask_reader(w).astype(np.int64)
     lane = w.special[("laneid", 0)].astype(np.int64)
     members = ((mask >> lane) & 1).astype(bool)
     executing = np.ones(w.nlanes, bool) if m is None else m
+    if m is not None:
+        members &= m.reshape(-1, 32).any(1).repeat(32)
     if (members != executing).any():
         i = int(np.argmax(members != executing))
         raise EmulationError(f"{ins.form} with membermask {int(mask[i]) & 0xFFFFFFFF:#x}: lane {int(lane[i])} "
@@ -212,5 +217,5 @@ def bar_warp(ins, ops):
 
     def run(w, m):
         _member_lanes(w, rmask, m, ins)
-        w.smem.warp_sync(w.members)
+        w.smem.warp_sync(executing_warps(w, m))
     return run
