@@ -331,15 +331,7 @@ class _Launch:
                 counts[pc] += n
                 executed += n
                 kind, fn, guard, negated, target = code[pc]
-                if guard is None:
-                    exe = active
-                else:
-                    pv = g.regs[guard]
-                    exe = ~pv if negated else pv.copy()
-                    if active is not None:
-                        exe &= active
-                    elif exe.all():
-                        exe = None
+                exe = active if guard is None else _guarded(g.regs[guard], negated, active)
                 if kind == _ALU:
                     if exe is None or exe.any():
                         if target and exe is not None and _splits_a_warp(exe):
@@ -412,15 +404,7 @@ class _Launch:
                     active = lp == pc
                 kind, fn, guard, negated, target = code[pc]
                 counts[pc] += 1
-                if guard is None:
-                    exe = active
-                else:
-                    pv = w.regs[guard]
-                    exe = ~pv if negated else pv.copy()
-                    if active is not None:
-                        exe &= active
-                    elif exe.all():
-                        exe = None
+                exe = active if guard is None else _guarded(w.regs[guard], negated, active)
                 if kind == _ALU:
                     if exe is None or exe.any():
                         fn(w, exe)
@@ -499,6 +483,16 @@ class _Launch:
             w.lane_pc[leaving] = _DEAD
             w.lane_pc[(active & ~leaving)] = pc + 1
             _reconverge(w)
+
+
+def _guarded(pv, negated, active):
+    """The lanes that execute a guarded instruction (None: all of them)."""
+    exe = ~pv if negated else pv.copy()
+    if active is not None:
+        exe &= active
+    elif exe.all():
+        exe = None
+    return exe
 
 
 def _splits_a_warp(lanes, within=None) -> bool:
