@@ -349,11 +349,11 @@ class SharedMemory:
     def async_deliver(self, copies) -> None:
         """Land issued copies, (byte indices, data, warp, lanes) each, in this order: a write of
         the current epoch by their warps."""
-        for idx, _, _, _ in copies:
-            self.pending[idx] -= 1
-            self.in_flight -= idx.size
         idx = np.concatenate([c[0] for c in copies])
+        # no two copies in flight share a byte (async_issue refuses it), so none is counted twice
+        self.pending[idx] -= 1
+        self.in_flight -= idx.size
         if self.race_check:
-            warps = np.concatenate([np.full(len(c[0]), c[2]) for c in copies])
+            warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
             self._race_write(idx, warps, np.concatenate([c[3] for c in copies]))
         self.data[idx] = np.concatenate([c[1] for c in copies])

@@ -221,12 +221,11 @@ def cp_async(ins, ops):
         idx = w.smem.async_issue(d, n, who, lane_ids, slot=_slot(w, lanes))
         if len(w.members) == 1:
             w.cp_open.append((idx, data, lane_ids))
-        else:
-            member = np.arange(w.nlanes)[lanes] // 32
-            for j, warp in enumerate(w.members):
-                mine = member == j
-                if mine.any():
-                    warp.cp_open.append((idx[mine], data[mine], lane_ids[mine]))
+        else:     # rows are in lane order: each warp's are one slice
+            bounds = np.searchsorted(np.arange(w.nlanes)[lanes] // 32, np.arange(len(w.members) + 1))
+            for warp, a, b in zip(w.members, bounds[:-1], bounds[1:]):
+                if b > a:
+                    warp.cp_open.append((idx[a:b], data[a:b], lane_ids[a:b]))
     return issue
 
 
