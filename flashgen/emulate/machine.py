@@ -30,7 +30,7 @@ import numpy as np
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
-from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
+from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
 from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
 
 # Largest dynamic shared memory per block after cudaFuncSetAttribute opt-in (bytes).
@@ -152,10 +152,10 @@ class _Wave:
     """CTAs that run together: their warps in one list, their registers in one file, their
     shared memory in one SharedMemory."""
 
-    def __init__(self, blocks, grid, gmem, params, types, nthreads, block, smem_bytes, race_check):
+    def __init__(self, blocks, grid, gmem, params, types, nthreads, block, smem_bytes, race_check, granule):
         per_cta = -(-nthreads // 32)
         self.registers = _Registers(types, 32 * per_cta * len(blocks))
-        smem = SharedMemory(smem_bytes, race_check, len(blocks))
+        smem = SharedMemory(smem_bytes, race_check, len(blocks), granule)
         self.warps = []
         for slot, ctaid in enumerate(blocks):
             cta = _Cta(ctaid, grid, smem, slot, gmem, params)
@@ -203,6 +203,8 @@ class _Compiled:
         for ins in kernel.instructions:
             self.code.append(self._compile(ins, ops, kernel))
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
+        # the shared-memory race detector's granule: a word unless some access is narrower
+        self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
 
     @staticmethod
     def _compile(ins, ops, kernel):
@@ -231,6 +233,13 @@ class _Compiled:
                 count = int(ins.operands[1].text, 0)
             return (_BAR, count, *guard, None)
         return (_ALU, compile_instruction(ins, ops), *guard, ins.opcode in PER_WARP)
+
+
+def _narrow_shared(ins) -> bool:
+    """A shared ld/st of fewer than 4 bytes per lane (cp.async and ldmatrix copy 4 and more)."""
+    if ins.opcode not in ("ld", "st") or "shared" not in ins.mods:
+        return False
+    return TYPE_SIZES[ins.type()] * (4 if "v4" in ins.mods else 2 if "v2" in ins.mods else 1) < 4
 
 
 def compiled(kernel: Kernel) -> _Compiled:
@@ -545,7 +554,8 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
     if dynamic_smem < 0 or static + dynamic_smem > limit:
         raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
                              f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")
-    code = compiled(kernel).code
+    program = compiled(kernel)
+    code = program.code
     pbuf = _param_buffer(kernel, params)
     if seed is None:
         seed = secrets.randbits(32)
@@ -560,7 +570,7 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for first in range(0, len(order), per_wave):
                 wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
-                             kernel.registers, nthreads, block, smem_bytes, race_check)
+                             kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
                 run.run_wave(wave, nthreads)
     finally:
         memory.end_launch()

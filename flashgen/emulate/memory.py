@@ -201,29 +201,34 @@ class GlobalMemory:
 
 class SharedMemory:
     """The shared memory of the CTAs of a wave, `size` bytes each, side by side: CTA slot s owns
-    bytes [s * size, (s + 1) * size). Accesses name the slot of each row and offsets within it.
+    bytes [s * stride, s * stride + size). Accesses name the slot of each row and offsets within it.
 
-    Race bookkeeping: per byte, a stamp `epoch * 256 + warp` of its last writer and of its
-    readers in the current epoch of its CTA (warp MANY when several warps read it; warps are
-    numbered within their CTA). Stamps of older epochs are smaller than `epoch * 256`, so
-    "accessed in this epoch by another warp" is two compares."""
+    Race bookkeeping: per granule (a byte, or an aligned 4-byte word where no access is
+    narrower: then each access covers whole words and the verdicts are the same), a stamp
+    `epoch * 256 + warp` of its last writer and of its readers in the current epoch of its CTA
+    (warp MANY when several warps read it; warps are numbered within their CTA). Stamps of older
+    epochs are smaller than `epoch * 256`, so "accessed in this epoch by another warp" is two
+    compares."""
     MANY = 255
 
-    def __init__(self, nbytes: int, race_check: bool, ctas: int = 1):
+    def __init__(self, nbytes: int, race_check: bool, ctas: int = 1, granule: int = 1):
         # Shared memory starts as garbage on a GPU: 0xFF bytes (NaN floats) make reads of never
         # written bytes visible in the results instead of reading convenient zeros.
-        total = nbytes * ctas
+        self.stride = -(-nbytes // 16) * 16                 # no race granule spans two CTAs
+        total = self.stride * ctas
         self.data = np.full(total, 0xFF, np.uint8)
         self.size = nbytes
         self.race_check = race_check
         self.pending = np.zeros(total, np.int16)            # undelivered cp.async bytes
         self.in_flight = 0                                   # their number
         self.epochs = np.ones(ctas, np.int64)
+        self.granule = granule
         if race_check:
-            self.w_stamp = np.zeros(total, np.int64)
-            self.r_stamp = np.zeros(total, np.int64)
-            self.w_lane = np.full(total, -1, np.int8)        # writer lane (-1: the whole warp)
-            self.w_wsync = np.zeros(total, np.int64)         # the writer warp's __syncwarp count then
+            n = -(-total // granule)
+            self.w_stamp = np.zeros(n, np.int64)
+            self.r_stamp = np.zeros(n, np.int64)
+            self.w_lane = np.full(n, -1, np.int8)            # writer lane (-1: the whole warp)
+            self.w_wsync = np.zeros(n, np.int64)             # the writer warp's __syncwarp count then
             self.warp_syncs = np.zeros((ctas, 32), np.int64)
 
     def barrier(self, slot: int = 0) -> None:
@@ -246,28 +251,33 @@ class SharedMemory:
             x = int(o[(o < 0) | (o + nbytes > self.size)][0])
             raise EmulationError(f"out-of-bounds shared {what} of {nbytes} bytes at offset {x} "
                                  f"(the CTA has {self.size} bytes of shared memory)")
-        return (o + slot * self.size)[:, None] + np.arange(nbytes)
+        return (o + slot * self.stride)[:, None] + np.arange(nbytes)
 
     def _check_pending(self, idx: np.ndarray, what: str) -> None:
         if not self.in_flight:
             return
         p = self.pending[idx]
         if p.any():
-            x = int(idx[p > 0][0]) % self.size
+            x = int(idx[p > 0][0]) % self.stride
             raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
                                  f"yet (missing cp.async.wait_group before this access?)")
 
     def _race(self, x: int, warp: int, stamp: int, verb: str, how: str) -> EmulationError:
         other = stamp & 255
         who = "several warps" if other == self.MANY else f"warp {other}"
-        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x % self.size}, {how} by {who} "
-                              f"with no barrier in between")
+        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x * self.granule % self.stride}, "
+                              f"{how} by {who} with no barrier in between")
+
+    def _granules(self, idx):
+        """The race detector's granules of byte indices [rows, nbytes]."""
+        g = self.granule
+        return idx if g == 1 else idx[:, ::g] // g
 
     def _stamps(self, idx, warp):
         """(epoch base, this access's stamp, warp) per row of `idx`; `warp`: one id or one per row
         (a gang's access: its rows are checked at once, so that two warps touching the same byte
         within one instruction are seen too)."""
-        slots = idx[:, :1] // self.size
+        slots = idx[:, :1] * self.granule // self.stride
         base = self.epochs[slots] << 8
         rows = np.asarray(warp).reshape(-1, 1)
         return base, base | rows, slots, rows
@@ -290,7 +300,7 @@ class SharedMemory:
                 writer = int(self.w_lane[idx][pos])
                 raise EmulationError(
                     f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
-                    f"offset {int(idx[pos]) % self.size}, written by "
+                    f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
                     f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
         rs = self.r_stamp[idx]
         many = np.broadcast_to(base | self.MANY, idx.shape)
@@ -326,14 +336,14 @@ class SharedMemory:
         idx = self._bytes(offs, nbytes, what, slot)
         self._check_pending(idx, what)
         if self.race_check:
-            self._race_read(idx, warp, lanes)
+            self._race_read(self._granules(idx), warp, lanes)
         return self.data[idx]
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
         idx = self._bytes(offs, data.shape[1], what, slot)
         self._check_pending(idx, what)
         if self.race_check:
-            self._race_write(idx, warp, lanes)
+            self._race_write(self._granules(idx), warp, lanes)
         self.data[idx] = data
 
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
@@ -341,7 +351,7 @@ class SharedMemory:
         idx = self._bytes(offs, nbytes, "cp.async destination", slot)
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
-            self._race_write(idx, warp, lanes)
+            self._race_write(self._granules(idx), warp, lanes)
         self.pending[idx] += 1
         self.in_flight += idx.size
         return idx
@@ -355,5 +365,5 @@ class SharedMemory:
         self.in_flight -= idx.size
         if self.race_check:
             warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
-            self._race_write(idx, warps, np.concatenate([c[3] for c in copies]))
+            self._race_write(self._granules(idx), warps, np.concatenate([c[3] for c in copies]))
         self.data[idx] = np.concatenate([c[1] for c in copies])
