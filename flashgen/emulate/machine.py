@@ -312,7 +312,9 @@ class _Launch:
     def run_gang(self, g, quantum, nthreads):
         """Run the lanes of a gang of adjacent warps for up to `quantum` steps, each step the lanes
         at the lowest pc: warps at different pcs meet where the laggards catch up. Lanes of warps
-        that are done or wait at a barrier, and exited lanes, stand at _DEAD."""
+        that are done or wait at a barrier, and exited lanes, stand at _DEAD. While the lanes at
+        the lowest pc run on below every other lane's pc (`rest`), the step needs no lane array:
+        their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
         code, counts = self.code, self.counts
         members = g.members
         lp = np.concatenate([np.full(32, _DEAD) if m.done or m.at_barrier else
@@ -320,23 +322,19 @@ class _Launch:
                              for m in members])
         for m in members:               # the gang holds its warps' pcs until it hands them back
             m.lane_pc = None
-        pc = int(lp[0])
-        converged = (lp == pc).all()
-        if converged:
-            lp = None
-        width = len(members)
+        pc, active, n, rest, fresh = 0, None, 0, -1, True
         steps = executed = 0
         try:
             while steps < quantum:
-                steps += 1
-                if lp is None:
-                    active, n = None, width
-                else:
-                    pc = int(lp.min())
+                if pc >= rest:
+                    if not fresh:
+                        lp[slice(None) if active is None else active] = pc
+                    fresh = True
+                    pc, active, n, rest = _lowest(lp)
                     if pc == _DEAD:
                         break
-                    active = lp == pc
-                    n = int(active.reshape(-1, 32).any(1).sum())
+                    fresh = False
+                steps += 1
                 counts[pc] += n
                 executed += n
                 kind, fn, guard, negated, target = code[pc]
@@ -347,23 +345,21 @@ class _Launch:
                             self._per_warp(g, fn, exe, pc)
                         else:
                             fn(g, exe)
-                    if lp is None:
-                        pc += 1
-                    else:
-                        lp[active] = pc + 1
+                    pc += 1
                     continue
-                if kind == _BRA and exe is None:
-                    pc = target                            # the whole gang branches
+                if kind == _BRA and (guard is None or exe is None or (exe == active).all()):
+                    pc = target                            # every lane at pc branches
                     continue
-                if lp is None:
-                    lp = np.full(g.nlanes, pc, np.int64)
-                    active = np.ones(g.nlanes, bool)
+                act = np.ones(g.nlanes, bool) if active is None else active
                 if exe is None:
-                    exe = active
+                    exe = act
                 if kind == _BRA:
-                    if fn and _splits_a_warp(exe, active):
+                    if not exe.any():
+                        pc += 1
+                        continue
+                    if fn and _splits_a_warp(exe, act):
                         raise EmulationError("bra.uni taken by only some lanes")
-                    lp[active & ~exe] = pc + 1
+                    lp[act & ~exe] = pc + 1
                     lp[exe] = target
                 elif kind == _RET:
                     for j in np.flatnonzero(exe.reshape(-1, 32).any(1)):
@@ -371,27 +367,27 @@ class _Launch:
                         m.alive = m.alive & ~exe[32 * j:32 * j + 32]
                         m.done = not m.alive.any()
                         m.alive_mask = None if m.alive.all() else m.alive.copy()
-                    lp[active & ~exe] = pc + 1
+                    lp[act & ~exe] = pc + 1
                     lp[exe] = _DEAD
                 else:   # _BAR: a warp whose live lanes all stand here waits; a warp split by it is an error
                     self._check_barrier_count(pc, nthreads)
-                    for j in np.flatnonzero(active.reshape(-1, 32).any(1)):
+                    for j in np.flatnonzero(act.reshape(-1, 32).any(1)):
                         m = members[j]
-                        if not (active[32 * j:32 * j + 32] == m.alive).all():
+                        if not (act[32 * j:32 * j + 32] == m.alive).all():
                             raise _Located(f"{self.context(m, pc)}: {_DIVERGED_BARRIER}")
                         m.at_barrier, m.pc = True, pc + 1
-                    lp[active] = _DEAD
+                    lp[act] = _DEAD
+                fresh, rest = True, -1                     # lp is up to date: find the lowest pc again
         except _Located:
             raise
         except EmulationError as e:
             raise EmulationError(f"{self.context(g, pc)}: {e}") from None
         finally:
             self.executed += executed
+        if not fresh:
+            lp[slice(None) if active is None else active] = pc
         for j, m in enumerate(members):
             if m.done or m.at_barrier:
-                continue
-            if lp is None:
-                m.pc = pc
                 continue
             mine = lp[32 * j:32 * j + 32]
             m.pc = int(mine.min())
@@ -492,6 +488,16 @@ class _Launch:
             w.lane_pc[leaving] = _DEAD
             w.lane_pc[(active & ~leaving)] = pc + 1
             _reconverge(w)
+
+
+def _lowest(lp):
+    """(lowest pc, its lanes -- None when every lane stands there --, how many warps they span,
+    the lowest pc of the other lanes)."""
+    pc = int(lp.min())
+    active = lp == pc
+    if pc == _DEAD or active.all():
+        return pc, None, lp.size // 32, _DEAD
+    return pc, active, int(active.reshape(-1, 32).any(1).sum()), int(np.where(active, _DEAD, lp).min())
 
 
 def _guarded(pv, negated, active):

@@ -182,21 +182,32 @@ class GlobalMemory:
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
             vals = values if sel is None else values[sel]
-            if np.unique(elems).size == elems.size:
-                prev = typed[elems].copy()
-                with np.errstate(over="ignore"):
-                    typed[elems] = prev + vals
-            else:
-                prev = np.empty_like(vals)
-                with np.errstate(over="ignore"):
-                    for j, (e, v) in enumerate(zip(elems, vals)):
-                        prev[j] = typed[e]
-                        typed[e] = typed[e] + v
+            prev = np.empty_like(vals)
+            # round r applies each element's r-th update (in lane order): the elements of one
+            # round are distinct, so it is one vectorized read-modify-write
+            rank = _occurrence(elems)
+            with np.errstate(over="ignore"):
+                for r in range(int(rank.max()) + 1 if rank.size else 0):
+                    mine = rank == r
+                    e = elems[mine]
+                    prev[mine] = typed[e]
+                    typed[e] = prev[mine] + vals[mine]
             if sel is None:
                 old[:] = prev
             else:
                 old[sel] = prev
         return old
+
+
+def _occurrence(keys: np.ndarray) -> np.ndarray:
+    """For each position, how many earlier positions hold the same key."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    pos = np.arange(keys.size)
+    first = np.maximum.accumulate(np.where(np.r_[True, ranked[1:] != ranked[:-1]], pos, 0))
+    rank = np.empty_like(pos)
+    rank[order] = pos - first
+    return rank
 
 
 class SharedMemory:
