@@ -38,7 +38,7 @@ SMEM_LIMIT = {"sm80": 163 * 1024, "sm90a": 227 * 1024}
 SM_COUNT = {"sm80": 108, "sm90a": 132}
 MAX_THREADS_PER_BLOCK = 1024
 # A wave: the CTAs that run together, up to this many threads (the register file's length) and
-# bytes of shared memory (its race bookkeeping takes 27 more bytes per byte).
+# bytes of shared memory (its race bookkeeping takes up to 27 more bytes per byte).
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
@@ -72,7 +72,7 @@ class _Registers:
 
 
 class _RegisterView(dict):
-    """The registers of lanes [lo, hi) of a CTA: cached views into its register file."""
+    """The registers of lanes [lo, hi) of a wave: cached views into its register file."""
 
     def __init__(self, file, lo, hi):
         super().__init__()
@@ -117,15 +117,13 @@ class Warp:
 
 
 class _Gang:
-    """Adjacent converged, fully populated warps of a wave executing one instruction stream
-    together (a gang over several CTAs has no `cta`: its lanes say theirs)."""
-    lane_pc = None
-    alive_mask = None
+    """Adjacent warps of a wave whose lanes run_gang steps together; what the handlers see of
+    them (a gang over several CTAs has no `cta`: its lanes say theirs)."""
+    lane_pc = None                       # run_gang keeps the lanes' pcs
 
     def __init__(self, wave, warps):
         self.members = tuple(warps)
         first, last = warps[0], warps[-1]
-        self.wid = first.wid
         self.nlanes = 32 * len(warps)
         self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
         self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
