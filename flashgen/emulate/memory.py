@@ -4,9 +4,11 @@ GlobalMemory: device memory *is* this process's memory. The host registers each 
 may touch (numpy arrays, the stub runtime's cudaMalloc); every global access must fall inside one
 registered range and be aligned to its width.
 
-Within one launch GlobalMemory can also track which CTA wrote each byte (start_launch): a plain
-write of a byte another CTA wrote or read-modified atomically, and a read of a byte another CTA
-wrote, are races (CTAs of a grid have no order); atomics may mix freely.
+Within one launch GlobalMemory can also track which CTA wrote and which read each byte
+(start_launch): a plain write of a byte another CTA wrote, read or read-modified atomically, an
+atomic update of a byte another CTA read, and a read of a byte another CTA wrote, are races
+(CTAs of a grid have no order: the verdict must not depend on which ran first); atomics may mix
+freely.
 
 SharedMemory: the shared memory of CTAs (one region each), with the checks the hardware does
 not do for us:
@@ -30,9 +32,11 @@ from flashgen.emulate.errors import EmulationError
 
 class GlobalMemory:
     ATOMIC = -2        # owner mark of bytes updated by atomics in this launch
+    SEVERAL = -3       # reader mark of bytes read by more than one CTA in this launch
 
     def __init__(self):
         self._owners: dict[int, np.ndarray] | None = None     # range start -> writer CTA per byte
+        self._readers: dict[int, np.ndarray] = {}                 # range start -> reader CTA per byte
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
         self._starts_np = np.zeros(0, np.int64)
@@ -99,9 +103,37 @@ class GlobalMemory:
     # -- CTA ownership of bytes within one launch ----------------------------------------------
     def start_launch(self, track_writers: bool) -> None:
         self._owners = {} if track_writers else None
+        self._readers = {}
 
     def end_launch(self) -> None:
         self._owners = None
+        self._readers = {}
+
+    def _read_by_others(self, start, idx, cta, what):
+        """Raise if another CTA read bytes `idx` of range `start` in this launch."""
+        readers = self._readers.get(start)
+        if readers is None:
+            return
+        prev = readers[idx]
+        bad = (prev != -1) & (prev != cta)
+        if bad.any():
+            pos = tuple(np.argwhere(bad)[0])
+            other = int(prev[pos])
+            who = "several CTAs" if other == self.SEVERAL else f"CTA {other}"
+            addr = start + int(idx[pos])
+            me = int(np.broadcast_to(cta, idx.shape)[pos])
+            raise EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
+                                 f"read by {who} in the same launch")
+
+    def _mark_read(self, start, view, idx, cta):
+        readers = self._readers.get(start)
+        if readers is None:
+            readers = self._readers[start] = np.full(view.size, -1, np.int32)
+        prev = readers[idx]
+        mark = np.where((prev == -1) | (prev == cta), np.broadcast_to(cta, idx.shape), self.SEVERAL)
+        readers[idx] = mark
+        again = readers[idx] != mark            # rows of two CTAs read the byte in this access
+        readers[idx[again]] = self.SEVERAL
 
     @staticmethod
     def _rows(cta, sel):
@@ -150,7 +182,9 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, nbytes, what):
             idx = off[:, None] + cols
             if self._owners is not None and cta is not None:
-                self._conflict(start, idx, self._rows(cta, sel), "reads", allow_atomic=False)
+                rows = self._rows(cta, sel)
+                self._conflict(start, idx, rows, "reads", allow_atomic=False)
+                self._mark_read(start, view, idx, rows)
             if sel is None:
                 out[:] = view[idx]
             else:
@@ -165,6 +199,7 @@ class GlobalMemory:
             if self._owners is not None and cta is not None:
                 rows = self._rows(cta, sel)
                 self._conflict(start, idx, rows, "writes", allow_atomic=False)
+                self._read_by_others(start, idx, rows, "writes")
                 self._mark(start, view, idx, rows, "writes")
             view[idx] = data if sel is None else data[sel]
 
@@ -177,7 +212,9 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, n, what):
             if self._owners is not None and cta is not None:
                 idx = off[:, None] + np.arange(n)
-                self._conflict(start, idx, self._rows(cta, sel), "updates atomically", allow_atomic=True)
+                rows = self._rows(cta, sel)
+                self._conflict(start, idx, rows, "updates atomically", allow_atomic=True)
+                self._read_by_others(start, idx, rows, "updates atomically")
                 self._mark(start, view, idx, self.ATOMIC, "updates atomically")
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
