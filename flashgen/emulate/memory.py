@@ -36,7 +36,9 @@ class GlobalMemory:
 
     def __init__(self):
         self._owners: dict[int, np.ndarray] | None = None     # range start -> writer CTA per byte
-        self._readers: dict[int, np.ndarray] = {}                 # range start -> reader CTA per byte
+        # range start -> reader CTA per aligned 4-byte word (reads of whole words) / per byte
+        # (narrower reads); kept apart so that the common whole-word reads cost a quarter
+        self._readers: dict[tuple[int, int], np.ndarray] = {}
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
         self._starts_np = np.zeros(0, np.int64)
@@ -109,31 +111,41 @@ class GlobalMemory:
         self._owners = None
         self._readers = {}
 
+    @staticmethod
+    def _words(start, idx):
+        """The absolute 4-byte words (numbered from the range's first) of byte offsets `idx`."""
+        return (start + idx) // 4 - start // 4
+
     def _read_by_others(self, start, idx, cta, what):
         """Raise if another CTA read bytes `idx` of range `start` in this launch."""
-        readers = self._readers.get(start)
-        if readers is None:
-            return
-        prev = readers[idx]
-        bad = (prev != -1) & (prev != cta)
-        if bad.any():
-            pos = tuple(np.argwhere(bad)[0])
-            other = int(prev[pos])
-            who = "several CTAs" if other == self.SEVERAL else f"CTA {other}"
-            addr = start + int(idx[pos])
-            me = int(np.broadcast_to(cta, idx.shape)[pos])
-            raise EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
-                                 f"read by {who} in the same launch")
+        for granule, at in ((4, self._words(start, idx)), (1, idx)):
+            readers = self._readers.get((start, granule))
+            if readers is None:
+                continue
+            prev = readers[at]
+            bad = (prev != -1) & (prev != cta)
+            if bad.any():
+                pos = tuple(np.argwhere(bad)[0])
+                other = int(prev[pos])
+                who = "several CTAs" if other == self.SEVERAL else f"CTA {other}"
+                addr = start + int(idx[pos])
+                me = int(np.broadcast_to(cta, idx.shape)[pos])
+                raise EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
+                                     f"read by {who} in the same launch")
 
-    def _mark_read(self, start, view, idx, cta):
-        readers = self._readers.get(start)
+    def _mark_read(self, start, view, off, nbytes, cta):
+        """Record the readers of bytes [off, off + nbytes): per word for aligned whole words."""
+        granule = 4 if nbytes % 4 == 0 and (start + off[:1]) % 4 == 0 else 1
+        key = (start, granule)
+        readers = self._readers.get(key)
         if readers is None:
-            readers = self._readers[start] = np.full(view.size, -1, np.int32)
-        prev = readers[idx]
-        mark = np.where((prev == -1) | (prev == cta), np.broadcast_to(cta, idx.shape), self.SEVERAL)
-        readers[idx] = mark
-        again = readers[idx] != mark            # rows of two CTAs read the byte in this access
-        readers[idx[again]] = self.SEVERAL
+            readers = self._readers[key] = np.full(view.size // granule + 2, -1, np.int32)
+        at = (self._words(start, off) if granule == 4 else off)[:, None] + np.arange(nbytes // granule)
+        prev = readers[at]
+        mark = np.where((prev == -1) | (prev == cta), np.broadcast_to(cta, at.shape), self.SEVERAL)
+        readers[at] = mark
+        again = readers[at] != mark             # rows of two CTAs read the granule in this access
+        readers[at[again]] = self.SEVERAL
 
     @staticmethod
     def _rows(cta, sel):
@@ -184,7 +196,7 @@ class GlobalMemory:
             if self._owners is not None and cta is not None:
                 rows = self._rows(cta, sel)
                 self._conflict(start, idx, rows, "reads", allow_atomic=False)
-                self._mark_read(start, view, idx, rows)
+                self._mark_read(start, view, off, nbytes, rows)
             if sel is None:
                 out[:] = view[idx]
             else:
