@@ -125,13 +125,7 @@ class GlobalMemory:
             prev = readers[at]
             bad = (prev != -1) & (prev != cta)
             if bad.any():
-                pos = tuple(np.argwhere(bad)[0])
-                other = int(prev[pos])
-                who = "several CTAs" if other == self.SEVERAL else f"CTA {other}"
-                addr = start + int(idx[pos])
-                me = int(np.broadcast_to(cta, idx.shape)[pos])
-                raise EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
-                                     f"read by {who} in the same launch")
+                raise self._race(start, idx, bad, cta, what, prev, reads=True)
 
     def _mark_read(self, start, view, off, nbytes, cta):
         """Record the readers of bytes [off, off + nbytes): per word for aligned whole words."""
@@ -154,10 +148,14 @@ class GlobalMemory:
             return cta
         return (cta if sel is None else cta[sel])[:, None]
 
-    def _race(self, start, idx, bad, cta, what, prev):
+    def _race(self, start, idx, bad, cta, what, prev, reads=False):
+        """The race at the first `bad` byte; `prev`: its writer marks (or reader marks: `reads`)."""
         pos = tuple(np.argwhere(bad)[0])
         other = int(prev[pos])
-        how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
+        if reads:
+            how = "read by several CTAs" if other == self.SEVERAL else f"read by CTA {other}"
+        else:
+            how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
         addr = start + int(idx[pos])
         me = int(np.broadcast_to(cta, idx.shape)[pos])
         return EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
