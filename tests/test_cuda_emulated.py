@@ -204,6 +204,14 @@ def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
 
 
 # ---- the handler refuses bad arguments before anything runs -------------------------------------
+def test_a_library_is_parsed_and_compiled_once_per_process():
+    """A second EmulatedLibrary of the same build reuses the parsed kernels and their compiled form."""
+    spec = KernelSpec(64, "bf16", True, "sm80")
+    first, second = _library(spec), EmulatedLibrary(build(spec, host="emulate"))
+    assert first.kernels.keys() == second.kernels.keys()
+    assert all(first.kernels[n][1] is second.kernels[n][1] for n in first.kernels)
+
+
 def test_mismatched_shapes_are_a_handler_error_and_launch_nothing(rng):
     c = checker(rng, 64, "bf16", True)
     q = np.zeros((1, 8, 2, 64), c.dt)

@@ -402,6 +402,20 @@ def test_global_write_race_between_ctas(micro):
 
 
 @needs_nvcc
+def test_global_read_then_write_by_another_cta_is_a_race_in_any_order(micro):
+    """A read by one CTA and a write by another in one launch race whichever comes first: the
+    verdict must not depend on the schedule (every seed)."""
+    for seed in range(8):
+        with pytest.raises(EmulationError, match=r"global-memory race: CTA \d (writes|reads) 0x[0-9a-f]+ .*'arg0'.*"
+                                                 r"(read by (CTA 0|several CTAs)|written by CTA 1)"):
+            run(micro, "read_then_other_writes", [np.zeros(32, np.float32), np.zeros(64, np.float32)],
+                grid=(2, 1, 1), seed=seed)
+    out = np.full(32, np.nan, np.float32)
+    run(micro, "read_then_other_writes", [np.zeros(32, np.float32), out], grid=(1, 1, 1))
+    assert (out == 0).all()
+
+
+@needs_nvcc
 def test_random_schedule_is_seeded_and_exposes_missing_barriers(micro, rng):
     """Without the detector, the racy kernel's result depends on the warp order: different seeds
     must show different outcomes, the same seed the same one."""

@@ -152,6 +152,18 @@ def _runtime() -> ctypes.CDLL:
     return rt
 
 
+_PARSED: dict = {}
+
+
+def _parsed(sha256: str, path) -> PtxModule:
+    """The PTX of `sha256` (checked against `path` just before), parsed once per process: every
+    library with these bytes shares its kernels, and so the compiled form each keeps."""
+    module = _PARSED.get(sha256)
+    if module is None:
+        module = _PARSED[sha256] = PtxModule.parse(path.read_text())
+    return module
+
+
 def device_array(shape, dtype, fill: np.ndarray | None = None) -> np.ndarray:
     """A C-contiguous array at a 256-byte aligned address (as XLA's buffers are), holding
     `fill` or else 0xFF bytes (NaN for floats: what poisoning writes)."""
@@ -186,7 +198,7 @@ class EmulatedLibrary:
         self.handlers = {entries[i].name.decode(): entries[i].handler for i in range(count.value)}
         for name in manifest["ptx"]:  # the PTX must be what this build kept, byte for byte
             cache.check_file(library.path.parent / name, manifest["files"].get(name))
-        self.modules = [PtxModule.parse((library.path.parent / p).read_text()) for p in manifest["ptx"]]
+        self.modules = [_parsed(manifest["files"][p]["sha256"], library.path.parent / p) for p in manifest["ptx"]]
         self.kernels = {name: (m, k) for m in self.modules for name, k in m.kernels.items()}
         self.library = library
 

@@ -1,18 +1,21 @@
-"""The SIMT machine: CTAs run one after another, their warps interleaved by a seeded random
-scheduler; each warp steps the lanes that sit at its lowest program counter.
+"""The SIMT machine: the CTAs of a launch run in waves (up to WAVE_LANES threads and WAVE_SMEM
+bytes of shared memory), the warps of a wave interleaved by a seeded random scheduler.
 
-Per-lane program counters: a converged warp keeps one pc (the fast path); a divergent branch gives
-each lane its own, and the lanes at the minimum pc execute together until all live lanes meet
-again (which is where structured control flow reconverges). A warp runs until a barrier, its exit
-or the end of a random quantum, so any interleaving between barriers can occur; the shared-memory
-race detector (memory.py) flags conflicting accesses whatever the interleaving was.
+Per-lane program counters: lanes at the lowest pc execute together until all live lanes meet
+again (which is where structured control flow reconverges); a converged warp keeps one pc.
 
-Gangs: adjacent converged warps at the same pc usually execute together, one instruction over all
-their lanes (the registers of a CTA are one array per register, so a gang's registers are views).
-This changes no result -- the warps would run the same instructions in some order anyway -- but
-divides the interpreter's per-instruction cost by the gang size. A gang breaks up at a divergent
-branch or a partial exit (its warps then run alone until the next barrier), and the scheduler also
-runs parts of gangs one after the other at random, so interleavings stay varied.
+Gangs: mostly, the scheduler runs all live warps of a wave as one gang, SIMT across warps and
+CTAs: each step executes one instruction, as one numpy operation, over the gang's lanes that
+stand at its lowest pc (the registers of a wave are one array per register, so a gang's are
+views). Warps at different pcs meet where the laggards catch up; lanes of warps that are done or
+wait at a barrier stand aside. This changes no result -- each lane runs the same instructions in
+some order anyway -- but divides the interpreter's per-instruction cost by the lanes it covers.
+Warp-collective handlers (semantics.PER_WARP) take the gang whole when each of its warps executes
+in full or not at all, and run warp by warp otherwise (so a diverged warp fails them as before).
+One time in four, and for up to 256 instructions, the scheduler runs a random warp alone instead,
+so any interleaving between barriers can occur; the race detectors (memory.py) flag conflicting
+accesses whatever the interleaving was. A CTA's barrier is released once no warp of the wave can
+run.
 """
 from __future__ import annotations
 
@@ -28,12 +31,16 @@ from flashgen import targets
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
-from flashgen.emulate.ptx import Imm, Kernel, Label, PtxModule, shared_layout
-from flashgen.emulate.semantics import compile_instruction, unsupported
+from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
+from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
 
 MAX_THREADS_PER_BLOCK = 1024
+# A wave: the CTAs that run together, up to this many threads (the register file's length) and
+# bytes of shared memory (its race bookkeeping takes up to 27 more bytes per byte).
+WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR = range(4)
+_DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
 
 @dataclasses.dataclass
@@ -45,8 +52,8 @@ class LaunchStats:
     opcode_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
-class _CtaRegisters:
-    """The register file of a CTA: one array per register over all its lanes, created on first use.
+class _Registers:
+    """The register file of a wave: one array per register over all its lanes, created on first use.
     Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
     is written shows up instead of passing as zero; predicates start false."""
 
@@ -63,7 +70,7 @@ class _CtaRegisters:
 
 
 class _RegisterView(dict):
-    """The registers of lanes [lo, hi) of a CTA: cached views into its register file."""
+    """The registers of lanes [lo, hi) of a wave: cached views into its register file."""
 
     def __init__(self, file, lo, hi):
         super().__init__()
@@ -77,19 +84,21 @@ class _RegisterView(dict):
 class Warp:
     nlanes = 32
 
-    def __init__(self, wid, cta, nthreads, block):
-        self.wid = self.lane_warp = wid
+    def __init__(self, wid, gid, cta, nthreads, block, registers):
+        self.wid = self.lane_warp = wid      # within its CTA (the race detectors' warp id)
+        self.gid = gid                       # within its wave (its place in the register file)
         self.label = f"warp {wid}"
         self.members = (self,)
         self.cta = cta
-        self.regs = _RegisterView(cta.registers, 32 * wid, 32 * wid + 32)
+        self.regs = _RegisterView(registers, 32 * gid, 32 * gid + 32)
+        self.gmem, self.params, self.cta_index = cta.gmem, cta.params, cta.index
+        self.smem, self.smem_slot = cta.smem, cta.slot
         linear = wid * 32 + np.arange(32)
         self.alive = linear < nthreads
         self.alive_mask = None if self.alive.all() else self.alive.copy()
         self.pc = 0
         self.lane_pc = None                  # per-lane pcs while diverged
         self.at_barrier = False
-        self.solo = False                    # left a gang at a divergence: alone until a barrier
         self.done = not self.alive.any()
         self.cp_open = []                    # issued, uncommitted cp.async copies
         self.cp_groups = []                  # committed groups, oldest first
@@ -104,40 +113,56 @@ class Warp:
             self.special[("ctaid", ax)] = np.full(32, cta.ctaid[ax], u)
             self.special[("nctaid", ax)] = np.full(32, cta.grid[ax], u)
 
-    def can_gang(self, pc) -> bool:
-        return (not self.done and not self.at_barrier and not self.solo and self.lane_pc is None
-                and self.alive_mask is None and self.pc == pc)
-
 
 class _Gang:
-    """Adjacent converged, fully populated warps executing one instruction stream together."""
-    lane_pc = None
-    alive_mask = None
+    """Adjacent warps of a wave whose lanes run_gang steps together; what the handlers see of
+    them (a gang over several CTAs has no `cta`: its lanes say theirs)."""
+    lane_pc = None                       # run_gang keeps the lanes' pcs
 
-    def __init__(self, warps):
+    def __init__(self, wave, warps):
         self.members = tuple(warps)
-        self.cta = warps[0].cta
-        self.wid = warps[0].wid
-        self.label = f"warps {warps[0].wid}-{warps[-1].wid}"
+        first, last = warps[0], warps[-1]
         self.nlanes = 32 * len(warps)
-        self.regs = _RegisterView(self.cta.registers, 32 * warps[0].wid, 32 * warps[-1].wid + 32)
+        self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
+        self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
+        self.gmem, self.params, self.smem = first.gmem, first.params, first.smem   # one per wave
         self.lane_warp = np.repeat([w.wid for w in warps], 32)
-        self.alive = np.ones(self.nlanes, bool)
-        self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in warps[0].special}
+        if first.cta is last.cta:
+            self.cta, self.cta_index, self.smem_slot = first.cta, first.cta_index, first.smem_slot
+            self.label = f"warps {first.wid}-{last.wid}"
+        else:
+            self.cta = None
+            self.cta_index = np.repeat([w.cta_index for w in warps], 32)
+            self.smem_slot = np.repeat([w.smem_slot for w in warps], 32)
+            self.label = f"warps {first.wid}-{last.wid} of blocks {first.cta.ctaid}-{last.cta.ctaid}"
 
 
 class _Cta:
-    def __init__(self, ctaid, grid, smem, gmem, params, types, nthreads):
-        self.ctaid, self.grid, self.smem, self.gmem, self.params = ctaid, grid, smem, gmem, params
+    def __init__(self, ctaid, grid, smem, slot, gmem, params):
+        self.ctaid, self.grid, self.smem, self.slot, self.gmem, self.params = ctaid, grid, smem, slot, gmem, params
         self.index = ctaid[0] + grid[0] * (ctaid[1] + grid[1] * ctaid[2])   # linear CTA id
-        self.registers = _CtaRegisters(types, 32 * -(-nthreads // 32))
-        self.gangs = {}                                                    # (first, last) -> _Gang
+        self.warps = []
 
-    def gang(self, warps):
-        key = (warps[0].wid, warps[-1].wid)
-        g = self.gangs.get(key)
+
+class _Wave:
+    """CTAs that run together: their warps in one list, their registers in one file, their
+    shared memory in one SharedMemory."""
+
+    def __init__(self, blocks, grid, gmem, params, types, nthreads, block, smem_bytes, race_check, granule):
+        per_cta = -(-nthreads // 32)
+        self.registers = _Registers(types, 32 * per_cta * len(blocks))
+        smem = SharedMemory(smem_bytes, race_check, len(blocks), granule)
+        self.warps = []
+        for slot, ctaid in enumerate(blocks):
+            cta = _Cta(ctaid, grid, smem, slot, gmem, params)
+            cta.warps = [Warp(i, len(self.warps) + i, cta, nthreads, block, self.registers) for i in range(per_cta)]
+            self.warps += cta.warps
+        self.gangs = {}                                                    # (first, last) gid -> _Gang
+
+    def gang(self, lo, hi):
+        g = self.gangs.get((lo, hi))
         if g is None:
-            g = self.gangs[key] = _Gang(warps)
+            g = self.gangs[(lo, hi)] = _Gang(self, self.warps[lo:hi + 1])
         return g
 
 
@@ -165,7 +190,8 @@ def short_name(kernel_name: str) -> str:
 
 
 class _Compiled:
-    """A kernel's instructions as (kind, run, guard, negated, target) tuples."""
+    """A kernel's instructions as (kind, run, guard, negated, target) tuples (an _ALU's target:
+    whether its handler runs warp by warp when a gang's lanes execute it in part)."""
 
     def __init__(self, kernel: Kernel):
         ops = Operands(kernel)
@@ -173,6 +199,8 @@ class _Compiled:
         for ins in kernel.instructions:
             self.code.append(self._compile(ins, ops, kernel))
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
+        # the shared-memory race detector's granule: a word unless some access is narrower
+        self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
 
     @staticmethod
     def _compile(ins, ops, kernel):
@@ -200,7 +228,14 @@ class _Compiled:
                     raise unsupported(ins, "a thread count in a register")
                 count = int(ins.operands[1].text, 0)
             return (_BAR, count, *guard, None)
-        return (_ALU, compile_instruction(ins, ops), *guard, None)
+        return (_ALU, compile_instruction(ins, ops), *guard, ins.opcode in PER_WARP)
+
+
+def _narrow_shared(ins) -> bool:
+    """A shared ld/st of fewer than 4 bytes per lane (cp.async and ldmatrix copy 4 and more)."""
+    if ins.opcode not in ("ld", "st") or "shared" not in ins.mods:
+        return False
+    return TYPE_SIZES[ins.type()] * (4 if "v4" in ins.mods else 2 if "v2" in ins.mods else 1) < 4
 
 
 def compiled(kernel: Kernel) -> _Compiled:
@@ -209,65 +244,155 @@ def compiled(kernel: Kernel) -> _Compiled:
     return kernel.compiled
 
 
+class _Located(EmulationError):
+    """An error already prefixed with where it happened (in one CTA of a wide gang)."""
+
+
 class _Launch:
     def __init__(self, kernel, code, rng, budget, seed):
         self.kernel, self.code, self.rng, self.budget, self.seed = kernel, code, rng, budget, seed
         self.counts = [0] * len(code)
         self.executed = 0
 
-    def context(self, cta, w, pc) -> str:
+    def context(self, w, pc) -> str:
         ins = self.kernel.instructions[pc] if pc < len(self.kernel.instructions) else None
         where = f"PTX line {ins.line}: {ins.text}" if ins else "end of kernel"
-        return (f"{short_name(self.kernel.name)} block {cta.ctaid} {w.label} pc {pc} ({where}) "
+        block = "" if w.cta is None else f" block {w.cta.ctaid}"
+        return (f"{short_name(self.kernel.name)}{block} {w.label} pc {pc} ({where}) "
                 f"[schedule seed {self.seed}]")
 
-    def run_cta(self, cta, nthreads, block):
-        warps = [Warp(i, cta, nthreads, block) for i in range(-(-nthreads // 32))]
+    def run_wave(self, wave, nthreads):
+        warps = wave.warps
         rng = self.rng
         while True:
-            runnable = [w for w in warps if not w.done and not w.at_barrier]
+            live = [w for w in warps if not w.done]
+            runnable = [w for w in live if not w.at_barrier]
             if not runnable:
-                waiting = [w for w in warps if not w.done]
-                if not waiting:
+                if not live:
                     return
-                exited = sum(int((~w.alive).sum()) for w in warps) - (32 * len(warps) - nthreads)
-                if exited:
-                    w = waiting[0]
-                    raise EmulationError(f"{self.context(cta, w, w.pc - 1)}: bar.sync reached after {exited} "
-                                         f"threads of the block exited (the barrier would wait for them)")
-                cta.smem.barrier()
-                for w in waiting:
-                    w.at_barrier = w.solo = False
+                self._release_barriers(live, nthreads)
                 continue
-            w = runnable[int(rng.integers(len(runnable)))] if len(runnable) > 1 else runnable[0]
             quantum = int(rng.integers(1, 257))
-            lo = hi = w.wid
-            if w.can_gang(w.pc):
-                while lo > 0 and warps[lo - 1].can_gang(w.pc):
-                    lo -= 1
-                while hi + 1 < len(warps) and warps[hi + 1].can_gang(w.pc):
-                    hi += 1
-            if hi == lo:
-                self.run_warp(w, cta, quantum, nthreads)
-                continue
-            # The adjacent warps at the same pc run together. One time in four they split in two
-            # parts that run one after the other for the same quantum: varied interleavings, and
-            # warps that stay in step (uniform control flow brings both parts to the same pc).
-            parts = [warps[lo:hi + 1]]
-            if not rng.integers(4):
-                cut = int(rng.integers(lo + 1, hi + 1))
-                parts = [warps[lo:cut], warps[cut:hi + 1]]
-                if rng.integers(2):
-                    parts.reverse()
-            for part in parts:
-                self.run_warp(cta.gang(part) if len(part) > 1 else part[0], cta, quantum, nthreads)
+            if len(runnable) == 1 or not rng.integers(4):
+                # one time in four a random warp runs alone: varied interleavings
+                self.run_warp(runnable[int(rng.integers(len(runnable)))], quantum, nthreads)
+            else:
+                self.run_gang(wave.gang(live[0].gid, live[-1].gid), quantum, nthreads)
+            if self.executed > self.budget:
+                raise EmulationError(f"{short_name(self.kernel.name)}: more than {self.budget} warp-instructions "
+                                     f"in one launch (an infinite loop?) [schedule seed {self.seed}]")
 
-    def run_warp(self, w, cta, quantum, nthreads):
-        """Run a warp or a gang for up to `quantum` instructions."""
+    def _release_barriers(self, waiting, nthreads):
+        """No warp can run: every live warp waits at a barrier. Release each CTA's."""
+        for cta in dict.fromkeys(w.cta for w in waiting):
+            exited = sum(int((~w.alive).sum()) for w in cta.warps) - (32 * len(cta.warps) - nthreads)
+            if exited:
+                w = next(x for x in waiting if x.cta is cta)
+                raise EmulationError(f"{self.context(w, w.pc - 1)}: bar.sync reached after {exited} "
+                                     f"threads of the block exited (the barrier would wait for them)")
+            cta.smem.barrier(cta.slot)
+        for w in waiting:
+            w.at_barrier = False
+
+    def _per_warp(self, g, fn, exe, pc):
+        """A PER_WARP instruction some warps of a gang execute in part: warp by warp."""
+        for j, m in enumerate(g.members):
+            part = exe[32 * j:32 * j + 32]
+            if not part.any():
+                continue
+            try:
+                fn(m, None if part.all() else part)
+            except EmulationError as e:
+                raise _Located(f"{self.context(m, pc)}: {e}") from None
+
+    def run_gang(self, g, quantum, nthreads):
+        """Run the lanes of a gang of adjacent warps for up to `quantum` steps, each step the lanes
+        at the lowest pc: warps at different pcs meet where the laggards catch up. Lanes of warps
+        that are done or wait at a barrier, and exited lanes, stand at _DEAD. While the lanes at
+        the lowest pc run on below every other lane's pc (`rest`), the step needs no lane array:
+        their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
         code, counts = self.code, self.counts
-        gang = isinstance(w, _Gang)
-        width = len(w.members)
-        pc = w.members[0].pc
+        members = g.members
+        lp = np.concatenate([np.full(32, _DEAD) if m.done or m.at_barrier else
+                             m.lane_pc if m.lane_pc is not None else np.where(m.alive, m.pc, _DEAD)
+                             for m in members])
+        for m in members:               # the gang holds its warps' pcs until it hands them back
+            m.lane_pc = None
+        pc, active, n, rest, fresh = 0, None, 0, -1, True
+        steps = executed = 0
+        try:
+            while steps < quantum:
+                if pc >= rest:
+                    if not fresh:
+                        lp[slice(None) if active is None else active] = pc
+                    fresh = True
+                    pc, active, n, rest = _lowest(lp)
+                    if pc == _DEAD:
+                        break
+                    fresh = False
+                steps += 1
+                counts[pc] += n
+                executed += n
+                kind, fn, guard, negated, target = code[pc]
+                exe = active if guard is None else _guarded(g.regs[guard], negated, active)
+                if kind == _ALU:
+                    if exe is None or exe.any():
+                        if target and exe is not None and _splits_a_warp(exe):
+                            self._per_warp(g, fn, exe, pc)
+                        else:
+                            fn(g, exe)
+                    pc += 1
+                    continue
+                if kind == _BRA and (guard is None or exe is None or (exe == active).all()):
+                    pc = target                            # every lane at pc branches
+                    continue
+                act = np.ones(g.nlanes, bool) if active is None else active
+                if exe is None:
+                    exe = act
+                if kind == _BRA:
+                    if not exe.any():
+                        pc += 1
+                        continue
+                    if fn and _splits_a_warp(exe, act):
+                        raise EmulationError("bra.uni taken by only some lanes")
+                    lp[act & ~exe] = pc + 1
+                    lp[exe] = target
+                elif kind == _RET:
+                    for j in np.flatnonzero(exe.reshape(-1, 32).any(1)):
+                        m = members[j]
+                        m.alive = m.alive & ~exe[32 * j:32 * j + 32]
+                        m.done = not m.alive.any()
+                        m.alive_mask = None if m.alive.all() else m.alive.copy()
+                    lp[act & ~exe] = pc + 1
+                    lp[exe] = _DEAD
+                else:   # _BAR: a warp whose live lanes all stand here waits; a warp split by it is an error
+                    self._check_barrier_count(pc, nthreads)
+                    for j in np.flatnonzero(act.reshape(-1, 32).any(1)):
+                        m = members[j]
+                        if not (act[32 * j:32 * j + 32] == m.alive).all():
+                            raise _Located(f"{self.context(m, pc)}: {_DIVERGED_BARRIER}")
+                        m.at_barrier, m.pc = True, pc + 1
+                    lp[act] = _DEAD
+                fresh, rest = True, -1                     # lp is up to date: find the lowest pc again
+        except _Located:
+            raise
+        except EmulationError as e:
+            raise EmulationError(f"{self.context(g, pc)}: {e}") from None
+        finally:
+            self.executed += executed
+        if not fresh:
+            lp[slice(None) if active is None else active] = pc
+        for j, m in enumerate(members):
+            if m.done or m.at_barrier:
+                continue
+            mine = lp[32 * j:32 * j + 32]
+            m.pc = int(mine.min())
+            m.lane_pc = None if ((mine == m.pc) | (mine == _DEAD)).all() else mine.copy()
+
+    def run_warp(self, w, quantum, nthreads):
+        """Run one warp for up to `quantum` instructions (its lanes at their lowest pc)."""
+        code, counts = self.code, self.counts
+        pc = w.pc
         steps = 0
         try:
             while steps < quantum:
@@ -279,16 +404,8 @@ class _Launch:
                     pc = int(lp.min())
                     active = lp == pc
                 kind, fn, guard, negated, target = code[pc]
-                counts[pc] += width
-                if guard is None:
-                    exe = active
-                else:
-                    pv = w.regs[guard]
-                    exe = ~pv if negated else pv.copy()
-                    if active is not None:
-                        exe &= active
-                    elif exe.all():
-                        exe = None
+                counts[pc] += 1
+                exe = active if guard is None else _guarded(w.regs[guard], negated, active)
                 if kind == _ALU:
                     if exe is None or exe.any():
                         fn(w, exe)
@@ -299,15 +416,6 @@ class _Launch:
                         _reconverge(w)
                         pc = w.pc
                     continue
-                if gang:
-                    if exe is not None and not exe.any():      # no lane branches or exits
-                        pc += 1
-                        continue
-                    if kind == _BRA and exe is None:           # the whole gang branches
-                        pc = target
-                        continue
-                    self._gang_control(w, pc, kind, fn, exe, target, nthreads)
-                    return
                 w.pc = pc
                 if kind == _BRA:
                     self._branch(w, pc, active, exe, target, fn)
@@ -318,46 +426,23 @@ class _Launch:
                         return
                     pc = w.pc
                 else:   # _BAR
-                    self._barrier(w, pc, nthreads)
+                    if w.lane_pc is not None:
+                        raise EmulationError(_DIVERGED_BARRIER)
+                    self._check_barrier_count(pc, nthreads)
+                    w.pc, w.at_barrier = pc + 1, True
                     return
         except EmulationError as e:
-            raise EmulationError(f"{self.context(cta, w, pc)}: {e}") from None
+            raise EmulationError(f"{self.context(w, pc)}: {e}") from None
         finally:
-            self.executed += steps * width
+            self.executed += steps
         if w.lane_pc is None:
-            for m in w.members:
-                m.pc = pc
-        if self.executed > self.budget:
-            raise EmulationError(f"{self.context(cta, w, pc)}: more than {self.budget} warp-instructions "
-                                 f"in one launch (an infinite loop?)")
+            w.pc = pc
 
-    def _barrier(self, w, pc, nthreads):
-        if w.lane_pc is not None:
-            raise EmulationError("bar.sync executed by a diverged warp (.aligned requires the "
-                                 "whole warp to reach it together)")
+    def _check_barrier_count(self, pc, nthreads):
         count = self.code[pc][1]
         if count is not None and count != -(-nthreads // 32) * 32:
             raise unsupported(self.kernel.instructions[pc], f"barrier count {count} is not the "
                               f"block's {nthreads} threads")
-        for m in w.members:
-            m.pc = pc + 1
-            m.at_barrier = True
-
-    def _gang_control(self, g, pc, kind, fn, exe, target, nthreads):
-        """A branch taken by some lanes, an exit or a barrier ends a gang's run: each warp takes it
-        on its own (a divergent branch leaves the warps alone until the next barrier)."""
-        if kind == _BAR:
-            self._barrier(g, pc, nthreads)
-            return
-        diverged = exe is not None
-        for j, m in enumerate(g.members):
-            m.pc = pc
-            part = None if exe is None else exe[32 * j:32 * j + 32]
-            if kind == _BRA:
-                self._branch(m, pc, None, part, target, fn)
-            else:
-                self._exit(m, pc, None, part)
-            m.solo = m.solo or diverged
 
     def _branch(self, w, pc, active, exe, target, uniform):
         if exe is None:
@@ -401,6 +486,35 @@ class _Launch:
             _reconverge(w)
 
 
+def _lowest(lp):
+    """(lowest pc, its lanes -- None when every lane stands there --, how many warps they span,
+    the lowest pc of the other lanes)."""
+    pc = int(lp.min())
+    active = lp == pc
+    if pc == _DEAD or active.all():
+        return pc, None, lp.size // 32, _DEAD
+    return pc, active, int(active.reshape(-1, 32).any(1).sum()), int(np.where(active, _DEAD, lp).min())
+
+
+def _guarded(pv, negated, active):
+    """The lanes that execute a guarded instruction (None: all of them)."""
+    exe = ~pv if negated else pv.copy()
+    if active is not None:
+        exe &= active
+    elif exe.all():
+        exe = None
+    return exe
+
+
+def _splits_a_warp(lanes, within=None) -> bool:
+    """Whether some warp has lanes both in and out of `lanes` (among its lanes `within`)."""
+    per_warp = lanes.reshape(-1, 32)
+    if within is None:
+        return bool((per_warp.any(1) & ~per_warp.all(1)).any())
+    w = within.reshape(-1, 32)
+    return bool((per_warp.any(1) & (per_warp != w).any(1)).any())
+
+
 def _reconverge(w):
     lp = w.lane_pc
     lo = lp.min()
@@ -442,20 +556,24 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
     if dynamic_smem < 0 or static + dynamic_smem > limit:
         raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
                              f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")
-    code = compiled(kernel).code
+    program = compiled(kernel)
+    code = program.code
     pbuf = _param_buffer(kernel, params)
     if seed is None:
         seed = secrets.randbits(32)
     run = _Launch(kernel, code, np.random.default_rng(seed), max_warp_instructions, seed)
     blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     order = run.rng.permutation(len(blocks))      # blocks of a grid run in no defined order
+    smem_bytes = dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base)
+    per_wave = max(1, min(WAVE_LANES // (32 * -(-nthreads // 32)), WAVE_SMEM // max(smem_bytes, 1)))
     t0 = time.perf_counter()
     memory.start_launch(track_writers=race_check)
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
-            for i in order:
-                smem = SharedMemory(dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base), race_check)
-                run.run_cta(_Cta(blocks[i], grid, smem, memory, pbuf, kernel.registers, nthreads), nthreads, block)
+            for first in range(0, len(order), per_wave):
+                wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
+                             kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
+                run.run_wave(wave, nthreads)
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)

@@ -4,11 +4,14 @@ GlobalMemory: device memory *is* this process's memory. The host registers each 
 may touch (numpy arrays, the stub runtime's cudaMalloc); every global access must fall inside one
 registered range and be aligned to its width.
 
-Within one launch GlobalMemory can also track which CTA wrote each byte (start_launch): a plain
-write of a byte another CTA wrote or read-modified atomically, and a read of a byte another CTA
-wrote, are races (CTAs of a grid have no order); atomics may mix freely.
+Within one launch GlobalMemory can also track which CTA wrote and which read each byte
+(start_launch): a plain write of a byte another CTA wrote, read or read-modified atomically, an
+atomic update of a byte another CTA read, and a read of a byte another CTA wrote, are races
+(CTAs of a grid have no order: the verdict must not depend on which ran first); atomics may mix
+freely.
 
-SharedMemory: one CTA's shared memory, with the checks the hardware does not do for us:
+SharedMemory: the shared memory of CTAs (one region each), with the checks the hardware does
+not do for us:
  - cp.async tracking: bytes an issued cp.async has not delivered (no wait_group yet) cannot be
    read or written;
  - a race detector: within one barrier epoch (between two bar.sync), a byte written by one warp
@@ -29,9 +32,13 @@ from flashgen.emulate.errors import EmulationError
 
 class GlobalMemory:
     ATOMIC = -2        # owner mark of bytes updated by atomics in this launch
+    SEVERAL = -3       # reader mark of bytes read by more than one CTA in this launch
 
     def __init__(self):
         self._owners: dict[int, np.ndarray] | None = None     # range start -> writer CTA per byte
+        # range start -> reader CTA per aligned 4-byte word (reads of whole words) / per byte
+        # (narrower reads); kept apart so that the common whole-word reads cost a quarter
+        self._readers: dict[tuple[int, int], np.ndarray] = {}
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
         self._starts_np = np.zeros(0, np.int64)
@@ -98,9 +105,61 @@ class GlobalMemory:
     # -- CTA ownership of bytes within one launch ----------------------------------------------
     def start_launch(self, track_writers: bool) -> None:
         self._owners = {} if track_writers else None
+        self._readers = {}
 
     def end_launch(self) -> None:
         self._owners = None
+        self._readers = {}
+
+    @staticmethod
+    def _words(start, idx):
+        """The absolute 4-byte words (numbered from the range's first) of byte offsets `idx`."""
+        return (start + idx) // 4 - start // 4
+
+    def _read_by_others(self, start, idx, cta, what):
+        """Raise if another CTA read bytes `idx` of range `start` in this launch."""
+        for granule, at in ((4, self._words(start, idx)), (1, idx)):
+            readers = self._readers.get((start, granule))
+            if readers is None:
+                continue
+            prev = readers[at]
+            bad = (prev != -1) & (prev != cta)
+            if bad.any():
+                raise self._race(start, idx, bad, cta, what, prev, reads=True)
+
+    def _mark_read(self, start, view, off, nbytes, cta):
+        """Record the readers of bytes [off, off + nbytes): per word for aligned whole words."""
+        granule = 4 if nbytes % 4 == 0 and (start + off[:1]) % 4 == 0 else 1
+        key = (start, granule)
+        readers = self._readers.get(key)
+        if readers is None:
+            readers = self._readers[key] = np.full(view.size // granule + 2, -1, np.int32)
+        at = (self._words(start, off) if granule == 4 else off)[:, None] + np.arange(nbytes // granule)
+        prev = readers[at]
+        mark = np.where((prev == -1) | (prev == cta), np.broadcast_to(cta, at.shape), self.SEVERAL)
+        readers[at] = mark
+        again = readers[at] != mark             # rows of two CTAs read the granule in this access
+        readers[at[again]] = self.SEVERAL
+
+    @staticmethod
+    def _rows(cta, sel):
+        """The CTA of each row of an access to one range: `cta` is one id, or one per address."""
+        if isinstance(cta, (int, np.integer)):
+            return cta
+        return (cta if sel is None else cta[sel])[:, None]
+
+    def _race(self, start, idx, bad, cta, what, prev, reads=False):
+        """The race at the first `bad` byte; `prev`: its writer marks (or reader marks: `reads`)."""
+        pos = tuple(np.argwhere(bad)[0])
+        other = int(prev[pos])
+        if reads:
+            how = "read by several CTAs" if other == self.SEVERAL else f"read by CTA {other}"
+        else:
+            how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
+        addr = start + int(idx[pos])
+        me = int(np.broadcast_to(cta, idx.shape)[pos])
+        return EmulationError(f"global-memory race: CTA {me} {what} {addr:#x} ({self.describe(addr)}), "
+                              f"{how} in the same launch")
 
     def _conflict(self, start, idx, cta, what, allow_atomic):
         """Owner marks of `idx` in range `start`; raise if another CTA wrote them."""
@@ -112,19 +171,19 @@ class GlobalMemory:
         if allow_atomic:
             bad &= prev != self.ATOMIC
         if bad.any():
-            pos = tuple(np.argwhere(bad)[0])
-            other = int(prev[pos])
-            how = "updated with atomics" if other == self.ATOMIC else f"written by CTA {other}"
-            addr = start + int(idx[pos])
-            raise EmulationError(f"global-memory race: CTA {cta} {what} {addr:#x} ({self.describe(addr)}), "
-                                 f"{how} in the same launch")
+            raise self._race(start, idx, bad, cta, what, prev)
         return owners
 
-    def _mark(self, start, view, idx, owner):
+    def _mark(self, start, view, idx, owner, what):
         owners = self._owners.get(start)
         if owners is None:
             owners = self._owners[start] = np.full(view.size, -1, np.int32)
         owners[idx] = owner
+        if not isinstance(owner, (int, np.integer)):     # rows of several CTAs: one byte, two writers?
+            now = owners[idx]
+            clash = now != owner
+            if clash.any():
+                raise self._race(start, idx, clash, owner, what, now)
 
     def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load", cta: int | None = None) -> np.ndarray:
         """Bytes [len(addrs), nbytes] read at each address."""
@@ -133,7 +192,9 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, nbytes, what):
             idx = off[:, None] + cols
             if self._owners is not None and cta is not None:
-                self._conflict(start, idx, cta, "reads", allow_atomic=False)
+                rows = self._rows(cta, sel)
+                self._conflict(start, idx, rows, "reads", allow_atomic=False)
+                self._mark_read(start, view, off, nbytes, rows)
             if sel is None:
                 out[:] = view[idx]
             else:
@@ -146,8 +207,10 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, nbytes, what):
             idx = off[:, None] + cols
             if self._owners is not None and cta is not None:
-                self._conflict(start, idx, cta, "writes", allow_atomic=False)
-                self._mark(start, view, idx, cta)
+                rows = self._rows(cta, sel)
+                self._conflict(start, idx, rows, "writes", allow_atomic=False)
+                self._read_by_others(start, idx, rows, "writes")
+                self._mark(start, view, idx, rows, "writes")
             view[idx] = data if sel is None else data[sel]
 
     def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic",
@@ -159,21 +222,23 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, n, what):
             if self._owners is not None and cta is not None:
                 idx = off[:, None] + np.arange(n)
-                self._conflict(start, idx, cta, "updates atomically", allow_atomic=True)
-                self._mark(start, view, idx, self.ATOMIC)
+                rows = self._rows(cta, sel)
+                self._conflict(start, idx, rows, "updates atomically", allow_atomic=True)
+                self._read_by_others(start, idx, rows, "updates atomically")
+                self._mark(start, view, idx, self.ATOMIC, "updates atomically")
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
             vals = values if sel is None else values[sel]
-            if np.unique(elems).size == elems.size:
-                prev = typed[elems].copy()
-                with np.errstate(over="ignore"):
-                    typed[elems] = prev + vals
-            else:
-                prev = np.empty_like(vals)
-                with np.errstate(over="ignore"):
-                    for j, (e, v) in enumerate(zip(elems, vals)):
-                        prev[j] = typed[e]
-                        typed[e] = typed[e] + v
+            prev = np.empty_like(vals)
+            # round r applies each element's r-th update (in lane order): the elements of one
+            # round are distinct, so it is one vectorized read-modify-write
+            rank = _occurrence(elems)
+            with np.errstate(over="ignore"):
+                for r in range(int(rank.max()) + 1 if rank.size else 0):
+                    mine = rank == r
+                    e = elems[mine]
+                    prev[mine] = typed[e]
+                    typed[e] = prev[mine] + vals[mine]
             if sel is None:
                 old[:] = prev
             else:
@@ -181,38 +246,59 @@ class GlobalMemory:
         return old
 
 
+def _occurrence(keys: np.ndarray) -> np.ndarray:
+    """For each position, how many earlier positions hold the same key."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    pos = np.arange(keys.size)
+    first = np.maximum.accumulate(np.where(np.r_[True, ranked[1:] != ranked[:-1]], pos, 0))
+    rank = np.empty_like(pos)
+    rank[order] = pos - first
+    return rank
+
+
 class SharedMemory:
-    """Race bookkeeping: per byte, a stamp `epoch * 256 + warp` of its last writer and of its
-    readers in the current epoch (warp MANY when several warps read it). Stamps of older epochs
-    are smaller than `epoch * 256`, so "accessed in this epoch by another warp" is two compares."""
+    """The shared memory of the CTAs of a wave, `size` bytes each, side by side: CTA slot s owns
+    bytes [s * stride, s * stride + size). Accesses name the slot of each row and offsets within it.
+
+    Race bookkeeping: per granule (a byte, or an aligned 4-byte word where no access is
+    narrower: then each access covers whole words and the verdicts are the same), a stamp
+    `epoch * 256 + warp` of its last writer and of its readers in the current epoch of its CTA
+    (warp MANY when several warps read it; warps are numbered within their CTA). Stamps of older
+    epochs are smaller than `epoch * 256`, so "accessed in this epoch by another warp" is two
+    compares."""
     MANY = 255
 
-    def __init__(self, nbytes: int, race_check: bool):
+    def __init__(self, nbytes: int, race_check: bool, ctas: int = 1, granule: int = 1):
         # Shared memory starts as garbage on a GPU: 0xFF bytes (NaN floats) make reads of never
         # written bytes visible in the results instead of reading convenient zeros.
-        self.data = np.full(nbytes, 0xFF, np.uint8)
+        self.stride = -(-nbytes // 16) * 16                 # no race granule spans two CTAs
+        total = self.stride * ctas
+        self.data = np.full(total, 0xFF, np.uint8)
         self.size = nbytes
         self.race_check = race_check
-        self.pending = np.zeros(nbytes, np.int16)           # undelivered cp.async bytes
+        self.pending = np.zeros(total, np.int16)            # undelivered cp.async bytes
         self.in_flight = 0                                   # their number
-        self.epoch = 1
+        self.epochs = np.ones(ctas, np.int64)
+        self.granule = granule
         if race_check:
-            self.w_stamp = np.zeros(nbytes, np.int64)
-            self.r_stamp = np.zeros(nbytes, np.int64)
-            self.w_lane = np.full(nbytes, -1, np.int8)       # writer lane (-1: the whole warp)
-            self.w_wsync = np.zeros(nbytes, np.int64)        # the writer warp's __syncwarp count then
-            self.warp_syncs = np.zeros(32, np.int64)
+            n = -(-total // granule)
+            self.w_stamp = np.zeros(n, np.int64)
+            self.r_stamp = np.zeros(n, np.int64)
+            self.w_lane = np.full(n, -1, np.int8)            # writer lane (-1: the whole warp)
+            self.w_wsync = np.zeros(n, np.int64)             # the writer warp's __syncwarp count then
+            self.warp_syncs = np.zeros((ctas, 32), np.int64)
 
-    def barrier(self) -> None:
-        self.epoch += 1
+    def barrier(self, slot: int = 0) -> None:
+        self.epochs[slot] += 1
 
     def warp_sync(self, warps) -> None:
         """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""
         if self.race_check:
             for w in warps:
-                self.warp_syncs[w.wid] += 1
+                self.warp_syncs[w.cta.slot, w.wid] += 1
 
-    def _bytes(self, offs: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+    def _bytes(self, offs: np.ndarray, nbytes: int, what: str, slot) -> np.ndarray:
         o = offs.astype(np.int64, copy=False)
         if o.size == 0:
             return o.reshape(0, nbytes)
@@ -223,99 +309,119 @@ class SharedMemory:
             x = int(o[(o < 0) | (o + nbytes > self.size)][0])
             raise EmulationError(f"out-of-bounds shared {what} of {nbytes} bytes at offset {x} "
                                  f"(the CTA has {self.size} bytes of shared memory)")
-        return o[:, None] + np.arange(nbytes)
+        return (o + slot * self.stride)[:, None] + np.arange(nbytes)
 
     def _check_pending(self, idx: np.ndarray, what: str) -> None:
         if not self.in_flight:
             return
         p = self.pending[idx]
         if p.any():
-            x = int(idx[p > 0][0])
+            x = int(idx[p > 0][0]) % self.stride
             raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
                                  f"yet (missing cp.async.wait_group before this access?)")
 
     def _race(self, x: int, warp: int, stamp: int, verb: str, how: str) -> EmulationError:
         other = stamp & 255
         who = "several warps" if other == self.MANY else f"warp {other}"
-        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x}, {how} by {who} "
-                              f"with no barrier in between")
+        return EmulationError(f"shared-memory race: warp {warp} {verb} offset {x * self.granule % self.stride}, "
+                              f"{how} by {who} with no barrier in between")
 
-    def _per_warp(self, check, idx, warp, lanes):
-        """Rows of a gang's access (one warp per row) are checked warp after warp, so that two
-        warps touching the same byte within one instruction are seen too."""
-        if isinstance(warp, int):
-            check(idx, warp, lanes)
-            return
-        for w in range(int(warp.min()), int(warp.max()) + 1):
-            rows = warp == w
-            if rows.any():
-                check(idx[rows], w, None if lanes is None else lanes[rows])
+    def _granules(self, idx):
+        """The race detector's granules of byte indices [rows, nbytes]."""
+        g = self.granule
+        return idx if g == 1 else idx[:, ::g] // g
+
+    def _stamps(self, idx, warp):
+        """(epoch base, this access's stamp, warp) per row of `idx`; `warp`: one id or one per row
+        (a gang's access: its rows are checked at once, so that two warps touching the same byte
+        within one instruction are seen too)."""
+        slots = idx[:, :1] * self.granule // self.stride
+        base = self.epochs[slots] << 8
+        rows = np.asarray(warp).reshape(-1, 1)
+        return base, base | rows, slots, rows
 
     def _race_read(self, idx, warp, lanes):
-        base = self.epoch << 8
-        mine = base | warp
+        base, mine, slots, rows = self._stamps(idx, warp)
         ws = self.w_stamp[idx]
         bad = (ws >= base) & (ws != mine)
         if bad.any():
             pos = tuple(np.argwhere(bad)[0])
-            raise self._race(int(idx[pos]), warp, int(ws[pos]), "reads", "written")
+            raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
+                             "reads", "written")
         own = ws == mine
         if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
-            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[warp])
+            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[slots, rows])
             other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
             if other.any():
                 pos = tuple(np.argwhere(other)[0])
                 reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
                 writer = int(self.w_lane[idx][pos])
                 raise EmulationError(
-                    f"shared-memory race in warp {warp}: {reader} reads offset {int(idx[pos])}, written by "
+                    f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
+                    f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
                     f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
         rs = self.r_stamp[idx]
-        self.r_stamp[idx] = np.where((rs >= base) & (rs != mine), base | self.MANY, mine)
+        many = np.broadcast_to(base | self.MANY, idx.shape)
+        stamp = np.where((rs >= base) & (rs != mine), many, mine)
+        self.r_stamp[idx] = stamp
+        # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
+        again = self.r_stamp[idx] != stamp
+        self.r_stamp[idx[again]] = many[again]
 
     def _race_write(self, idx, warp, lanes):
-        base = self.epoch << 8
-        mine = base | warp
+        base, mine, slots, rows = self._stamps(idx, warp)
+        mine = np.broadcast_to(mine, idx.shape)
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
         ww = (ws >= base) & (ws != mine)
         rw = (rs >= base) & (rs != mine)
         if ww.any() or rw.any():
             pos = tuple(np.argwhere(ww | rw)[0])
             stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
-            raise self._race(int(idx[pos]), warp, stamp, "writes", how)
+            raise self._race(int(idx[pos]), int(mine[pos]) & 255, stamp, "writes", how)
         self.w_stamp[idx] = mine
+        clash = self.w_stamp[idx] != mine       # rows of two warps wrote the byte in this instruction
+        if clash.any():
+            pos = tuple(np.argwhere(clash)[0])
+            raise self._race(int(idx[pos]), int(mine[pos]) & 255, int(self.w_stamp[idx][pos]), "writes",
+                             "written")
         self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
-        self.w_wsync[idx] = self.warp_syncs[warp]
+        self.w_wsync[idx] = self.warp_syncs[slots, rows]
 
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
-    # None when the rows are read on behalf of the whole warp (ldmatrix).
-    def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None) -> np.ndarray:
-        idx = self._bytes(offs, nbytes, what)
+    # None when the rows are read on behalf of the whole warp (ldmatrix); `slot`: the CTA's slot
+    # (one per row for a gang over several CTAs).
+    def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
+        idx = self._bytes(offs, nbytes, what, slot)
         self._check_pending(idx, what)
         if self.race_check:
-            self._per_warp(self._race_read, idx, warp, lanes)
+            self._race_read(self._granules(idx), warp, lanes)
         return self.data[idx]
 
-    def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None) -> None:
-        idx = self._bytes(offs, data.shape[1], what)
+    def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
+        idx = self._bytes(offs, data.shape[1], what, slot)
         self._check_pending(idx, what)
         if self.race_check:
-            self._per_warp(self._race_write, idx, warp, lanes)
+            self._race_write(self._granules(idx), warp, lanes)
         self.data[idx] = data
 
-    def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None) -> np.ndarray:
+    def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
         """A cp.async targets these bytes: check them like a write, then mark them in flight."""
-        idx = self._bytes(offs, nbytes, "cp.async destination")
+        idx = self._bytes(offs, nbytes, "cp.async destination", slot)
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
-            self._per_warp(self._race_write, idx, warp, lanes)
+            self._race_write(self._granules(idx), warp, lanes)
         self.pending[idx] += 1
         self.in_flight += idx.size
         return idx
 
-    def async_deliver(self, idx: np.ndarray, data: np.ndarray, warp: int, lanes=None) -> None:
+    def async_deliver(self, copies) -> None:
+        """Land issued copies, (byte indices, data, warp, lanes) each, in this order: a write of
+        the current epoch by their warps."""
+        idx = np.concatenate([c[0] for c in copies])
+        # no two copies in flight share a byte (async_issue refuses it), so none is counted twice
         self.pending[idx] -= 1
         self.in_flight -= idx.size
         if self.race_check:
-            self._race_write(idx, warp, lanes)   # the bytes land now: a write in the current epoch
-        self.data[idx] = data
+            warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
+            self._race_write(self._granules(idx), warps, np.concatenate([c[3] for c in copies]))
+        self.data[idx] = np.concatenate([c[1] for c in copies])

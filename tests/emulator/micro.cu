@@ -138,6 +138,12 @@ extern "C" __global__ void spin(volatile int* flag) {
 }
 // Every CTA writes the same elements: a write-write race between CTAs of one grid.
 extern "C" __global__ void same_slot_store(float* out) { out[threadIdx.x] = static_cast<float>(blockIdx.x); }
+// Every CTA reads a, then CTA 1 overwrites it: a race whichever CTA runs first.
+extern "C" __global__ void read_then_other_writes(float* a, float* out) {
+  const float v = a[threadIdx.x];
+  if (blockIdx.x == 1) a[threadIdx.x] = 1.0f;
+  out[blockIdx.x * 32 + threadIdx.x] = v;
+}
 // Integer semantics of C (truncating division, arithmetic shifts, high products, 64-bit ops)
 // and the float min/max/fma forms, through whatever instructions nvcc picks for them.
 extern "C" __global__ void int_ops(const int* a, const int* b, const long long* c, const long long* d, int* o32,

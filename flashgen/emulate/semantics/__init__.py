@@ -4,10 +4,10 @@ An opcode or form without a handler is an EmulationError when the kernel is comp
 instruction runs. Control flow (bra, ret, bar.sync) is the machine's own (machine.py)."""
 from __future__ import annotations
 
-from flashgen.emulate.semantics.registry import (HANDLERS, compile_instruction, handles,
+from flashgen.emulate.semantics.registry import (HANDLERS, PER_WARP, compile_instruction, handles,
                                                  require_full_warp, unsupported)
 # the families; importing them fills HANDLERS through @handles
 from flashgen.emulate.semantics import arith, data, memops, warpops  # noqa: F401
 
-__all__ = ["HANDLERS", "compile_instruction", "handles", "require_full_warp", "unsupported",
+__all__ = ["HANDLERS", "PER_WARP", "compile_instruction", "handles", "require_full_warp", "unsupported",
            "arith", "data", "memops", "warpops"]

@@ -10,7 +10,7 @@ import numpy as np
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Reg
-from flashgen.emulate.semantics.registry import handles, unsupported
+from flashgen.emulate.semantics.registry import executing_warps, handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
 # more than the emulator gives every access (each one completes, in program order, before the next).
@@ -38,12 +38,23 @@ def _lanes(m):
 
 
 def _who(w, lanes):
-    """The warp of each executing lane, for the shared-memory race detector."""
+    """The warp (within its CTA) of each executing lane, for the shared-memory race detector."""
     return w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp[lanes]
+
+
+def _slot(w, lanes):
+    """The shared-memory slot of each executing lane's CTA."""
+    return w.smem_slot if isinstance(w.smem_slot, int) else w.smem_slot[lanes]
 
 
 def _lane_ids(w, lanes):
     return w.special[("laneid", 0)][lanes]
+
+
+def _cta_of(w, lanes):
+    """The CTA of the executing lanes, for the global-memory race detector: one id for a warp or
+    a gang of one CTA, one per lane for a gang over several."""
+    return w.cta_index if isinstance(w.cta_index, int) else w.cta_index[lanes]
 
 
 @handles("ld")
@@ -62,18 +73,20 @@ def load(ins, ops):
     if space == "param":
         def fetch(w, m):
             a = addr(w)[_lanes(m)] - PARAM_WINDOW
-            params = w.cta.params
+            params = w.params
             if a.size and ((a < 0).any() or (a + nbytes > params.size).any()):
                 raise EmulationError(f"parameter access at offset {int(a[0])} outside the "
                                      f"{params.size}-byte parameter buffer")
             return params[a[:, None] + np.arange(nbytes)]
     elif space == "global":
         def fetch(w, m):
-            return w.cta.gmem.load(addr(w)[_lanes(m)], nbytes, cta=w.cta.index)
+            lanes = _lanes(m)
+            return w.gmem.load(addr(w)[lanes], nbytes, cta=_cta_of(w, lanes))
     else:
         def fetch(w, m):
             lanes = _lanes(m)
-            return w.cta.smem.load(addr(w)[lanes], nbytes, _who(w, lanes), lanes=_lane_ids(w, lanes))
+            return w.smem.load(addr(w)[lanes], nbytes, _who(w, lanes), lanes=_lane_ids(w, lanes),
+                               slot=_slot(w, lanes))
 
     def run(w, m):
         raw = fetch(w, m)
@@ -104,9 +117,9 @@ def store(ins, ops):
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
         a = addr(w)[lanes]
         if space == "global":
-            w.cta.gmem.store(a, raw, cta=w.cta.index)
+            w.gmem.store(a, raw, cta=_cta_of(w, lanes))
         else:
-            w.cta.smem.store(a, raw, _who(w, lanes), lanes=_lane_ids(w, lanes))
+            w.smem.store(a, raw, _who(w, lanes), lanes=_lane_ids(w, lanes), slot=_slot(w, lanes))
     return run
 
 
@@ -138,7 +151,8 @@ def atomic(ins, ops):
         # a vector atomic is one atomic per element (PTX ISA: .v2/.v4 add element-wise)
         addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
         vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
-        old = w.cta.gmem.atomic_add(addrs, vals, cta=w.cta.index)
+        cta = _cta_of(w, lanes)
+        old = w.gmem.atomic_add(addrs, vals, cta=cta if isinstance(cta, int) else np.repeat(cta, nvec))
         if writers:
             full = np.zeros((w.nlanes, nvec), dt)
             full[lanes] = old.reshape(-1, nvec)
@@ -147,7 +161,7 @@ def atomic(ins, ops):
     return run
 
 
-@handles("cp")
+@handles("cp", per_warp=True)
 def cp_async(ins, ops):
     if ins.mods[:1] != ("async",):
         raise unsupported(ins)
@@ -155,7 +169,7 @@ def cp_async(ins, ops):
     # The copies in flight belong to each warp (a gang issues for all of its warps).
     if kind == "commit_group":
         def commit(w, m):
-            for warp in w.members:
+            for warp in executing_warps(w, m):
                 warp.cp_groups.append(warp.cp_open)
                 warp.cp_open = []
         return commit
@@ -163,13 +177,15 @@ def cp_async(ins, ops):
         keep = 0 if kind == "wait_all" else int(ins.operands[0].text)
 
         def wait(w, m):
-            for warp in w.members:
+            landing = []
+            for warp in executing_warps(w, m):
                 if kind == "wait_all":
                     warp.cp_groups.append(warp.cp_open)
                     warp.cp_open = []
                 while len(warp.cp_groups) > keep:
-                    for idx, data, lane_ids in warp.cp_groups.pop(0):
-                        w.cta.smem.async_deliver(idx, data, warp.wid, lane_ids)
+                    landing += [(idx, data, warp.wid, lane_ids) for idx, data, lane_ids in warp.cp_groups.pop(0)]
+            if landing:
+                w.smem.async_deliver(landing)
         return wait
     # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
     if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:
@@ -186,6 +202,7 @@ def cp_async(ins, ops):
     else:
         src_size = constant(n, np.int64)
     daddr, saddr = ops.address(dst), ops.address(src)
+
     def issue(w, m):
         lanes = _lanes(m)
         d, s, k = daddr(w)[lanes], saddr(w)[lanes], src_size(w)[lanes]
@@ -194,23 +211,23 @@ def cp_async(ins, ops):
         data = np.zeros((d.size, n), np.uint8)
         # the source is read now (nothing writes it during a kernel); bytes past src-size are zero
         full = k == n
+        cta = _cta_of(w, lanes)
         if full.any():
-            data[full] = w.cta.gmem.load(s[full], n, "cp.async source", cta=w.cta.index)
+            data[full] = w.gmem.load(s[full], n, "cp.async source", cta=cta if isinstance(cta, int) else cta[full])
         part = (k > 0) & ~full
         for i in np.nonzero(part)[0]:
-            data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]))
+            data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]), cta if isinstance(cta, int) else int(cta[i]))
         who, lane_ids = _who(w, lanes), _lane_ids(w, lanes)
-        idx = w.cta.smem.async_issue(d, n, who, lane_ids)
-        if isinstance(who, int):
+        idx = w.smem.async_issue(d, n, who, lane_ids, slot=_slot(w, lanes))
+        if len(w.members) == 1:
             w.cp_open.append((idx, data, lane_ids))
-        else:
-            for warp in w.members:
-                mine = who == warp.wid
-                if mine.any():
-                    warp.cp_open.append((idx[mine], data[mine], lane_ids[mine]))
+        else:     # rows are in lane order: each warp's are one slice
+            bounds = np.searchsorted(np.arange(w.nlanes)[lanes] // 32, np.arange(len(w.members) + 1))
+            for warp, a, b in zip(w.members, bounds[:-1], bounds[1:]):
+                if b > a:
+                    warp.cp_open.append((idx[a:b], data[a:b], lane_ids[a:b]))
     return issue
 
 
-def _load_bytes(w, address: int, k: int) -> np.ndarray:
-    return w.cta.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source",
-                           cta=w.cta.index)[:, 0]
+def _load_bytes(w, address: int, k: int, cta: int) -> np.ndarray:
+    return w.gmem.load(np.arange(address, address + k, dtype=np.int64), 1, "cp.async source", cta=cta)[:, 0]

@@ -4,12 +4,19 @@ from __future__ import annotations
 from flashgen.emulate.errors import EmulationError
 
 HANDLERS: dict = {}
+# Opcodes whose handlers are warp-collective or act on the warp's own state (cp.async groups,
+# __syncwarp counts). The machine runs every other handler over any lanes of a gang of warps --
+# of several CTAs, standing at different pcs -- with a mask of the executing lanes; these it runs
+# warp by warp, each with its own executing lanes, whenever not every lane of the gang executes.
+PER_WARP: set = set()
 
 
-def handles(*opcodes):
+def handles(*opcodes, per_warp=False):
     def register(fn):
         for op in opcodes:
             HANDLERS[op] = fn
+            if per_warp:
+                PER_WARP.add(op)
         return fn
     return register
 
@@ -19,10 +26,16 @@ def unsupported(ins, why: str = "") -> EmulationError:
 
 
 def require_full_warp(w, m, ins) -> None:
-    """.sync.aligned ops must be executed by all 32 lanes of a converged warp."""
-    if m is not None or w.lane_pc is not None:
+    """.sync.aligned ops must be executed by all 32 lanes of a converged warp (`m`: the executing
+    lanes of a warp or gang, each of its warps in full or not at all, or None)."""
+    if w.lane_pc is not None or (m is not None and (m.reshape(-1, 32).any(1) & ~m.reshape(-1, 32).all(1)).any()):
         raise EmulationError(f"{ins.form} executed by a diverged or partial warp "
                              f"(.sync.aligned requires all 32 lanes to execute it together)")
+
+
+def executing_warps(w, m) -> list:
+    """The warps of `w` (a warp or a gang) with a lane in `m`."""
+    return list(w.members) if m is None else [x for j, x in enumerate(w.members) if m[32 * j:32 * j + 32].any()]
 
 
 def compile_instruction(ins, operands):

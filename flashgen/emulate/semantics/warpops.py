@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.semantics.registry import handles, require_full_warp, unsupported
+from flashgen.emulate.semantics.registry import executing_warps, handles, require_full_warp, unsupported
 
 LANE = np.arange(32)
 GROUP = LANE >> 2          # "groupID" in the PTX ISA figures
@@ -70,7 +70,7 @@ def _to_float64(atype):
     return lambda e: (e & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
-@handles("mma")
+@handles("mma", per_warp=True)
 def mma(ins, ops):
     mods = ins.mods
     # mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
@@ -113,11 +113,11 @@ def mma(ins, ops):
         d = (a @ b).reshape(g, 128) + cvals.reshape(g, 128)[:, c_perm]
         out = d[:, c_flat].astype(np.float32).reshape(g, 4, 32).transpose(1, 0, 2).reshape(4, -1)
         for i, wr in enumerate(wd):
-            wr(w, out[i], None)
+            wr(w, out[i], m)
     return run
 
 
-@handles("ldmatrix")
+@handles("ldmatrix", per_warp=True)
 def ldmatrix(ins, ops):
     mods = ins.mods
     nmat = next((int(m[1:]) for m in mods if m in ("x1", "x2", "x4")), None)
@@ -136,23 +136,29 @@ def ldmatrix(ins, ops):
     def run(w, m):
         require_full_warp(w, m, ins)
         g = w.nlanes // 32
-        # lane i of each warp supplies the address of row i % 8 of matrix i // 8
-        rows_addr = addr(w).reshape(g, 32)[:, :nrows].reshape(-1)
-        who = w.lane_warp if isinstance(w.lane_warp, int) else w.lane_warp.reshape(g, 32)[:, :nrows].reshape(-1)
-        raw = w.cta.smem.load(rows_addr, 16, who, "ldmatrix").view(np.uint16).reshape(g, -1)
-        regs = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(g, nmat, 32)
+        # the executing warps; lane i of each supplies the address of row i % 8 of matrix i // 8
+        on = slice(None) if m is None else m.reshape(g, 32)[:, 0]
+        rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
+        who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
+                     for x in (w.lane_warp, w.smem_slot))
+        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(-1, nrows * 8)
+        regs = np.zeros((g, nmat, 32), np.uint32)
+        regs[on] = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
         regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
-            wr(w, regs[j], None)
+            wr(w, regs[j], m)
     return run
 
 
 def _member_lanes(w, mask_reader, m, ins):
-    """The lanes named by membermask must be exactly the executing lanes of each warp."""
+    """The lanes named by membermask must be exactly the executing lanes of each warp with an
+    executing lane (the other warps of a gang are not there: no lane of theirs is a member)."""
     mask = mask_reader(w).astype(np.int64)
     lane = w.special[("laneid", 0)].astype(np.int64)
     members = ((mask >> lane) & 1).astype(bool)
     executing = np.ones(w.nlanes, bool) if m is None else m
+    if m is not None:
+        members &= m.reshape(-1, 32).any(1).repeat(32)
     if (members != executing).any():
         i = int(np.argmax(members != executing))
         raise EmulationError(f"{ins.form} with membermask {int(mask[i]) & 0xFFFFFFFF:#x}: lane {int(lane[i])} "
@@ -160,7 +166,7 @@ def _member_lanes(w, mask_reader, m, ins):
     return members
 
 
-@handles("shfl")
+@handles("shfl", per_warp=True)
 def shfl(ins, ops):
     mods = ins.mods
     if mods[:1] != ("sync",) or len(mods) != 3 or mods[2] != "b32" or mods[1] not in ("up", "down", "bfly", "idx"):
@@ -202,7 +208,7 @@ def shfl(ins, ops):
     return run
 
 
-@handles("bar")
+@handles("bar", per_warp=True)
 def bar_warp(ins, ops):
     # bar.sync (the CTA barrier) is the machine's; here only bar.warp.sync membermask.
     if ins.mods != ("warp", "sync"):
@@ -211,5 +217,5 @@ def bar_warp(ins, ops):
 
     def run(w, m):
         _member_lanes(w, rmask, m, ins)
-        w.cta.smem.warp_sync(w.members)
+        w.smem.warp_sync(executing_warps(w, m))
     return run
