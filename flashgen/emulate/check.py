@@ -80,7 +80,7 @@ class Checker:
         self.dt = NP_DTYPES[spec.dtype]
         self.scale = float(np.float32(1 / np.sqrt(spec.head_dim)))
 
-    def _attrs(self, direction, bottom_right, window, softcap, extras=(), max_seqlen=None):
+    def _attrs(self, bottom_right, window, softcap, extras=(), max_seqlen=None, direction="fwd"):
         return CallAttributes(self.spec.causal, self.scale, bottom_right, window, softcap, extras,
                               max_seqlen).values(direction)
 
@@ -130,7 +130,7 @@ class Checker:
             kw.update(q_segment_ids=qs, kv_segment_ids=ks)
         names = normalize_extras(tuple(ops))
         extra_ops = [a for n in names for a in ops[n]]
-        attrs = self._attrs("fwd", bottom_right, window, softcap, names)
+        attrs = self._attrs(bottom_right, window, softcap, names)
         family = "extras" if names else "dense"
         case = _describe(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, bottom_right=bottom_right, window=window,
                          softcap=softcap, alibi=alibi, bias=bias and f"{bias}{':f32' if bias_f32 else ''}",
@@ -166,8 +166,8 @@ class Checker:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (len(seqlens_q), hq))
                          .astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = self._attrs("fwd_varlen", bottom_right, window, softcap, "alibi" if alibi else "",
-                            (max(seqlens_q), max(seqlens_k)))
+        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "",
+                            (max(seqlens_q), max(seqlens_k)), direction="fwd_varlen")
         case = _describe(seqlens_q=tuple(seqlens_q), seqlens_k=tuple(seqlens_k), pad=(pad_q, pad_k), hq=hq,
                          hkv=hkv, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=self.spec.causal, scale=self.scale,
@@ -203,7 +203,7 @@ class Checker:
         if alibi:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = self._attrs("fwd_paged", bottom_right, window, softcap, "alibi" if alibi else "")
+        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "", direction="fwd_paged")
         case = _describe(seqused_k=tuple(seqused_k), sq=seqlen_q, block_size=bs, hq=hq, hkv=hkv,
                          bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_paged(q, kc, vc, table, used, causal=self.spec.causal, scale=self.scale,
@@ -282,7 +282,9 @@ def cmd_check(args) -> int:
         raise UsageError("flashgen check runs the CUDA kernels on the CPU under the PTX emulator: pass --emulate "
                          "(on a GPU machine, the GPU tests are `pytest -m gpu`)")
     if set(args.target) - set(targets.emulated()):
-        raise UsageError(f"flashgen check emulates CUDA targets {', '.join(targets.emulated())}, "
+        *others, last = targets.emulated()
+        names = f"{', '.join(others)} and {last}" if others else last
+        raise UsageError(f"flashgen check emulates CUDA targets {names}, "
                          f"not {', '.join(args.target)}")
     causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
     specs = [KernelSpec(d, t, c, target) for target in args.target for d in args.hdim for t in args.dtype
