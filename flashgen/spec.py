@@ -13,6 +13,17 @@ import re
 from flashgen import targets
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The smallest kernel head dim >= head_dim: a model's head dim between the kernels' runs
+    at it with zero columns added to Q, K, V (they change no score and add output columns
+    that are sliced off)."""
+    for d in HEAD_DIMS:
+        if d >= head_dim >= 1:
+            return d
+    raise ValueError(f"unsupported head_dim {head_dim}: supported head dims are "
+                     f"{', '.join(map(str, HEAD_DIMS))} (a smaller one is zero-padded to the next)")
 DTYPES = ("f16", "bf16", "f32")
 # Kernel entry points of one spec: dense BSHD forward/backward, packed variable-length
 # forward/backward, and the paged-KV forward (decode). README "Variants" has their operands.

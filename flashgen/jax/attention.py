@@ -16,7 +16,7 @@ import numpy as np
 from flashgen import runtime, targets
 from flashgen.contract import EXTRAS, CallAttributes, extra_operand_index, normalize_scale, normalize_window
 from flashgen.jax import primitive, sharding
-from flashgen.spec import HEAD_DIMS, KernelSpec, normalize_dtype
+from flashgen.spec import KernelSpec, kernel_head_dim, normalize_dtype
 
 
 def local_target() -> str:
@@ -40,9 +40,7 @@ def _check(q, k, v, scale) -> tuple[str, float]:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = normalize_dtype(q.dtype)
     b, _, hq, d = q.shape
-    if d not in HEAD_DIMS:
-        raise ValueError(f"unsupported head_dim {d}: supported head dims are "
-                         f"{', '.join(map(str, HEAD_DIMS))}")
+    kernel_head_dim(d)  # raises for a head dim no kernel serves, even padded
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
     if k.shape[0] != b or k.shape[3] != d:
@@ -139,7 +137,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
     A drop-in for jax.nn.dot_product_attention where the two overlap (query, key,
     value, bias, mask, scale, is_causal; `causal` is flashgen's own spelling of is_causal).
     query: [batch, seq_q, heads, head_dim]; key, value: [batch, seq_k, kv_heads, head_dim]
-    (kv_heads divides heads: GQA/MQA). scale defaults to 1/sqrt(head_dim).
+    (kv_heads divides heads: GQA/MQA). scale defaults to 1/sqrt(head_dim). A head_dim up to
+    256 that no kernel has runs at the next one with zero columns (flashgen.spec.kernel_head_dim).
     Causal masks key j for query i unless j <= i (top-left, as jnp.tril and
     jax.nn.dot_product_attention), or j <= i + seq_k - seq_q with bottom_right=True
     (FlashAttention-2's alignment).
@@ -173,7 +172,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
         q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False
     spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
     q, k, v, *ex = primitive.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
-    o, lse = _attention(q, k, v, tuple(ex), spec, scale, attrs)
+    o, lse = _attention(*_pad_head_dim(spec.head_dim, q, k, v), tuple(ex), spec, scale, attrs)
+    o = o[..., :query.shape[3]]
     if fold:
         o, lse = _unfold_group(o, query.shape[2]), lse.reshape(lse.shape[0], -1, 1)
     return (o, lse) if return_lse else o
@@ -265,6 +265,14 @@ def _alibi_operand(alibi_slopes, batch: int, heads: int):
     return a.astype(jnp.float32)
 
 
+def _pad_head_dim(head_dim: int, *xs):
+    """``xs`` with zero columns appended to their last (head) axis up to ``head_dim``, the
+    spec's (flashgen.spec.kernel_head_dim): exact, the caller slices the extra output
+    columns off and jnp.pad's transpose slices the gradients."""
+    return tuple(x if x.shape[-1] == head_dim else
+                 jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])]) for x in xs)
+
+
 def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0, extras=(),
              check_shardings=True):
     dtype, scale = _check(q, k, v, scale)
@@ -273,7 +281,7 @@ def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0,
         raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
     if check_shardings:
         sharding.check_operand_shardings(q, k, v)
-    spec = KernelSpec(q.shape[3], dtype, attrs.causal, local_target())
+    spec = KernelSpec(kernel_head_dim(q.shape[3]), dtype, attrs.causal, local_target())
     runtime.ensure([spec])
     return spec, scale, (attrs.bottom_right, attrs.window, attrs.softcap, attrs.extras)
 
@@ -284,7 +292,8 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     ring attention combines these and brings its own VJP; users want
     flash_attention(..., return_lse=True))."""
     spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
-    return _kernel_calls(spec, scale, *mask)[0](q, k, v)
+    o, lse = _kernel_calls(spec, scale, *mask)[0](*_pad_head_dim(spec.head_dim, q, k, v))
+    return o[..., :q.shape[3]], lse
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
@@ -293,7 +302,9 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | N
     and lse of a longer key sequence and one block of it as k, v, it returns that block's
     exact share of dq and its exact dk, dv."""
     spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
-    return _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do)
+    d = q.shape[3]
+    q, k, v, o, do = _pad_head_dim(spec.head_dim, q, k, v, o, do)
+    return tuple(g[..., :d] for g in _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do))
 
 
 # --------------------------------------------------------------------------------------
@@ -382,8 +393,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     ex = () if alibi_slopes is None else (_alibi_operand(alibi_slopes, cu_q.shape[0] - 1, q.shape[1]),)
     spec, scale, attrs = _varlen_spec(q, k, v, bool(causal), scale, bottom_right, window, softcap,
                                       ("alibi",) if ex else ())
-    o, lse = _attention_varlen(q, k, v, cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), ex, spec,
-                               scale, attrs, max_seqlen)
+    o, lse = _attention_varlen(*_pad_head_dim(spec.head_dim, q, k, v), cu_q.astype(jnp.int32),
+                               cu_k.astype(jnp.int32), ex, spec, scale, attrs, max_seqlen)
+    o = o[..., :q.shape[2]]
     return (o, lse) if return_lse else o
 
 
@@ -442,6 +454,10 @@ def flash_attention_paged(q, k_cache, v_cache, block_table, seqused_k, *, causal
         q, causal, bottom_right = _fold_group(q, k_cache.shape[2]), False, False
     spec, scale, attrs = _prepare(q, kv_view, kv_view, bool(causal), scale, bottom_right, window,
                                   softcap, ("alibi",) if ex else (), check_shardings=False)
+    if spec.head_dim != q.shape[3]:
+        # padding would copy the whole cache on every decode step
+        raise ValueError(f"flash_attention_paged needs a kernel head dim, got {q.shape[3]}: "
+                         f"allocate the cache at head dim {spec.head_dim} (zero columns)")
     o, lse = _attention_paged(q, k_cache, v_cache, jnp.asarray(block_table, jnp.int32),
                               jnp.asarray(seqused_k, jnp.int32), ex, spec, scale, attrs)
     if fold:
