@@ -163,6 +163,31 @@ def from_kernel(x: ir.Value, layout, groups, shape, created) -> ir.Value:
     return x
 
 
+# ----------------------------------------------------------------------------- head dim
+def pad_head_dim(x: ir.Value, head_dim: int, created) -> ir.Value:
+    """A kernel-layout operand with zero columns appended to its last (head) dim up to the
+    kernel's ``head_dim``: they add nothing to Q·Kᵀ and give zero output columns."""
+    extra = head_dim - x.type.shape[-1]
+    if not extra:
+        return x
+    elt = x.type.element_type
+    rank = len(x.type.shape)
+    op = stablehlo.PadOp(x, scalar(ir.FloatAttr.get(elt, 0.0), elt, created), [0] * rank,
+                         [0] * (rank - 1) + [extra], [0] * rank)
+    created.append(op)
+    return op.result
+
+
+def slice_head_dim(x: ir.Value, head_dim: int, created) -> ir.Value:
+    """The first ``head_dim`` columns of a kernel-layout result (pad_head_dim's inverse)."""
+    shape = list(x.type.shape)
+    if shape[-1] == head_dim:
+        return x
+    op = stablehlo.SliceOp(x, [0] * len(shape), shape[:-1] + [head_dim], [1] * len(shape))
+    created.append(op)
+    return op.result
+
+
 def broadcast(x: ir.Value, shape, dims, created) -> ir.Value:
     t = ir.RankedTensorType.get(list(shape), x.type.element_type)
     op = stablehlo.BroadcastInDimOp(t, x, list(dims))

@@ -315,7 +315,7 @@ class AttentionPattern:
                     if name == "q":
                         for scalar, divide in plan.runtime_scales:
                             x = adapters.scale_by_scalar(x, scalar, divide, created)
-                    operands.append(x)
+                    operands.append(adapters.pad_head_dim(x, plan.spec.head_dim, created))
                 names = plan.extras.names if plan.extras is not None else ()
                 if names:
                     operands += X.emit(plan.extras, plan.spec.dtype, created)
@@ -328,13 +328,15 @@ class AttentionPattern:
                         o, operands[2], empty_rows.visible_parts(plan.extras, operands[3:]),
                         causal=plan.spec.causal, bottom_right=plan.bottom_right,
                         window=plan.window, created=created)
-                out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created,
-                             final_shape=shape_of(plan.exit_value))
+                out = adapters.adapt(adapters.slice_head_dim(o, site.head_dim, created),
+                                     plan.kernel["o"], plan.exit_layout, created,
+                                     final_shape=shape_of(plan.exit_value))
                 want = plan.exit_value.type.element_type
                 if out.type.element_type != want:
                     out = adapters.convert(out, want, created)
                 if plan.backward is not None:
-                    grads, dbias = self._rewrite_backward(plan, operands, o_kernel, lse, created)
+                    grads, dbias = self._rewrite_backward(plan, site.head_dim, operands, o_kernel,
+                                                          lse, created)
             except Exception:
                 for op in reversed(created):
                     op.operation.erase()
@@ -350,7 +352,7 @@ class AttentionPattern:
             for source, g in dbias.items():
                 bw.dbias[source].replace_all_uses_except(g, inside)
 
-    def _rewrite_backward(self, plan: P.Plan, operands, o, lse, created) -> dict:
+    def _rewrite_backward(self, plan: P.Plan, head_dim: int, operands, o, lse, created) -> dict:
         """One flashgen_bwd call for the site's backward cluster, placed before the first
         use of its gradients; returns ({'q'|'k'|'v': the value replacing that gradient},
         {differentiated bias source: the value replacing its gradient})."""
@@ -375,6 +377,7 @@ class AttentionPattern:
             do = adapters.adapt(bw.do, plan.exit_layout, plan.kernel["o"], created)
             if do.type.element_type != kdt:
                 do = adapters.convert(do, kdt, created)
+            do = adapters.pad_head_dim(do, plan.spec.head_dim, created)
             names = plan.extras.names if plan.extras is not None else ()
             results = emit_custom_call(plan.spec, "bwd", operands[:3] + [o, lse, do] + operands[3:],
                                        **plan.attributes, extras=names, dbias=bool(bw.dbias),
@@ -388,8 +391,8 @@ class AttentionPattern:
             out = {}
             for name, x in zip("qkv", results[:3]):
                 want = bw.grads[name]
-                g = adapters.adapt(x, plan.kernel[name], plan.inputs[name][1], created,
-                                   final_shape=shape_of(want))
+                g = adapters.adapt(adapters.slice_head_dim(x, head_dim, created), plan.kernel[name],
+                                   plan.inputs[name][1], created, final_shape=shape_of(want))
                 if g.type.element_type != want.type.element_type:
                     g = adapters.convert(g, want.type.element_type, created)
                 out[name] = g

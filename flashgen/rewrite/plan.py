@@ -23,7 +23,7 @@ from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.report import AttentionSite
 from flashgen.rewrite.variants import BAND_VARIANTS, PLAN_VARIANTS
 from flashgen.rewrite.variants.state import Scores
-from flashgen.spec import HEAD_DIMS, KernelSpec
+from flashgen.spec import KernelSpec, kernel_head_dim
 
 
 # emit_custom_call takes the window as one keyword, the pair of the contract's attributes
@@ -223,14 +223,17 @@ def _kernel(site: Site, draft: Draft) -> Draft:
     if head_dim != head_dim_v:
         raise Reject(f"the value head dim ({head_dim_v}) differs from the query/key head dim "
                      f"({head_dim})", **details)
-    if head_dim not in HEAD_DIMS:
-        raise Reject(f"head dim {head_dim} is not supported (supported: "
-                     f"{', '.join(map(str, HEAD_DIMS))})", **details)
+    try:
+        padded = kernel_head_dim(head_dim)   # finish() specializes at it; the adapters pad and slice
+    except ValueError as e:
+        raise Reject(str(e), **details) from None
     report = dict(layout=_layout_letters(q_lay, first, q_seq, rest + group_q, c_pieces),
                   batch=prod(p[2] for p in first), heads=heads,
                   kv_heads=heads // prod(p[2] for p in group), head_dim=head_dim)
+    note = (f"head dim {head_dim} runs at the kernel's {padded}: Q, K, V get zero columns "
+            "and the extra output columns are sliced off") if padded != head_dim else None
     return draft.but(q_seq=tuple(q_seq), kernel=kernel, dtype=dtype, seq_q=seq_q,
-                     seq_k=seq_k, details=details, report=report)
+                     seq_k=seq_k, details=details, report=report, note=note)
 
 
 STEPS = (_refine, *(v.plan for v in BAND_VARIANTS), _kernel, *(v.plan for v in PLAN_VARIANTS))
@@ -246,7 +249,7 @@ def build(site: Site) -> Draft:
 def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op, exit_value,
            site_ops) -> AttentionSite:
     """The AttentionSite, its Plan attached."""
-    spec = KernelSpec(draft.report["head_dim"], draft.dtype, draft.causal, target)
+    spec = KernelSpec(kernel_head_dim(draft.report["head_dim"]), draft.dtype, draft.causal, target)
     # as the call carries them: f32, the window a pair
     attributes = {k: float(np.float32(x)) if isinstance(x, float) else
                   tuple(x) if isinstance(x, (list, tuple)) else x

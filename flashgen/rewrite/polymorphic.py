@@ -232,6 +232,9 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
             why = _static_kernel_dims(a.plan.kernel, symbols)
         except Unsupported as e:
             why = str(e)
+        if why is None and a.plan.spec.head_dim != a.head_dim:
+            why = (f"head dim {a.head_dim} is not a kernel's (zero-padding it to "
+                   f"{a.plan.spec.head_dim} is done for static shapes only)")
         if why is not None:
             return Rejection(*where, f"a shape-polymorphic site: {why}")
     for _, r in records[1:]:
@@ -272,8 +275,9 @@ def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:
     for name in "qkvo":
         for role, dim in zip(("heads", "head dim"), kernel[name][2:]):
             if any(p in symbols for p in dim):
-                return (f"the {role} of {name} is symbolic; the kernel specialization needs "
-                        "it static")
+                # Q, K, V, O share one head dim: an instance at a dim no kernel has is padded
+                what = "the head dim" if role == "head dim" else f"the {role} of {name}"
+                return f"{what} is symbolic; the kernel specialization needs it static"
     return None
 
 

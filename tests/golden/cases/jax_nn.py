@@ -36,6 +36,15 @@ def jnn_gqa_bf16():
                      *qkv("bfloat16", hkv=1))
 
 
+# a head dim no kernel has: Q, K, V zero-padded to 64 around the call, the scale 48's own
+@golden(rewritten=1, targets=[tname(64, "f32", True)], causal=True, scale=1 / math.sqrt(48),
+        kv_heads=2)
+def jnn_head_dim_48_padded():
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                     *qkv(d=48, hkv=2))
+
+
 @golden(rewritten=1, targets=[tname(32, "f32", False)], scale=0.5)
 def jnn_scale_cross():
     jax, _, _ = jax_modules()

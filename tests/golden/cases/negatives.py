@@ -71,12 +71,6 @@ def neg_softmax_classifier():
     return export_fn(lambda x, w: jax.nn.softmax(x @ w), spec((B, 64)), spec((64, 10)))
 
 
-@golden(rejected=["head dim 48"])
-def neg_head_dim_48():
-    jax, _, _ = jax_modules()
-    return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *qkv(d=48))
-
-
 @golden(rejected=["value head dim"])
 def neg_value_head_dim():
     jax, jnp, _ = jax_modules()
