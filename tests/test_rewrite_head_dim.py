@@ -80,3 +80,17 @@ def test_polymorphic_site_with_a_non_kernel_head_dim_is_left_alone():
     assert not result.rewritten
     assert any("head dim 48 is not a kernel's" in s.reason for s in result.rejected), \
         [s.reason for s in result.rejected]
+
+
+def test_padded_training_site_with_rows_that_see_no_key(rng):
+    """A -1e9 fill gives rows that see no key the mean of V (empty_rows 'mean'): the fix-up and
+    its gradient run on the padded kernel operands, before the slice."""
+    def attend(q, k, v, m):
+        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.1, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+    x = jax.ShapeDtypeStruct((2, 8, 4, 48), jnp.bfloat16)
+    m = jax.ShapeDtypeStruct((2, 1, 8, 8), jnp.bool_)
+    grad = jax.grad(lambda q, k, v, m: jnp.sum(jnp.sin(attend(q, k, v, m))), argnums=(0, 1, 2))
+    text = jax.export.export(jax.jit(grad), platforms=["cpu"])(x, x, x, m).mlir_module()
+    site, = _verified(text, rng).rewritten
+    assert site.empty_rows == "mean" and site.backward_target == "flashgen_bwd_d64_bf16"
