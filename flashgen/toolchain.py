@@ -122,22 +122,30 @@ def nvcc() -> str:
 VERSION_PROBE_SECONDS = 60.0
 
 
-@functools.cache
-def compiler_version(exe: str) -> str:
+def _probe(argv: list[str], tool: str, question: str) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of a short query of a tool, in its own process group so
+    that a wrapper that hangs is killed with its children (which hold the pipes too)."""
     try:
-        probe = subprocess.Popen([exe, "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, process_group=0)
+        probe = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 process_group=0)
     except OSError as e:
-        raise BuildError(f"cannot run {exe}: {e}") from e
+        raise BuildError(f"cannot run {argv[0]}: {e}") from e
     try:
         stdout, stderr = probe.communicate(timeout=VERSION_PROBE_SECONDS)
     except subprocess.TimeoutExpired:
-        os.killpg(probe.pid, signal.SIGKILL)  # the group: a wrapper's children hold the pipes too
+        os.killpg(probe.pid, signal.SIGKILL)
         probe.communicate()
-        raise BuildError(f"the compiler {exe} did not answer `{os.path.basename(exe)} --version` "
-                         f"within {VERSION_PROBE_SECONDS:g} s (a hung compiler or wrapper?)") from None
+        raise BuildError(f"{tool} did not answer {question} within {VERSION_PROBE_SECONDS:g} s "
+                         "(hung, or a wrapper that hangs?)") from None
+    return probe.returncode, stdout, stderr
+
+
+@functools.cache
+def compiler_version(exe: str) -> str:
+    returncode, stdout, stderr = _probe([exe, "--version"], f"the compiler {exe}",
+                                         f"`{os.path.basename(exe)} --version`")
     lines = [l for l in stdout.splitlines() if l.strip()]
-    if probe.returncode != 0 or not lines:
+    if returncode != 0 or not lines:
         raise BuildError(f"{exe} --version failed: {stderr.strip()}")
     # nvcc puts its release on the last line, gcc/clang on the first.
     return lines[-1] if "cuda" in lines[-1].lower() else lines[0]
@@ -231,13 +239,10 @@ def erts_include() -> dict:
         raise BuildError("erl not found: a NIF face needs Erlang's headers "
                          "(apt-get install erlang-dev, or put erl on PATH)")
     script = 'io:format("~s", [filename:join([code:root_dir(), "usr", "include"])]), halt().'
-    try:
-        out = subprocess.run([erl, "-noshell", "-eval", script], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise BuildError(f"cannot run {erl}: {e}") from e
-    include = pathlib.Path(out.stdout.strip() or "/nonexistent")
-    if out.returncode != 0 or not (include / "erl_nif.h").is_file():
-        raise BuildError(f"erl_nif.h not found under {out.stdout.strip() or 'the Erlang root'}: "
+    returncode, stdout, _ = _probe([erl, "-noshell", "-eval", script], erl, "where its headers are")
+    include = pathlib.Path(stdout.strip() or "/nonexistent")
+    if returncode != 0 or not (include / "erl_nif.h").is_file():
+        raise BuildError(f"erl_nif.h not found under {stdout.strip() or 'the Erlang root'}: "
                          "install erlang-dev (Debian) for the NIF headers")
     digest = hashlib.sha256(b"".join((include / n).read_bytes() for n in sorted(
         p.name for p in include.glob("erl_*.h")))).hexdigest()[:16]

@@ -154,3 +154,17 @@ def test_compiler_whose_version_probe_hangs_is_one_clear_error(fresh_cache, tmp_
     finally:
         flashgen.toolchain.compiler.cache_clear()
     assert time.perf_counter() - t < 30
+
+
+def test_erl_whose_header_probe_hangs_is_one_clear_error(tmp_path, monkeypatch):
+    """The NIF face asks `erl` where its headers are; a hung erl (or a wrapper whose child
+    holds the pipes) is killed with its process group, not waited on."""
+    erl = tmp_path / "erl"
+    erl.write_text("#!/bin/sh\nsleep 300 &\nwait\n")
+    erl.chmod(erl.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(flashgen.toolchain, "VERSION_PROBE_SECONDS", 1.0)
+    t = time.perf_counter()
+    with pytest.raises(flashgen.BuildError, match=f"{erl} did not answer where its headers are within 1 s"):
+        flashgen.toolchain.erts_include()
+    assert time.perf_counter() - t < 30
