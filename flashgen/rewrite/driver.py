@@ -16,7 +16,7 @@ from typing import Optional
 from jaxlib.mlir import ir
 
 from flashgen.errors import FlashgenError
-from flashgen.rewrite.graph import Graph, nested_ops
+from flashgen.rewrite.graph import Graph, nested_ops, op_name
 from flashgen.rewrite.patterns import AttentionPattern
 from flashgen.rewrite.report import AttentionSite, Rejection
 
@@ -51,7 +51,7 @@ def match_all(module: ir.Module, options: RewriteOptions, proven: Optional[dict]
                                proven=proven, polymorphic=polymorphic, walk_inputs=walk_inputs)
     results = []
     for op in collect_dots(module):
-        r = pattern.match(op)
+        r = match_contained(pattern, op)
         if r is not None:
             results.append((op, r))
     # a matched site's P·V product is no candidate of its own; overlapping matches lose
@@ -88,7 +88,7 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
             continue
         pattern = AttentionPattern(Graph(module), legacy_attrs=options.legacy_attrs,
                                    target=options.target, proven=proven)
-        site = pattern.match(op, describe=False)
+        site = match_contained(pattern, op, describe=False)
         if not isinstance(site, AttentionSite):  # an earlier rewrite changed its surroundings
             if site is not None:
                 site.op, site.location = first.op, first.location
@@ -97,10 +97,8 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
             continue
         try:
             pattern.rewrite(site)
-        except (ValueError, RuntimeError) as e:
-            site.status, site.reason = "rejected", f"the rewrite failed: {e}"
-            site.plan = None
-            records.append(site)
+        except Exception as e:   # noqa: BLE001 - the site is left alone, with the reason
+            records.append(rewrite_failed(site, e))
             continue
         roots = [o for o, ctx in site.plan.site_ops if not ctx]
         if site.plan.backward is not None:
@@ -112,6 +110,39 @@ def rewrite_module(module: ir.Module, options: Optional[RewriteOptions] = None) 
         records.append(site)
     finish(module, touched_functions)
     return records
+
+
+def site_where(op) -> tuple:
+    """(location, function, op name) of ``op``, as a Rejection names a site."""
+    return str(op.location), Graph.function_name(Graph.function_of(op)), op_name(op)
+
+
+def failure_reason(what: str, e: Exception) -> str:
+    """Why a site is left alone after ``what`` raised ``e``. Matching is read-only and a
+    rewrite erases the ops it created before it raises, so the module is intact and one
+    site's failure never ends the whole rewrite (nor reaches the user as a traceback)."""
+    if isinstance(e, ir.MLIRError):
+        detail = _first_error(e)
+    elif isinstance(e, (ValueError, RuntimeError)):
+        detail = str(e)
+    else:
+        detail = f"{type(e).__name__}: {e} (a flashgen bug)"
+    return f"{what} failed: {detail}"
+
+
+def match_contained(pattern: AttentionPattern, op, **kwargs):
+    """pattern.match(op), or a Rejection naming the error it raised."""
+    try:
+        return pattern.match(op, **kwargs)
+    except Exception as e:   # noqa: BLE001 - see failure_reason
+        return Rejection(*site_where(op), failure_reason("matching the site", e))
+
+
+def rewrite_failed(site: AttentionSite, e: Exception) -> AttentionSite:
+    """``site``, whose rewrite raised ``e``, marked rejected with the reason."""
+    site.status, site.reason = "rejected", failure_reason("the rewrite", e)
+    site.plan = None
+    return site
 
 
 def finish(module: ir.Module, touched_functions: set) -> None:

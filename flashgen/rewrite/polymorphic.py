@@ -161,7 +161,7 @@ def match_module(module: ir.Module, options) -> list:
     upcasts and a K/V head broadcast then go into the call, as for static modules), used
     when every source has a counterpart in the dynamic module; else on the products' own
     operands."""
-    from flashgen.rewrite.driver import collect_dots, match_all
+    from flashgen.rewrite.driver import collect_dots, failure_reason, match_all, site_where
     ops = [op.operation for op in nested_ops(module.operation)]
     try:
         dims = dimension_variables(module)
@@ -171,6 +171,9 @@ def match_module(module: ir.Module, options) -> list:
     except Unsupported as e:
         return _module_rejections(module, collect_dots(module), options,
                                   f"a shape-polymorphic module: {e}")
+    except Exception as e:   # noqa: BLE001 - see driver.failure_reason
+        return _module_rejections(module, collect_dots(module), options, failure_reason(
+            "instantiating the shape-polymorphic module at static sizes", e))
     found = {True: [], False: []}     # walk_inputs -> per instance {tag: [(op, record)]}
     for copy in copies:
         with copy.context:
@@ -183,9 +186,13 @@ def match_module(module: ir.Module, options) -> list:
     with module.context:
         ctx = _Context(ops, function(module, "main"), Graph(module), first, second)
         for tag in sorted(t for t in found[False][0] if t is not None):
-            record = _decide(ctx, tag, found[True], walk=True)
-            if not isinstance(record, AttentionSite):
-                record = _decide(ctx, tag, found[False], walk=False)
+            try:
+                record = _decide(ctx, tag, found[True], walk=True)
+                if not isinstance(record, AttentionSite):
+                    record = _decide(ctx, tag, found[False], walk=False)
+            except Exception as e:   # noqa: BLE001 - see driver.failure_reason
+                record = Rejection(*site_where(ops[tag]), failure_reason(
+                    "matching the shape-polymorphic site", e))
             out.append((ops[tag], record))
     return out
 
@@ -204,7 +211,8 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
     ``tag``, from its records in the two instances ``found``."""
     dyn1 = ctx.ops[tag]
     records = found[0][tag] + found[1].get(tag, [])
-    where = _where(dyn1)
+    from flashgen.rewrite.driver import site_where
+    where = site_where(dyn1)
     rejected = [r for _, r in records if not isinstance(r, AttentionSite)]
     if rejected:
         r = rejected[0]
@@ -281,11 +289,6 @@ def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:
     return None
 
 
-def _where(op) -> tuple:
-    fn = Graph.function_of(op)
-    return str(op.location), Graph.function_name(fn), op_name(op)
-
-
 def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where, first,
           second):
     """The report record and PolyPlan of a site matched alike as ``a`` and ``b`` in the two
@@ -321,7 +324,8 @@ def _module_rejections(module, dots, options, reason: str) -> list:
     """Every attention candidate of ``module`` rejected with ``reason``."""
     from flashgen.rewrite.patterns import AttentionPattern
     pattern = AttentionPattern(Graph(module), target=options.target)
-    return [(op, Rejection(*_where(op), reason)) for op in dots if pattern.is_candidate(op)]
+    from flashgen.rewrite.driver import site_where
+    return [(op, Rejection(*site_where(op), reason)) for op in dots if pattern.is_candidate(op)]
 
 
 # ----------------------------------------------------------------------------- rewriting
@@ -329,18 +333,18 @@ def rewrite_module(module: ir.Module, options) -> list:
     """Rewrite every attention site of a polymorphic ``module`` in place (the counterpart of
     driver.rewrite_module); the report records. Its sites were matched on the instantiations
     and use disjoint ops, so they are rewritten without matching again."""
-    from flashgen.rewrite.driver import erase_dead, finish
+    from flashgen.rewrite.driver import erase_dead, finish, rewrite_failed
     records, touched, erased = [], set(), set()
     for _, site in match_module(module, options):
         if isinstance(site, AttentionSite):
             try:
                 rewrite(site, options.legacy_attrs)
-            except (ValueError, RuntimeError) as e:
-                site.status, site.reason = "rejected", f"the rewrite failed: {e}"
+            except Exception as e:   # noqa: BLE001 - the site is left alone, with the reason
+                site = rewrite_failed(site, e)
             else:
                 touched |= erase_dead(Graph(module), [site.plan.dot2.operation], erased)
                 site.status = "rewritten"
-            site.plan = None
+                site.plan = None
         records.append(site)
     finish(module, touched)
     return records
@@ -360,8 +364,12 @@ class SymbolicSizes:
     def _i32(self, n: int, shape=()) -> ir.Value:
         key = (shape, n)
         if key not in self._parts:
-            self._parts[key] = adapters.constant(np.full(shape, n, np.int32),
-                                                 ir.IntegerType.get_signless(32), self.created)
+            # adapters.constant makes a 0-d array 1-d (np.ascontiguousarray): a scalar is
+            # the 1-element constant reshaped
+            self._parts[key] = adapters.reshape(self._i32(n, (1,)), [], self.created) \
+                if shape == () else adapters.constant(np.full(shape, n, np.int32),
+                                                      ir.IntegerType.get_signless(32),
+                                                      self.created)
         return self._parts[key]
 
     def variable(self, var: str) -> ir.Value:
