@@ -3,13 +3,14 @@
 Bugs live in combinations of features (a softcap in the varlen backward with ALiBi, a
 bottom-right offset in the extras kernel), so kernel tests draw their cases from a covering
 array: every pair of values of any two dimensions appears in at least one case. The CPU tests
-(tests/test_coverage.py) run every case against flashgen.reference in float64.
+(tests/test_coverage.py) run every case against flashgen.reference in float64; the emulated
+CUDA tests (tests/test_coverage_emulated.py) run the array projected onto the specs they build.
 
 Combinations the API refuses are excluded (and tested to be refused): see CONSTRAINTS.
 
-    python3 -m flashgen.coverage [--seed N] [--head-dims 32,64]
+    python3 -m flashgen.coverage [--seed N] [--head-dims 32,64] [--specs 64:bf16:causal,128:f16]
 
-prints the array and the pairs it covers out of those possible.
+prints the array (projected onto --specs, if given) and the pairs it covers out of those possible.
 """
 from __future__ import annotations
 
@@ -153,20 +154,54 @@ def covering_array(dims, seed: int = 0, candidates: int = 12) -> list[Case]:
     return cases
 
 
+def covered_pairs(dims, cases) -> set:
+    """Pairs of values (in `dims` order) that some case contains."""
+    return set().union(*(_ordered(dims, _pairs(dict(c.values))) for c in cases))
+
+
 def coverage(dims, cases) -> tuple[int, int]:
     """(pairs covered, pairs possible)."""
     possible = possible_pairs(dims)
-    covered = set().union(*(_ordered(dims, _pairs(dict(c.values))) for c in cases)) & possible
-    return len(covered), len(possible)
+    return len(covered_pairs(dims, cases) & possible), len(possible)
+
+
+SPEC_DIMENSIONS = ("head_dim", "dtype", "causal")  # what a built library fixes
+
+
+def project(cases, specs) -> list[Case]:
+    """Each case moved onto the built spec (head_dim, dtype, causal) that agrees with most of
+    its values, causal first (it decides which other values are allowed: bottom_right), then
+    dtype, then head dim; the other dimensions keep their values."""
+    out = []
+    for case in cases:
+        fits = [dict(zip(SPEC_DIMENSIONS, spec)) for spec in specs]
+        fixed = max(fits, key=lambda f: tuple(getattr(case, d) == f[d] for d in ("causal", "dtype", "head_dim")))
+        out.append(Case(tuple((d, fixed.get(d, v)) for d, v in case.values)))
+    return [c for c in out if refusal(dict(c.values)) is None]  # with no spec of the case's causal flag
+
+
+def parse_specs(text: str) -> list[tuple]:
+    """'64:bf16:causal,128:f16' -> [(64, 'bf16', True), (128, 'f16', False)]."""
+    specs = []
+    for word in text.split(","):
+        head_dim, dtype, *causal = word.split(":")
+        if dtype not in DIMENSIONS["dtype"] or causal not in ([], ["causal"]):
+            raise ValueError(f"{word!r} is not <head_dim>:<dtype>[:causal]")
+        specs.append((int(head_dim), dtype, bool(causal)))
+    return specs
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m flashgen.coverage", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0, help="0 is what CI runs")
     p.add_argument("--head-dims", default="32,64", help="comma-separated (the CPU tests: 32,64)")
+    p.add_argument("--specs", type=parse_specs, help="project onto these built specs, e.g. 64:bf16:causal,128:f16 "
+                                   "(the emulated tests'); pairs counted against the full space")
     args = p.parse_args(argv)
     dims = space(int(h) for h in args.head_dims.split(","))
     cases = covering_array(dims, args.seed)
+    if args.specs:
+        cases = project(cases, args.specs)
     for case in cases:
         print(case)
     covered, possible = coverage(dims, cases)

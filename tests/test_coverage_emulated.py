@@ -1,0 +1,93 @@
+"""The CUDA kernels under emulation on the pairwise covering array (flashgen/coverage.py),
+projected onto the specs the other emulated tests build (tests/test_cuda_emulated.py: d64 bf16
+causal, d128 f16 and d64 f32 non-causal), so CI builds nothing more.
+
+Projection drops the pairs of head dims, dtypes and causal flags no built spec has (d128 causal,
+f32 causal, ...): `python3 -m flashgen.coverage --head-dims 64,128 --specs 64:bf16:causal,128:f16,64:f32`
+prints what is kept. Each case runs through the spec's FFI handlers
+(flashgen.emulate.check.Checker: dense with its extras, varlen, paged; forward, and backward
+on the emulated forward's o and lse) and every output is held to check.py's tolerances against
+float64. Derandomized like tests/test_coverage.py: FLASHGEN_COVERAGE_SEED=<n> draws another array
+and other inputs.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import mutated_csrc, needs_nvcc
+from flashgen import coverage, resources
+from flashgen.emulate.check import Checker
+from test_cuda_emulated import checker
+from test_variant_mutations import MUTATIONS
+
+pytestmark = needs_nvcc
+
+SEED = int(os.environ.get("FLASHGEN_COVERAGE_SEED", "0"))
+SPECS = [(64, "bf16", True), (128, "f16", False), (64, "f32", False)]
+DIMS = coverage.space(sorted({s[0] for s in SPECS}))
+CASES = coverage.project(coverage.covering_array(DIMS, SEED), SPECS)
+
+
+def run(c, case):
+    """The Checker call(s) that stand for `case` on c's spec."""
+    (sq, sk), (hq, hkv) = case.seqlens, case.heads
+    common = dict(heads_q=hq, heads_kv=hkv, bottom_right=case.bottom_right, window=case.window_sizes,
+                  softcap=case.softcap, alibi=case.alibi)
+    if case.layout == "dense":
+        bias = None
+        if case.bias is not None:  # a "fixed" bias is differentiated too: the handler computes dbias
+            pattern = case.bias.split()[0]
+            bias = (2 if "B" in pattern else 1, hq if "H" in pattern else 1)
+        return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=bias, bias_f32=bias is not None and bias != (2, hq),
+                       mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
+                       backward=case.direction == "bwd", **common)
+    if case.layout == "varlen":
+        return c.varlen(seqlens_q=(sq, 0, -(-sq // 3)), seqlens_k=(sk, 5, -(-sk // 2)), pad_q=3, pad_k=2,
+                        backward=case.direction == "bwd", **common)
+    return c.paged(seqused_k=(sk, sk // 2 + 1), seqlen_q=sq, block_size=16, **common)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_covering_case_under_emulation(index):
+    case = CASES[index]
+    seed = SEED * 1000 + index
+    c = checker(np.random.default_rng(seed), case.head_dim, case.dtype, case.causal)
+    bad = [r for r in run(c, case).rows if not r.ok]
+    assert not bad, f"{case} (FLASHGEN_COVERAGE_SEED={SEED}, input seed {seed}): " + "; ".join(
+        f"{r.family} {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
+
+
+def test_projection_loses_only_pairs_with_a_spec_value():
+    """Projection changes only head dim, dtype and causal: every pair of the other dimensions stays."""
+    lost = coverage.possible_pairs(DIMS) - coverage.covered_pairs(DIMS, CASES)
+    covered, possible = coverage.coverage(DIMS, CASES)
+    print(f"{len(CASES)} cases on {len(SPECS)} specs cover {covered}/{possible} pairs; lost: {sorted(lost)}")
+    assert {(c.head_dim, c.dtype, c.causal) for c in CASES} == set(SPECS)
+    assert lost and all(first in coverage.SPEC_DIMENSIONS for (first, _), _ in lost)
+
+
+def _failures(spec, lib, cases) -> list[str]:
+    return [f"{case} {r.output}: {r.error:.3g}" for i, case in cases
+            for r in run(Checker(lib, spec, np.random.default_rng(SEED * 1000 + i)), case).rows if not r.ok]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_covering_cases_catch_variant_mutation(tmp_path, monkeypatch, mutation):
+    """Each spec built from a mutated csrc/ (the planted bugs of tests/test_variant_mutations.py)
+    runs its cases, spec after spec until one fails."""
+    from flashgen.build import build
+    from flashgen.emulate.host import EmulatedLibrary
+    from flashgen.spec import KernelSpec
+    csrc = mutated_csrc(tmp_path / "csrc", "cuda", mutation)
+    monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    for head_dim, dtype, causal in SPECS:
+        spec = KernelSpec(head_dim, dtype, causal, "sm80")
+        cases = [(i, c) for i, c in enumerate(CASES) if (c.head_dim, c.dtype, c.causal) == (head_dim, dtype, causal)]
+        failures = _failures(spec, EmulatedLibrary(build(spec, host="emulate")), cases)
+        if failures:
+            print(f"{mutation[0]}: caught on {spec} by {failures[0]} ({len(failures)} rows)")
+            return
+    pytest.fail(f"mutation {mutation[0]} survived the covering cases")
