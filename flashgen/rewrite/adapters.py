@@ -231,7 +231,8 @@ def sum_dims(x: ir.Value, dims, created) -> ir.Value:
 
 
 def constant(array: np.ndarray, elt, created) -> ir.Value:
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array)
+    array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
     t = ir.RankedTensorType.get(list(array.shape), elt)
     if array.size and (array == array.reshape(-1)[0]).all():
         x = array.reshape(-1)[0]

@@ -364,12 +364,8 @@ class SymbolicSizes:
     def _i32(self, n: int, shape=()) -> ir.Value:
         key = (shape, n)
         if key not in self._parts:
-            # adapters.constant makes a 0-d array 1-d (np.ascontiguousarray): a scalar is
-            # the 1-element constant reshaped
-            self._parts[key] = adapters.reshape(self._i32(n, (1,)), [], self.created) \
-                if shape == () else adapters.constant(np.full(shape, n, np.int32),
-                                                      ir.IntegerType.get_signless(32),
-                                                      self.created)
+            self._parts[key] = adapters.constant(np.full(shape, n, np.int32),
+                                                 ir.IntegerType.get_signless(32), self.created)
         return self._parts[key]
 
     def variable(self, var: str) -> ir.Value:
