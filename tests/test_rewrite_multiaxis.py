@@ -13,7 +13,7 @@ import pytest
 from jax.scipy.special import logsumexp
 
 import flashgen.rewrite as fr
-from flashgen.rewrite import verify
+from conftest import verified_rewrite
 
 SCALE = 0.125
 
@@ -24,10 +24,7 @@ def _export(fn, dtype, *shapes):
 
 
 def _verified(text, rng):
-    result = fr.rewrite(text)
-    assert result.rewritten, [s.reason for s in result.rejected]
-    rows = verify.verify(result, seed=int(rng.integers(2**31)))["outputs"]
-    assert rows and all(r["ok"] for r in rows), rows
+    result = verified_rewrite(text, rng)
     assert "stablehlo.exponential" not in result.text()
     return result
 
@@ -68,13 +65,23 @@ def test_exp_minus_logsumexp_over_one_key_axis(rng):
     _verified(_export(fn, jnp.float32, x, x, x), rng)
 
 
-def test_logsumexp_with_another_row_constant_is_refused():
-    """exp(x - (log(rowsum(exp(x - c))) + c')) with c' != c is softmax(x) * exp(c - c')."""
+def _another_row_constant(s):
+    c = jnp.max(s, axis=-1, keepdims=True)
+    return jnp.log(jnp.sum(jnp.exp(s - c), axis=-1, keepdims=True)) + 0.5 * c
+
+
+def _abs_after_the_log(s):
+    c = jnp.max(s, axis=-1, keepdims=True) + 5.0
+    return jnp.abs(jnp.log(jnp.sum(jnp.exp(s - c), axis=-1, keepdims=True))) + c
+
+
+@pytest.mark.parametrize("not_logsumexp", [_another_row_constant, _abs_after_the_log])
+def test_a_near_logsumexp_is_refused(not_logsumexp):
+    """exp(x - (log(rowsum(exp(x - c))) + c')) with c' != c is softmax(x) * exp(c - c'); an
+    abs after the log flips the negative log that a c above the row max gives."""
     def fn(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * SCALE
-        c = jnp.max(s, axis=-1, keepdims=True)
-        p = jnp.exp(s - (jnp.log(jnp.sum(jnp.exp(s - c), axis=-1, keepdims=True)) + 0.5 * c))
-        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - not_logsumexp(s)), v)
     x = (2, 12, 2, 64)
     result = fr.rewrite(_export(fn, jnp.float32, x, x, x))
     assert not result.rewritten
@@ -93,12 +100,23 @@ def test_softmax_over_a_key_axis_and_the_head_axis_is_refused():
         "the softmax reduces over a batch or head axis"]
 
 
-def test_keras_multi_head_attention_over_two_axes(rng):
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_keras_multi_head_attention_over_two_axes(rng, masked):
     os.environ.setdefault("KERAS_BACKEND", "jax")
     keras = pytest.importorskip("keras")
     if keras.backend.backend() != "jax":
         pytest.skip("keras runs another backend")
     layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=64, attention_axes=(1, 2))
     x = jnp.asarray(rng.standard_normal((2, 4, 3, 8)), jnp.float32)
-    layer(x, x)
-    _verified(_export(lambda q, v: layer(q, v), jnp.float32, x.shape, x.shape), rng)
+    if not masked:
+        layer(x, x)
+        _verified(_export(lambda q, v: layer(q, v), jnp.float32, x.shape, x.shape), rng)
+        return
+    mask = rng.random((2, 4, 3, 4, 3)) < 0.7
+    mask[0, 1, 2] = False       # a query that sees no key: keras' finite fill, a uniform row
+    layer(x, x, attention_mask=jnp.asarray(mask))
+    args = [jax.ShapeDtypeStruct(x.shape, jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct(mask.shape, jnp.bool_)]
+    text = jax.export.export(jax.jit(lambda q, v, m: layer(q, v, attention_mask=m)),
+                             platforms=["cpu"])(*args).mlir_module()
+    _verified(text, rng)
