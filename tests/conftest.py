@@ -50,6 +50,18 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def verified_rewrite(text, rng):
+    """The rewrite of ``text``, which must rewrite a site and match the original on every
+    output (flashgen.rewrite.verify, fresh inputs drawn from ``rng``)."""
+    import flashgen.rewrite as fr
+    from flashgen.rewrite import verify
+    result = fr.rewrite(text)
+    assert result.rewritten, [s.reason for s in result.rejected]
+    rows = verify.verify(result, seed=int(rng.integers(2**31)))["outputs"]
+    assert rows and all(r["ok"] for r in rows), rows
+    return result
+
+
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty build cache for tests of the cache itself."""

@@ -9,20 +9,12 @@ import numpy as np
 import pytest
 
 import flashgen.rewrite as fr
-from flashgen.rewrite import verify
+from conftest import verified_rewrite
 
 
 def _export(fn, *shapes):
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     return jax.export.export(jax.jit(fn), platforms=["cpu"])(*args).mlir_module()
-
-
-def _verified(text, rng):
-    result = fr.rewrite(text)
-    assert result.rewritten, [s.reason for s in result.rejected]
-    rows = verify.verify(result, seed=int(rng.integers(2**31)))["outputs"]
-    assert rows and all(r["ok"] for r in rows), rows
-    return result
 
 
 def _body(result) -> str:
@@ -33,7 +25,7 @@ def _body(result) -> str:
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_site_with_a_non_kernel_head_dim_is_padded(rng, d, kernel_d, causal):
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
-    result = _verified(_export(fn, (2, 8, 4, d), (2, 8, 2, d), (2, 8, 2, d)), rng)
+    result = verified_rewrite(_export(fn, (2, 8, 4, d), (2, 8, 2, d), (2, 8, 2, d)), rng)
     site, = result.rewritten
     assert site.head_dim == d and site.spec["head_dim"] == kernel_d
     assert abs(site.scale - 1 / np.sqrt(d)) < 1e-6       # the site's own scale, not the padded dim's
@@ -49,7 +41,7 @@ def test_training_site_with_a_non_kernel_head_dim_slices_the_gradients(rng):
         o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
         return jnp.sum(o * jnp.sin(o))
     x = (1, 8, 2, 80)
-    result = _verified(_export(jax.grad(loss, argnums=(0, 1, 2)), x, x, x), rng)
+    result = verified_rewrite(_export(jax.grad(loss, argnums=(0, 1, 2)), x, x, x), rng)
     assert [s.backward_target for s in result.rewritten] == ["flashgen_bwd_d96_f32"]
     assert "stablehlo.exponential" not in _body(result)
 
@@ -66,7 +58,7 @@ def test_padded_site_keeps_its_bias_and_mask(rng):
     bias = jnp.asarray(rng.standard_normal((1, 4, 8, 8)), jnp.float32)
     mask = jnp.asarray(rng.random((2, 1, 8, 8)) < 0.7)
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, mask)
-    result = _verified(_export(fn, (2, 8, 4, d), (2, 8, 4, d), (2, 8, 4, d)), rng)
+    result = verified_rewrite(_export(fn, (2, 8, 4, d), (2, 8, 4, d), (2, 8, 4, d)), rng)
     site, = result.rewritten
     assert site.spec["head_dim"] == 64 and site.extras
 
@@ -92,5 +84,5 @@ def test_padded_training_site_with_rows_that_see_no_key(rng):
     m = jax.ShapeDtypeStruct((2, 1, 8, 8), jnp.bool_)
     grad = jax.grad(lambda q, k, v, m: jnp.sum(jnp.sin(attend(q, k, v, m))), argnums=(0, 1, 2))
     text = jax.export.export(jax.jit(grad), platforms=["cpu"])(x, x, x, m).mlir_module()
-    site, = _verified(text, rng).rewritten
+    site, = verified_rewrite(text, rng).rewritten
     assert site.empty_rows == "mean" and site.backward_target == "flashgen_bwd_d64_bf16"

@@ -52,6 +52,8 @@ class SoftmaxStage:
         if subs:
             # with several (a backward pass also subtracts), take the one by a row-wise value
             first_error = None
+            # x - (log(rowsum(exp(x - c))) + c) is the logsumexp form's second subtraction
+            subs.sort(key=lambda u: self._is_log_plus(Ref(u[0].operands[1], u[2])))
             for sub, _, ctx in subs:
                 saved = set(m.ops)
                 try:
@@ -66,6 +68,7 @@ class SoftmaxStage:
                 raise first_error or Reject("the value subtracted before the exponential is not "
                                             "constant along the softmax axis")
             m.add(sub, ctx)
+            shift_ref = Ref(sub.operands[1], ctx)
             d = Ref(sub.result, ctx)
             m.record(d, x_layout, "scores")
             exps = [u for u in self.g.users(d) if op_name(u[0]) == "stablehlo.exponential"]
@@ -99,7 +102,8 @@ class SoftmaxStage:
                         candidates.append((user, den, uctx))
             i += 1
         if not candidates and shift is not None:
-            log_softmax = self._log_softmax(m, d, x_layout)
+            log_softmax = (self._log_softmax(m, d, x_layout)
+                           or self._minus_logsumexp(m, x, d, shift_ref, x_layout))
             if log_softmax is not None:
                 p, R = log_softmax
                 if not rowwise_ok(shift.layout, x_layout, R):
@@ -134,32 +138,98 @@ class SoftmaxStage:
         for user, idx, ctx in self.g.users(d):
             if op_name(user) != "stablehlo.subtract" or idx != 0:
                 continue
-            saved = set(m.ops)
-            try:
-                term = self.term(m, Ref(user.operands[1], ctx))
-            except Reject:
-                m.ops = saved
-                continue
-            sums = [r for r in term.reduces if r[0] == "add" and r[1] == "exp"]
-            allowed = ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
-                       "stablehlo.transpose", "stablehlo.log")
-            lse = Ref(user.result, ctx)
-            exps = [u for u in self.g.users(lse) if op_name(u[0]) == "stablehlo.exponential"]
-            if len(term.reduces) != 1 or not sums or term.full or len(exps) != 1 or \
-                    term.ops.count("stablehlo.log") != 1 or \
-                    any(o not in allowed for o in term.ops) or \
-                    not rowwise_ok(term.layout, x_layout, sums[0][2]):
-                m.ops = saved
-                continue
-            m.add(user, ctx)
-            m.record(lse, x_layout, "scores")
-            exp, _, ectx = exps[0]
-            m.add(exp, ectx)
-            p = Ref(exp.result, ectx)
-            m.record(p, x_layout, "probs")
-            m.matched.append("exp(log_softmax)")
-            return p, sums[0][2]
+            lse = Ref(user.operands[1], ctx)
+            found = self._attempt(m, lambda: self._exp_of_minus_log_sum(
+                m, user, ctx, lse, lse, x_layout, "exp(log_softmax)"))
+            if found is not None:
+                return found
         return None
+
+    def _minus_logsumexp(self, m: MatchState, x: Ref, d: Ref, shift_ref: Ref, x_layout):
+        """exp(x - (log(rowsum(exp(d))) + c)) with d = x - c, the same row-wise c on both
+        sides (jax.scipy.special.logsumexp, keras' Softmax over several axes):
+        (probabilities Ref, R), or None."""
+        c = self._under_views(shift_ref)
+        for user, idx, ctx in self.g.users(x):
+            if op_name(user) != "stablehlo.subtract" or idx != 0 or \
+                    self.g.resolve(Ref(user.result, ctx)) == self.g.resolve(d):
+                continue
+            total = self._under_views(Ref(user.operands[1], ctx))
+            if isinstance(total.value, ir.BlockArgument) or \
+                    op_name(total.value.owner) != "stablehlo.add":
+                continue
+            add = total.value.owner
+            sides = [self._under_views(Ref(o, total.ctx)) for o in add.operands]
+            if c not in sides:
+                continue
+            log_sum = Ref(add.operands[1 - sides.index(c)], total.ctx)
+            found = self._attempt(m, lambda: self._exp_of_minus_log_sum(
+                m, user, ctx, log_sum, Ref(user.operands[1], ctx), x_layout,
+                "exp(x - logsumexp)"))
+            if found is not None:
+                return found
+        return None
+
+    def _attempt(self, m: MatchState, match):
+        """``match()``'s result, or None with ``m``'s ops as before when it finds nothing."""
+        saved = set(m.ops)
+        try:
+            found = match()
+        except Reject:
+            found = None
+        if found is None:
+            m.ops = saved
+        return found
+
+    def _exp_of_minus_log_sum(self, m: MatchState, user, ctx, log_sum: Ref, subtracted: Ref,
+                              x_layout, spelling: str):
+        """``user`` subtracts ``subtracted`` (a row-wise value whose log(rowsum(exp)) part is
+        ``log_sum``) from the scores; its one exponential is the probabilities: (Ref, R),
+        recorded in ``m``, or None. An abs is allowed before the log only (logsumexp's, a
+        no-op on a sum of exponentials; after the log it would flip a negative log)."""
+        log_term, subtracted = self.term(m, log_sum), self.term(m, subtracted)
+        sums = [r for r in log_term.reduces if r[0] == "add" and r[1] == "exp"]
+        allowed = ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                   "stablehlo.transpose", "stablehlo.abs", "stablehlo.log")
+        lse = Ref(user.result, ctx)
+        exps = [u for u in self.g.users(lse) if op_name(u[0]) == "stablehlo.exponential"]
+        if len(log_term.reduces) != 1 or not sums or log_term.full or len(exps) != 1 or \
+                log_term.ops.count("stablehlo.log") != 1 or \
+                any(o not in allowed for o in log_term.ops) or \
+                "stablehlo.abs" in log_term.ops[log_term.ops.index("stablehlo.log"):] or \
+                not rowwise_ok(subtracted.layout, x_layout, sums[0][2]):
+            return None
+        m.add(user, ctx)
+        m.record(lse, x_layout, "scores")
+        exp, _, ectx = exps[0]
+        m.add(exp, ectx)
+        p = Ref(exp.result, ectx)
+        m.record(p, x_layout, "probs")
+        m.matched.append(spelling)
+        return p, sums[0][2]
+
+    def _is_log_plus(self, ref: Ref) -> bool:
+        """``ref`` is (a view of) log(...) + something (or abs(...) + something: ordering only,
+        the match checks the rest)."""
+        total = self._under_views(ref)
+        if isinstance(total.value, ir.BlockArgument) or \
+                op_name(total.value.owner) != "stablehlo.add":
+            return False
+        return any(not isinstance(v.value, ir.BlockArgument) and
+                   op_name(v.value.owner) in ("stablehlo.log", "stablehlo.abs")
+                   for v in (self._under_views(Ref(o, total.ctx))
+                             for o in total.value.owner.operands))
+
+    def _under_views(self, ref: Ref) -> Ref:
+        """The value under broadcasts, reshapes, transposes and float converts."""
+        for _ in range(MAX_CHAIN):
+            r = self.g.resolve(ref)
+            if isinstance(r.value, ir.BlockArgument) or op_name(r.value.owner) not in (
+                    "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose",
+                    "stablehlo.convert"):
+                return r
+            ref = Ref(r.value.owner.operands[0], r.ctx)
+        return self.g.resolve(ref)
 
     def _masked_by_scores_mask(self, m: MatchState, op, ctx):
         """select(mask, x, 0) with the scores' own mask (a masked row sum, jax.nn.softmax
