@@ -99,30 +99,19 @@ def mma(ins, ops):
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
     dec = _to_float64(atype)
-    per_reg = 32 * (4 // np.dtype(elem).itemsize)       # fragment elements per register row of a warp
-    gathers = {}
-
-    def gather(g):
-        """For a gang of g warps, flat indices into the registers as read ([reg, warp, lane(, half)])
-        giving each warp's A, B and C matrices, and into D ([warp, row*8+col]) giving the rows
-        written back ([reg, warp, lane]): one fancy index each per step, no transposes."""
-        warp = np.arange(g)[:, None]
-
-        def rows(perm, width):
-            return perm // width * (g * width) + warp * width + perm % width
-        d_index = (warp * 128 + c_flat.reshape(4, 1, 32)).reshape(4, -1)
-        gathers[g] = t = (rows(a_perm, per_reg), rows(b_perm, per_reg), rows(c_perm, 32), d_index)
-        return t
+    na, nb = len(A), len(B)
 
     def run(w, m):
         require_full_warp(w, m, ins)
         g = w.nlanes // 32                                   # warps executing together
-        ai, bi, ci, di = gathers.get(g) or gather(g)
-        a = dec(np.stack([r(w) for r in ra]).view(elem).reshape(-1)[ai]).reshape(g, 16, k)
-        b = dec(np.stack([r(w) for r in rb]).view(elem).reshape(-1)[bi]).reshape(g, k, 8)
+        abits = np.stack([r(w) for r in ra]).reshape(na, g, 32).transpose(1, 0, 2)   # [warp, reg, lane]
+        bbits = np.stack([r(w) for r in rb]).reshape(nb, g, 32).transpose(1, 0, 2)
+        cvals = np.stack([r(w) for r in rc]).reshape(4, g, 32).transpose(1, 0, 2)
+        a = dec(np.ascontiguousarray(abits).view(elem).reshape(g, -1)[:, a_perm]).reshape(g, 16, k)
+        b = dec(np.ascontiguousarray(bbits).view(elem).reshape(g, -1)[:, b_perm]).reshape(g, k, 8)
         # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
-        d = (a @ b).reshape(g, 128) + np.stack([r(w) for r in rc]).reshape(-1)[ci]
-        out = d.reshape(-1)[di].astype(np.float32)
+        d = (a @ b).reshape(g, 128) + cvals.reshape(g, 128)[:, c_perm]
+        out = d[:, c_flat].astype(np.float32).reshape(g, 4, 32).transpose(1, 0, 2).reshape(4, -1)
         for i, wr in enumerate(wd):
             wr(w, out[i], m)
     return run
@@ -143,7 +132,6 @@ def ldmatrix(ins, ops):
     nrows = 8 * nmat
     # b16 element (matrix j, lane, half) sits at j*64 + row*8 + col of the loaded rows
     gather = (np.arange(nmat)[:, None, None] * 64 + rows[None] * 8 + cols[None]).reshape(-1)
-    whole = {}              # gang size -> gather indices for a step every warp of the gang executes
 
     def run(w, m):
         require_full_warp(w, m, ins)
@@ -153,17 +141,10 @@ def ldmatrix(ins, ops):
         rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
         who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
                      for x in (w.lane_warp, w.smem_slot))
-        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16)
-        if m is None:           # every warp: one gather straight into the [register, warp, lane] rows
-            index = whole.get(g)
-            if index is None:
-                index = whole[g] = (np.arange(g)[None, :, None] * (nrows * 8) +
-                                    gather.reshape(nmat, 1, 64)).reshape(-1)
-            regs = raw.reshape(-1)[index].view(np.uint32).reshape(nmat, -1)
-        else:
-            regs = np.zeros((g, nmat, 32), np.uint32)
-            regs[on] = np.ascontiguousarray(raw.reshape(-1, nrows * 8)[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
-            regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
+        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(-1, nrows * 8)
+        regs = np.zeros((g, nmat, 32), np.uint32)
+        regs[on] = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
+        regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
             wr(w, regs[j], m)
     return run
