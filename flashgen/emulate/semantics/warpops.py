@@ -138,6 +138,15 @@ def mma(ins, ops):
     return run
 
 
+@functools.lru_cache(maxsize=None)
+def _ldmatrix_gather(nmat: int, trans: bool, g: int) -> np.ndarray:
+    """For g warps' loaded rows (b16 elements [warp, row, col], row i of matrix i // 8), where
+    element h of register j of each lane is: flat indices ordered [register, warp, lane, half]."""
+    rows, cols = ldmatrix_table(trans)
+    per_warp = np.arange(nmat)[:, None, None] * 64 + rows[None] * 8 + cols[None]
+    return (np.arange(g)[None, :, None] * (nmat * 64) + per_warp.reshape(nmat, 1, 64)).reshape(-1)
+
+
 @handles("ldmatrix", per_warp=True)
 def ldmatrix(ins, ops):
     mods = ins.mods
@@ -145,14 +154,13 @@ def ldmatrix(ins, ops):
     known = {"sync", "aligned", "m8n8", "x1", "x2", "x4", "trans", "shared", "b16"}
     if nmat is None or set(mods) - known or "m8n8" not in mods or "b16" not in mods:
         raise unsupported(ins)
-    rows, cols = ldmatrix_table("trans" in mods)
+    trans = "trans" in mods
     dsts = [ops.write(d, "b32") for d in ops.vector(ins.operands[0])]
     if len(dsts) != nmat:
         raise unsupported(ins, "register count does not match .x")
     addr = ops.address(ins.operands[1])
     nrows = 8 * nmat
-    # b16 element (matrix j, lane, half) sits at j*64 + row*8 + col of the loaded rows
-    gather = (np.arange(nmat)[:, None, None] * 64 + rows[None] * 8 + cols[None]).reshape(-1)
+    gather = _ldmatrix_gather(nmat, trans, 1)      # one warp's, for a step only some warps execute
 
     def run(w, m):
         require_full_warp(w, m, ins)
@@ -162,10 +170,13 @@ def ldmatrix(ins, ops):
         rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
         who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
                      for x in (w.lane_warp, w.smem_slot))
-        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(-1, nrows * 8)
-        regs = np.zeros((g, nmat, 32), np.uint32)
-        regs[on] = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
-        regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
+        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16)
+        if m is None:           # every warp: one gather straight into the [register, warp, lane] rows
+            regs = raw.reshape(-1)[_ldmatrix_gather(nmat, trans, g)].view(np.uint32).reshape(nmat, -1)
+        else:
+            regs = np.zeros((g, nmat, 32), np.uint32)
+            regs[on] = np.ascontiguousarray(raw.reshape(-1, nrows * 8)[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
+            regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
             wr(w, regs[j], m)
     return run
