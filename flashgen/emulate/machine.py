@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 import secrets
 import time
@@ -39,6 +40,7 @@ MAX_THREADS_PER_BLOCK = 1024
 # bytes of shared memory (its race bookkeeping takes up to 27 more bytes per byte).
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
+_DEAD_WARP = np.full(32, _DEAD)       # the lane pcs of a warp that is done or waits at a barrier (copied)
 _ALU, _BRA, _RET, _BAR = range(4)
 _DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
@@ -102,16 +104,34 @@ class Warp:
         self.done = not self.alive.any()
         self.cp_open = []                    # issued, uncommitted cp.async copies
         self.cp_groups = []                  # committed groups, oldest first
-        bx, by, _ = block
-        tid = (linear % bx, (linear // bx) % by, linear // (bx * by))
-        u = np.uint32
-        self.special = {("laneid", 0): np.arange(32, dtype=u), ("warpid", 0): np.full(32, wid, u),
-                        ("nwarpid", 0): np.full(32, 64, u)}
-        for ax in range(3):
-            self.special[("tid", ax)] = tid[ax].astype(u)
-            self.special[("ntid", ax)] = np.full(32, block[ax], u)
-            self.special[("ctaid", ax)] = np.full(32, cta.ctaid[ax], u)
-            self.special[("nctaid", ax)] = np.full(32, cta.grid[ax], u)
+        self.special = {("laneid", 0): _LANE, ("warpid", 0): _same(wid), ("nwarpid", 0): _same(64)}
+        for ax, t in enumerate(_tid(wid, block)):
+            self.special[("tid", ax)] = t
+            self.special[("ntid", ax)] = _same(block[ax])
+            self.special[("ctaid", ax)] = _same(cta.ctaid[ax])
+            self.special[("nctaid", ax)] = _same(cta.grid[ax])
+
+
+# The special registers' lanes are shared by every warp that has the same values (read-only: no
+# instruction writes a special register), so that a launch of many CTAs builds them once.
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+_LANE = _frozen(np.arange(32, dtype=np.uint32))
+
+
+@functools.lru_cache(maxsize=None)
+def _same(value: int) -> np.ndarray:
+    return _frozen(np.full(32, value, np.uint32))
+
+
+@functools.lru_cache(maxsize=None)
+def _tid(wid: int, block) -> tuple:
+    linear = wid * 32 + np.arange(32)
+    bx, by, _ = block
+    return tuple(_frozen(t.astype(np.uint32)) for t in (linear % bx, (linear // bx) % by, linear // (bx * by)))
 
 
 class _Gang:
@@ -313,7 +333,7 @@ class _Launch:
         their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
         code, counts = self.code, self.counts
         members = g.members
-        lp = np.concatenate([np.full(32, _DEAD) if m.done or m.at_barrier else
+        lp = np.concatenate([_DEAD_WARP if m.done or m.at_barrier else
                              m.lane_pc if m.lane_pc is not None else np.where(m.alive, m.pc, _DEAD)
                              for m in members])
         for m in members:               # the gang holds its warps' pcs until it hands them back

@@ -6,6 +6,8 @@ them against CuTe's independently validated layouts.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
@@ -70,6 +72,37 @@ def _to_float64(atype):
     return lambda e: (e & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
+@functools.lru_cache(maxsize=None)
+def _mma_layout(k: int, atype: str):
+    """(a_perm, b_perm, c_perm, c_flat) of mma.m16n8k{k}.{atype}: matrix element p of A (row-major
+    16 x k) comes from fragment element a_perm[p] (fragments flattened [reg, lane, half]); the same
+    for B (k x 8) and C (16 x 8); c_flat[reg, lane] is the C/D element a lane's register holds."""
+    # the tables are [lane, reg, half]: transposed to the order the registers are read in
+    ar, ac = (x.transpose(1, 0, 2) for x in mma_a_table(k, atype))
+    br, bc = (x.transpose(1, 0, 2) for x in mma_b_table(k, atype))
+    cr, cc = (x.T for x in mma_c_table())
+    a_flat, b_flat, c_flat = (ar * k + ac).reshape(-1), (br * 8 + bc).reshape(-1), (cr * 8 + cc).reshape(-1)
+    if np.unique(a_flat).size != 16 * k or np.unique(b_flat).size != 8 * k:
+        raise EmulationError("fragment table does not cover the matrix")
+    return np.argsort(a_flat), np.argsort(b_flat), np.argsort(c_flat), c_flat
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_gather(k: int, atype: str, g: int):
+    """For a gang of g warps, flat indices into the registers as read ([reg, warp, lane(, half)])
+    giving each warp's A, B and C matrices, and into D ([warp, row*8+col]) giving the rows written
+    back ([reg, warp, lane]): one gather per operand and step, no transposes. Shared by every mma
+    of this shape (gang sizes vary from step to step)."""
+    a_perm, b_perm, c_perm, c_flat = _mma_layout(k, atype)
+    per_reg = 64 if atype != "tf32" else 32          # fragment elements per register row of a warp
+    warp = np.arange(g)[:, None]
+
+    def rows(perm, width):
+        return perm // width * (g * width) + warp * width + perm % width
+    return (rows(a_perm, per_reg), rows(b_perm, per_reg), rows(c_perm, 32),
+            (warp * 128 + c_flat.reshape(4, 1, 32)).reshape(4, -1))
+
+
 @handles("mma", per_warp=True)
 def mma(ins, ops):
     mods = ins.mods
@@ -83,38 +116,35 @@ def mma(ins, ops):
         raise unsupported(ins)
     k = int(shape.split("k")[1])
     D, A, B, C = (ops.vector(x) for x in ins.operands)
-    # Registers are gathered as rows [reg, lane] (u32), viewed as [reg, lane, half] elements; the
-    # tables are [lane, reg, half], so transpose them to that order before flattening.
-    ar, ac = (x.transpose(1, 0, 2) for x in mma_a_table(k, atype))
-    br, bc = (x.transpose(1, 0, 2) for x in mma_b_table(k, btype))
-    cr, cc = (x.T for x in mma_c_table())
-    a_flat, b_flat, c_flat = (ar * k + ac).reshape(-1), (br * 8 + bc).reshape(-1), (cr * 8 + cc).reshape(-1)
-    if np.unique(a_flat).size != 16 * k or np.unique(b_flat).size != 8 * k:
-        raise EmulationError("fragment table does not cover the matrix")
-    # matrix element p comes from fragment element perm[p]
-    a_perm, b_perm, c_perm = np.argsort(a_flat), np.argsort(b_flat), np.argsort(c_flat)
+    _mma_layout(k, atype)                # refuses a table that does not cover the matrix, at compile time
     elem = np.uint16 if atype != "tf32" else np.uint32
     ra = [ops.read(x, "b32") for x in A]
     rb = [ops.read(x, "b32") for x in B]
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
     dec = _to_float64(atype)
-    na, nb = len(A), len(B)
 
     def run(w, m):
         require_full_warp(w, m, ins)
         g = w.nlanes // 32                                   # warps executing together
-        abits = np.stack([r(w) for r in ra]).reshape(na, g, 32).transpose(1, 0, 2)   # [warp, reg, lane]
-        bbits = np.stack([r(w) for r in rb]).reshape(nb, g, 32).transpose(1, 0, 2)
-        cvals = np.stack([r(w) for r in rc]).reshape(4, g, 32).transpose(1, 0, 2)
-        a = dec(np.ascontiguousarray(abits).view(elem).reshape(g, -1)[:, a_perm]).reshape(g, 16, k)
-        b = dec(np.ascontiguousarray(bbits).view(elem).reshape(g, -1)[:, b_perm]).reshape(g, k, 8)
+        ai, bi, ci, di = _mma_gather(k, atype, g)
+        a = dec(np.stack([r(w) for r in ra]).view(elem).reshape(-1)[ai]).reshape(g, 16, k)
+        b = dec(np.stack([r(w) for r in rb]).view(elem).reshape(-1)[bi]).reshape(g, k, 8)
         # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
-        d = (a @ b).reshape(g, 128) + cvals.reshape(g, 128)[:, c_perm]
-        out = d[:, c_flat].astype(np.float32).reshape(g, 4, 32).transpose(1, 0, 2).reshape(4, -1)
+        d = (a @ b).reshape(g, 128) + np.stack([r(w) for r in rc]).reshape(-1)[ci]
+        out = d.reshape(-1)[di].astype(np.float32)
         for i, wr in enumerate(wd):
             wr(w, out[i], m)
     return run
+
+
+@functools.lru_cache(maxsize=None)
+def _ldmatrix_gather(nmat: int, trans: bool, g: int) -> np.ndarray:
+    """For g warps' loaded rows (b16 elements [warp, row, col], row i of matrix i // 8), where
+    element h of register j of each lane is: flat indices ordered [register, warp, lane, half]."""
+    rows, cols = ldmatrix_table(trans)
+    per_warp = np.arange(nmat)[:, None, None] * 64 + rows[None] * 8 + cols[None]
+    return (np.arange(g)[None, :, None] * (nmat * 64) + per_warp.reshape(nmat, 1, 64)).reshape(-1)
 
 
 @handles("ldmatrix", per_warp=True)
@@ -124,14 +154,13 @@ def ldmatrix(ins, ops):
     known = {"sync", "aligned", "m8n8", "x1", "x2", "x4", "trans", "shared", "b16"}
     if nmat is None or set(mods) - known or "m8n8" not in mods or "b16" not in mods:
         raise unsupported(ins)
-    rows, cols = ldmatrix_table("trans" in mods)
+    trans = "trans" in mods
     dsts = [ops.write(d, "b32") for d in ops.vector(ins.operands[0])]
     if len(dsts) != nmat:
         raise unsupported(ins, "register count does not match .x")
     addr = ops.address(ins.operands[1])
     nrows = 8 * nmat
-    # b16 element (matrix j, lane, half) sits at j*64 + row*8 + col of the loaded rows
-    gather = (np.arange(nmat)[:, None, None] * 64 + rows[None] * 8 + cols[None]).reshape(-1)
+    gather = _ldmatrix_gather(nmat, trans, 1)      # one warp's, for a step only some warps execute
 
     def run(w, m):
         require_full_warp(w, m, ins)
@@ -141,10 +170,13 @@ def ldmatrix(ins, ops):
         rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
         who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
                      for x in (w.lane_warp, w.smem_slot))
-        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16).reshape(-1, nrows * 8)
-        regs = np.zeros((g, nmat, 32), np.uint32)
-        regs[on] = np.ascontiguousarray(raw[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
-        regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
+        raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16)
+        if m is None:           # every warp: one gather straight into the [register, warp, lane] rows
+            regs = raw.reshape(-1)[_ldmatrix_gather(nmat, trans, g)].view(np.uint32).reshape(nmat, -1)
+        else:
+            regs = np.zeros((g, nmat, 32), np.uint32)
+            regs[on] = np.ascontiguousarray(raw.reshape(-1, nrows * 8)[:, gather]).view(np.uint32).reshape(-1, nmat, 32)
+            regs = regs.transpose(1, 0, 2).reshape(nmat, -1)
         for j, wr in enumerate(dsts):
             wr(w, regs[j], m)
     return run
