@@ -143,6 +143,18 @@ def test_covering_case(index):
     _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed))), case, seed)
 
 
+SPLIT_KV = [i for i, c in enumerate(CASES) if c.layout != "varlen"]  # the forwards that split KV
+
+
+@pytest.mark.parametrize("index", SPLIT_KV, ids=[str(CASES[i]) for i in SPLIT_KV])
+def test_covering_case_with_split_kv(index, monkeypatch):
+    """The same case with its forward's keys split into 3 ranges and merged by lse: on few
+    cores the automatic choice never splits these small shapes."""
+    monkeypatch.setenv("FLASHGEN_CPU_KV_SPLITS", "3")
+    case, seed = CASES[index], SEED * 1000 + index
+    _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed))), case, seed)
+
+
 def test_covering_array_covers_every_possible_pair():
     dims = coverage.space((32, 64))
     covered, possible = coverage.coverage(dims, CASES)

@@ -5,7 +5,7 @@ causal, d128 f16 and d64 f32 non-causal), so CI builds nothing more.
 Projection drops the pairs of head dims, dtypes and causal flags no built spec has (d128 causal,
 f32 causal, ...): `python3 -m flashgen.coverage --head-dims 64,128 --specs 64:bf16:causal,128:f16,64:f32`
 prints what is kept. Each case runs through the spec's FFI handlers
-(flashgen.emulate.check.Checker: dense with its extras, varlen, paged; forward, and backward
+(flashgen.emulate.check.covering_case: dense with its extras, varlen, paged; forward, and backward
 on the emulated forward's o and lse) and every output is held to check.py's tolerances against
 float64. Derandomized like tests/test_coverage.py: FLASHGEN_COVERAGE_SEED=<n> draws another array
 and other inputs.
@@ -17,7 +17,8 @@ import pytest
 
 from conftest import mutated_csrc, needs_nvcc
 from flashgen import coverage, resources
-from flashgen.emulate.check import Checker
+from flashgen.emulate import check
+from flashgen.emulate.check import Checker, covering_case
 from test_cuda_emulated import checker
 from test_variant_mutations import MUTATIONS
 
@@ -26,26 +27,7 @@ pytestmark = needs_nvcc
 SEED = int(os.environ.get("FLASHGEN_COVERAGE_SEED", "0"))
 SPECS = [(64, "bf16", True), (128, "f16", False), (64, "f32", False)]
 DIMS = coverage.space(sorted({s[0] for s in SPECS}))
-CASES = coverage.project(coverage.covering_array(DIMS, SEED), SPECS)
-
-
-def run(c, case):
-    """The Checker call(s) that stand for `case` on c's spec."""
-    (sq, sk), (hq, hkv) = case.seqlens, case.heads
-    common = dict(heads_q=hq, heads_kv=hkv, bottom_right=case.bottom_right, window=case.window_sizes,
-                  softcap=case.softcap, alibi=case.alibi)
-    if case.layout == "dense":
-        bias = None
-        if case.bias is not None:  # a "fixed" bias is differentiated too: the handler computes dbias
-            pattern = case.bias.split()[0]
-            bias = (2 if "B" in pattern else 1, hq if "H" in pattern else 1)
-        return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=bias, bias_f32=bias is not None and bias != (2, hq),
-                       mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
-                       backward=case.direction == "bwd", **common)
-    if case.layout == "varlen":
-        return c.varlen(seqlens_q=(sq, 0, -(-sq // 3)), seqlens_k=(sk, 5, -(-sk // 2)), pad_q=3, pad_k=2,
-                        backward=case.direction == "bwd", **common)
-    return c.paged(seqused_k=(sk, sk // 2 + 1), seqlen_q=sq, block_size=16, **common)
+CASES = coverage.project(coverage.covering_array(DIMS, SEED), SPECS)  # as `flashgen check --cases covering`
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
@@ -53,7 +35,7 @@ def test_covering_case_under_emulation(index):
     case = CASES[index]
     seed = SEED * 1000 + index
     c = checker(np.random.default_rng(seed), case.head_dim, case.dtype, case.causal)
-    bad = [r for r in run(c, case).rows if not r.ok]
+    bad = [r for r in covering_case(c, case).rows if not r.ok]
     assert not bad, f"{case} (FLASHGEN_COVERAGE_SEED={SEED}, input seed {seed}): " + "; ".join(
         f"{r.family} {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
 
@@ -69,7 +51,7 @@ def test_projection_loses_only_pairs_with_a_spec_value():
 
 def _failures(spec, lib, cases) -> list[str]:
     return [f"{case} {r.output}: {r.error:.3g}" for i, case in cases
-            for r in run(Checker(lib, spec, np.random.default_rng(SEED * 1000 + i)), case).rows if not r.ok]
+            for r in covering_case(Checker(lib, spec, np.random.default_rng(SEED * 1000 + i)), case).rows if not r.ok]
 
 
 @pytest.mark.slow
@@ -91,3 +73,22 @@ def test_covering_cases_catch_variant_mutation(tmp_path, monkeypatch, mutation):
             print(f"{mutation[0]}: caught on {spec} by {failures[0]} ({len(failures)} rows)")
             return
     pytest.fail(f"mutation {mutation[0]} survived the covering cases")
+
+
+def test_check_covering_cases_are_the_array_ci_runs():
+    from flashgen.spec import KernelSpec
+    got = check.covering_cases([KernelSpec(*s, "sm80") for s in SPECS], SEED)
+    assert [case for _, case in got] == CASES
+    assert all((s.head_dim, s.dtype, s.causal) == (c.head_dim, c.dtype, c.causal) for s, c in got)
+
+
+def test_cli_check_cases_covering_runs_each_spec_its_projected_cases(monkeypatch, capsys):
+    """`flashgen check --emulate --cases covering` hands each spec's Checker the cases projected
+    onto it (the cases themselves run above; here only which go where)."""
+    from flashgen.cli import main
+    ran = []
+    monkeypatch.setattr(check, "covering_case", lambda c, case: ran.append((c.spec, case)) or check.CaseResult([], []))
+    assert main(["check", "--target", "sm80", "--emulate", "--hdim", "64", "--dtype", "f32", "--cases", "covering",
+                 "--seed", "3"]) == 0
+    want = coverage.project(coverage.covering_array(coverage.space([64]), 3), [(64, "f32", False)])
+    assert [case for _, case in ran] == want and {(s.head_dim, s.dtype, s.causal, s.target) for s, _ in ran} == {(64, "f32", False, "sm80")}

@@ -1,11 +1,10 @@
 """Mutation suite for the CPU kernels' variants: single-line bugs planted in a copy of csrc/
 (ALiBi offsets and slopes, bias/mask/segment strides, dbias, GQA mapping, varlen offsets,
-paged block table, lse units, softcap's backward). Not the split-KV merge: the covering
-cases have 8 query heads, enough work items that the CPU kernels never split the keys
-(tests/test_variants.py's one-sequence decode does). Each mutant's d32 f32
+paged block table, lse units, softcap's backward, the split-KV merge). Each mutant's d32 f32
 kernels are built in a child process (its FFI targets would clash with this process's) and
-run on the covering array of tests/test_coverage.py projected onto d32 f32, which must fail;
-the unmutated copy must pass.
+run on the covering array of tests/test_coverage.py projected onto d32 f32 (the dense and
+paged cases once more with their keys split, as test_covering_case_with_split_kv runs them),
+which must fail; the unmutated copy must pass.
 
 Slow (a CPU build per mutant): FLASHGEN_SLOW=1 python3 -m pytest tests/test_cpu_mutations.py
 """
@@ -50,25 +49,31 @@ MUTATIONS = [
      "const PagedRows<T> kr{k_cache + hk * D, pa.block_table + b * MB,",
      "const PagedRows<T> kr{k_cache + hk * D, pa.block_table + b,"),
     ("bwd_softcap_factor", "backward.h", "storev(du + t, one - u * u);", "storev(du + t, one - u);"),
+    ("split_merge_reads_first_partial", "forward.h",
+     "const float* src = opart + c * o_elems + oi;", "const float* src = opart + oi;"),
 ]
 
 # Child: build the d32 f32 kernels from the csrc copy argv[1], run every projected case,
 # print the failing ones as JSON. tests/ is on its path for test_coverage's runners.
 _CHILD = """
-import json, pathlib, sys
+import json, os, pathlib, sys
 import numpy as np
 from flashgen import KernelSpec, build, coverage, resources, runtime
 resources.csrc_dir = lambda: pathlib.Path(sys.argv[1])
 runtime.load(build([KernelSpec(32, "f32", c, "cpu") for c in (False, True)]).path)
 import test_coverage as tc
 failures = []
-for index, case in enumerate(tc.CASES):
-    case = coverage.Case(tuple((k, {"head_dim": 32, "dtype": "f32"}.get(k, v)) for k, v in case.values))
+runs = [(i, None) for i in range(len(tc.CASES))] + [(i, "3") for i in tc.SPLIT_KV]
+for index, splits in runs:
+    case = coverage.Case(tuple((k, {"head_dim": 32, "dtype": "f32"}.get(k, v)) for k, v in tc.CASES[index].values))
     seed = tc.SEED * 1000 + index
+    os.environ.pop("FLASHGEN_CPU_KV_SPLITS", None)
+    if splits:
+        os.environ["FLASHGEN_CPU_KV_SPLITS"] = splits
     try:
         tc._check(tc.RUN[case.layout](case, tc.Inputs(case, np.random.default_rng(seed))), case, seed)
     except Exception as e:
-        failures.append(str(e).splitlines()[0][:300])
+        failures.append(("split-KV " if splits else "") + str(e).splitlines()[0][:300])
 print(json.dumps(failures))
 """
 

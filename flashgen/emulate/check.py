@@ -5,7 +5,7 @@ Each case draws its inputs, calls the handlers as XLA would (the backward gets t
 emulated forward's o and lse), and returns one Row per output: the largest error
 relative to max(1, max|reference|), where a non-finite value must match the reference
 exactly (-inf lse of a row without keys; a NaN never passes). `flashgen check --emulate`
-runs standard_cases() and prints the table. Emulation shows correctness, never speed.
+runs standard_cases() (or, with --cases covering, covering_cases()) and prints the table. Emulation shows correctness, never speed.
 """
 from __future__ import annotations
 
@@ -101,12 +101,12 @@ class Checker:
 
     # -----------------------------------------------------------------------------------------
     def dense(self, *, batch=1, seqlen_q=77, seqlen_k=None, heads_q=2, heads_kv=1, bottom_right=False,
-              window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, mask=None,
+              window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, bias_grad=True, mask=None,
               segment_ids=False, backward=True) -> CaseResult:
         """Dense forward (and backward, on the emulated forward's o and lse).
         alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq) — the bias is
-        differentiated (dbias checked); the mask has a fully masked row; segment_ids: the
-        last query segment has no keys."""
+        differentiated (the backward returns dbias, checked) unless not bias_grad; the mask has
+        a fully masked row; segment_ids: the last query segment has no keys."""
         b, sq, hq, hkv, d = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim
         sk = sq if seqlen_k is None else seqlen_k
         q, k, v, do = (self._normal(b, n, h, d) for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
@@ -133,7 +133,8 @@ class Checker:
         attrs = self._attrs(bottom_right, window, softcap, names)
         family = "extras" if names else "dense"
         case = _describe(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, bottom_right=bottom_right, window=window,
-                         softcap=softcap, alibi=alibi, bias=bias and f"{bias}{':f32' if bias_f32 else ''}",
+                         softcap=softcap, alibi=alibi,
+                         bias=bias and f"{bias}{':f32' if bias_f32 else ''}{'' if bias_grad else ':fixed'}",
                          mask=mask, segment_ids=segment_ids)
         ref = reference.attention(q, k, v, causal=self.spec.causal, scale=self.scale, bottom_right=bottom_right,
                                   window=window, softcap=softcap, do=do if backward else None, **kw)
@@ -143,7 +144,7 @@ class Checker:
                                    lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
         if backward:
             results = [((b, sq, hq, d), self.dt), ((b, sk, hkv, d), self.dt), ((b, sk, hkv, d), self.dt)]
-            if bias is not None:  # dbias: the bias's shape and type
+            if bias is not None and bias_grad:  # dbias: the bias's shape and type
                 results.append((ops["bias"][0].shape, ops["bias"][0].dtype))
             _, more = self._run(family, case, self.spec.target_name("bwd"), [q, k, v, o, lse, do, *extra_ops],
                                 results, attrs,
@@ -246,6 +247,38 @@ def standard_cases(c: Checker) -> list[CaseResult]:
     ]
 
 
+def covering_case(c: Checker, case) -> CaseResult:
+    """The Checker call that stands for a point of the covering array (flashgen.coverage.Case)
+    on c's spec: dense (B = 2) with its extras, varlen with an empty sequence and padding
+    rows, or paged (block size 16, a shuffled table); a "fixed" bias gets no dbias."""
+    (sq, sk), (hq, hkv) = case.seqlens, case.heads
+    common = dict(heads_q=hq, heads_kv=hkv, bottom_right=case.bottom_right, window=case.window_sizes,
+                  softcap=case.softcap, alibi=case.alibi)
+    if case.layout == "dense":
+        bias = None
+        if case.bias is not None:
+            pattern = case.bias.split()[0]
+            bias = (2 if "B" in pattern else 1, hq if "H" in pattern else 1)
+        return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=bias, bias_f32=bias is not None and bias != (2, hq),
+                       bias_grad=not (case.bias or "").endswith("fixed"),
+                       mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
+                       backward=case.direction == "bwd", **common)
+    if case.layout == "varlen":
+        return c.varlen(seqlens_q=(sq, 0, -(-sq // 3)), seqlens_k=(sk, 5, -(-sk // 2)), pad_q=3, pad_k=2,
+                        backward=case.direction == "bwd", **common)
+    return c.paged(seqused_k=(sk, sk // 2 + 1), seqlen_q=sq, block_size=16, **common)
+
+
+def covering_cases(specs: list[KernelSpec], seed: int) -> list[tuple[KernelSpec, object]]:
+    """The pairwise covering array of seed `seed` over the specs' head dims, each case moved
+    onto the spec that agrees with most of its values (flashgen.coverage.project)."""
+    from flashgen import coverage  # noqa: PLC0415
+
+    by_key = {(s.head_dim, s.dtype, s.causal): s for s in specs}
+    cases = coverage.covering_array(coverage.space(sorted({s.head_dim for s in specs})), seed)
+    return [(by_key[(c.head_dim, c.dtype, c.causal)], c) for c in coverage.project(cases, list(by_key))]
+
+
 def format_table(rows: list[Row]) -> str:
     head = ("family", "spec", "case", "output", "rel. error", "tolerance", "seconds", "")
     body = [(r.family, r.spec, r.case, r.output, f"{r.error:.2e}", f"{r.tolerance:g}", f"{r.seconds:.1f}",
@@ -292,19 +325,22 @@ def cmd_check(args) -> int:
     out = json_output(args.json) if args.json else None  # a bad location is refused before any work
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     seed = np.random.SeedSequence().entropy if args.seed is None else args.seed
+    covering = covering_cases(specs, seed) if args.cases == "covering" else []
     rows: list[Row] = []
     t0 = time.perf_counter()
     for spec in specs:
         lib = EmulatedLibrary(build(spec, host="emulate", progress=say))
         say(f"{spec}: running its kernels under emulation (input seed {seed}); correctness only, not speed")
-        rows += [row for case in standard_cases(Checker(lib, spec, np.random.default_rng(seed))) for row in case.rows]
+        c = Checker(lib, spec, np.random.default_rng(seed))
+        results = [covering_case(c, case) for s, case in covering if s == spec] if covering else standard_cases(c)
+        rows += [row for case in results for row in case.rows]
     print(format_table(rows))
     failed = sum(not r.ok for r in rows)
     if len(specs) > 1 or args.json:
         print(summarize(rows))
     print(f"{len(rows) - failed}/{len(rows)} outputs within tolerance in {time.perf_counter() - t0:.0f}s")
     if out:
-        doc = {"environment": environment("cpu"), "emulated_targets": args.target, "seed": seed,
+        doc = {"environment": environment("cpu"), "emulated_targets": args.target, "seed": seed, "cases": args.cases,
                "specs": [str(s) for s in specs], "failed": failed, "rows": [dataclasses.asdict(r) for r in rows]}
         out.write(json.dumps(doc, indent=1).encode())
     return 1 if failed else 0
@@ -320,6 +356,10 @@ def register(sub) -> None:
     add_spec_args(p, multi=True)
     p.add_argument("--causal", nargs="?", const="on", default="off", choices=["on", "off", "both"],
                    help="--causal alone: the causal spec; 'both': each spec both ways")
-    p.add_argument("--seed", type=int, help="input seed (default: fresh)")
+    p.add_argument("--cases", choices=["standard", "covering"], default="standard",
+                   help="standard: a few cases that combine the features per entry point; covering: the "
+                        "pairwise covering array of the feature space (flashgen.coverage, drawn from --seed) "
+                        "projected onto the specs")
+    p.add_argument("--seed", type=int, help="input seed, and the covering array's (default: fresh)")
     p.add_argument("--json", metavar="FILE", help="also write the rows, the seed and the environment as JSON")
     p.set_defaults(func=cmd_check)

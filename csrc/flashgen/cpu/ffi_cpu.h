@@ -8,7 +8,7 @@
 // and starts no thread of its own. A pool of one thread means inline. Without a
 // pool (a host that passes none) the kernels use their own persistent pool
 // sized to the CPUs available. FLASHGEN_CPU_THREADS=N overrides both: N
-// threads on the own pool (1: inline).
+// threads on the own pool (1: inline). FLASHGEN_CPU_KV_SPLITS: parallel.h.
 #pragma once
 #include <cstring>
 #include <string>
@@ -82,7 +82,8 @@ typename Storage<T>::type* out(const Out& o) {
 template <ffi::DataType T, int D>
 void run(const FwdCall& c, int threads, Workers* workers) {
   attention_fwd<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
-                                              static_cast<float*>(c.lse.data), c.s, c.attrs, c.x, threads, workers);
+                                              static_cast<float*>(c.lse.data), c.s, c.attrs, c.x, threads, workers,
+                                              env_kv_splits());
 }
 
 template <ffi::DataType T, int D>
@@ -110,7 +111,7 @@ template <ffi::DataType T, int D>
 void run(const FwdPagedCall& c, int threads, Workers* workers) {
   attention_fwd_paged<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
                                                     static_cast<float*>(c.lse.data), c.s, c.paged, c.attrs, c.x,
-                                                    threads, workers);
+                                                    threads, workers, env_kv_splits());
 }
 
 // The handler of one call (templates/cpu/spec.cc.j2 binds it): Call (call.h) decodes and

@@ -33,15 +33,22 @@ namespace cpu {
 // Threads.
 // ---------------------------------------------------------------------------
 
-// FLASHGEN_CPU_THREADS if set to a number > 0 (capped at 4096), else 0.
-inline int env_num_threads() {
-  if (const char* e = std::getenv("FLASHGEN_CPU_THREADS")) {
+// The environment variable `name` if set to a number > 0 (capped at 4096), else 0.
+inline int env_count(const char* name) {
+  if (const char* e = std::getenv(name)) {
     char* end = nullptr;
     long n = std::strtol(e, &end, 10);
     if (end != e && n > 0) return n > 4096 ? 4096 : static_cast<int>(n);
   }
   return 0;
 }
+
+inline int env_num_threads() { return env_count("FLASHGEN_CPU_THREADS"); }
+
+// FLASHGEN_CPU_KV_SPLITS=N forces N split-KV key ranges per row block in the dense and
+// paged forward (the split and its merge are otherwise taken only when row blocks are
+// fewer than useful threads, which the tests' small shapes on few cores never reach).
+inline int env_kv_splits() { return env_count("FLASHGEN_CPU_KV_SPLITS"); }
 
 // CPUs this process may run on (its affinity mask, e.g. under taskset), else
 // the hardware concurrency; at least 1.
