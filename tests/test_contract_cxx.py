@@ -150,6 +150,23 @@ def nif_mismatches(calls: dict, attributes: dict, extras: dict) -> list[str]:
     return bad
 
 
+def extras_order_mismatches(extras: dict) -> list[str]:
+    """Where ffi_common.h's parse_extras (the names it accepts, their order, its error text)
+    differs from contract.EXTRAS."""
+    text = (resources.csrc_dir() / "flashgen" / "ffi_common.h").read_text()
+    body = re.search(r"parse_extras\(.*?\n\}", text, re.S).group(0)
+    order = re.search(r"const char\* order\[(\d+)\] = \{(.*?)\};", body)
+    flags = re.search(r"bool\* flags\[(\d+)\] = \{(.*?)\};", body)
+    allowed = re.search(r"allowed, in this order: ([\w,]+)", body)
+    want = list(extras)
+    got = {"order": re.findall(r'"(\w+)"', order.group(2)) if order else None,
+           "flags": re.findall(r"&n\.(\w+)", flags.group(2)) if flags else None,
+           "error text": allowed.group(1).split(",") if allowed else None,
+           "loop bound": [None] * len(want) if f"i < {len(want)}" in body and f"i == {len(want)}" in body else None}
+    return [f"parse_extras {what}: {names}, contract says {want}" for what, names in got.items()
+            if names is None or len(names) != len(want) or (what != "loop bound" and names != want)]
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.stem)
 def test_rendered_bindings_are_the_contract(spec):
     assert binding_mismatches(spec, contract.CALLS) == []
@@ -165,6 +182,10 @@ def test_call_h_decode_signatures_are_the_contract():
 
 def test_nif_tables_are_the_contract():
     assert nif_mismatches(contract.CALLS, contract.ATTRIBUTES, contract.EXTRAS) == []
+
+
+def test_ffi_common_parse_extras_is_the_contract():
+    assert extras_order_mismatches(contract.EXTRAS) == []
 
 
 def test_each_check_reports_a_changed_contract(monkeypatch):
@@ -186,6 +207,9 @@ def test_each_check_reports_a_changed_contract(monkeypatch):
     assert attribute_mismatches({"fwd": reordered}, contract.ATTRIBUTES)
     assert binding_mismatches(SPECS[0], {**contract.CALLS, "bwd": dataclasses.replace(contract.CALLS["bwd"],
                                                                                         dbias=False)})
+    names = list(contract.EXTRAS)
+    assert extras_order_mismatches({n: contract.EXTRAS[n] for n in [names[1], names[0], *names[2:]]})
+    assert extras_order_mismatches({**contract.EXTRAS, "softmax_sink": ()})
 
 
 # ---- one validation for every backend ---------------------------------------------------------
