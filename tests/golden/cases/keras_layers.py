@@ -112,3 +112,30 @@ def keras_hub_llama_int_padding():
     # the same with an int32 padding mask: minimum(p, causal) != 0 is no conjunction when p
     # may be negative (a negative entry shows masked keys), so the merged mask stays an operand
     return _keras_hub_llama("int32")
+
+
+def _mha_two_axes(masked):
+    """keras 3 MultiHeadAttention(attention_axes=(1, 2)) self-attention over a [B, 4, 3] grid:
+    keras' Softmax over the two key axes, spelled exp(x - logsumexp(x))."""
+    keras = _keras()
+    layer = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, attention_axes=(1, 2))
+    x = np.ones((B, 4, 3, H * D), np.float32)
+    if not masked:
+        layer(x, x)
+        return keras_export(lambda q: layer(q, q), layer.weights, spec(x.shape))
+    layer(x, x, attention_mask=np.ones((B, 4, 3, 4, 3), bool))
+    return keras_export(lambda q, m: layer(q, q, attention_mask=m), layer.weights, spec(x.shape),
+                        spec((B, 4, 3, 4, 3), "bool"))
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", False)], layout=None)
+def keras_mha_attention_axes_2d():
+    # the query axes and the key axes each flattened into one (12 = 4 x 3)
+    return _mha_two_axes(masked=False)
+
+
+@golden(rewritten=1, targets=[tname(32, "f32", False)], extras=["mask"])
+def keras_mha_attention_axes_2d_masked():
+    # a [B, 4, 3, 4, 3] mask flattened like the scores into a [B, 1, 12, 12] mask operand;
+    # the numerics feed masks with rows that see no key (keras' finite fill: a uniform row)
+    return _mha_two_axes(masked=True)
