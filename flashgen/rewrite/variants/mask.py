@@ -119,16 +119,10 @@ def _bools_of(walk, ref: Ref, layout, depth: int):
     not a conjunction (a negative entry would show masked keys)."""
     r = ref
     for _ in range(MAX_CHAIN):
-        op, r = walk.g.producer(r)
+        op, r, layout = _behind_layout_ops(walk, r, layout)
         if op is None:
             return None
         name = op_name(op)
-        if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
-            layout = back_layout(op, layout)
-            if layout is None:
-                return None
-            r = Ref(op.operands[0], r.ctx)
-            continue
         if name == "stablehlo.convert":
             src = elt(op.operands[0])
             if src == "i1":
@@ -148,26 +142,30 @@ def _bools_of(walk, ref: Ref, layout, depth: int):
 def _select_of_constants(walk, ref: Ref, layout):
     """(predicate Ref, its layout, (on-true, on-false) scalars) when ``ref`` is, through
     layout ops, a select between two uniform constants; else None."""
+    op, r, layout = _behind_layout_ops(walk, ref, layout)
+    if op is None or op_name(op) != "stablehlo.select" or \
+            op.operands[0].type.shape != op.result.type.shape:  # not a scalar predicate
+        return None
+    branches = [walk.folder.fold(Ref(x, r.ctx)) for x in op.operands[1:]]
+    if any(b is None or not b.uniform for b in branches):
+        return None
+    return Ref(op.operands[0], r.ctx), layout, tuple(b.scalar() for b in branches)
+
+
+def _behind_layout_ops(walk, ref: Ref, layout):
+    """(op, its result Ref, layout there) of the first producer of ``ref`` that is no
+    broadcast / transpose / reshape; op None when there is none or a layout is lost."""
     r = ref
     for _ in range(MAX_CHAIN):
         op, r = walk.g.producer(r)
-        if op is None:
-            return None
-        name = op_name(op)
-        if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
-            layout = back_layout(op, layout)
-            if layout is None:
-                return None
-            r = Ref(op.operands[0], r.ctx)
-            continue
-        if name != "stablehlo.select" or \
-                op.operands[0].type.shape != op.result.type.shape:  # not a scalar predicate
-            return None
-        branches = [walk.folder.fold(Ref(x, r.ctx)) for x in op.operands[1:]]
-        if any(b is None or not b.uniform for b in branches):
-            return None
-        return Ref(op.operands[0], r.ctx), layout, tuple(b.scalar() for b in branches)
-    return None
+        if op is None or op_name(op) not in ("stablehlo.broadcast_in_dim",
+                                             "stablehlo.transpose", "stablehlo.reshape"):
+            return op, r, layout
+        layout = back_layout(op, layout)
+        if layout is None:
+            return None, r, layout
+        r = Ref(op.operands[0], r.ctx)
+    return None, r, layout
 
 
 def _value_mask(walk, ref: Ref, layout, negate: bool):
