@@ -150,3 +150,31 @@ def hf_falcon_alibi_sdpa_left_padded():
         causal=True, extras=["bias", "segment_ids"])
 def hf_falcon_alibi_sdpa_left_padded_bf16():
     return _falcon("sdpa", dtype="bfloat16")
+
+
+def _keras_hub_alibi(backbone_cls, **kw):
+    from .common import export_fn, spec
+    from .keras_layers import _keras
+    keras = _keras()
+    import keras_hub
+    keras.utils.set_random_seed(0)
+    backbone = getattr(keras_hub.models, backbone_cls)(vocabulary_size=64, num_layers=1,
+                                                       hidden_dim=H * D,
+                                                       intermediate_dim=2 * H * D, **kw)
+    return export_fn(lambda ids, pad: backbone({"token_ids": ids, "padding_mask": pad}),
+                     spec((B, T), "int32"), spec((B, T), "bool"))
+
+
+# keras_hub's Falcon builds its ALiBi from the padding mask's cumsum as transformers does; its
+# unused rotary matmul is a near miss
+@golden(rewritten=1, rejected=["depends on the scores"], targets=[tname(32, "f32", True)],
+        causal=True, extras=["bias", "segment_ids"])
+def keras_hub_falcon_alibi_padding():
+    return _keras_hub_alibi("FalconBackbone", num_attention_heads=H)
+
+
+# keras_hub's Bloom builds its ALiBi from an arange (not the mask): constant slopes
+@golden(rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        extras=["alibi", "segment_ids"])
+def keras_hub_bloom_alibi_padding():
+    return _keras_hub_alibi("BloomBackbone", num_heads=H, max_sequence_length=16)
