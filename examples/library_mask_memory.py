@@ -11,7 +11,9 @@ call of the model's attention shape for scale.
     python examples/library_mask_memory.py --model mistral --seq 4096
 
 `--model keras_hub_llama`: keras_hub's LlamaBackbone with a boolean padding mask instead
-(causal attribute + O(S) key padding). Needs torch, torchax and transformers (or keras_hub);
+(causal attribute + O(S) key padding). `--model bloom|falcon`: a transformers BloomModel /
+FalconModel (alibi=True) with a left-padded attention_mask: ALiBi from cumsum(mask), a
+[B, H, 1, S] bias operand (O(S)) + causal + key padding. Needs torch, torchax and transformers (or keras_hub);
 compiles on CPU, runs nothing but the compiler.
 """
 from __future__ import annotations
@@ -29,29 +31,50 @@ def export_model(kind: str, seq: int, layers: int, hidden: int, heads: int, kv_h
         return export_keras_hub_llama(seq, layers, hidden, heads, kv_heads)
     import torch
     import transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads)
+    inputs = {"input_ids": torch.randint(0, 128, (1, seq))}
+    if kind == "bloom":
+        config = transformers.BloomConfig(vocab_size=128, hidden_size=hidden, n_layer=layers,
+                                          n_head=heads)
+        model = transformers.BloomModel
+    elif kind == "falcon":
+        config = transformers.FalconConfig(**common, alibi=True, new_decoder_architecture=False,
+                                           multi_query=False, parallel_attn=False)
+        model = transformers.FalconModel
+    else:
+        common.update(intermediate_size=2 * hidden, num_key_value_heads=kv_heads,
+                      max_position_embeddings=seq)
+        if kind == "llama":
+            config = transformers.LlamaConfig(**common)
+            model = transformers.LlamaModel
+        else:
+            config = transformers.MistralConfig(**common, sliding_window=window)
+            model = transformers.MistralModel
+    if kind in ("bloom", "falcon"):   # ALiBi from the positions of a left-padded batch
+        mask = torch.ones(1, seq, dtype=torch.int64)
+        mask[0, :100] = 0
+        inputs["attention_mask"] = mask
+    config._attn_implementation = "eager"
+    return _torchax_export(model(config).eval(), inputs)
+
+
+def _torchax_export(net, inputs: dict):
+    """The StableHLO text of ``net(**inputs).last_hidden_state`` (no cache), via torchax."""
+    import torch
     from flashgen.frontends.torchax_compat import import_torchax
     torchax = import_torchax()
-    torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
-                  num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, max_position_embeddings=seq)
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common)
-        model = transformers.LlamaModel
-    else:
-        config = transformers.MistralConfig(**common, sliding_window=window)
-        model = transformers.MistralModel
-    config._attn_implementation = "eager"
-    net = model(config).eval()
+    names = list(inputs)
 
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.m = net
 
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).last_hidden_state
-    ep = torch.export.export(M(), (torch.randint(0, 128, (1, seq)),))
+        def forward(self, *args):
+            return self.m(**dict(zip(names, args)), use_cache=False).last_hidden_state
+    ep = torch.export.export(M(), tuple(inputs.values()))
     _, exported = torchax.export.exported_program_to_stablehlo(ep)
     return exported.mlir_module()
 
@@ -104,7 +127,8 @@ def mib(n: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("llama", "mistral", "keras_hub_llama"), default="llama")
+    ap.add_argument("--model", choices=("llama", "mistral", "keras_hub_llama", "bloom", "falcon"),
+                    default="llama")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)

@@ -80,10 +80,11 @@ class Operand:
 
 
 # The optional operands of a call, in the order they follow the fixed operands: extra -> its operands.
-# Bias and mask broadcast over batch and heads (a dim of 1).
+# Bias and mask broadcast over batch and heads (a dim of 1); a bias also over the queries
+# (a key-only bias, e.g. ALiBi from a padded batch's positions: O(Sk), not O(Sq·Sk)).
 EXTRAS = {
     "alibi": (Operand("alibi_slopes", ("Hq",), "f32", other_shape=("B", "Hq")),),
-    "bias": (Operand("bias", ("1|B", "1|Hq", "Sq", "Sk"), "T|f32"),),
+    "bias": (Operand("bias", ("1|B", "1|Hq", "1|Sq", "Sk"), "T|f32"),),
     "mask": (Operand("mask", ("1|B", "1|Hq", "Sq", "Sk"), "i1"),),
     "segment_ids": (Operand("q_segment_ids", ("B", "Sq"), "i32"), Operand("kv_segment_ids", ("B", "Sk"), "i32")),
 }

@@ -37,7 +37,7 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D]; rows that see no key give o = 0, lse = -inf.
     window=(left, right), -1 = unbounded; softcap=c > 0 maps scaled scores x to
     c·tanh(x/c) before masking. Then (README "Variants"): alibi_slopes [Hq] | [B,Hq] adds
-    -slope·|i + off - j|, bias [1|B,1|Hq,Sq,Sk] is added, mask (same shapes, bool) and
+    -slope·|i + off - j|, bias [1|B,1|Hq,1|Sq,Sk] is added, mask ([1|B,1|Hq,Sq,Sk] bool) and
     segment ids (equal ids) restrict visibility. `dlse` (with `do`) adds a cotangent of lse.
 
     NaN and overflow follow IEEE arithmetic over the keys a row sees (README "NaN and
@@ -99,7 +99,7 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
         grads = ()
         if bias is not None:  # d score / d bias = 1, summed over the dims bias broadcasts
             shape = np.shape(bias)
-            grads = (ds.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True),)
+            grads = (ds.sum(axis=tuple(i for i in (0, 1, 2) if shape[i] == 1), keepdims=True),)
         if softcap > 0:
             ds = np.where(visible, ds * (1.0 - tanh ** 2), 0.0)
         dq = _masked_product("bhqk,bkhd->bqhd", ds, kr, visible) * scale

@@ -146,6 +146,12 @@ def test_f32_dense(rng):
     assert_matches(checker(rng, 64, "f32", False).dense(seqlen_q=45, seqlen_k=70, heads_q=2, heads_kv=1))
 
 
+def test_key_only_bias_broadcast_over_queries(rng):
+    # [B, 1, 1, Sk]: row stride 0 in the kernels; dbias's atomics sum the queries into one row
+    assert_matches(checker(rng, 64, "bf16", True).dense(batch=2, seqlen_q=24, seqlen_k=40, heads_q=2, heads_kv=1,
+                                                         bottom_right=True, bias=(2, 1, 1)))
+
+
 def test_d256_dbias_is_not_doubled(rng):
     # Head dims > 128 split each key block's dK/dV columns over two CTAs (NSPLIT = 2), both of
     # which recompute dS: only one may add it into dbias.

@@ -162,6 +162,20 @@ def test_bias_long_sequence_multiblock(rng):
           bottom_right=True)
 
 
+def test_key_only_bias_reaches_the_kernel_as_one_row_and_dbias_sums_the_queries(rng):
+    """A [B|1, H|1, 1, Sk] bias (BLOOM's ALiBi from a padded batch's positions) is passed as
+    it is, O(Sk) (kernel row stride 0), not broadcast to [.., Sq, Sk]; its dbias is summed over
+    the queries, across key blocks and with the bias shared by batch entries."""
+    q, k, v, _ = _qkv(rng, "f32", 2, 19, 23, 4, 2, 32)
+    bias = jnp.asarray(rng.standard_normal((2, 4, 1, 23)), jnp.float32)
+    text = jax.jit(lambda q, b: flash_attention(q, k, v, b, causal=True)).lower(q, bias).as_text()
+    (line,) = [l for l in text.splitlines() if "flashgen_fwd_d32_f32_causal" in l]
+    assert "tensor<2x4x1x23xf32>" in line and "x19x23x" not in line, line
+    check(rng, bias=((2, 4, 1, 23), "f32"), causal=True)
+    check(rng, d=64, b=2, sq=150, sk=150, hq=2, hkv=1, bias=((1, 2, 1, 150), "f32"), causal=True)
+    check(rng, dtype="bf16", d=64, bias=((2, 1, 1, 23), "bf16"))
+
+
 # ----------------------------------------------------------------------------- mask
 def test_mask_full_shape_with_masked_rows(rng):
     q, k, v, do = _qkv(rng, "f32", 2, 9, 11, 2, 2, 32)

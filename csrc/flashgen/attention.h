@@ -77,7 +77,9 @@ FLASHGEN_HD bool band_masks_anything(const AttentionShape& s, const VisibleBand&
 //                  +  bias(b,h,i,j)
 //   visible(b,h,i,j) &= mask(b,h,i,j) && q_seg(b,i) == kv_seg(b,j)
 // bias / mask / dbias: element (b,h,i,j) at b*stride_b + h*stride_h + i*Sk + j
-// (stride 0 on a broadcast dim). dbias (backward, iff bias) has the bias's
+// (stride 0 on a broadcast dim); the bias (and dbias) at ... + i*bias_stride_q + j,
+// bias_stride_q = 0 when it broadcasts over the queries ([.., 1, Sk]: a key-only
+// bias such as BLOOM's ALiBi from a padded batch's positions, O(Sk) not O(Sq·Sk)). dbias (backward, iff bias) has the bias's
 // layout and type and receives dS summed over the broadcast dims.
 enum class ElemType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -86,7 +88,7 @@ struct ScoreExtras {
   int64_t alibi_stride_b = 0;
   const void* bias = nullptr;
   ElemType bias_type = ElemType::F32;
-  int64_t bias_stride_b = 0, bias_stride_h = 0;
+  int64_t bias_stride_b = 0, bias_stride_h = 0, bias_stride_q = 0;
   const bool* mask = nullptr;
   int64_t mask_stride_b = 0, mask_stride_h = 0;
   const int32_t* q_segment_ids = nullptr;   // [B, Sq]

@@ -135,16 +135,20 @@ inline const char* dtype_name(ffi::DataType t) {
   }
 }
 
-// Strides of a [1|B, 1|H, Sq, Sk] operand (0 on broadcast dims), or an error.
+// Strides of a [1|B, 1|H, Sq, Sk] operand (0 on broadcast dims), or an error. With
+// `stride_q` (the bias) the query dim may broadcast too: [1|B, 1|H, 1|Sq, Sk].
 inline ffi::Error broadcast_strides(const char* target, const char* name, Dims d, const AttentionShape& s,
-                                   int64_t* stride_b, int64_t* stride_h) {
-  if (d.size() != 4 || (d[0] != 1 && d[0] != s.batch) || (d[1] != 1 && d[1] != s.heads_q) ||
-      d[2] != s.seqlen_q || d[3] != s.seqlen_k)
+                                   int64_t* stride_b, int64_t* stride_h, int64_t* stride_q = nullptr) {
+  const bool q_ok = d.size() == 4 && (d[2] == s.seqlen_q || (stride_q != nullptr && d[2] == 1));
+  if (d.size() != 4 || (d[0] != 1 && d[0] != s.batch) || (d[1] != 1 && d[1] != s.heads_q) || !q_ok ||
+      d[3] != s.seqlen_k)
     return invalid(target, std::string(name) + " has shape " + dims_str(d) + ", expected [1|" +
                                std::to_string(s.batch) + ", 1|" + std::to_string(s.heads_q) + ", " +
-                               std::to_string(s.seqlen_q) + ", " + std::to_string(s.seqlen_k) + "]");
-  *stride_h = d[1] == 1 ? 0 : s.seqlen_q * s.seqlen_k;
-  *stride_b = d[0] == 1 ? 0 : d[1] * s.seqlen_q * s.seqlen_k;
+                               (stride_q != nullptr ? "1|" : "") + std::to_string(s.seqlen_q) + ", " +
+                               std::to_string(s.seqlen_k) + "]");
+  if (stride_q != nullptr) *stride_q = d[2] == 1 ? 0 : s.seqlen_k;
+  *stride_h = d[1] == 1 ? 0 : d[2] * s.seqlen_k;
+  *stride_b = d[0] == 1 ? 0 : d[1] * d[2] * s.seqlen_k;
   return ffi::Error::Success();
 }
 
@@ -190,7 +194,8 @@ inline ffi::ErrorOr<ScoreExtras> decode_extras(const char* target, std::string_v
     auto b = next("bias", ffi::DataType::F32, q_type);
     if (b.has_error()) return ffi::Unexpected<ffi::Error>(b.error());
     bias_dims = b.value().dimensions();
-    if (auto e = broadcast_strides(target, "bias", bias_dims, s, &x.bias_stride_b, &x.bias_stride_h); e.failure())
+    if (auto e = broadcast_strides(target, "bias", bias_dims, s, &x.bias_stride_b, &x.bias_stride_h,
+                                   &x.bias_stride_q); e.failure())
       return ffi::Unexpected<ffi::Error>(e);
     bias_type = b.value().element_type();
     x.bias = b.value().untyped_data();

@@ -104,9 +104,10 @@ class Checker:
               window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, bias_grad=True, mask=None,
               segment_ids=False, backward=True) -> CaseResult:
         """Dense forward (and backward, on the emulated forward's o and lse).
-        alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq) — the bias is
-        differentiated (the backward returns dbias, checked) unless not bias_grad; the mask has
-        a fully masked row; segment_ids: the last query segment has no keys."""
+        alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq; a bias's third,
+        1, broadcasts it over the queries: a key-only bias) — the bias is differentiated (the
+        backward returns dbias, checked) unless not bias_grad; the mask has a fully masked row;
+        segment_ids: the last query segment has no keys."""
         b, sq, hq, hkv, d = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim
         sk = sq if seqlen_k is None else seqlen_k
         q, k, v, do = (self._normal(b, n, h, d) for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
@@ -115,7 +116,8 @@ class Checker:
             ops["alibi"] = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
             kw["alibi_slopes"] = ops["alibi"][0]
         if bias is not None:
-            ops["bias"] = [self.rng.standard_normal((*bias, sq, sk)).astype(np.float32 if bias_f32 else self.dt)]
+            shape = (*bias, sk) if len(bias) == 3 else (*bias, sq, sk)
+            ops["bias"] = [self.rng.standard_normal(shape).astype(np.float32 if bias_f32 else self.dt)]
             kw["bias"] = ops["bias"][0]
         if mask is not None:
             m = self.rng.random((*mask, sq, sk)) < 0.75

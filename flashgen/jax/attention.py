@@ -199,8 +199,9 @@ def _unfold_group(o, heads):
     return o.swapaxes(1, 2).reshape(o.shape[0], 1, heads, o.shape[3])
 
 
-def _broadcast_4d(x, name: str, b: int, h: int, sq: int, sk: int, dtypes):
-    """x broadcast to [1|b, 1|h, sq, sk] (keeping size-1 batch/head dims)."""
+def _broadcast_4d(x, name: str, b: int, h: int, sq: int, sk: int, dtypes, keep_q=False):
+    """x broadcast to [1|b, 1|h, sq, sk] (keeping size-1 batch/head dims, and with
+    ``keep_q`` a size-1 query dim: the bias's key-only form)."""
     x = jnp.asarray(x)
     if x.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
@@ -208,7 +209,8 @@ def _broadcast_4d(x, name: str, b: int, h: int, sq: int, sk: int, dtypes):
         raise ValueError(f"{name} must be broadcastable to [batch, heads, seq_q, seq_k] = "
                          f"{[b, h, sq, sk]}, got shape {x.shape}")
     x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    target = (x.shape[0] if x.shape[0] == 1 else b, x.shape[1] if x.shape[1] == 1 else h, sq, sk)
+    target = (x.shape[0] if x.shape[0] == 1 else b, x.shape[1] if x.shape[1] == 1 else h,
+              1 if keep_q and x.shape[2] == 1 else sq, sk)
     try:
         np.broadcast_shapes(x.shape, (b, h, sq, sk))
     except ValueError:
@@ -226,7 +228,7 @@ def _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_id
         out["alibi"] = (_alibi_operand(alibi_slopes, b, hq),)
     if bias is not None:
         bias_dtypes = {jnp.dtype(jnp.float32), jnp.dtype(q.dtype)}
-        out["bias"] = (_broadcast_4d(bias, "bias", b, hq, sq, sk, bias_dtypes),)
+        out["bias"] = (_broadcast_4d(bias, "bias", b, hq, sq, sk, bias_dtypes, keep_q=True),)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
     if mask is not None:

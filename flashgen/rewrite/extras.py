@@ -18,7 +18,8 @@ Once the kernel roles are known, ``resolve`` turns them into the kernel's operan
     visible entry, the sum equals -slope_h·|i + off - j| up to a per-row constant (softmax
     ignores those) it becomes ``alibi`` with f32 [Hq] (or [B, Hq]) slopes; if it is a
     per-row constant only, it is dropped; otherwise it is a constant ``bias`` operand;
-  * run-time biases become ``bias`` (added together with a constant bias that is no ALiBi);
+  * run-time biases become ``bias`` (added together with a constant bias that is no ALiBi),
+    [1|B, 1|Hq, 1|Sq, Sk]: a key-only one is not broadcast over the queries;
   * run-time masks, segment ids that do not fit [B, Sq] / [B, Sk], and constant masks that are
     no causal/window band become one ``mask`` (their AND);
   * one segment-id pair becomes ``segment_ids`` (i32).
@@ -106,9 +107,12 @@ class Resolved:
     # attributes, a constant mask operand) leave without a visible key; None if there are none
 
 
-def _groups(kernel_q, k_free):
+def _groups(kernel_q, k_free, *, bias=False):
+    """The kernel operand's dims as groups of pieces (adapters.target_recipe); a bias also
+    broadcasts over the queries: a key-only bias (BLOOM's ALiBi from a padded batch's
+    positions) stays [.., 1, Sk], O(Sk)."""
     b, s, h, _ = kernel_q
-    return [(tuple(b), False), (tuple(h), False), (tuple(s), True), (tuple(k_free), True)]
+    return [(tuple(b), False), (tuple(h), False), (tuple(s), not bias), (tuple(k_free), True)]
 
 
 def _fit(fn, *args):
@@ -123,6 +127,7 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
     """Kernel operands for the recorded extras. ``const_masks``: the (Const visible, layout,
     how) of constant masks that are no causal/window band (ANDed into the mask operand)."""
     groups = _groups(kernel_q, k_free)
+    bias_groups = _groups(kernel_q, k_free, bias=True)
     b_pieces, q_seq, hq, _ = kernel_q
     sq = prod(p[2] for p in q_seq)
     sk = prod(p[2] for p in k_free)
@@ -186,20 +191,20 @@ def resolve(items, const_biases, const_masks, *, cuts, kernel_q, k_free, final_s
     bias_views: dict = {}
     for it in items:
         if isinstance(it, ValueBias):
-            _fit(adapters.target_recipe, L.refine(it.layout, cuts), groups)
+            _fit(adapters.target_recipe, L.refine(it.layout, cuts), bias_groups)
             bias_parts.append(("value", it.value, L.refine(it.layout, cuts),
                                it.factor * final_scale / it.at_scale))
             bias_views.setdefault(it.value, []).append(it)
     if bias_parts:
         names.append("bias")
-        shape = _common_shape([_part_shape(p, groups) for p in bias_parts])
+        shape = _common_shape([_part_shape(p, bias_groups) for p in bias_parts])
         single = len(bias_parts) == 1 and bias_parts[0][0] == "value" and \
             bias_parts[0][3] == 1.0
         elt = str(bias_parts[0][1].type.element_type) if single else "f32"
         if elt not in ("f32", kernel_dtype):
             elt = "f32"
         recipes["bias"] = ("bias", bias_parts, shape, elt)
-        bias_views = {src: [v for it in its for v in _mappable_views(it, cuts, groups,
+        bias_views = {src: [v for it in its for v in _mappable_views(it, cuts, bias_groups,
                                                                       final_scale, shape)]
                       for src, its in bias_views.items()}
         kinds = sorted({"constant" if p[0] == "const" else "runtime" for p in bias_parts})
@@ -354,7 +359,7 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
                     x = adapters.constant(part[1].astype(np.float32), f32, created)
                 else:
                     _, value, lay, factor = part
-                    x = adapters.to_kernel(value, lay, _groups_of(resolved), created)
+                    x = adapters.to_kernel(value, lay, _groups_of(resolved, bias=True), created)
                     if factor != 1.0:
                         if str(x.type.element_type) != "f32":
                             x = adapters.convert(x, f32, created)
@@ -411,7 +416,7 @@ def emit_bias_grads(resolved: Resolved, dbias: ir.Value, wanted: dict, created) 
     it with (summed over the terms that hold it). Returns view value -> gradient. (The bias
     floor passes gradients through: the entries it raises have zero probability either way.)"""
     _, _, shape, _ = resolved.recipes[resolved.names.index("bias")]
-    groups = _groups_of(resolved)
+    groups = _groups_of(resolved, bias=True)
     f32 = ir.F32Type.get()
     x = dbias if str(dbias.type.element_type) == "f32" else adapters.convert(dbias, f32, created)
     out = {}
@@ -437,5 +442,5 @@ def emit_bias_grads(resolved: Resolved, dbias: ir.Value, wanted: dict, created) 
     return out
 
 
-def _groups_of(resolved: Resolved):
-    return _groups(resolved.kernel_q, resolved.k_free)
+def _groups_of(resolved: Resolved, *, bias=False):
+    return _groups(resolved.kernel_q, resolved.k_free, bias=bias)

@@ -132,7 +132,8 @@ def _dense_to_numpy(attr, rtype) -> np.ndarray | None:
         return None
 
 
-def _cmp(direction: str, a, b):
+def compare(direction: str, a, b):
+    """stablehlo.compare's ``direction`` on numpy values."""
     return {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
             "GT": np.greater, "GE": np.greater_equal}[direction](a, b)
 
@@ -613,7 +614,7 @@ def _elementwise(name, attrs, a: list, dtype) -> np.ndarray | None:
         if name == "stablehlo.remainder":
             return np.fmod(x[0], x[1]).astype(dtype, copy=False)
         if name == "stablehlo.compare":
-            return _cmp(_direction(attrs), x[0], x[1])
+            return compare(_direction(attrs), x[0], x[1])
         if name == "stablehlo.select":
             return np.where(x[0], x[1], x[2]).astype(dtype, copy=False)
         if name == "stablehlo.clamp":

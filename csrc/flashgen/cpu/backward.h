@@ -37,7 +37,7 @@ inline void bwd_extras_row(const HeadExtras& e, int64_t i, int64_t k0, int64_t n
                            const int32_t* ksegb, float* xr) {
   const float ninf = -std::numeric_limits<float>::infinity();
   if (e.bias != nullptr) {
-    bias_f32(e, i * e.ld + k0, nk, xr);
+    bias_f32(e, i * e.bias_ld + k0, nk, xr);
     for (int64_t t = nk; t < nkp; ++t) xr[t] = 0.0f;
   }
   const vf l2 = splat(kLog2e), sl = splat(e.slope * kLog2e), ninfv = splat(ninf), zero = splat(0.0f);
@@ -82,7 +82,7 @@ __attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const
     }
     cx = splat(kLog2e);
   }
-  float* dbr = e.dbias != nullptr ? e.dbias + i * e.ld + k0 : nullptr;
+  float* dbr = e.dbias != nullptr ? e.dbias + i * e.bias_ld + k0 : nullptr;
   for (int64_t t = 0; t < nkp; t += W) {
     const vi idx = iota + splat_i(static_cast<int32_t>(t));
     const vf xv = loadv(xrow + t);
@@ -489,7 +489,8 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   const bool has_db = x != nullptr && x->bias != nullptr && x->dbias != nullptr;
   const int64_t sb = has_db ? x->bias_stride_b : 0, sh = has_db ? x->bias_stride_h : 0;
   const bool db_shared = has_db && ((sb == 0 && B > 1) || (sh == 0 && Hkv > 1));
-  const size_t db_elems = has_db ? size_t((sb ? B : 1) * (sh ? Hq : 1) * Sq * Sk) : 0;
+  const int64_t db_rows = has_db && x->bias_stride_q != 0 ? Sq : 1;  // 1: summed over the queries
+  const size_t db_elems = has_db ? size_t((sb ? B : 1) * (sh ? Hq : 1) * db_rows * Sk) : 0;
   const bool db_direct = has_db && x->bias_type == ElemType::F32;
   AlignedFloats dbbuf(has_db && !db_direct ? db_elems : 0);
   float* dbacc = !has_db ? nullptr : db_direct ? static_cast<float*>(x->dbias) : dbbuf.p;
@@ -539,7 +540,7 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   auto zero_db = [&](int64_t b, int64_t h0, int64_t h1, int64_t k0, int64_t nk) {
     for (int64_t h = h0; h < h1; ++h) {
       float* base = dbacc + b * sb + h * sh + k0;
-      for (int64_t i = 0; i < Sq; ++i) std::memset(base + i * Sk, 0, sizeof(float) * size_t(nk));
+      for (int64_t i = 0; i < db_rows; ++i) std::memset(base + i * Sk, 0, sizeof(float) * size_t(nk));
     }
   };
 

@@ -39,13 +39,14 @@
 //
 // Variants (README "Variants"; attention.h ScoreExtras / VarlenArgs / PagedArgs):
 //   Score extras (dense targets): ALiBi, an additive bias (f32 or the q type,
-//   broadcast over batch / heads by strides), a boolean mask and segment ids.
+//   broadcast over batch / heads / queries by strides), a boolean mask and segment ids.
 //   Forward: per key block an extras tile Xt [BK][BQ] (bias transposed, minus
 //   slope * |i + off - j|, times log2(e); -inf where mask / segments hide the
 //   pair) is added to the base-2 scores after scale, softcap and the band mask.
 //   Backward: the same terms per query row, along the key lanes; dS' = P o (dP -
 //   Drow) is dbias's share, dS = dS' * scale (* (1 - tanh^2) with softcap).
-//   dbias accumulates in fp32 (dbias itself when f32), each element in one
+//   dbias accumulates in fp32 (dbias itself when f32; a bias broadcast over
+//   the queries sums them into its one row, in row order), each element in one
 //   work item and in a fixed order (bit-reproducible, no locks): an item
 //   (batch, kv head, key chunk) that owns its slots writes them directly; when
 //   slots are shared (bias broadcast over the batch or over kv-head groups),

@@ -75,10 +75,10 @@ __attribute__((noinline)) inline void fwd_extras_tile(const HeadExtras& e, int64
   const float ninf = -std::numeric_limits<float>::infinity();
   if (e.bias != nullptr) {
     if (e.bias_type == ElemType::F32) {
-      transpose32(reinterpret_cast<const uint32_t*>(static_cast<const float*>(e.bias) + q0 * e.ld + k0), e.ld, nq,
+      transpose32(reinterpret_cast<const uint32_t*>(static_cast<const float*>(e.bias) + q0 * e.bias_ld + k0), e.bias_ld, nq,
                   nk, nqp, reinterpret_cast<uint32_t*>(Xt), BQ);
     } else {
-      for (int64_t i = 0; i < nq; ++i) bias_f32(e, (q0 + i) * e.ld + k0, nk, Xc + i * BK);
+      for (int64_t i = 0; i < nq; ++i) bias_f32(e, (q0 + i) * e.bias_ld + k0, nk, Xc + i * BK);
       transpose32(Xc, BK, nq, nk, nqp, Xt, BQ);
     }
   }

@@ -65,13 +65,14 @@ inline void interleave_rows(const DenseRows<bf16>& rows, int64_t j0, int64_t n, 
 struct HeadExtras {
   bool alibi = false;
   float slope = 0.0f;  // natural-log units
-  const void* bias = nullptr;  // element (i, j) at i * ld + j
+  const void* bias = nullptr;  // element (i, j) at i * bias_ld + j (bias_ld 0: broadcast over queries)
   ElemType bias_type = ElemType::F32;
   const bool* mask = nullptr;     // element (i, j) at i * ld + j
   const int32_t* qseg = nullptr;  // [Sq]
   const int32_t* kseg = nullptr;  // [Sk]
-  float* dbias = nullptr;         // fp32 accumulator, element (i, j) at i * ld + j
+  float* dbias = nullptr;         // fp32 accumulator, element (i, j) at i * bias_ld + j
   int64_t ld = 0;                 // Sk
+  int64_t bias_ld = 0;            // Sk, or 0 (ScoreExtras::bias_stride_q)
 };
 
 inline HeadExtras head_extras(const ScoreExtras& x, int64_t b, int64_t h, int64_t Sq, int64_t Sk, float* dbacc) {
@@ -84,6 +85,7 @@ inline HeadExtras head_extras(const ScoreExtras& x, int64_t b, int64_t h, int64_
   if (x.bias != nullptr) {
     const int64_t off = b * x.bias_stride_b + h * x.bias_stride_h;
     e.bias_type = x.bias_type;
+    e.bias_ld = x.bias_stride_q;
     e.bias = x.bias_type == ElemType::F32 ? static_cast<const void*>(static_cast<const float*>(x.bias) + off)
                                           : static_cast<const void*>(static_cast<const uint16_t*>(x.bias) + off);
     if (dbacc != nullptr) e.dbias = dbacc + off;
@@ -120,7 +122,7 @@ inline bool extras_see_a_key(const HeadExtras& e, int64_t i, int64_t lo, int64_t
     if (e.qseg != nullptr && e.qseg[i] != e.kseg[j]) continue;
     if (e.bias != nullptr) {
       float b;
-      bias_f32(e, i * e.ld + j, 1, &b);
+      bias_f32(e, i * e.bias_ld + j, 1, &b);
       if (b == -std::numeric_limits<float>::infinity()) continue;
     }
     return true;

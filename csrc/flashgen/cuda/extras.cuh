@@ -170,7 +170,7 @@ struct ExtrasParams {
   long long alibi_stride_b;
   const void* bias;
   int bias_f32;  // 1: f32, 0: the q dtype
-  long long bias_stride_b, bias_stride_h;
+  long long bias_stride_b, bias_stride_h, bias_stride_q;  // bias_stride_q: Sk, or 0 (broadcast over queries)
   const bool* mask;
   long long mask_stride_b, mask_stride_h;
   const int32_t* q_seg;   // [B, Sq]
@@ -200,7 +200,7 @@ struct ExtrasView {
   const int32_t* kv_seg;
   float* dbias;  // offset to (b, h)
   float slope;
-  int bias_f32, off, sk;
+  int bias_f32, off, sk, bias_ld;  // bias / dbias element (row, col) at row * bias_ld + col
 
   FG_DEV void init(const ExtrasParams& x, int b, int h, int Sq, int Sk) {
     bias = x.bias == nullptr ? nullptr
@@ -214,6 +214,7 @@ struct ExtrasView {
     bias_f32 = x.bias_f32;
     off = x.alibi_off;
     sk = Sk;
+    bias_ld = static_cast<int>(x.bias_stride_q);
   }
   // Element (row, col) with row < Sq, col < Sk: false if masked out; else
   // `add` = bias - slope * |row + off - col| (natural-log units).
@@ -222,8 +223,10 @@ struct ExtrasView {
     if (mask != nullptr && !mask[idx]) return false;
     if (q_seg != nullptr && q_seg[row] != kv_seg[col]) return false;
     float a = 0.f;
-    if (bias != nullptr)
-      a = bias_f32 ? static_cast<const float*>(bias)[idx] : to_float(static_cast<const T*>(bias)[idx]);
+    if (bias != nullptr) {
+      const int64_t bidx = static_cast<int64_t>(row) * bias_ld + col;
+      a = bias_f32 ? static_cast<const float*>(bias)[bidx] : to_float(static_cast<const T*>(bias)[bidx]);
+    }
     // slope = 0 without ALiBi; |row + off - col| < 2^31 (row + off < Sk <= 2^30).
     a = fmaf(-slope, fabsf(static_cast<float>(row + off - col)), a);
     add = a;
@@ -233,13 +236,13 @@ struct ExtrasView {
   FG_DEV float add_only(int row, int col) const {
     float a = 0.f;
     if (bias != nullptr) {
-      const int64_t idx = static_cast<int64_t>(row) * sk + col;
+      const int64_t idx = static_cast<int64_t>(row) * bias_ld + col;
       a = bias_f32 ? static_cast<const float*>(bias)[idx] : to_float(static_cast<const T*>(bias)[idx]);
     }
     return fmaf(-slope, fabsf(static_cast<float>(row + off - col)), a);
   }
   FG_DEV void add_dbias(int row, int col, float ds) const {
-    atomicAdd(dbias + static_cast<int64_t>(row) * sk + col, ds);
+    atomicAdd(dbias + static_cast<int64_t>(row) * bias_ld + col, ds);
   }
 };
 #endif

@@ -151,6 +151,7 @@ inline ExtrasParams extras_params(const ScoreExtras& x, const AttentionShape& s,
   e.bias_f32 = x.bias_type == ElemType::F32 ? 1 : 0;
   e.bias_stride_b = x.bias_stride_b;
   e.bias_stride_h = x.bias_stride_h;
+  e.bias_stride_q = x.bias_stride_q;
   e.mask = x.mask;
   e.mask_stride_b = x.mask_stride_b;
   e.mask_stride_h = x.mask_stride_h;

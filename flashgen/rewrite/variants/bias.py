@@ -72,6 +72,15 @@ def bias_terms(walk, found: Scores, ref: Ref, layout, factor: float, depth: int)
             if vb == 0 and va <= LARGE_NEGATIVE:
                 found = found.plus(fills=[("add", va, found.add_dtype)])
                 return mask_terms(walk, found, Ref(op.operands[0], r.ctx), lay, True, depth + 1)
+        for fill, other, negate in ((a, 2, True), (b, 1, False)):
+            if fill is not None and fill.uniform and float(fill.scalar()) * f <= LARGE_NEGATIVE:
+                # where(p, -inf, x) (torch's masked_fill of a bias: Falcon's ALiBi with its
+                # causal and padding masks): the mask, and x on the entries it leaves visible
+                found = found.plus(fills=[("add", float(fill.scalar()) * f, found.add_dtype)])
+                found = mask_terms(walk, found, Ref(op.operands[0], r.ctx), lay, negate,
+                                   depth + 1)
+                return bias_terms(walk, found, Ref(op.operands[other], r.ctx), lay, f,
+                                  depth + 1)
     if source is None:
         raise Reject("the additive bias is computed inside a called function from values "
                      "of that function")

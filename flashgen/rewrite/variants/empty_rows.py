@@ -4,6 +4,8 @@ whether the probabilities are zeroed again.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from flashgen.rewrite import empty_rows
 from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.variants.state import ScoreVariant
@@ -17,8 +19,11 @@ class EmptyRows(ScoreVariant):
             # a row without a visible key would be e / 0 in the original
             raise Reject("the softmax sums only the unmasked exponentials, but the "
                          "probabilities are not masked again")
+        # torch's guard (_safe_softmax) zeroes the rows whose scores are all -inf: after a
+        # finite fill (Falcon's masked_fill of its ALiBi by finfo.min) it never fires
+        guard_fires = site.guarded and all(np.isneginf(v) for _, v, _ in site.scores.fills)
         empty = empty_rows.behaviour(
-            site.scores.fills, zeroed_after=site.guarded or site.remasked,
+            site.scores.fills, zeroed_after=guard_fires or site.remasked,
             max_subtracted=site.max_subtracted,
             may_empty=empty_rows.may_empty_rows(draft.extras, draft.seq_q, draft.seq_k))
         if site.polymorphic and empty == "mean":

@@ -11,6 +11,7 @@ from flashgen.rewrite.chain import (
     LARGE_NEGATIVE, MAX_CHAIN, WIDTH, back_layout, compare_direction, elt,
 )
 from flashgen.rewrite.errors import Reject
+from flashgen.rewrite.fold import compare
 from flashgen.rewrite.graph import Ref, op_name
 from flashgen.rewrite.variants.state import Scores, ScoreVariant, Step
 
@@ -82,6 +83,21 @@ def mask_terms(walk, found: Scores, ref: Ref, layout, negate: bool, depth: int) 
                 for b, lay in bools:
                     found = mask_terms(walk, found, b, lay, not visible_if_true, depth + 1)
                 return found
+    if name == "stablehlo.compare":
+        for i in (0, 1):
+            # where(p, 0, -inf) < -1 (Falcon's masked_fill of its ALiBi by its float mask):
+            # a compare of a select of two constants is p, or not p
+            c = walk.folder.fold(Ref(op.operands[1 - i], r.ctx))
+            sel = _select_of_constants(walk, Ref(op.operands[i], r.ctx), layout) \
+                if c is not None and c.uniform else None
+            if sel is None:
+                continue
+            pred, lay, branches = sel
+            holds = [bool(compare(compare_direction(op), *((x, c.scalar()) if i == 0
+                                                          else (c.scalar(), x))))
+                     for x in branches]
+            if holds[0] != holds[1]:
+                return mask_terms(walk, found, pred, lay, negate != (not holds[0]), depth + 1)
     leaf = _value_mask(walk, ref, layout, negate)
     if name == "stablehlo.compare" and not negate and compare_direction(op) == "EQ" and \
             elt(op.operands[0]).lstrip("u").startswith("i") and elt(op.operands[0]) != "i1":
@@ -103,16 +119,10 @@ def _bools_of(walk, ref: Ref, layout, depth: int):
     not a conjunction (a negative entry would show masked keys)."""
     r = ref
     for _ in range(MAX_CHAIN):
-        op, r = walk.g.producer(r)
+        op, r, layout = _behind_layout_ops(walk, r, layout)
         if op is None:
             return None
         name = op_name(op)
-        if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape"):
-            layout = back_layout(op, layout)
-            if layout is None:
-                return None
-            r = Ref(op.operands[0], r.ctx)
-            continue
         if name == "stablehlo.convert":
             src = elt(op.operands[0])
             if src == "i1":
@@ -127,6 +137,35 @@ def _bools_of(walk, ref: Ref, layout, depth: int):
             return [b for p in parts for b in p]
         return None
     return None
+
+
+def _select_of_constants(walk, ref: Ref, layout):
+    """(predicate Ref, its layout, (on-true, on-false) scalars) when ``ref`` is, through
+    layout ops, a select between two uniform constants; else None."""
+    op, r, layout = _behind_layout_ops(walk, ref, layout)
+    if op is None or op_name(op) != "stablehlo.select" or \
+            op.operands[0].type.shape != op.result.type.shape:  # not a scalar predicate
+        return None
+    branches = [walk.folder.fold(Ref(x, r.ctx)) for x in op.operands[1:]]
+    if any(b is None or not b.uniform for b in branches):
+        return None
+    return Ref(op.operands[0], r.ctx), layout, tuple(b.scalar() for b in branches)
+
+
+def _behind_layout_ops(walk, ref: Ref, layout):
+    """(op, its result Ref, layout there) of the first producer of ``ref`` that is no
+    broadcast / transpose / reshape; op None when there is none or a layout is lost."""
+    r = ref
+    for _ in range(MAX_CHAIN):
+        op, r = walk.g.producer(r)
+        if op is None or op_name(op) not in ("stablehlo.broadcast_in_dim",
+                                             "stablehlo.transpose", "stablehlo.reshape"):
+            return op, r, layout
+        layout = back_layout(op, layout)
+        if layout is None:
+            return None, r, layout
+        r = Ref(op.operands[0], r.ctx)
+    return None, r, layout
 
 
 def _value_mask(walk, ref: Ref, layout, negate: bool):
