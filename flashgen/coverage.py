@@ -29,7 +29,7 @@ DIMENSIONS: dict[str, tuple] = {
     "window": ("none", "left", "right", "both", "tile"),
     "softcap": (0.0, 5.0),
     "alibi": (None, "H", "BH"),
-    "bias": (None, "11", "B1", "1H", "BH", "BH fixed"),
+    "bias": (None, "11", "B1", "1H", "BH", "BH fixed", "BHk"),  # k: [.., 1, Sk], one row for all queries
     "mask": (False, True),
     "segment_ids": (False, True),
     "layout": ("dense", "varlen", "paged"),

@@ -42,7 +42,7 @@ class Inputs:
         c, kw = self.case, self.alibi(b)
         if c.bias is not None:
             pattern = c.bias.split()[0]
-            shape = (b if "B" in pattern else 1, self.hq if "H" in pattern else 1, sq, sk)
+            shape = (b if "B" in pattern else 1, self.hq if "H" in pattern else 1, 1 if "k" in pattern else sq, sk)
             kw["bias"] = jnp.asarray(self.rng.standard_normal(shape),
                                      self.dt if pattern == "BH" else jnp.float32)
         if c.mask:
@@ -92,7 +92,7 @@ def _dense(case, inputs):
     errors = {"o": _rel(o, ro), "lse": _rel(lse, rlse),
               **{n: _rel(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, rg)}}
     if differentiated:  # summed over the bias's broadcast dims
-        want = rg[3].sum(axis=tuple(i for i in range(2) if bias.shape[i] == 1), keepdims=True)
+        want = rg[3].sum(axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
         errors["dbias"] = _rel(grads[3], want)
         assert grads[3].dtype == bias.dtype
     return errors

@@ -260,7 +260,7 @@ def covering_case(c: Checker, case) -> CaseResult:
         bias = None
         if case.bias is not None:
             pattern = case.bias.split()[0]
-            bias = (2 if "B" in pattern else 1, hq if "H" in pattern else 1)
+            bias = (2 if "B" in pattern else 1, hq if "H" in pattern else 1) + ((1,) if "k" in pattern else ())
         return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=bias, bias_f32=bias is not None and bias != (2, hq),
                        bias_grad=not (case.bias or "").endswith("fixed"),
                        mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
