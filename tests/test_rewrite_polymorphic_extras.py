@@ -1,0 +1,215 @@
+"""Shape-polymorphic sites with extra operands (issue 23, item 4): run-time masks, key padding,
+biases, segment ids and a run-time scale under symbolic batch and sequence, rewritten into a
+dynamic call whose extra operands and empty-row fix-up are built at run-time sizes
+(flashgen.rewrite.polymorphic, polymorphic_rows).
+
+Each module is exported from plain JAX / flax with symbolic dims, rewritten, and the
+rewritten artifact is called through jax.export at two concrete shapes against the original,
+on every row -- the masks leave some query rows with no visible key, which the original
+fills with the mean of V (a finite fill) and the rewrite fixes up after the call.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import flashgen.rewrite as fr
+
+H, D = 4, 32
+SHAPES = [(2, 17), (3, 40)]   # (batch, sequence)
+
+
+def _sym():
+    b, t = export.symbolic_shape("b, t")
+    qkv = [jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)] * 3
+    return b, t, qkv
+
+
+def _einsum(q, k, v, mask=None, bias=None, fill=-1e9, scale=1 / math.sqrt(D)):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = jnp.where(mask, s, fill)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _padding(rng, b, t):
+    """[b, t] bool key padding: sequence 0 has no real key at all (every row empty), the
+    others a random length >= 1, right-padded."""
+    lengths = [0] + list(rng.integers(1, t + 1, size=b - 1))
+    return np.arange(t)[None, :] < np.array(lengths)[:, None]
+
+
+def _rewrite(exported, extras):
+    from flashgen import runtime
+    result = fr.rewrite(exported.serialize())
+    assert [s.status for s in result.sites] == ["rewritten"], \
+        [(s.status, s.reason) for s in result.sites]
+    (site,) = result.rewritten
+    assert site.extras == extras and any("shape-polymorphic" in n for n in site.notes)
+    runtime.ensure(sorted(result.specs))
+    new = export.deserialize(bytearray(result.to_bytes()))
+    text = new.mlir_module()
+    assert "flashgen_fwd" in text and "stablehlo.exponential" not in text
+    return new, site
+
+
+def _check(exported, extras, make_inputs, empty_rows="mean"):
+    """The rewritten module equals the original at SHAPES on every row; the inputs leave
+    some rows without a visible key (asserted: the original's row is the mean of V)."""
+    new, site = _rewrite(exported, extras)
+    assert site.empty_rows == empty_rows
+    rng = np.random.default_rng(3)
+    for b, t in SHAPES:
+        args = make_inputs(rng, b, t)
+        ref = np.asarray(exported.call(*args))
+        got = np.asarray(new.call(*args))
+        assert got.shape == ref.shape == (b, t, H, D)
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
+    return new, site
+
+
+def _qkv(rng, b, t):
+    return [rng.standard_normal((b, t, H, D)).astype(np.float32) for _ in range(3)]
+
+
+def _assert_mean_rows(out, v, rows):
+    """Rows ``rows`` ([b] bool: the sequence has no real key) are the mean of V over keys."""
+    mean = v.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(out[rows], np.broadcast_to(mean, out.shape)[rows],
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_key_padding_mask_argument():
+    """A [b, t] key-padding argument, select with a finite fill: segment ids with q id 1,
+    and the fix-up for the fully padded sequence (every one of its rows)."""
+    b, t, qkv = _sym()
+    m = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+    ex = export.export(jax.jit(lambda q, k, v, m: _einsum(q, k, v, m[:, None, None, :])))(
+        *qkv, m)
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [_padding(rng, b, t)]
+    new, _ = _check(ex, ["segment_ids"], inputs)
+    rng = np.random.default_rng(5)
+    q, k, v, pad = inputs(rng, 3, 23)
+    _assert_mean_rows(np.asarray(new.call(q, k, v, pad)), v, ~pad.any(axis=1))
+
+
+def test_key_padding_with_causal():
+    """Key padding AND a causal mask of the symbolic length: the fix-up's band from dynamic
+    iotas (left padding: the first rows of a sequence see no key)."""
+    b, t, qkv = _sym()
+    m = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+
+    def f(q, k, v, m):
+        n = q.shape[1]
+        causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+        return _einsum(q, k, v, m[:, None, None, :] & causal[None, None])
+    ex = export.export(jax.jit(f))(*qkv, m)
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [~_padding(rng, b, t)]    # left padding: keys at the end
+    _, site = _check(ex, ["segment_ids"], inputs)
+    assert site.causal
+
+
+def test_flax_key_padding():
+    """flax linen MultiHeadDotProductAttention with make_attention_mask(query ones, key
+    padding), symbolic batch and sequence."""
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x, pad):
+            mask = nn.make_attention_mask(jnp.ones(x.shape[:2], bool), pad)
+            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
+    m = M()
+    params = m.init(jax.random.key(0), jnp.ones((2, 8, H * D)), jnp.ones((2, 8), bool))
+    b, t = export.symbolic_shape("b, t")
+    ex = export.export(jax.jit(m.apply))(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+        jax.ShapeDtypeStruct((b, t, H * D), jnp.float32), jax.ShapeDtypeStruct((b, t), bool))
+    new, _ = _rewrite(ex, ["segment_ids"])
+    rng = np.random.default_rng(4)
+    for b, t in SHAPES:
+        x = rng.standard_normal((b, t, H * D)).astype(np.float32)
+        pad = _padding(rng, b, t)
+        ref = np.asarray(ex.call(params, x, pad))
+        np.testing.assert_allclose(np.asarray(new.call(params, x, pad)), ref, atol=2e-5,
+                                   rtol=2e-5)
+
+
+def test_jnn_mask_and_bias():
+    """jax.nn.dot_product_attention(mask=[b, 1, t, t], bias=[b, H, t, t]): a mask operand
+    (a random pattern, some rows all False) and a run-time bias operand."""
+    b, t, qkv = _sym()
+    mask = jax.ShapeDtypeStruct((b, 1, t, t), jnp.bool_)
+    bias = jax.ShapeDtypeStruct((b, H, t, t), jnp.float32)
+    ex = export.export(jax.jit(lambda q, k, v, m, c: jax.nn.dot_product_attention(
+        q, k, v, mask=m, bias=c)))(*qkv, mask, bias)
+
+    def inputs(rng, b, t):
+        m = rng.random((b, 1, t, t)) < 0.6
+        m[:, :, ::5] = False                  # rows with no visible key
+        return _qkv(rng, b, t) + [m, rng.standard_normal((b, H, t, t)).astype(np.float32)]
+    _check(ex, ["bias", "mask"], inputs)
+
+
+def test_jnn_bias_only():
+    """A run-time bias broadcast over heads and queries ([b, 1, 1, t]): no empty rows."""
+    b, t, qkv = _sym()
+    bias = jax.ShapeDtypeStruct((b, 1, 1, t), jnp.float32)
+    ex = export.export(jax.jit(lambda q, k, v, c: jax.nn.dot_product_attention(
+        q, k, v, bias=c)))(*qkv, bias)
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [rng.standard_normal((b, 1, 1, t)).astype(np.float32)]
+    _check(ex, ["bias"], inputs, empty_rows="none")
+
+
+def test_segment_ids():
+    """Packed sequences: q and kv segment ids compared (ids that occur on one side only
+    leave rows without a visible key)."""
+    b, t, qkv = _sym()
+    ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    ex = export.export(jax.jit(lambda q, k, v, qs, ks: _einsum(
+        q, k, v, qs[:, None, :, None] == ks[:, None, None, :])))(*qkv, ids, ids)
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [rng.integers(0, 4, (b, t)).astype(np.int32),
+                                  rng.integers(1, 4, (b, t)).astype(np.int32)]
+    _check(ex, ["segment_ids"], inputs)
+
+
+def test_runtime_scale():
+    """The scores times a run-time scalar: multiplied into Q before the call."""
+    b, t, qkv = _sym()
+    ex = export.export(jax.jit(lambda q, k, v, c: _einsum(q, k, v, scale=c)))(
+        *qkv, jax.ShapeDtypeStruct((), jnp.float32))
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [np.float32(rng.uniform(0.5, 2.0))]
+    _check(ex, [], inputs, empty_rows="none")
+
+
+def test_constant_mask_over_symbolic_axes_left_alone():
+    """A constant mask that is no band (from iotas of the symbolic length) has the
+    instance's sizes: refused with its reason, never a traceback."""
+    b, t, qkv = _sym()
+
+    def f(q, k, v):
+        n = q.shape[1]
+        mask = (jnp.arange(n)[:, None] + jnp.arange(n)[None, :]) % 3 != 0
+        return _einsum(q, k, v, mask[None, None])
+    ex = export.export(jax.jit(f))(*qkv)
+    result = fr.rewrite(ex.serialize())
+    assert not result.rewritten
+    (site,) = result.sites
+    assert "shape-polymorphic" in site.reason and "constant" in site.reason, site.reason
