@@ -149,6 +149,9 @@ def _to_kernel_dynamic(value, layout, groups, recipe, created, dynamic) -> ir.Va
     """to_kernel with the reshapes and broadcasts decided by pieces (dynamic sizes print
     alike): regroup to single pieces, permute, broadcast the missing pieces, regroup."""
     fine, perm, target, bdims = recipe
+    kept = [tuple(pcs) if full or set(pcs) & set(fine) else () for pcs, full in groups]
+    if [tuple(d) for d in layout] == kept:
+        return value
     x, _ = _regroup(value, [tuple(d) for d in layout], [(p,) for p in fine], created, dynamic)
     if perm != list(range(len(perm))):
         op = stablehlo.TransposeOp(x, perm)
@@ -156,7 +159,6 @@ def _to_kernel_dynamic(value, layout, groups, recipe, created, dynamic) -> ir.Va
         x = op.result
     if len(target) > len(fine):
         x = dynamic.broadcast(x, [(p,) for p in target], bdims, created)
-    kept = [tuple(pcs) if full or set(pcs) & set(fine) else () for pcs, full in groups]
     return _regroup(x, [(p,) for p in target], kept, created, dynamic)[0]
 
 
