@@ -11,6 +11,7 @@ fills with the mean of V (a finite fill) and the rewrite fixes up after the call
 from __future__ import annotations
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from jax import export
 import flashgen.rewrite as fr
 
 H, D = 4, 32
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "inputs"
 SHAPES = [(2, 17), (3, 40)]   # (batch, sequence)
 
 
@@ -122,28 +124,20 @@ def test_key_padding_with_causal():
 
 def test_flax_key_padding():
     """flax linen MultiHeadDotProductAttention with make_attention_mask(query ones, key
-    padding), symbolic batch and sequence."""
-    import flax.linen as nn
-
-    class M(nn.Module):
-        @nn.compact
-        def __call__(self, x, pad):
-            mask = nn.make_attention_mask(jnp.ones(x.shape[:2], bool), pad)
-            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
-    m = M()
-    params = m.init(jax.random.key(0), jnp.ones((2, 8, H * D)), jnp.ones((2, 8), bool))
-    b, t = export.symbolic_shape("b, t")
-    ex = export.export(jax.jit(m.apply))(
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
-        jax.ShapeDtypeStruct((b, t, H * D), jnp.float32), jax.ShapeDtypeStruct((b, t), bool))
-    new, _ = _rewrite(ex, ["segment_ids"])
+    padding), symbolic batch and sequence (the golden poly_flax_key_padding's export)."""
+    ex = export.deserialize(bytearray((GOLDEN / "poly_flax_key_padding.jax_exported")
+                                      .read_bytes()))
+    new, site = _rewrite(ex, ["segment_ids"])
+    assert site.empty_rows == "mean"
     rng = np.random.default_rng(4)
+    *weights, _, _ = ex.in_avals
+    params = [rng.standard_normal(a.shape).astype(np.float32) / 8 for a in weights]
     for b, t in SHAPES:
         x = rng.standard_normal((b, t, H * D)).astype(np.float32)
         pad = _padding(rng, b, t)
-        ref = np.asarray(ex.call(params, x, pad))
-        np.testing.assert_allclose(np.asarray(new.call(params, x, pad)), ref, atol=2e-5,
-                                   rtol=2e-5)
+        args, _ = jax.tree_util.tree_unflatten(ex.in_tree, params + [x, pad])
+        ref = np.asarray(ex.call(*args))
+        np.testing.assert_allclose(np.asarray(new.call(*args)), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_jnn_mask_and_bias():
@@ -213,3 +207,21 @@ def test_constant_mask_over_symbolic_axes_left_alone():
     assert not result.rewritten
     (site,) = result.sites
     assert "shape-polymorphic" in site.reason and "constant" in site.reason, site.reason
+
+
+def _alibi_causal(q, k, v):
+    """Causal attention with an ALiBi bias built from iotas of the (symbolic) length."""
+    n = q.shape[1]
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    slopes = np.array([2.0 ** (-8 * (h + 1) / H) for h in range(H)], np.float32)
+    bias = -slopes[:, None, None] * jnp.abs(i - j)[None].astype(jnp.float32)
+    return _einsum(q, k, v, (i >= j)[None, None], bias[None])
+
+
+def test_alibi_from_iotas():
+    """An ALiBi bias of the symbolic length folds, in each instance, to the same constant
+    [Hq] slopes: the call carries them as a constant operand."""
+    b, t, qkv = _sym()
+    ex = export.export(jax.jit(_alibi_causal))(*qkv)
+    _, site = _check(ex, ["alibi"], _qkv, empty_rows="none")
+    assert site.causal

@@ -97,43 +97,39 @@ def _counterpart(ctx, value, dyn1) -> ir.Value | None:
 def _dynamic_extras(ctx, plan, dyn1) -> tuple:
     """(extras.Resolved, run-time scales) of an instance's plan over the dynamic module's
     values; Unsupported where one has no counterpart there."""
-    def find(value):
+    def find(value, _layout=None):
         dyn = _counterpart(ctx, value, dyn1)
         if dyn is None:
             raise Unsupported("an extra operand (a run-time mask, bias, segment ids or scale) "
                               "has no counterpart in the dynamic module")
         return dyn
     scales = tuple((find(x), divide) for x, divide in plan.runtime_scales)
-    extras = plan.extras
-    if extras is None or not extras.names:
-        return extras, scales
-    recipes = []
-    for name, r in zip(extras.names, extras.recipes):
-        if name in ("bias", "mask"):
-            recipes.append((r[0], [(p[0], find(p[1])) + tuple(p[2:]) for p in r[1]]) +
-                           tuple(r[2:]))
-        elif r[0] == "padding":
-            recipes.append((r[0], find(r[1])) + tuple(r[2:]))
-        elif r[0] == "segment_ids":
-            recipes.append((r[0],) + tuple((find(v), lay) for v, lay in r[1:]))
-        else:           # ALiBi slopes: constant [Hq] (checked alike at both instances)
-            recipes.append(r)
-    return dataclasses.replace(extras, recipes=recipes), scales
+    return _with_values(plan.extras, find), scales
 
 
 def _runtime_parts(extras) -> list:
     """[(value, layout)] of the run-time extra operands a Resolved reads."""
-    if extras is None:
-        return []
-    out = []
-    for name, r in zip(extras.names, extras.recipes):
-        if name in ("bias", "mask"):
-            out += [(p[1], p[2]) for p in r[1] if p[0] == "value"]
-        elif r[0] == "padding":
-            out.append((r[1], r[2]))
-        elif r[0] == "segment_ids":
-            out += list(r[1:])
+    out: list = []
+    _with_values(extras, lambda value, layout: out.append((value, layout)) or value)
     return out
+
+
+def _with_values(extras, fn):
+    """``extras`` (an extras.Resolved, or None) with each run-time value it reads replaced
+    by ``fn(value, layout)``; ALiBi slopes are constants of the head count."""
+    if extras is None:
+        return None
+    recipes = []
+    for name, r in zip(extras.names, extras.recipes):
+        if name in ("bias", "mask"):   # (kind, parts, ...): a part ('value', v, layout, ...)
+            r = (r[0], [(p[0], fn(p[1], p[2])) + tuple(p[2:]) if p[0] == "value" else p
+                        for p in r[1]]) + tuple(r[2:])
+        elif r[0] == "padding":
+            r = (r[0], fn(r[1], r[2])) + tuple(r[2:])
+        elif r[0] == "segment_ids":
+            r = (r[0],) + tuple((fn(v, lay), lay) for v, lay in r[1:])
+        recipes.append(r)
+    return dataclasses.replace(extras, recipes=recipes)
 
 
 def _static_extras(a: AttentionSite, b: AttentionSite) -> str | None:

@@ -244,6 +244,23 @@ def poly_runtime_scale():
                      *poly_specs(QKV, QKV, QKV, ((), "float32")))
 
 
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        extras=["alibi"])
+def poly_alibi_causal():
+    # an ALiBi bias from iotas of the symbolic length: constant [Hq] slopes in both instances
+    _, jnp, _ = jax_modules()
+    slopes = [2.0 ** (-8 * (h + 1) / H) for h in range(H)]
+
+    def f(q, k, v):
+        n = q.shape[1]
+        i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+        bias = -jnp.array(slopes)[:, None, None] * jnp.abs(i - j)[None].astype(jnp.float32)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(D)) + bias[None]
+        s = jnp.where((i >= j)[None, None], s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+    return export_fn(f, *poly_qkv())
+
+
 @golden(fmt="jax_exported", rejected=["a constant mask operand (computed from the sizes"])
 def neg_poly_constant_mask():
     # a constant mask that is no causal/window band, from iotas of the symbolic length: an
