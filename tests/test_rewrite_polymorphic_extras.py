@@ -225,3 +225,53 @@ def test_alibi_from_iotas():
     ex = export.export(jax.jit(_alibi_causal))(*qkv)
     _, site = _check(ex, ["alibi"], _qkv, empty_rows="none")
     assert site.causal
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jnn_key_value_seq_lengths(causal):
+    """jax.nn.dot_product_attention(key_value_seq_lengths=[b]): the mask jax.nn builds after
+    the Q·K product (read before the P·V product, where the call goes) as key padding."""
+    b, t, qkv = _sym()
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    ex = export.export(jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=n, is_causal=causal)))(*qkv, lengths)
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [np.array([0, *rng.integers(1, t + 1, b - 1)], np.int32)]
+    _check(ex, ["segment_ids"], inputs)
+
+
+def test_additive_finfo_min_padding():
+    """transformers' spelling: (1 - mask) * finfo(f32).min added to the scores, a run-time
+    bias floored at run-time sizes (the fully padded sequence averages V, as the original)."""
+    b, t, qkv = _sym()
+    m = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+
+    def f(q, k, v, m):
+        bias = (1.0 - m[:, None, None, :].astype(jnp.float32)) * jnp.finfo(jnp.float32).min
+        return _einsum(q, k, v, bias=bias)
+    ex = export.export(jax.jit(f))(*qkv, m)
+
+    def inputs(rng, b, t):
+        return _qkv(rng, b, t) + [_padding(rng, b, t)]
+    new, _ = _check(ex, ["bias"], inputs, empty_rows="none")
+    q, k, v, pad = inputs(np.random.default_rng(6), 3, 23)
+    _assert_mean_rows(np.asarray(new.call(q, k, v, pad)), v, ~pad.any(axis=1))
+
+
+def test_neg_inf_padding_rows_are_zero():
+    """A -inf fill: the original's rows without a key are NaN (0/0); the rewrite gives 0
+    there (reported as such) and equals it on every other row."""
+    b, t, qkv = _sym()
+    m = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+    ex = export.export(jax.jit(lambda q, k, v, m: _einsum(
+        q, k, v, m[:, None, None, :], fill=-jnp.inf)))(*qkv, m)
+    new, site = _rewrite(ex, ["segment_ids"])
+    assert site.empty_rows == "nan"
+    rng = np.random.default_rng(8)
+    for b, t in SHAPES:
+        q, k, v, pad = _qkv(rng, b, t) + [_padding(rng, b, t)]
+        ref, got = np.asarray(ex.call(q, k, v, pad)), np.asarray(new.call(q, k, v, pad))
+        empty = ~pad.any(axis=1)
+        assert np.isnan(ref[empty]).all() and (got[empty] == 0).all()
+        np.testing.assert_allclose(got[~empty], ref[~empty], atol=2e-5, rtol=2e-5)

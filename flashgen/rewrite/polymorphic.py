@@ -70,17 +70,18 @@ def _operands(site: AttentionSite, dot1, dot2, dyn1, dyn2) -> dict | None:
     return out
 
 
-def _sources(ctx, site: AttentionSite, dyn1) -> dict | None:
+def _sources(ctx, site: AttentionSite, dyn2) -> dict | None:
     """Q, K, V walked back to their sources in the instance, found in the dynamic module
     (_counterpart); None where one has none."""
-    out = {name: _counterpart(ctx, site.plan.inputs[name][0], dyn1) for name in "qkv"}
+    out = {name: _counterpart(ctx, site.plan.inputs[name][0], dyn2) for name in "qkv"}
     return None if any(v is None for v in out.values()) else out
 
 
-def _counterpart(ctx, value, dyn1) -> ir.Value | None:
-    """The dynamic module's value that ``value`` of an instance refines, seen from the Q·K
-    product ``dyn1``'s block; None where it has no usable one (an op the refinement
-    replaced, a value of a caller that calls the site's function twice)."""
+def _counterpart(ctx, value, dyn2) -> ir.Value | None:
+    """The dynamic module's value that ``value`` of an instance refines, seen from the P·V
+    product ``dyn2``'s block, before it (where the call goes); None where it has no usable
+    one (an op the refinement replaced, a value of a caller that calls the site's function
+    twice)."""
     main = ctx.main
     if isinstance(value, ir.BlockArgument):
         at = value.arg_number if op_name(value.owner.owner) == "func.func" and \
@@ -91,14 +92,14 @@ def _counterpart(ctx, value, dyn1) -> ir.Value | None:
     else:
         t = tag_of(value.owner)
         dyn = ctx.ops[t].results[value.result_number] if t is not None else None
-    return _seen_from(dyn, dyn1, ctx.graph) if dyn is not None else None
+    return _seen_from(dyn, dyn2, ctx.graph) if dyn is not None else None
 
 
-def _dynamic_extras(ctx, plan, dyn1) -> tuple:
+def _dynamic_extras(ctx, plan, dyn2) -> tuple:
     """(extras.Resolved, run-time scales) of an instance's plan over the dynamic module's
     values; Unsupported where one has no counterpart there."""
     def find(value, _layout=None):
-        dyn = _counterpart(ctx, value, dyn1)
+        dyn = _counterpart(ctx, value, dyn2)
         if dyn is None:
             raise Unsupported("an extra operand (a run-time mask, bias, segment ids or scale) "
                               "has no counterpart in the dynamic module")
@@ -320,14 +321,14 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
     if why is not None:
         return Rejection(*where, f"a shape-polymorphic site: {why}")
     if walk:
-        values = [_sources(ctx, r, dyn1) for _, r in records]
+        values = [_sources(ctx, r, dyn2) for _, r in records]
     else:
         values = [_operands(r, op, r.plan.exit_op, dyn1, dyn2) for op, r in records]
     if any(v is None for v in values) or any(v != values[0] for v in values[1:]):
         return Rejection(*where, "a shape-polymorphic site whose Q, K, V have no counterpart "
                          "in the dynamic module")
     try:
-        extras = [_dynamic_extras(ctx, r.plan, dyn1) for _, r in records]
+        extras = [_dynamic_extras(ctx, r.plan, dyn2) for _, r in records]
     except Unsupported as e:
         return Rejection(*where, f"a shape-polymorphic site: {e}")
     read = [([v for v, _ in _runtime_parts(x)], [v for v, _ in s]) for x, s in extras]

@@ -220,6 +220,17 @@ def poly_jnn_mask_bias():
                                  (("b", H, "t", "t"), "float32")))
 
 
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        extras=["segment_ids"])
+def poly_jnn_kv_seq_lengths_causal():
+    # jax.nn.dot_product_attention(key_value_seq_lengths=[b], is_causal=True): the mask jax.nn
+    # builds after the Q·K product is key padding, read before the P·V product
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=n, is_causal=True),
+        *poly_specs(QKV, QKV, QKV, (("b",), "int32")))
+
+
 @golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
         extras=["segment_ids"])
 def poly_segment_ids():
