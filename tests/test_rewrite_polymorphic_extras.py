@@ -27,9 +27,9 @@ SHAPES = [(2, 17), (3, 40)]   # (batch, sequence)
 
 
 def _sym():
+    """The symbolic batch and sequence, and Q, K, V specs [b, t, H, D] over them."""
     b, t = export.symbolic_shape("b, t")
-    qkv = [jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)] * 3
-    return b, t, qkv
+    return b, t, [jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)] * 3
 
 
 def _einsum(q, k, v, mask=None, bias=None, fill=-1e9, scale=1 / math.sqrt(D)):
@@ -63,8 +63,8 @@ def _rewrite(exported, extras):
 
 
 def _check(exported, extras, make_inputs, empty_rows="mean"):
-    """The rewritten module equals the original at SHAPES on every row; the inputs leave
-    some rows without a visible key (asserted: the original's row is the mean of V)."""
+    """The rewritten module equals the original at SHAPES on every row (``make_inputs``
+    leaves some rows without a visible key); the site's extras and empty-row behaviour."""
     new, site = _rewrite(exported, extras)
     assert site.empty_rows == empty_rows
     rng = np.random.default_rng(3)
@@ -275,3 +275,53 @@ def test_neg_inf_padding_rows_are_zero():
         empty = ~pad.any(axis=1)
         assert np.isnan(ref[empty]).all() and (got[empty] == 0).all()
         np.testing.assert_allclose(got[~empty], ref[~empty], atol=2e-5, rtol=2e-5)
+
+
+def test_gqa_causal_padding_and_bf16():
+    """jax.nn with 2 kv heads for 4 query heads, causal, a left-padding mask: the fix-up's
+    mean reads each query head's kv head; and a bf16 call (bf16 precision)."""
+    b, t = export.symbolic_shape("b, t")
+    q = jax.ShapeDtypeStruct((b, t, H, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, t, 2, D), jnp.float32)
+    m = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+    ex = export.export(jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(
+        q, k, v, mask=m[:, None, None, :], is_causal=True)))(q, kv, kv, m)
+
+    def inputs(rng, b, t):
+        return [rng.standard_normal((b, t, h, D)).astype(np.float32) for h in (H, 2, 2)] + \
+            [~_padding(rng, b, t)]
+    _, site = _check(ex, ["segment_ids"], inputs)
+    assert site.kv_heads == 2
+    bf = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, q, q)]
+    ex = export.export(jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(
+        q, k, v, mask=m[:, None, None, :])))(*bf, m)
+    new, site = _rewrite(ex, ["segment_ids"])
+    assert site.dtype == "bf16"
+    rng = np.random.default_rng(9)
+    for b, t in SHAPES:
+        args = [x.astype(jnp.bfloat16) for x in _qkv(rng, b, t)] + [_padding(rng, b, t)]
+        np.testing.assert_allclose(np.asarray(new.call(*args)).astype(np.float32),
+                                   np.asarray(ex.call(*args)).astype(np.float32),
+                                   atol=3e-2, rtol=3e-2)
+
+
+def test_cross_attention_two_lengths():
+    """Queries of length s, keys of length u (two dimension variables), a key-padding mask
+    of length u."""
+    b, s, u = export.symbolic_shape("b, s, u")
+    q = jax.ShapeDtypeStruct((b, s, H, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, u, H, D), jnp.float32)
+    m = jax.ShapeDtypeStruct((b, u), jnp.bool_)
+    ex = export.export(jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(
+        q, k, v, mask=m[:, None, None, :])))(q, kv, kv, m)
+
+    def inputs(rng, b, t):
+        return [rng.standard_normal((b, n, H, D)).astype(np.float32) for n in (t, t + 7, t + 7)] \
+            + [_padding(rng, b, t + 7)]
+    new, site = _rewrite(ex, ["segment_ids"])
+    assert (site.seq_q, site.seq_k) == ("s", "u")
+    rng = np.random.default_rng(10)
+    for b, t in SHAPES:
+        args = inputs(rng, b, t)
+        np.testing.assert_allclose(np.asarray(new.call(*args)), np.asarray(ex.call(*args)),
+                                   atol=2e-5, rtol=2e-5)
