@@ -210,6 +210,26 @@ def poly_flax_key_padding():
 
 
 @golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        layout="(HD)BS", extras=["segment_ids"])
+def poly_equinox_vmap_key_padding():
+    # equinox MultiheadAttention under jax.vmap over a symbolic batch, a key-padding mask
+    # broadcast over the queries; the weights are passed as leaves (a .jax_exported keeps
+    # no equinox tree)
+    jax, jnp, _ = jax_modules()
+    import equinox as eqx
+    m = eqx.nn.MultiheadAttention(num_heads=H, query_size=H * D, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(m, eqx.is_array)
+    leaves, tree = jax.tree_util.tree_flatten(params)
+
+    def f(leaves, x, pad):
+        mm = eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), static)
+        return jax.vmap(lambda xx, p: mm(xx, xx, xx, mask=jnp.broadcast_to(
+            p[None, :], (xx.shape[0], xx.shape[0]))))(x, pad)
+    return export_fn(f, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves],
+                     *poly_specs((("b", "t", H * D), "float32"), (("b", "t"), "bool")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
         extras=["bias", "mask"])
 def poly_jnn_mask_bias():
     # jax.nn.dot_product_attention(mask=[b, 1, t, t], bias=[b, H, t, t]): both operands at
