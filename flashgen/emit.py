@@ -50,22 +50,27 @@ def _tensor(v: ir.Value, name: str, rank: int = 4, layout: str = "[batch, seq, h
     return t
 
 
-def _expect(x: ir.Value, name: str, shapes: list[list[int]], elements: list[str]) -> ir.RankedTensorType:
+def _expect(x: ir.Value, name: str, shapes: list[list[int]], elements: list[str],
+            dynamic: bool = False) -> ir.RankedTensorType:
+    """``dynamic``: a dim sized B, Sq or Sk may be dynamic (``shapes`` then holds the dynamic
+    size there, as the query's type does)."""
     t = x.type
-    ok = (isinstance(t, ir.RankedTensorType) and t.has_static_shape
+    ok = (isinstance(t, ir.RankedTensorType) and (t.has_static_shape or dynamic)
           and list(t.shape) in shapes and str(t.element_type) in elements)
     if not ok:
-        want = " or ".join(f"tensor<{'x'.join(map(str, s))}x{e}>" for s in shapes for e in elements)
+        dim = lambda n: "?" if ir.ShapedType.is_dynamic_size(n) else str(n)  # noqa: E731
+        want = " or ".join(f"tensor<{'x'.join(map(dim, s))}x{e}>" for s in shapes for e in elements)
         raise ValueError(f"{name} has type {t}, expected {want}")
     return t
 
 
-def _check_extras(direction, extras, operands, dims: dict[str, int], q_elt: str) -> list[ir.Type]:
+def _check_extras(direction, extras, operands, dims: dict[str, int], q_elt: str,
+                  dynamic: bool = False) -> list[ir.Type]:
     """Type-checks the extra operands against contract.EXTRAS (`dims`: the sizes of B, Sq, Sk,
     Hq); returns the dbias result type (the bias's) as a list, if there is a bias."""
     dbias = []
     for want, x in zip(CALLS[direction].extra_operands(extras), operands):
-        t = _expect(x, want.name, want.shapes(dims), want.dtypes(q_elt))
+        t = _expect(x, want.name, want.shapes(dims), want.dtypes(q_elt), dynamic)
         if want.name == "bias":
             dbias = [t]
     return dbias
@@ -74,12 +79,12 @@ def _check_extras(direction, extras, operands, dims: dict[str, int], q_elt: str)
 def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
                  extras=(), dbias: bool = True, dynamic: bool = False) -> list[ir.Type]:
     """Check operand types against the spec (README "KernelSpec and the custom calls");
-    return the call's result types. ``dynamic``: a dense call without extras whose batch and
-    sequence dims may be dynamic (its results are then dynamic along them too)."""
+    return the call's result types. ``dynamic``: a dense call whose batch and sequence dims
+    may be dynamic (its results, and its extra operands' B, Sq, Sk dims, then are too)."""
     extras = normalize_extras(extras)
-    if dynamic and (direction not in ("fwd", "bwd") or extras):
+    if dynamic and direction not in ("fwd", "bwd"):
         raise ValueError("dynamic batch/sequence dims are supported only by the dense fwd/bwd "
-                         "calls without extra operands")
+                         "calls")
     call_name = spec.target_name(direction)  # ValueError for an unknown direction
     CALLS[direction].extra_operands(extras, call_name)
     names = CALLS[direction].operand_names(extras)
@@ -132,7 +137,7 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     sk = k.shape[1]
     nfixed = 3 if direction == "fwd" else 6
     dbias_type = _check_extras(direction, extras, operands[nfixed:], {"B": b, "Sq": sq, "Sk": sk, "Hq": hq},
-                               str(q.element_type))
+                               str(q.element_type), dynamic)
     if direction == "fwd":
         return [q, lse]
     _check_saved(operands, q, lse)
@@ -168,7 +173,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     `direction` is one of spec.DIRECTIONS; dense calls take the operands that `extras`
     names after the fixed ones (README "Variants"), varlen calls need
     `max_seqlen=(max_seqlen_q, max_seqlen_k)`. `result_shapes` (one 1-D i32 tensor per
-    result) makes a dense call without extras shape-polymorphic: batch and sequence may be
+    result) makes a dense call shape-polymorphic: batch and sequence may be
     dynamic, and shape refinement resolves the results from these tensors. A dense backward with a bias returns dbias
     unless `dbias=False` (then the kernel does no dbias work).
 

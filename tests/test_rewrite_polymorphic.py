@@ -48,12 +48,13 @@ def test_poly_cases_exist():
 
 
 def _inputs(exported, rng, b: int, t: int) -> list:
-    """Random inputs for the symbolic dims b, t set to ``b``, ``t``; weights scaled by 1/6."""
+    """Random inputs for the symbolic dims b, t set to ``b``, ``t``; weights (and scalars)
+    scaled by 1/6."""
     out = []
     for aval in exported.in_avals:
         shape = [{"b": b, "t": t}[str(d)] if not isinstance(d, int) else d for d in aval.shape]
         x = rng.standard_normal(shape).astype(np.float32)
-        x = x if not isinstance(aval.shape[0], int) else x / 6
+        x = x if aval.shape and not isinstance(aval.shape[0], int) else x / 6
         out.append(x.astype(aval.dtype))
     return out
 
@@ -74,7 +75,7 @@ def test_poly_numerics_at_two_shapes(name, rewritten):
         tol = 2e-5 if site.dtype == "f32" else 2e-2
         got = got.astype(np.float32)
         np.testing.assert_allclose(got, ref.astype(np.float32), atol=tol, rtol=tol)
-        if len(flat) == 3:   # q, k, v themselves: against float64 too
+        if len(flat) == 3 and not site.extras:   # q, k, v themselves: against float64 too
             exact, _ = reference.attention(*(x.astype(np.float64) for x in flat),
                                            causal=site.causal, scale=site.scale,
                                            window=tuple(site.window))
@@ -109,7 +110,7 @@ def test_poly_report_names_symbols():
     json.dumps(site.to_json())
 
 
-def test_emit_dynamic_call_rejects_extras_and_legacy():
+def test_emit_dynamic_call_checks_extras_rejects_legacy():
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import func
     from flashgen.emit import emit_custom_call
@@ -121,16 +122,23 @@ def test_emit_dynamic_call_rejects_extras_and_legacy():
         dyn = ir.ShapedType.get_dynamic_size()
         t = ir.RankedTensorType.get([dyn, dyn, 4, 32], ir.F32Type.get())
         heads = ir.RankedTensorType.get([2, 8, dyn, 32], ir.F32Type.get())
-        mask = ir.RankedTensorType.get([1, 1, 8, 8], ir.IntegerType.get_signless(1))
+        i1 = ir.IntegerType.get_signless(1)
+        mask = ir.RankedTensorType.get([1, 1, 8, 8], i1)     # static sizes for dynamic B, S
+        dyn_mask = ir.RankedTensorType.get([dyn, 1, dyn, dyn], i1)
         shapes = [ir.RankedTensorType.get([n], ir.IntegerType.get_signless(32)) for n in (4, 3)]
         with ir.InsertionPoint(module.body):
-            fn = func.FuncOp("main", ir.FunctionType.get([t, t, t, heads, mask, *shapes], []))
+            fn = func.FuncOp("main", ir.FunctionType.get(
+                [t, t, t, heads, mask, dyn_mask, *shapes], []))
             block = fn.add_entry_block()
             with ir.InsertionPoint(block):
-                q, k, v, h, m, so, sl = block.arguments
-                with pytest.raises(ValueError, match="without extra operands"):
+                q, k, v, h, m, dm, so, sl = block.arguments
+                with pytest.raises(ValueError, match=r"mask has type tensor<1x1x8x8xi1>, "
+                                   r"expected .*tensor<1x1x\?x\?xi1>"):
                     emit_custom_call(spec, "fwd", [q, k, v, m], scale=1.0, extras=("mask",),
                                      result_shapes=[so, sl])
+                o, _ = emit_custom_call(spec, "fwd", [q, k, v, dm], scale=1.0,
+                                        extras=("mask",), result_shapes=[so, sl])
+                assert str(o.type) == "tensor<?x?x4x32xf32>"
                 with pytest.raises(ValueError, match="native attribute form"):
                     emit_custom_call(spec, "fwd", [q, k, v], scale=1.0, legacy_attrs=True,
                                      result_shapes=[so, sl])

@@ -107,10 +107,13 @@ def np_to_kernel(arr, layout, groups) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(final))
 
 
-def to_kernel(value: ir.Value, layout, groups, created) -> ir.Value:
+def to_kernel(value: ir.Value, layout, groups, created, dynamic=None) -> ir.Value:
     """The MLIR counterpart of np_to_kernel for a value whose dims hold ``layout`` exactly
-    (size-1 dims hold no piece)."""
+    (size-1 dims hold no piece). ``dynamic``: as for adapt()."""
     fine, perm, target, bdims, final = target_recipe(layout, groups)
+    if dynamic is not None:
+        return _to_kernel_dynamic(value, layout, groups, (fine, perm, target, bdims), created,
+                                  dynamic)
     x = value
     whole = [tuple(pcs) for pcs, _ in groups]
     if len(layout) == len(groups) and all(not d or tuple(d) == whole[i]
@@ -140,6 +143,23 @@ def to_kernel(value: ir.Value, layout, groups, created) -> ir.Value:
     if list(x.type.shape) != list(final):
         x = reshape(x, final, created)
     return x
+
+
+def _to_kernel_dynamic(value, layout, groups, recipe, created, dynamic) -> ir.Value:
+    """to_kernel with the reshapes and broadcasts decided by pieces (dynamic sizes print
+    alike): regroup to single pieces, permute, broadcast the missing pieces, regroup."""
+    fine, perm, target, bdims = recipe
+    kept = [tuple(pcs) if full or set(pcs) & set(fine) else () for pcs, full in groups]
+    if [tuple(d) for d in layout] == kept:
+        return value
+    x, _ = _regroup(value, [tuple(d) for d in layout], [(p,) for p in fine], created, dynamic)
+    if perm != list(range(len(perm))):
+        op = stablehlo.TransposeOp(x, perm)
+        created.append(op)
+        x = op.result
+    if len(target) > len(fine):
+        x = dynamic.broadcast(x, [(p,) for p in target], bdims, created)
+    return _regroup(x, [(p,) for p in target], kept, created, dynamic)[0]
 
 
 def from_kernel(x: ir.Value, layout, groups, shape, created) -> ir.Value:
@@ -250,13 +270,16 @@ def constant(array: np.ndarray, elt, created) -> ir.Value:
     return op.result
 
 
-def scale_by_scalar(x: ir.Value, scalar: ir.Value, divide: bool, created) -> ir.Value:
-    """x * s (x / s) for a one-element tensor s, computed in f32 and converted back."""
+def scale_by_scalar(x: ir.Value, scalar: ir.Value, divide: bool, created, dynamic=None,
+                    dims=()) -> ir.Value:
+    """x * s (x / s) for a one-element tensor s, computed in f32 and converted back.
+    ``dynamic`` (as for adapt()): ``x``'s dims hold the pieces ``dims``."""
     f32 = ir.F32Type.get()
     s = reshape(scalar, [], created) if list(scalar.type.shape) else scalar
     if s.type.element_type != f32:
         s = convert(s, f32, created)
-    s = broadcast(s, x.type.shape, [], created)
+    s = broadcast(s, x.type.shape, [], created) if dynamic is None else \
+        dynamic.broadcast(s, dims, [], created)
     y = x if x.type.element_type == f32 else convert(x, f32, created)
     op = (stablehlo.DivOp if divide else stablehlo.MulOp)(y, s)
     created.append(op)
@@ -266,7 +289,7 @@ def scale_by_scalar(x: ir.Value, scalar: ir.Value, divide: bool, created) -> ir.
 
 def binary(kind: str, a: ir.Value, b: ir.Value, created) -> ir.Value:
     cls = {"add": stablehlo.AddOp, "and": stablehlo.AndOp, "multiply": stablehlo.MulOp,
-           "divide": stablehlo.DivOp}[kind]
+           "divide": stablehlo.DivOp, "subtract": stablehlo.SubtractOp}[kind]
     op = cls(a, b)
     created.append(op)
     return op.result

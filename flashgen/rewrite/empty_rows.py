@@ -194,14 +194,16 @@ def emit_mean_fixup_grad(dv: ir.Value, do: ir.Value, visible_parts, *, causal: b
 BIAS_FLOOR = -2.0 ** 127
 
 
-def emit_bias_floor(x: ir.Value, created) -> ir.Value:
-    """select(x == -inf, x, max(x, BIAS_FLOOR)) for an f32 / bf16 bias operand."""
+def emit_bias_floor(x: ir.Value, created, full=None) -> ir.Value:
+    """select(x == -inf, x, max(x, BIAS_FLOOR)) for an f32 / bf16 bias operand. ``full(value,
+    elt)``: a tensor of x's shape holding ``value`` (for a shape known only at run time)."""
     elt = x.type.element_type
     if str(elt) not in ("f32", "bf16"):
         return x      # f16 (max 65504) cannot overflow in log2 units
     shape = list(x.type.shape)
-    floor = adapters.constant(np.full(shape, BIAS_FLOOR, np.float32), elt, created)
-    ninf = adapters.constant(np.full(shape, -np.inf, np.float32), elt, created)
+    full = full or (lambda value, elt: adapters.constant(np.full(shape, value, np.float32),
+                                                         elt, created))
+    floor, ninf = full(BIAS_FLOOR, elt), full(-np.inf, elt)
     raised = _op(stablehlo.MaxOp(x, floor), created)
     return _op(stablehlo.SelectOp(_compare(x, ninf, "EQ", created), x, raised), created)
 

@@ -341,12 +341,17 @@ def alibi_fit(F: np.ndarray, V: np.ndarray, offsets):
 
 
 # ----------------------------------------------------------------------------- emission
-def emit(resolved: Resolved, kernel_dtype, created) -> list:
-    """The extra operands (ir.Values, in ``resolved.names`` order); ops go to ``created``."""
+def emit(resolved: Resolved, kernel_dtype, created, dynamic=None) -> list:
+    """The extra operands (ir.Values, in ``resolved.names`` order); ops go to ``created``.
+    ``dynamic`` (flashgen.rewrite.polymorphic.SymbolicSizes): a shape-polymorphic site, whose
+    batch and sequence sizes are known at run time only (no constant mask or bias there)."""
     out = []
     f32 = ir.F32Type.get()
     i1 = ir.IntegerType.get_signless(1)
     i32 = ir.IntegerType.get_signless(32)
+    groups, bias_groups = _groups_of(resolved), _groups_of(resolved, bias=True)
+    b_pieces, q_seq, _, _ = resolved.kernel_q
+    shaped = _Shaped(groups, created, dynamic)
     for name, recipe in zip(resolved.names, resolved.recipes):
         if name == "alibi":
             out.append(adapters.constant(recipe[1], f32, created))
@@ -359,19 +364,20 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
                     x = adapters.constant(part[1].astype(np.float32), f32, created)
                 else:
                     _, value, lay, factor = part
-                    x = adapters.to_kernel(value, lay, _groups_of(resolved, bias=True), created)
+                    x = adapters.to_kernel(value, lay, bias_groups, created, dynamic)
                     if factor != 1.0:
                         if str(x.type.element_type) != "f32":
                             x = adapters.convert(x, f32, created)
-                        c = adapters.constant(np.full(list(x.type.shape), factor, np.float32),
-                                              f32, created)
+                        c = shaped.full(factor, f32, adapters.target_recipe(lay, bias_groups)[4])
                         x = adapters.binary("multiply", x, c, created)
                 if str(x.type.element_type) != elt:
                     x = adapters.convert(x, elt_t, created)
-                x = adapters.broadcast_to(x, shape, created)
+                x = shaped.broadcast_to(x, _part_shape(part, bias_groups), shape)
                 acc = x if acc is None else adapters.binary("add", acc, x, created)
             if any(part[0] == "value" for part in parts):
-                acc = empty_rows.emit_bias_floor(acc, created)
+                acc = empty_rows.emit_bias_floor(
+                    acc, created, None if dynamic is None else
+                    lambda value, elt: shaped.full(value, elt, shape))
             out.append(acc)
         elif name == "mask":
             _, parts, shape = recipe
@@ -383,30 +389,57 @@ def emit(resolved: Resolved, kernel_dtype, created) -> list:
                     _, value, lay, negate = part
                     if negate:
                         value = adapters.logical_not(value, created)
-                    x = adapters.to_kernel(value, lay, _groups_of(resolved), created)
-                x = adapters.broadcast_to(x, shape, created)
+                    x = adapters.to_kernel(value, lay, groups, created, dynamic)
+                x = shaped.broadcast_to(x, _part_shape(part, groups), shape)
                 acc = x if acc is None else adapters.binary("and", acc, x, created)
             out.append(acc)
         elif recipe[0] == "padding":
             _, value, lay, negate = recipe
-            b_pieces, q_seq, _, _ = resolved.kernel_q
             if negate:
                 value = adapters.logical_not(value, created)
-            kv = adapters.to_kernel(value, lay, [(tuple(b_pieces), True), (tuple(resolved.k_free), True)],
-                                    created)
+            kv = adapters.to_kernel(value, lay, [(tuple(b_pieces), True),
+                                                 (tuple(resolved.k_free), True)], created,
+                                    dynamic)
             kv = adapters.convert(kv, i32, created)
-            q_ids = np.ones((kv.type.shape[0], prod(p[2] for p in q_seq)), np.int32)
-            out += [adapters.constant(q_ids, i32, created), kv]
+            q_dims = [tuple(b_pieces), tuple(q_seq)]
+            q_ids = adapters.constant(np.ones((kv.type.shape[0], prod(p[2] for p in q_seq)),
+                                              np.int32), i32, created) if dynamic is None \
+                else dynamic.full(1, i32, q_dims, created)
+            out += [q_ids, kv]
         else:
             _, (qv, ql), (kv, kl) = recipe
-            b_pieces, q_seq, _, _ = resolved.kernel_q
             for v, lay, seq in ((qv, ql, q_seq), (kv, kl, resolved.k_free)):
                 x = adapters.to_kernel(v, lay, [(tuple(b_pieces), True), (tuple(seq), True)],
-                                       created)
+                                       created, dynamic)
                 if str(x.type.element_type) != "i32":
                     x = adapters.convert(x, i32, created)
                 out.append(x)
     return out
+
+
+class _Shaped:
+    """Kernel-form operands ([1|B, 1|Hq, Sq, Sk], by their sizes in the first instance for a
+    shape-polymorphic site: a group of size 1 is broadcast) of a static or dynamic site."""
+
+    def __init__(self, groups, created, dynamic):
+        self.groups, self.created, self.dynamic = groups, created, dynamic
+
+    def _dims(self, shape) -> list:
+        return [tuple(pcs) if n != 1 else () for (pcs, _), n in zip(self.groups, shape)]
+
+    def full(self, value, elt, shape) -> ir.Value:
+        if self.dynamic is None:
+            return adapters.constant(np.full(list(shape), value, np.float32), elt,
+                                     self.created)
+        return self.dynamic.full(value, elt, self._dims(shape), self.created)
+
+    def broadcast_to(self, x: ir.Value, shape, target) -> ir.Value:
+        """``x`` (of kernel-form ``shape``) expanded to ``target``."""
+        if self.dynamic is None:
+            return adapters.broadcast_to(x, target, self.created)
+        if tuple(shape) == tuple(target):
+            return x
+        return self.dynamic.broadcast(x, self._dims(target), range(4), self.created)
 
 
 def emit_bias_grads(resolved: Resolved, dbias: ir.Value, wanted: dict, created) -> dict:

@@ -231,8 +231,7 @@ class AttentionPattern:
                        q_labels=frozenset(q_labels), k_labels=frozenset(k_labels),
                        softmax_axes=tuple(R), max_subtracted=softmax.max_subtracted,
                        masked_sum=softmax.masked_sum, remasked=probs.remasked,
-                       guarded=bool(probs.guards),
-                       polymorphic=self.polymorphic)
+                       guarded=bool(probs.guards))
         draft = P.build(found)
         m.notes.extend(draft.notes)
         site = P.finish(found, draft, target=self.target, where=where, dot1=dot1,

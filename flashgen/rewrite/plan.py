@@ -87,7 +87,6 @@ class Site:
     masked_sum: bool          # the row sum adds only the unmasked exponentials
     remasked: bool            # the probabilities are masked again by the scores' mask
     guarded: bool             # a fully-masked-row guard zeroes probabilities after the softmax
-    polymorphic: bool         # an instance of a shape-polymorphic module
 
     @property
     def q_scale(self) -> float:

@@ -12,9 +12,13 @@ dynamic_reshape where needed, and the custom call gets dynamic result types plus
 shape operands named by ``indices_of_shape_operands`` -- the form of JAX's own custom calls
 with dynamic results, which shape refinement resolves at call time.
 
+Run-time extra operands (masks, biases, segment ids; flashgen.rewrite.extras), a run-time
+scale and the empty-row fix-up (flashgen.rewrite.polymorphic_rows) are built from the dynamic
+module's counterparts of the values the instance's site reads.
+
 Limits (each a Rejection with its reason): head counts and head dims must be static; no
-extra operands (mask, bias, segment ids, ALiBi) and no run-time scale; no training site;
-every dynamic dim of @main must be a dimension variable itself (not ``2*s``).
+constant mask or bias operand (it has the instance's sizes); no training site; every
+dynamic dim of @main must be a dimension variable itself (not ``2*s``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
-from flashgen.rewrite import adapters
+from flashgen.rewrite import adapters, empty_rows, polymorphic_rows
+from flashgen.rewrite import extras as X
 from flashgen.rewrite.graph import Graph, nested_ops, op_name
 from flashgen.rewrite.instances import (
     ARG, Unsupported, dimension_variables, function, instantiate, instantiation_sizes,
@@ -47,6 +52,10 @@ class PolyPlan:
     symbols: dict             # piece -> dimension variable, for the pieces that are symbolic
     spec: object
     attributes: dict          # the call's attributes (flashgen.rewrite.plan.Plan.attributes)
+    extras: object = None     # extras.Resolved over the dynamic module's values
+    empty_rows: str = "none"  # as flashgen.rewrite.plan.Plan's
+    runtime_scales: tuple = ()  # (scalar value of the dynamic module, divide)
+    band: tuple = (False, False, (-1, -1))   # causal, bottom_right, window: for the fix-up
 
 
 def _operands(site: AttentionSite, dot1, dot2, dyn1, dyn2) -> dict | None:
@@ -61,27 +70,85 @@ def _operands(site: AttentionSite, dot1, dot2, dyn1, dyn2) -> dict | None:
     return out
 
 
-def _sources(site: AttentionSite, ops: list, main, dyn1, graph: Graph) -> dict | None:
+def _sources(ctx, site: AttentionSite, dyn2) -> dict | None:
     """Q, K, V walked back to their sources in the instance, found in the dynamic module
-    and seen from the Q·K product's block; None where one has no usable counterpart (an op
-    the refinement replaced, a value of a caller that calls the site's function twice)."""
-    out = {}
-    for name in "qkv":
-        value = site.plan.inputs[name][0]
-        if isinstance(value, ir.BlockArgument):
-            at = value.arg_number if op_name(value.owner.owner) == "func.func" and \
-                Graph.function_name(value.owner.owner) == "main" else None
-            dyn = main.regions[0].blocks[0].arguments[at] if at is not None else None
-        elif tag_of(value.owner, ARG) is not None:
-            dyn = main.regions[0].blocks[0].arguments[tag_of(value.owner, ARG)]
-        else:
-            t = tag_of(value.owner)
-            dyn = ops[t].results[value.result_number] if t is not None else None
-        dyn = _seen_from(dyn, dyn1, graph) if dyn is not None else None
+    (_counterpart); None where one has none."""
+    out = {name: _counterpart(ctx, site.plan.inputs[name][0], dyn2) for name in "qkv"}
+    return None if any(v is None for v in out.values()) else out
+
+
+def _counterpart(ctx, value, dyn2) -> ir.Value | None:
+    """The dynamic module's value that ``value`` of an instance refines, seen from the P·V
+    product ``dyn2``'s block, before it (where the call goes); None where it has no usable
+    one (an op the refinement replaced, a value of a caller that calls the site's function
+    twice)."""
+    main = ctx.main
+    if isinstance(value, ir.BlockArgument):
+        at = value.arg_number if op_name(value.owner.owner) == "func.func" and \
+            Graph.function_name(value.owner.owner) == "main" else None
+        dyn = main.regions[0].blocks[0].arguments[at] if at is not None else None
+    elif tag_of(value.owner, ARG) is not None:
+        dyn = main.regions[0].blocks[0].arguments[tag_of(value.owner, ARG)]
+    else:
+        t = tag_of(value.owner)
+        dyn = ctx.ops[t].results[value.result_number] if t is not None else None
+    return _seen_from(dyn, dyn2, ctx.graph) if dyn is not None else None
+
+
+def _dynamic_extras(ctx, plan, dyn2) -> tuple:
+    """(extras.Resolved, run-time scales) of an instance's plan over the dynamic module's
+    values; Unsupported where one has no counterpart there."""
+    def find(value, _layout=None):
+        dyn = _counterpart(ctx, value, dyn2)
         if dyn is None:
-            return None
-        out[name] = dyn
+            raise Unsupported("an extra operand (a run-time mask, bias, segment ids or scale) "
+                              "has no counterpart in the dynamic module")
+        return dyn
+    scales = tuple((find(x), divide) for x, divide in plan.runtime_scales)
+    return _with_values(plan.extras, find), scales
+
+
+def _runtime_parts(extras) -> list:
+    """[(value, layout)] of the run-time extra operands a Resolved reads."""
+    out: list = []
+    _with_values(extras, lambda value, layout: out.append((value, layout)) or value)
     return out
+
+
+def _with_values(extras, fn):
+    """``extras`` (an extras.Resolved, or None) with each run-time value it reads replaced
+    by ``fn(value, layout)``; ALiBi slopes are constants of the head count."""
+    if extras is None:
+        return None
+    recipes = []
+    for name, r in zip(extras.names, extras.recipes):
+        if name in ("bias", "mask"):   # (kind, parts, ...): a part ('value', v, layout, ...)
+            r = (r[0], [(p[0], fn(p[1], p[2])) + tuple(p[2:]) if p[0] == "value" else p
+                        for p in r[1]]) + tuple(r[2:])
+        elif r[0] == "padding":
+            r = (r[0], fn(r[1], r[2])) + tuple(r[2:])
+        elif r[0] == "segment_ids":
+            r = (r[0],) + tuple((fn(v, lay), lay) for v, lay in r[1:])
+        recipes.append(r)
+    return dataclasses.replace(extras, recipes=recipes)
+
+
+def _static_extras(a: AttentionSite, b: AttentionSite) -> str | None:
+    """Why the extra operands of a site matched alike at ``a`` and ``b`` cannot be built in
+    the dynamic module: a constant mask or bias operand has the instance's sizes."""
+    ea, eb = a.plan.extras, b.plan.extras
+    if ea is None or not ea.names:
+        return None
+    for name, ra, rb in zip(ea.names, ea.recipes, eb.recipes):
+        if name in ("bias", "mask") and any(p[0] == "const" for p in ra[1]):
+            return (f"a constant {name} operand (computed from the sizes, not a causal or "
+                    "window band) cannot be built at symbolic sizes")
+        if name == "alibi" and (ra[1].shape != rb[1].shape or not np.array_equal(ra[1], rb[1])):
+            return "the ALiBi slopes differ between the instantiations"
+    if a.empty_rows == "mean" and ea.const_empty is not None and not _runtime_parts(ea):
+        return ("constant masks leave rows without a visible key (their fix-up is built at "
+                "static sizes only)")
+    return None
 
 
 def _seen_from(value, dot, graph: Graph) -> ir.Value | None:
@@ -113,7 +180,7 @@ def _seen_from(value, dot, graph: Graph) -> ir.Value | None:
 
 def _layouts(plan) -> list:
     return [plan.inputs[n][1] for n in "qkv"] + [plan.kernel[n] for n in "qkvo"] + \
-        [plan.exit_layout]
+        [plan.exit_layout] + [lay for _, lay in _runtime_parts(plan.extras)]
 
 
 def _same_layouts(a: AttentionSite, b: AttentionSite) -> str | None:
@@ -250,15 +317,26 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
     if why is not None:
         return Rejection(*where, "a shape-polymorphic site that does not match alike at two "
                          f"instantiations: {why}")
+    why = _static_extras(a, found[1][tag][0][1])
+    if why is not None:
+        return Rejection(*where, f"a shape-polymorphic site: {why}")
     if walk:
-        values = [_sources(r, ctx.ops, ctx.main, dyn1, ctx.graph) for _, r in records]
+        values = [_sources(ctx, r, dyn2) for _, r in records]
     else:
         values = [_operands(r, op, r.plan.exit_op, dyn1, dyn2) for op, r in records]
     if any(v is None for v in values) or any(v != values[0] for v in values[1:]):
         return Rejection(*where, "a shape-polymorphic site whose Q, K, V have no counterpart "
                          "in the dynamic module")
+    try:
+        extras = [_dynamic_extras(ctx, r.plan, dyn2) for _, r in records]
+    except Unsupported as e:
+        return Rejection(*where, f"a shape-polymorphic site: {e}")
+    read = [([v for v, _ in _runtime_parts(x)], [v for v, _ in s]) for x, s in extras]
+    if any(r != read[0] for r in read[1:]):
+        return Rejection(*where, "a shape-polymorphic site whose inlined copies read "
+                         "different extra operands")
     return _site(a, found[1][tag][0][1], dyn1, dyn2, values[0], symbols, where, ctx.first,
-                 ctx.second)
+                 ctx.second, extras[0])
 
 
 def _symbolic_contraction(dot) -> bool:
@@ -290,7 +368,7 @@ def _static_kernel_dims(kernel: dict, symbols: dict) -> str | None:
 
 
 def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where, first,
-          second):
+          second, extras):
     """The report record and PolyPlan of a site matched alike as ``a`` and ``b`` in the two
     instances; sizes that differ between them are shown by their variable's name."""
     plan = a.plan
@@ -316,7 +394,9 @@ def _site(a: AttentionSite, b: AttentionSite, dot1, dot2, values, symbols, where
     site.plan = PolyPlan(dot1=dot1, dot2=dot2, values=values,
                          inputs={n: plan.inputs[n][1] for n in "qkv"}, kernel=plan.kernel,
                          exit_layout=plan.exit_layout, symbols=symbols, spec=plan.spec,
-                         attributes=plan.attributes)
+                         attributes=plan.attributes, extras=extras[0],
+                         empty_rows=plan.empty_rows, runtime_scales=extras[1],
+                         band=(plan.spec.causal, plan.bottom_right, plan.window))
     return site
 
 
@@ -387,7 +467,10 @@ class SymbolicSizes:
         raise ValueError(f"no input dim holds the dimension variable {var!r} alone")
 
     def dim(self, pieces) -> ir.Value | int:
-        """The size of a dim holding ``pieces``: an int when static, else an i32 scalar."""
+        """The size of a dim holding ``pieces`` (or of a static size, an int): an int when
+        static, else an i32 scalar."""
+        if isinstance(pieces, int):
+            return pieces
         static = prod(p[2] for p in pieces if p not in self.symbols)
         dynamic = [self.variable(self.symbols[p]) for p in pieces if p in self.symbols]
         if not dynamic:
@@ -401,12 +484,12 @@ class SymbolicSizes:
 
     def shape_tensor(self, dims) -> ir.Value:
         """A tensor<rank x i32> holding the sizes of ``dims``."""
-        whole = ("shape", tuple(tuple(d) for d in dims))
+        whole = ("shape", tuple(d if isinstance(d, int) else tuple(d) for d in dims))
         if whole in self._parts:
             return self._parts[whole]
         parts = []
         for d in dims:
-            key = ("dim", tuple(d))
+            key = ("dim", d if isinstance(d, int) else tuple(d))
             if key not in self._parts:
                 n = self.dim(d)
                 self._parts[key] = self._i32(n, (1,)) if isinstance(n, int) else \
@@ -422,8 +505,31 @@ class SymbolicSizes:
 
     def type_shape(self, dims) -> list:
         dyn = ir.ShapedType.get_dynamic_size()
-        return [dyn if any(p in self.symbols for p in d) else prod(p[2] for p in d)
+        return [d if isinstance(d, int) else
+                dyn if any(p in self.symbols for p in d) else prod(p[2] for p in d)
                 for d in dims]
+
+    def broadcast(self, x: ir.Value, dims, bdims, created) -> ir.Value:
+        """broadcast_in_dim of ``x`` to a tensor whose dims hold ``dims``."""
+        shape = self.type_shape(dims)
+        if ir.ShapedType.get_dynamic_size() not in shape:
+            return adapters.broadcast(x, shape, bdims, created)
+        t = ir.RankedTensorType.get(shape, x.type.element_type)
+        op = stablehlo.DynamicBroadcastInDimOp(t, x, self.shape_tensor(dims), list(bdims))
+        created.append(op)
+        return op.result
+
+    def full(self, value, elt, dims, created) -> ir.Value:
+        """A tensor of ``value`` whose dims hold ``dims``."""
+        return self.broadcast(adapters.constant(np.full((), value), elt, created), dims, [],
+                              created)
+
+    def iota(self, dims, axis: int, created) -> ir.Value:
+        """An i32 iota along ``axis`` of a tensor whose dims hold ``dims``."""
+        t = ir.RankedTensorType.get(self.type_shape(dims), ir.IntegerType.get_signless(32))
+        op = stablehlo.DynamicIotaOp(t, self.shape_tensor(dims), axis)
+        created.append(op)
+        return op.result
 
     def reshape(self, x: ir.Value, dims, created) -> ir.Value:
         shape = self.type_shape(dims)
@@ -456,13 +562,24 @@ def rewrite(site: AttentionSite, legacy_attrs: bool = False) -> None:
                                    dynamic=sizes)
                 if x.type.element_type != kdt:
                     x = adapters.convert(x, kdt, created)
+                if n == "q":
+                    for scalar, divide in plan.runtime_scales:
+                        x = adapters.scale_by_scalar(x, scalar, divide, created, sizes,
+                                                     plan.kernel["q"])
                 operands.append(x)
+            names = plan.extras.names if plan.extras is not None else ()
+            if names:
+                operands += X.emit(plan.extras, plan.spec.dtype, created, dynamic=sizes)
             b, sq, hq, _ = plan.kernel["o"]
             o, _lse = emit_custom_call(
-                plan.spec, "fwd", operands, **plan.attributes,
+                plan.spec, "fwd", operands, **plan.attributes, extras=names,
                 result_shapes=[sizes.shape_tensor(plan.kernel["o"]),
                                sizes.shape_tensor((b, hq, sq))])
             created.append(o.owner)
+            if plan.empty_rows == "mean":
+                o = polymorphic_rows.emit_mean_fixup(
+                    o, operands[2], empty_rows.visible_parts(plan.extras, operands[3:]),
+                    plan.kernel, plan.band, sizes, created)
             out = adapters.adapt(o, plan.kernel["o"], plan.exit_layout, created, dynamic=sizes)
             want = plan.dot2.result.type
             if out.type.element_type != want.element_type:

@@ -26,8 +26,4 @@ class EmptyRows(ScoreVariant):
             site.scores.fills, zeroed_after=guard_fires or site.remasked,
             max_subtracted=site.max_subtracted,
             may_empty=empty_rows.may_empty_rows(draft.extras, draft.seq_q, draft.seq_k))
-        if site.polymorphic and empty == "mean":
-            raise Reject("a shape-polymorphic site whose rows without a visible key need the "
-                         "finite-fill fix-up (a padding mask, a constant mask leaving rows "
-                         "without a key) is not rewritten", **draft.details)
         return draft.but(empty_rows=empty, note=empty_rows.NOTES.get(empty))

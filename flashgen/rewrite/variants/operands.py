@@ -6,7 +6,6 @@ entries the masks leave visible, and may align the band bottom-right).
 from __future__ import annotations
 
 from flashgen.rewrite import extras as X
-from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.variants.state import ScoreVariant
 
 
@@ -20,9 +19,5 @@ class Operands(ScoreVariant):
                              final_scale=sc.scale, causal=draft.causal,
                              bottom_right=draft.attribute("bottom_right"),
                              window=draft.attribute("window"), kernel_dtype=draft.dtype)
-        if site.polymorphic and (resolved.names or sc.runtime_scales):
-            what = ", ".join(resolved.names) if resolved.names else "a run-time scale"
-            raise Reject(f"a shape-polymorphic site with extra operands ({what}): only causal "
-                         "and window masks (attributes) are rewritten there", **draft.details)
         return draft.but(extras=resolved, attrs=dict(bottom_right=resolved.bottom_right),
                          notes=resolved.notes)

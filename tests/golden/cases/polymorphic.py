@@ -144,12 +144,165 @@ def poly_constrained():
                      x, x, x)
 
 
-@golden(fmt="jax_exported", rejected=["shape-polymorphic site with extra operands"])
-def neg_poly_padding_mask():
-    # a run-time key padding mask would be an extra operand: not rewritten when polymorphic
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        extras=["segment_ids"])
+def poly_padding_mask_from_k():
+    # a run-time key padding mask computed from K: segment ids (q id 1), and the fix-up of
+    # the rows that see no key (finite fill: the mean of V) built at run-time sizes
     _, jnp, _ = jax_modules()
     return export_fn(lambda q, k, v: einsum_attention(
         jnp, q, k, v, (k[:, :, 0, 0] > 0)[:, None, None, :]), *poly_qkv())
+
+
+QKV = (("b", "t", H, D), "float32")
+
+
+def poly_specs(*shapes):
+    """ShapeDtypeStructs of (shape, dtype) pairs whose dims "b" and "t" are the symbolic
+    batch and sequence (of one scope, as jax.export needs)."""
+    jax, jnp, export = jax_modules()
+    dims = dict(zip("bt", export.symbolic_shape("b, t")))
+    return [jax.ShapeDtypeStruct(tuple(dims.get(n, n) for n in shape), jnp.dtype(dtype))
+            for shape, dtype in shapes]
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        extras=["segment_ids"])
+def poly_key_padding():
+    # a [b, t] key-padding argument
+    _, jnp, _ = jax_modules()
+    return export_fn(lambda q, k, v, m: einsum_attention(jnp, q, k, v, m[:, None, None, :]),
+                     *poly_specs(QKV, QKV, QKV, (("b", "t"), "bool")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        extras=["segment_ids"])
+def poly_key_padding_causal():
+    # key padding AND a causal mask of the symbolic length: the fix-up's band from
+    # dynamic_iota (left padding leaves a sequence's first rows without a key)
+    _, jnp, _ = jax_modules()
+
+    def f(q, k, v, m):
+        n = q.shape[1]
+        causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+        return einsum_attention(jnp, q, k, v, m[:, None, None, :] & causal[None, None])
+    return export_fn(f, *poly_specs(QKV, QKV, QKV, (("b", "t"), "bool")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        extras=["segment_ids"])
+def poly_flax_key_padding():
+    # flax linen MultiHeadDotProductAttention with make_attention_mask(query ones, key
+    # padding), symbolic batch and sequence
+    jax, jnp, _ = jax_modules()
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x, pad):
+            mask = nn.make_attention_mask(jnp.ones(x.shape[:2], bool), pad)
+            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(x, mask=mask)
+    m = M()
+    params = m.init(jax.random.key(0), jnp.ones((2, 8, H * D)), jnp.ones((2, 8), bool))
+    return export_fn(m.apply, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                           params),
+                     *poly_specs((("b", "t", H * D), "float32"), (("b", "t"), "bool")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        layout="(HD)BS", extras=["segment_ids"])
+def poly_equinox_vmap_key_padding():
+    # equinox MultiheadAttention under jax.vmap over a symbolic batch, a key-padding mask
+    # broadcast over the queries; the weights are passed as leaves (a .jax_exported keeps
+    # no equinox tree)
+    jax, jnp, _ = jax_modules()
+    import equinox as eqx
+    m = eqx.nn.MultiheadAttention(num_heads=H, query_size=H * D, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(m, eqx.is_array)
+    leaves, tree = jax.tree_util.tree_flatten(params)
+
+    def f(leaves, x, pad):
+        mm = eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), static)
+        return jax.vmap(lambda xx, p: mm(xx, xx, xx, mask=jnp.broadcast_to(
+            p[None, :], (xx.shape[0], xx.shape[0]))))(x, pad)
+    return export_fn(f, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves],
+                     *poly_specs((("b", "t", H * D), "float32"), (("b", "t"), "bool")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        extras=["bias", "mask"])
+def poly_jnn_mask_bias():
+    # jax.nn.dot_product_attention(mask=[b, 1, t, t], bias=[b, H, t, t]): both operands at
+    # run-time sizes
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v, m, c: jax.nn.dot_product_attention(q, k, v, mask=m, bias=c),
+                     *poly_specs(QKV, QKV, QKV, (("b", 1, "t", "t"), "bool"),
+                                 (("b", H, "t", "t"), "float32")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        extras=["segment_ids"])
+def poly_jnn_kv_seq_lengths_causal():
+    # jax.nn.dot_product_attention(key_value_seq_lengths=[b], is_causal=True): the mask jax.nn
+    # builds after the Q·K product is key padding, read before the P·V product
+    jax, _, _ = jax_modules()
+    return export_fn(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=n, is_causal=True),
+        *poly_specs(QKV, QKV, QKV, (("b",), "int32")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        extras=["segment_ids"])
+def poly_segment_ids():
+    # packed sequences: q and kv segment ids of symbolic batch and length
+    _, jnp, _ = jax_modules()
+    ids = (("b", "t"), "int32")
+    return export_fn(lambda q, k, v, qs, ks: einsum_attention(
+        jnp, q, k, v, qs[:, None, :, None] == ks[:, None, None, :]),
+        *poly_specs(QKV, QKV, QKV, ids, ids))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", False)], causal=False,
+        extras=[])
+def poly_runtime_scale():
+    # the scores times a run-time scalar: multiplied into Q before the call
+    _, jnp, _ = jax_modules()
+
+    def f(q, k, v, c):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * c
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+    return export_fn(f,
+                     *poly_specs(QKV, QKV, QKV, ((), "float32")))
+
+
+@golden(fmt="jax_exported", rewritten=1, targets=[tname(32, "f32", True)], causal=True,
+        extras=["alibi"])
+def poly_alibi_causal():
+    # an ALiBi bias from iotas of the symbolic length: constant [Hq] slopes in both instances
+    _, jnp, _ = jax_modules()
+    slopes = [2.0 ** (-8 * (h + 1) / H) for h in range(H)]
+
+    def f(q, k, v):
+        n = q.shape[1]
+        i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+        bias = -jnp.array(slopes)[:, None, None] * jnp.abs(i - j)[None].astype(jnp.float32)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(D)) + bias[None]
+        s = jnp.where((i >= j)[None, None], s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax_manual(jnp, s), v)
+    return export_fn(f, *poly_qkv())
+
+
+@golden(fmt="jax_exported", rejected=["a constant mask operand (computed from the sizes"])
+def neg_poly_constant_mask():
+    # a constant mask that is no causal/window band, from iotas of the symbolic length: an
+    # operand of the instance's sizes
+    _, jnp, _ = jax_modules()
+
+    def f(q, k, v):
+        n = q.shape[1]
+        return einsum_attention(jnp, q, k, v, ((jnp.arange(n)[:, None] +
+                                                jnp.arange(n)[None, :]) % 3 != 0)[None, None])
+    return export_fn(f, *poly_qkv())
 
 
 @golden(fmt="jax_exported", rejected=["heads of q is symbolic"])
