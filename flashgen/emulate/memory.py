@@ -281,6 +281,7 @@ class SharedMemory:
         self.in_flight = 0                                   # their number
         self.epochs = np.ones(ctas, np.int64)
         self.granule = granule
+        self.hopper = None                                   # hopper_state.AsyncState of a Hopper kernel
         if race_check:
             n = -(-total // granule)
             self.w_stamp = np.zeros(n, np.int64)
@@ -402,6 +403,8 @@ class SharedMemory:
         self._check_pending(idx, what)
         if self.race_check:
             self._race_write(self._granules(idx), warp, lanes)
+        if self.hopper is not None:
+            self.hopper.generic_write(idx, warp)
         self.data[idx] = data
 
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
@@ -424,4 +427,6 @@ class SharedMemory:
         if self.race_check:
             warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
             self._race_write(self._granules(idx), warps, np.concatenate([c[3] for c in copies]))
+        if self.hopper is not None:
+            self.hopper.generic_write(idx, np.repeat([c[2] for c in copies], [len(c[0]) for c in copies]))
         self.data[idx] = np.concatenate([c[1] for c in copies])

@@ -187,7 +187,7 @@ _SPECIAL = re.compile(r"%(tid|ntid|ctaid|nctaid|laneid|warpid|nwarpid)(?:\.([xyz
 _LABEL = re.compile(r"([$\w]+)\s*:")
 _BRACE = re.compile(r"[{}]")
 _ONLY_LABELS = re.compile(r"(\s*[$\w]+\s*:)*\s*")
-_GUARD = re.compile(r"@(!?)(%[\w$]+)\s+")
+_GUARD = re.compile(r"@(!?)(%?[\w$]+)\s+")
 
 
 _TOP_COMMA = re.compile(r",(?![^{\[]*[}\]])")    # a comma not inside {...} or [...] (never nested)
@@ -368,6 +368,8 @@ class _Parser:
         if "|" in a:
             x, y = a.split("|")
             return RegPair(self._operand(x, scopes), self._operand(y, scopes))
+        if not a.startswith("%") and any(a in sc for sc in scopes[1:]):
+            return Reg(self._reg_name(a, scopes))        # inline asm may name registers without %
         if a.startswith("%"):
             sm = _SPECIAL.match(a)
             if sm:

@@ -1,0 +1,200 @@
+"""Hopper's asynchronous state of a wave: mbarriers, named barriers, and the generic -> async
+proxy fence bookkeeping, kept beside the wave's SharedMemory (as `smem.hopper`).
+
+The machine attaches it (attach) only to launches of kernels that use a Hopper instruction, so
+that the bookkeeping costs nothing elsewhere. What each piece models:
+
+ - MBarrier: the PTX ISA's mbarrier object (pending arrival count, expected arrival count,
+   transaction count, phase). A phase completes when the pending arrivals and the transaction
+   count both reach zero; then the next phase starts with the expected count. try_wait.parity
+   only asks whether a phase completed, so a wait on the wrong parity spins until the
+   instruction budget stops the launch: hang_note() then says which warp waits on what.
+ - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
+   (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. Only a
+   barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
+   detector: shared-memory traffic ordered by a partial barrier (or an mbarrier) alone is
+   reported as a race (a false alarm, never a missed one).
+ - The proxy fence: shared-memory bytes written through the generic proxy (st.shared, cp.async,
+   stmatrix) are marked with their writer warp until that warp executes fence.proxy.async; an
+   async-proxy read (wgmma from a descriptor, a TMA store) of a marked byte is an error.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.ptx import Imm
+
+# Opcodes whose presence makes a launch carry this state (the async proxy, mbarriers, named
+# barriers and the warpgroup instructions all need it).
+HOPPER_OPCODES = frozenset({"mbarrier", "wgmma", "fence", "elect", "setmaxnreg", "stmatrix"})
+
+
+def uses_hopper(kernel) -> bool:
+    return any(ins.opcode in HOPPER_OPCODES or (ins.opcode == "cp" and "bulk" in ins.mods) or
+               (ins.opcode in ("bar", "barrier") and named_barrier(ins)) for ins in kernel.instructions)
+
+
+def named_barrier(ins) -> bool:
+    """A barrier instruction the machine's CTA barrier does not cover: an arrive, or a sync on
+    an id other than the literal 0 (or an id in a register)."""
+    if "arrive" in ins.mods:
+        return True
+    if "sync" not in ins.mods or "warp" in ins.mods or not ins.operands:
+        return False
+    first = ins.operands[0]
+    return not (isinstance(first, Imm) and int(first.text, 0) == 0)
+
+
+def attach(smem) -> None:
+    smem.hopper = AsyncState(smem)
+
+
+class MBarrier:
+    def __init__(self, offset: int, count: int):
+        if not 1 <= count < 1 << 20:
+            raise EmulationError(f"mbarrier.init at offset {offset} with count {count} (must be in [1, 2^20))")
+        self.offset, self.expected, self.pending, self.tx, self.phase = offset, count, count, 0, 0
+        self.on_complete = []           # callbacks of the current phase (TMA deliveries)
+
+    def describe(self) -> str:
+        return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
+                f"{self.pending} of {self.expected} arrivals and {self.tx} transaction bytes pending")
+
+    def arrive(self, n: int) -> int:
+        """n arrivals; -> the phase they arrived in (the state token)."""
+        if n > self.pending:
+            raise EmulationError(f"{n} arrivals on an {self.describe()} (more arrivals than the phase expects)")
+        phase = self.phase
+        self.pending -= n
+        self._maybe_complete()
+        return phase
+
+    def expect_tx(self, nbytes: int) -> None:
+        self.tx += nbytes
+        self._maybe_complete()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        if self.tx < 0 and self.pending == 0:
+            raise EmulationError(f"complete_tx of {nbytes} bytes on an {self.describe()}: more transaction "
+                                 f"bytes arrived than expect_tx announced (expect_tx byte count too small?)")
+        self._maybe_complete()
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            done, self.on_complete = self.on_complete, []
+            self.phase += 1
+            self.pending = self.expected
+            for fn in done:
+                fn()
+
+    def completed(self, parity: int) -> bool:
+        """try_wait.parity: whether the phase of this parity (the current one or the one before)
+        has completed, i.e. the current phase has the other parity."""
+        return (self.phase & 1) != (parity & 1)
+
+
+class NamedBarrier:
+    def __init__(self, count: int):
+        self.count, self.arrived, self.waiting = count, 0, []
+
+
+class AsyncState:
+    def __init__(self, smem):
+        self.smem = smem
+        self.mbarriers: dict = {}       # (slot, offset) -> MBarrier
+        self.named: dict = {}           # (slot, id) -> NamedBarrier
+        self.spinning: dict = {}        # warp -> (what it waits for, the mbarrier)
+        self.warp_state: dict = {}      # warp -> per-warp dict (wgmma groups, register locks, ...)
+        # generic-proxy writer (warp + 1) of each shared byte not yet fenced; 0: none
+        self.unfenced = np.zeros(smem.data.size, np.int16)
+
+    # -- mbarriers -------------------------------------------------------------------------------
+    def mbarrier(self, slot: int, offset: int, init_count: int | None = None) -> MBarrier:
+        if offset % 8 or not 0 <= offset <= self.smem.size - 8:
+            raise EmulationError(f"mbarrier at shared offset {offset}: not an aligned 8-byte object inside "
+                                 f"the CTA's {self.smem.size} bytes of shared memory")
+        key = (slot, offset)
+        if init_count is not None:
+            b = self.mbarriers[key] = MBarrier(offset, init_count)
+            return b
+        b = self.mbarriers.get(key)
+        if b is None:
+            raise EmulationError(f"mbarrier at shared offset {offset} used before mbarrier.init")
+        return b
+
+    def invalidate(self, slot: int, offset: int) -> None:
+        self.mbarrier(slot, offset)
+        del self.mbarriers[(slot, offset)]
+
+    def spin(self, warp, what: str, barrier: MBarrier | None) -> None:
+        self.spinning[warp] = (what, barrier)
+
+    def stop_spinning(self, warp) -> None:
+        self.spinning.pop(warp, None)
+
+    def hang_note(self) -> str:
+        """What the warps that last failed a wait are waiting for (for the budget's error)."""
+        notes = []
+        for warp, (what, b) in list(self.spinning.items())[:4]:
+            notes.append(f"warp {warp.wid} of block {warp.cta.ctaid} spins on {what}" +
+                         (f"; the {b.describe()}" if b is not None else ""))
+        return "; ".join(notes)
+
+    # -- named barriers --------------------------------------------------------------------------
+    def named_arrive(self, warp, bid: int, count: int, wait: bool) -> None:
+        """One warp arrives at named barrier `bid` expecting `count` threads; a bar.sync waits."""
+        if not 0 <= bid < 16:
+            raise EmulationError(f"named barrier id {bid} (must be in [0, 16))")
+        cta_threads = 32 * len(warp.cta.warps)
+        if count % 32 or not 0 < count <= cta_threads:
+            raise EmulationError(f"barrier {bid} with thread count {count} (must be a positive multiple of 32, "
+                                 f"at most the block's {cta_threads})")
+        key = (warp.cta.slot, bid)
+        b = self.named.get(key)
+        if b is None:
+            b = self.named[key] = NamedBarrier(count)
+        elif b.count != count:
+            raise EmulationError(f"barrier {bid} reached with thread count {count} while {b.arrived} threads "
+                                 f"wait with count {b.count}")
+        b.arrived += 32
+        if wait:
+            b.waiting.append(warp)
+            warp.at_barrier, warp.named_wait = True, bid
+        if b.arrived < count:
+            return
+        del self.named[key]
+        for x in b.waiting:
+            x.at_barrier, x.named_wait = False, None
+        if count == cta_threads:           # every warp of the CTA took part: a barrier epoch
+            self.smem.barrier(warp.cta.slot)
+
+    def deadlock(self) -> str:
+        return "; ".join(f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
+                         f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
+                         for (slot, bid), b in self.named.items())
+
+    # -- the proxy fence -------------------------------------------------------------------------
+    def generic_write(self, idx: np.ndarray, warp) -> None:
+        self.unfenced[idx] = np.asarray(warp).reshape(-1, 1) + 1
+
+    def fence_proxy_async(self, slot: int, wid: int) -> None:
+        lo, hi = slot * self.smem.stride, slot * self.smem.stride + self.smem.size
+        part = self.unfenced[lo:hi]
+        part[part == wid + 1] = 0
+
+    def async_read(self, idx: np.ndarray, what: str) -> None:
+        """An async-proxy read of byte indices `idx`: every byte must be fenced."""
+        w = self.unfenced[idx]
+        if w.any():
+            x = int(idx[w > 0][0])
+            raise EmulationError(f"{what} reads shared offset {x % self.smem.stride}, written by warp "
+                                 f"{int(w[w > 0][0]) - 1} through the generic proxy with no fence.proxy.async "
+                                 f"after the write")
+
+    def of_warp(self, warp) -> dict:
+        s = self.warp_state.get(warp)
+        if s is None:
+            s = self.warp_state[warp] = {}
+        return s

@@ -1,0 +1,133 @@
+// Hopper micro-kernels for the emulator's self-checks (tests/test_emulator_hopper.py), compiled
+// for sm_90a. Each instruction is written as inline PTX in the forms CUTLASS emits
+// (cutlass/arch/barrier.h, cute/arch/mma_sm90_gmma.hpp, cute/arch/copy_sm90*.hpp); the waits
+// loop in C, since labels inside inline asm are not scoped by the emulator's parser.
+#include <cstdint>
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_complete_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(uint32_t id, uint32_t n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// Producer warp 0 hands `rounds` rows of 32 floats to consumer warp 1 through a global buffer,
+// guarded by a full and an empty mbarrier (all 32 lanes arrive): out = 2 * a, row by row. A wait
+// that returned early would read the poisoned buffer or a row the producer already replaced.
+extern "C" __global__ void mbarrier_handoff(const float* a, float* buf, float* out, int rounds) {
+  __shared__ __align__(8) uint64_t full, empty;
+  const uint32_t f = smem_u32(&full), e = smem_u32(&empty);
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    mbar_init(f, 32);
+    mbar_init(e, 32);
+  }
+  __syncthreads();
+  for (int i = 0; i < rounds; ++i) {
+    if (threadIdx.x < 32) {
+      mbar_wait(e, (i & 1) ^ 1);           // a fresh barrier's phase "-1" (parity 1) is complete
+      buf[lane] = a[i * 32 + lane];
+      mbar_arrive(f);
+    } else {
+      mbar_wait(f, i & 1);
+      out[i * 32 + lane] = 2.0f * buf[lane];
+      mbar_arrive(e);
+    }
+  }
+}
+
+// A barrier of count 1 nobody arrives on: parity 1 (the phase before the first) is complete,
+// parity 0 never completes, so the wait spins until the instruction budget.
+extern "C" __global__ void mbarrier_wait_parity(int* out, int parity) {
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = smem_u32(&bar);
+  if (threadIdx.x == 0) mbar_init(b, 1);
+  __syncthreads();
+  mbar_wait(b, parity);
+  out[threadIdx.x] = 1;
+}
+
+// Transaction counts: lane 0 announces `expect` bytes with its arrival (count 1), then completes
+// `done` bytes; the phase completes only when both the arrival and the bytes are in.
+extern "C" __global__ void mbarrier_tx(int* out, int expect, int done) {
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = smem_u32(&bar);
+  if (threadIdx.x == 0) {
+    mbar_init(b, 1);
+    out[0] = mbar_try_wait(b, 0);
+    mbar_arrive_expect_tx(b, expect);
+    out[1] = mbar_try_wait(b, 0);          // arrived, bytes pending: not complete
+    mbar_complete_tx(b, done);
+    mbar_wait(b, 0);
+    out[2] = mbar_try_wait(b, 1);          // the next phase has not completed
+  }
+}
+
+// Named barriers: warps 0-1 write `out[0:64]`, then arrive on barrier 1 (128 threads) without
+// waiting; warps 2-3 wait there and then read what warps 0-1 wrote. `count` is the thread count
+// warps 2-3 use (128 is right; another count is a misuse).
+extern "C" __global__ void named_barrier_arrive(const float* a, float* out, int count) {
+  const int t = threadIdx.x;
+  if (t < 64) {
+    out[t] = a[t] + 1.0f;
+    named_arrive(1, 128);
+  } else {
+    named_sync(1, count);
+    out[t] = out[t - 64] * 3.0f;
+  }
+}
+
+// Ping-pong on two named barriers between the two warpgroups of 256 threads, the FA3 pattern:
+// warpgroup g waits on barrier 2+g, takes its turn, then signals barrier 3-g. Turn k reads the
+// value turn k-1 wrote (out starts poisoned): out[k] = k only if the turns really alternate.
+// Without warpgroup 1's first arrival (`no_start`) both wait forever.
+extern "C" __global__ void named_barrier_pingpong(int* out, int turns, int no_start) {
+  const int g = threadIdx.x / 128, t = threadIdx.x % 128;
+  if (g == 1 && !no_start) named_arrive(2, 256);   // warpgroup 0 goes first
+  for (int i = 0; i < turns; ++i) {
+    named_sync(2 + g, 256);
+    const int k = 2 * i + g;
+    if (t == 0) out[k] = k == 0 ? 0 : out[k - 1] + 1;
+    if (i + 1 < turns || g == 0) named_arrive(3 - g, 256);
+  }
+}
+
+// elect.sync among the lanes of `mask` (the others skip it): leader lane and predicate per lane.
+extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask) {
+  const int lane = threadIdx.x % 32;
+  leader[threadIdx.x] = -1;
+  is_leader[threadIdx.x] = -1;
+  if ((mask >> lane) & 1) {
+    uint32_t who, pred;
+    asm volatile("{\n .reg .pred p;\n elect.sync %0|p, %2;\n selp.u32 %1, 1, 0, p;\n}"
+                 : "=r"(who), "=r"(pred) : "r"(mask));
+    leader[threadIdx.x] = who;
+    is_leader[threadIdx.x] = pred;
+  }
+}
