@@ -104,7 +104,7 @@ def run(module, name, args, grid=(1, 1, 1), block=(32, 1, 1), smem=0, arch="sm80
             mem.add(a.ctypes.data, a.nbytes, f"arg{i}")
             params.append(struct.pack("<Q", a.ctypes.data))
         else:
-            params.append(struct.pack({"u32": "<I", "s32": "<i", "f32": "<f"}[p.ptx_type], a))
+            params.append(struct.pack({"u32": "<I", "s32": "<i", "f32": "<f", "u64": "<Q"}[p.ptx_type], a))
     return launch(module, name, grid, block, smem, params, mem, arch=arch, **kw)
 
 

@@ -130,3 +130,201 @@ def test_elect_sync_elects_the_lowest_member(hopper, mask):
     first = (mask & -mask).bit_length() - 1
     assert (leader[member] == first).all() and (leader[~member] == -1).all()
     assert (flag == np.where(member, (lanes == first).astype(int), -1)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma: layouts transcribed from CuTe (CUTLASS 4.2.0, nvidia-cutlass wheel):
+#  cute/atom/mma_traits_sm90_gmma.hpp lines 432-461: CLayout_64xN, ALayout_64x16 / 64x8 / 64x32
+#  (thread, value) -> m + 64 k (or m + 64 n) of the 64 x K (64 x N) tile;
+#  same file lines 158-193 (make_gmma_desc's comment): the canonical shared-memory layouts, in
+#  elements, T = 16 bytes / element size, w = swizzle bytes / 16:
+#    K-major  INTERLEAVE ((8,m),(T,2)):((T,SBO),(1,LBO));  swizzled ((8,m),(T,2)):((wT,SBO),(1,T))
+#    MN-major INTERLEAVE ((T,1,m),(8,k)):((1,T,SBO),(T,LBO)); swizzled ((T,w,m),(8,k)):((1,T,LBO),(wT,SBO))
+#  composed with Swizzle<B,4,3> (B = log2 w) of the byte address: addr ^ ((addr & (2^B-1) << 7) >> 3);
+#  cute/arch/mma_sm90_desc.hpp lines 107-126: the descriptor bit fields; layout type
+#  INTERLEAVE 0, B128 1, B64 2, B32 3 (lines 48-53).
+# ---------------------------------------------------------------------------------------------
+from test_emulator import cute_layout  # noqa: E402
+
+CUTE_C_64xN = lambda n: (((4, 8, 4), (2, 2, n // 8)), ((128, 1, 16), (64, 8, 512)))     # noqa: E731
+CUTE_A_64x16 = (((4, 8, 4), (2, 2, 2)), ((128, 1, 16), (64, 8, 512)))
+CUTE_A_64x8 = (((4, 8, 4), (2, 2)), ((64, 1, 16), (8, 256)))
+CUTE_A_64x32 = (((4, 8, 4), (4, 2, 2)), ((256, 1, 16), (64, 8, 1024)))
+LAYOUT_TYPE = {16: 0, 128: 1, 64: 2, 32: 3}      # swizzle bytes (16: none) -> descriptor code
+
+
+def cute_swizzle(addr, width):
+    b = {16: 0, 32: 1, 64: 2, 128: 3}[width]
+    return addr ^ ((addr & (((1 << b) - 1) << 7)) >> 3)
+
+
+def cute_canonical(mn_major, width, rows, elem, lbo, sbo):
+    """Byte offset (before the swizzle) of element (mn, k) of a rows x (32 / elem) operand."""
+    t, w = 16 // elem, width // 16
+    if not mn_major:
+        shape = ((8, rows // 8), (t, 2))
+        stride = ((t, sbo // elem), (1, lbo // elem)) if width == 16 else ((w * t, sbo // elem), (1, t))
+    elif width == 16:
+        shape, stride = ((t, 1, rows // t), (8, 2)), ((1, t, sbo // elem), (t, lbo // elem))
+    else:
+        shape, stride = ((t, w, rows // (t * w)), (8, 2)), ((1, t, lbo // elem), (w * t, sbo // elem))
+    f = cute_layout(shape, stride)
+    return np.array([[f(i, j) * elem for j in range(32 // elem)] for i in range(rows)])
+
+
+def canonical_strides(mn_major, width, rows, elem):
+    """A dense choice of (LBO, SBO) for a rows x 32-byte operand (the one the unused field takes
+    is arbitrary but nonzero, to show it is ignored)."""
+    if not mn_major:
+        return (128, 256) if width == 16 else (4096, 8 * width)
+    if width == 16:
+        return 8 * 128 * (rows * elem // 128), 128
+    return 16 * width, 8 * width
+
+
+def smem_image(mats, mn_major, width, k_offset=0):
+    """Lay out matrices [rows, K] (raw elements) each in its own 2 KiB-aligned region by CuTe's
+    canonical layout; -> (uint32 image, descriptors relative to the image)."""
+    elem = mats[0].dtype.itemsize
+    image, descs, base = np.zeros(0, np.uint8), [], 0
+    for mat, major in zip(mats, mn_major):
+        rows = mat.shape[0]
+        lbo, sbo = canonical_strides(major, width, rows, elem)
+        off = cute_canonical(major, width, rows, elem, lbo, sbo) + k_offset
+        addr = cute_swizzle(base + off, width)
+        size = -(-(int(addr.max()) + elem) // 2048) * 2048
+        image = np.concatenate([image, np.zeros(size - image.size, np.uint8)])
+        image.view(mat.dtype)[addr // elem] = mat
+        start = base + k_offset
+        descs.append((start >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (LAYOUT_TYPE[width] << 62))
+        base = image.size
+    return image.view(np.uint32), descs
+
+
+def test_wgmma_register_layouts_equal_cute():
+    from flashgen.emulate.semantics import wgmma
+    for n in (8, 64, 256):
+        rows, cols = wgmma.accumulator_table(n)                      # [lane, reg], rows within the warp
+        f = cute_layout(*CUTE_C_64xN(n))
+        for t in range(128):
+            for v in range(n // 2):
+                idx = f(t, v)
+                assert (16 * (t // 32) + rows[t % 32, v], cols[t % 32, v]) == (idx % 64, idx // 64)
+    for atype, cute, per_reg in (("bf16", CUTE_A_64x16, 2), ("tf32", CUTE_A_64x8, 1), ("e4m3", CUTE_A_64x32, 4)):
+        rows, cols = (x.reshape(32, -1) for x in wgmma.a_register_table(atype))
+        f = cute_layout(*cute)
+        for t in range(128):
+            for v in range(rows.shape[1]):
+                idx = f(t, v)
+                assert (16 * (t // 32) + rows[t % 32, v], cols[t % 32, v]) == (idx % 64, idx // 64), (atype, t, v)
+        assert rows.shape[1] == 4 * per_reg
+
+
+@pytest.mark.parametrize("width", [16, 32, 64, 128])
+@pytest.mark.parametrize("mn_major", [False, True])
+@pytest.mark.parametrize("elem", [1, 2, 4])
+def test_descriptor_addresses_equal_cute_canonical_layouts(width, mn_major, elem):
+    from flashgen.emulate.semantics import wgmma
+    if mn_major and elem != 2:
+        return                                  # MN-major is for 16-bit types only
+    rows = 64
+    if mn_major and rows * elem < width:
+        return
+    lbo, sbo = canonical_strides(mn_major, width, rows, elem)
+    start = 3072 + (32 if width >= 64 and not mn_major else 0)        # an advance along K inside the atom
+    desc = (start >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (LAYOUT_TYPE[width] << 62)
+    got = wgmma.operand_addresses(rows, 32 // elem, elem, mn_major, wgmma.decode_descriptor(desc, "A"))
+    want = cute_swizzle(start + cute_canonical(mn_major, width, rows, elem, lbo, sbo), width)
+    assert (got == want).all()
+
+
+def test_bad_descriptors_fail():
+    from flashgen.emulate.semantics.wgmma import decode_descriptor
+    with pytest.raises(EmulationError, match=r"B descriptor 0x0000400000000000 sets reserved bits 0x400000000000"):
+        decode_descriptor(1 << 46, "B")
+    with pytest.raises(EmulationError, match=r"base offset 3: only 0 is modelled"):
+        decode_descriptor(3 << 49 | 1 << 62, "A")
+
+
+def _accumulators(d_out, n=64):
+    """Emulated registers [thread, reg] -> the 64 x n matrix, by CuTe's CLayout_64xN."""
+    f = cute_layout(*CUTE_C_64xN(n))
+    out = np.full((64, n), np.nan, np.float32)
+    for t in range(128):
+        for v in range(n // 2):
+            out[f(t, v) % 64, f(t, v) // 64] = d_out[t, v]
+    return out
+
+
+def _as_registers(mat, n=64):
+    f = cute_layout(*CUTE_C_64xN(n))
+    return np.array([[mat[f(t, v) % 64, f(t, v) // 64] for v in range(n // 2)] for t in range(128)], np.float32)
+
+
+def _wgmma_case(rng, dtype, kernel_major, width, k_offset=0):
+    import ml_dtypes
+    npt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[dtype]
+    a = rng.standard_normal((64, 16)).astype(npt)
+    b = rng.standard_normal((64, 16)).astype(npt)
+    c = rng.standard_normal((64, 64)).astype(np.float32)
+    img, (da, db) = smem_image([a.view(np.uint16), b.view(np.uint16)], kernel_major, width, k_offset)
+    return a, b, c, img, da, db
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kernel,dtype,majors", [
+    ("wgmma_ss_bf16_kk", "bf16", (False, False)), ("wgmma_ss_bf16_km", "bf16", (False, True)),
+    ("wgmma_ss_bf16_mk", "bf16", (True, False)), ("wgmma_ss_bf16_mm", "bf16", (True, True)),
+    ("wgmma_ss_f16_kk", "f16", (False, False))])
+@pytest.mark.parametrize("width", [16, 32, 64, 128])
+def test_wgmma_ss_matches_float64(hopper, rng, kernel, dtype, majors, width):
+    k_offset = 32 if width >= 64 and not any(majors) else 0
+    a, b, c, img, da, db = _wgmma_case(rng, dtype, majors, width, k_offset)
+    for accumulate in (0, 1):
+        out = np.full((128, 32), np.nan, np.float32)
+        run(hopper, kernel, [img, img.size, da, db, _as_registers(c), out, accumulate], block=(128, 1, 1),
+            smem=img.nbytes)
+        want = a.astype(np.float64) @ b.astype(np.float64).T + (c if accumulate else 0)
+        assert np.abs(_accumulators(out) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kernel,dtype,b_major", [("wgmma_rs_bf16_k", "bf16", False), ("wgmma_rs_f16_m", "f16", True)])
+def test_wgmma_rs_matches_float64(hopper, rng, kernel, dtype, b_major):
+    a, b, c, _, _, _ = _wgmma_case(rng, dtype, (False, False), 16)
+    img, (db,) = smem_image([b.view(np.uint16)], (b_major,), 128 if b_major else 64)
+    f = cute_layout(*CUTE_A_64x16)
+    halves = np.array([[a.view(np.uint16)[f(t, v) % 64, f(t, v) // 64] for v in range(8)] for t in range(128)],
+                      np.uint16)
+    out = np.full((128, 32), np.nan, np.float32)
+    run(hopper, kernel, [img, img.size, halves.view(np.uint32), db, _as_registers(c), out, 1], block=(128, 1, 1),
+        smem=img.nbytes)
+    want = a.astype(np.float64) @ b.astype(np.float64).T + c
+    assert np.abs(_accumulators(out) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("flag,message", [
+    (8, r"accesses register %f\d+ of a wgmma\.mma_async that has not completed \(missing wgmma\.wait_group"),
+    (4, r"wgmma\.mma_async without a wgmma\.fence"),
+    (2, r"wgmma\.mma_async \([AB]\) reads shared offset \d+, written by warp \d through the generic proxy with no "
+        r"fence\.proxy\.async"),
+    (16, r"shared write at offset \d+, which an in-flight asynchronous operation \(wgmma or TMA store\) still reads"),
+])
+def test_wgmma_misuse_fails(hopper, rng, flag, message):
+    a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)
+    with pytest.raises(EmulationError, match=message):
+        run(hopper, "wgmma_ss_bf16_kk", [img, img.size, da, db, _as_registers(c), np.zeros((128, 32), np.float32),
+                                         1 | flag], block=(128, 1, 1), smem=img.nbytes)
+
+
+@needs_nvcc
+def test_wgmma_wrong_swizzle_gives_a_wrong_product(hopper, rng):
+    """The descriptor's swizzle mode matters: the image laid out for 128B read as 64B is wrong."""
+    a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)
+    out = np.full((128, 32), np.nan, np.float32)
+    wrong = lambda d: (d & ~(3 << 62)) | (2 << 62)          # noqa: E731
+    run(hopper, "wgmma_ss_bf16_kk", [img, img.size, wrong(da), wrong(db), _as_registers(c), out, 0],
+        block=(128, 1, 1), smem=img.nbytes)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    assert np.abs(_accumulators(out) - want).max() > 0.1

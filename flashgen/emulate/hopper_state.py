@@ -109,6 +109,10 @@ class AsyncState:
         self.warp_state: dict = {}      # warp -> per-warp dict (wgmma groups, register locks, ...)
         # generic-proxy writer (warp + 1) of each shared byte not yet fenced; 0: none
         self.unfenced = np.zeros(smem.data.size, np.int16)
+        # in-flight async-proxy reads (wgmma operands, TMA stores) of each shared byte
+        self.reading = np.zeros(smem.data.size, np.int16)
+        self.reading_any = 0
+        self.issues: dict = {}          # (slot, warpgroup) -> the wgmma.mma_async issued, in order
 
     # -- mbarriers -------------------------------------------------------------------------------
     def mbarrier(self, slot: int, offset: int, init_count: int | None = None) -> MBarrier:
@@ -177,6 +181,10 @@ class AsyncState:
 
     # -- the proxy fence -------------------------------------------------------------------------
     def generic_write(self, idx: np.ndarray, warp) -> None:
+        if self.reading_any and self.reading[idx].any():
+            x = int(idx[self.reading[idx] > 0][0]) % self.smem.stride
+            raise EmulationError(f"shared write at offset {x}, which an in-flight asynchronous operation (wgmma or "
+                                 f"TMA store) still reads (missing wgmma.wait_group / cp.async.bulk.wait_group?)")
         self.unfenced[idx] = np.asarray(warp).reshape(-1, 1) + 1
 
     def fence_proxy_async(self, slot: int, wid: int) -> None:
@@ -192,6 +200,50 @@ class AsyncState:
             raise EmulationError(f"{what} reads shared offset {x % self.smem.stride}, written by warp "
                                  f"{int(w[w > 0][0]) - 1} through the generic proxy with no fence.proxy.async "
                                  f"after the write")
+
+    def _indices(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+        a = addrs.astype(np.int64)
+        if a.min() < 0 or a.max() + elem > self.smem.size:
+            x = int(a[(a < 0) | (a + elem > self.smem.size)][0])
+            raise EmulationError(f"{what} reads shared offset {x}, outside the CTA's {self.smem.size} bytes "
+                                 f"(bad descriptor?)")
+        return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
+
+    def async_gather(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+        """An async-proxy read of elements of `elem` bytes at shared offsets `addrs`: in bounds,
+        delivered (no cp.async / TMA still writing them), and fenced after generic writes."""
+        idx = self._indices(warp, addrs, elem, what)
+        if self.smem.in_flight and self.smem.pending[idx].any():
+            x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
+            raise EmulationError(f"{what} reads shared offset {x}, which an asynchronous copy has not delivered yet "
+                                 f"(missing wait before this access?)")
+        self.async_read(idx, what)
+        return self.smem.data[idx].view({1: np.uint8, 2: np.uint16, 4: np.uint32}[elem]).reshape(addrs.shape)
+
+    def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:
+        """Mark the bytes an issued async operation reads until it completes; -> their indices."""
+        idx = np.unique(self._indices(warp, addrs, elem, "async read"))
+        self.reading[idx] += 1
+        self.reading_any += idx.size
+        return idx
+
+    def async_read_done(self, reads: list) -> None:
+        for idx in reads:
+            self.reading[idx] -= 1
+            self.reading_any -= idx.size
+
+    def warpgroup_issue(self, warp, key) -> None:
+        """The warps of a warpgroup must issue the same wgmma.mma_async (line, descriptors), in order."""
+        log = self.issues.setdefault((warp.smem_slot, warp.wid // 4), [])
+        st = self.of_warp(warp)
+        i = st.get("issued", 0)
+        st["issued"] = i + 1
+        if i == len(log):
+            log.append(key)
+        elif log[i] != key:
+            raise EmulationError(f"warp {warp.wid}'s wgmma.mma_async number {i} (PTX line {key[0]}, descriptors "
+                                 f"{key[1:]}) differs from its warpgroup's (PTX line {log[i][0]}, {log[i][1:]}): "
+                                 f"wgmma is a warpgroup-collective instruction")
 
     def of_warp(self, warp) -> dict:
         s = self.warp_state.get(warp)

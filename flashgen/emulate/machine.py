@@ -36,6 +36,7 @@ from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
 from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
 from flashgen.emulate.semantics.hopper_sync import compile_named_barrier
+from flashgen.emulate.semantics.wgmma import guard_wgmma_registers
 
 MAX_THREADS_PER_BLOCK = 1024
 # A wave: the CTAs that run together, up to this many threads (the register file's length) and
@@ -224,6 +225,8 @@ class _Compiled:
         # the shared-memory race detector's granule: a word unless some access is narrower
         self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
         self.hopper = hopper_state.uses_hopper(kernel)
+        if self.hopper:
+            self.code = guard_wgmma_registers(kernel, self.code)
 
     @staticmethod
     def _compile(ins, ops, kernel):

@@ -131,3 +131,74 @@ extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask)
     is_leader[threadIdx.x] = pred;
   }
 }
+
+// ---- wgmma.mma_async m64n64k16, f32 += {bf16, f16} x {bf16, f16} ------------------------------
+// The host lays A (64 x 16) and B (64 x 16, D = A B^T) out in a shared-memory image by CuTe's
+// canonical layouts and passes the descriptors (start address relative to the image); C and D
+// are the accumulator registers per (thread, register). `flags` switches misuses on:
+enum { ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16 };
+#define D_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define D_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+__device__ __forceinline__ void load_image(const uint32_t* img, int words, int flags) {
+  extern __shared__ __align__(1024) uint32_t smem_img[];
+  for (int i = threadIdx.x; i < words; i += blockDim.x) smem_img[i] = img[i];
+  if (!(flags & NO_PROXY_FENCE)) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+}
+__device__ __forceinline__ uint64_t image_base() {
+  extern __shared__ __align__(1024) uint32_t smem_img[];
+  return smem_u32(smem_img) >> 4;            // added to the descriptors' start-address field
+}
+__device__ __forceinline__ void finish(float* d, float* out, int flags) {
+  extern __shared__ __align__(1024) uint32_t smem_img[];
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  if (flags & WRITE_IN_FLIGHT) {             // after every warp issued (else its wgmma would read it)
+    __syncthreads();
+    smem_img[threadIdx.x] = 0u;
+  }
+  if (!(flags & NO_WAIT)) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+}
+
+#define DEFINE_SS(NAME, TY, TA, TB)                                                                 \
+  extern "C" __global__ void NAME(const uint32_t* img, int words, uint64_t desc_a, uint64_t desc_b, \
+                                  const float* c, float* out, int flags) {                        \
+    load_image(img, words, flags);                                                                \
+    const uint64_t base = image_base();                                                           \
+    float d[32];                                                                                  \
+    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
+    if (!(flags & NO_WGMMA_FENCE)) asm volatile("wgmma.fence.sync.aligned;" ::: "memory");        \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " D_REGS               \
+                 ", %32, %33, p, 1, 1, %35, %36;\n}"                                              \
+                 : D_OUTS                                                                         \
+                 : "l"(desc_a + base), "l"(desc_b + base), "r"(flags & ACCUMULATE), "n"(TA), "n"(TB)); \
+    finish(d, out, flags);                                                                        \
+  }
+DEFINE_SS(wgmma_ss_bf16_kk, "bf16", 0, 0)
+DEFINE_SS(wgmma_ss_bf16_km, "bf16", 0, 1)
+DEFINE_SS(wgmma_ss_bf16_mk, "bf16", 1, 0)
+DEFINE_SS(wgmma_ss_bf16_mm, "bf16", 1, 1)
+DEFINE_SS(wgmma_ss_f16_kk, "f16", 0, 0)
+
+// A from registers: a[thread * 4 + j] is register j of the thread (two 16-bit elements).
+#define DEFINE_RS(NAME, TY, TB)                                                                     \
+  extern "C" __global__ void NAME(const uint32_t* img, int words, const uint32_t* a, uint64_t desc_b, \
+                                  const float* c, float* out, int flags) {                        \
+    load_image(img, words, flags);                                                                \
+    const uint64_t base = image_base();                                                           \
+    const uint32_t a0 = a[threadIdx.x * 4], a1 = a[threadIdx.x * 4 + 1];                          \
+    const uint32_t a2 = a[threadIdx.x * 4 + 2], a3 = a[threadIdx.x * 4 + 3];                      \
+    float d[32];                                                                                  \
+    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
+    if (!(flags & NO_WGMMA_FENCE)) asm volatile("wgmma.fence.sync.aligned;" ::: "memory");        \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " D_REGS               \
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"                                  \
+                 : D_OUTS                                                                         \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b + base), "r"(flags & ACCUMULATE), "n"(TB)); \
+    finish(d, out, flags);                                                                        \
+  }
+DEFINE_RS(wgmma_rs_bf16_k, "bf16", 0)
+DEFINE_RS(wgmma_rs_f16_m, "f16", 1)
