@@ -93,16 +93,21 @@ def micro_sm90():
     return PtxModule.parse(compile_ptx(MICRO, "sm90a"))
 
 
-def run(module, name, args, grid=(1, 1, 1), block=(32, 1, 1), smem=0, arch="sm80", **kw):
-    """Launch `name` with numpy arrays (registered as device memory, passed as pointers) and
-    Python scalars (packed by the parameter's PTX type)."""
+def run(module, name, args, grid=(1, 1, 1), block=(32, 1, 1), smem=0, arch="sm80", device=(), **kw):
+    """Launch `name` with numpy arrays (registered as device memory, passed as pointers), bytes
+    (passed by value: a struct parameter) and Python scalars (packed by the parameter's PTX type);
+    `device`: more arrays the kernel reaches through those (registered, not passed)."""
     kernel = module.kernel(name)
     mem = GlobalMemory()
+    for i, a in enumerate(device):
+        mem.add(a.ctypes.data, a.nbytes, f"device{i}")
     params = []
     for i, (p, a) in enumerate(zip(kernel.params, args)):
         if isinstance(a, np.ndarray):
             mem.add(a.ctypes.data, a.nbytes, f"arg{i}")
             params.append(struct.pack("<Q", a.ctypes.data))
+        elif isinstance(a, bytes):
+            params.append(a)
         else:
             params.append(struct.pack({"u32": "<I", "s32": "<i", "f32": "<f", "u64": "<Q"}[p.ptx_type], a))
     return launch(module, name, grid, block, smem, params, mem, arch=arch, **kw)

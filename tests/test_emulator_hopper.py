@@ -328,3 +328,169 @@ def test_wgmma_wrong_swizzle_gives_a_wrong_product(hopper, rng):
         block=(128, 1, 1), smem=img.nbytes)
     want = a.astype(np.float64) @ b.astype(np.float64).T
     assert np.abs(_accumulators(out) - want).max() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# TMA. The swizzle of a tile is CuTe's Swizzle<B,4,3> of the shared address (cute_swizzle above;
+# cute/arch/copy_sm90_desc.hpp lines 187-205 map Swizzle<1|2|3,4,3> to TMA's 32B / 64B / 128B
+# modes). Map arguments as cuda.h documents cuTensorMapEncodeTiled (data types: FLOAT32 7,
+# BFLOAT16 9, UINT8 0; swizzle NONE 0, 32B 1, 64B 2, 128B 3; OOB fill NAN_REQUEST_ZERO_FMA 1).
+# ---------------------------------------------------------------------------------------------
+F32, BF16, U8 = 7, 9, 0
+
+
+def device_tensor(rng, dims, dtype, pad=16):
+    """A random tensor of `dims` (innermost first), rows padded to `pad` extra bytes, 64-byte
+    aligned in its own buffer -> (buffer, element view [outermost..innermost], byte strides)."""
+    elem = np.dtype(dtype).itemsize
+    row = -(-(dims[0] * elem + pad) // 16) * 16
+    strides = [row]
+    for d in dims[1:-1]:
+        strides.append(strides[-1] * d)
+    total = (strides[-1] * dims[-1]) if len(dims) > 1 else row
+    buf = np.zeros(total + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    raw = buf[start:start + total]
+    raw[:] = rng.integers(0, 256, total, dtype=np.uint8)
+    if dtype != np.uint8:                       # finite values (no NaN bit patterns)
+        vals = rng.standard_normal(total // elem).astype(dtype)
+        raw.view(dtype)[:] = vals
+    return buf, raw, strides[:len(dims) - 1]
+
+
+def element(raw, strides, elem, idx):
+    off = idx[0] * elem + sum(i * s for i, s in zip(idx[1:], strides))
+    return raw[off:off + elem]
+
+
+def expected_tile(raw, dims, strides, elem, box, coords, swizzle_bytes, fill):
+    """The tile a TMA load writes: the box row-major (dimension 0 innermost), element by element,
+    at swizzled offsets; elements outside the tensor are `fill` bytes."""
+    shape = box[::-1]
+    tile = np.zeros(int(np.prod(box)) * elem, np.uint8)
+    for lin, j in enumerate(np.ndindex(*shape)):
+        c = [coords[i] + j[len(box) - 1 - i] for i in range(len(box))]
+        off = lin * elem
+        if swizzle_bytes:
+            off = cute_swizzle(off, swizzle_bytes)
+        inside = all(0 <= x < d for x, d in zip(c, dims))
+        tile[off:off + elem] = element(raw, strides, elem, c) if inside else fill
+    return tile
+
+
+def tma_map(raw, dims, strides, dtype_code, box, swizzle=0, oob=0):
+    from flashgen.emulate.tensormap import encode_tiled
+    return encode_tiled(dtype_code, len(dims), raw.ctypes.data, dims, strides, box, [1] * len(dims),
+                        swizzle=swizzle, oob_fill=oob)
+
+
+def _tma_load(hopper, rng, rank, dims, box, dtype, code, coords, swizzle=0, oob=0, expect=None, flags=0, **kw):
+    buf, raw, strides = device_tensor(rng, dims, dtype)
+    elem = np.dtype(dtype).itemsize
+    nbytes = int(np.prod(box)) * elem
+    out = np.full(nbytes, 0xAB, np.uint8)
+    m = tma_map(raw, dims, strides, code, box, swizzle, oob)
+    c = [x & 0xFFFFFFFF for x in coords] + [0] * (5 - rank)        # int parameters are .u32 in the PTX
+    run(hopper, f"tma_load_{rank}d", [m, out, nbytes, nbytes if expect is None else expect, *c, flags],
+        block=(128, 1, 1), smem=max(nbytes, 1024), device=[buf], **kw)
+    sw = {0: 0, 1: 32, 2: 64, 3: 128}[swizzle]
+    return out, expected_tile(raw, dims, strides, elem, box, coords, sw, 0xFF if oob else 0)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("rank,dims,box,coords", [
+    (1, [40], [16], [30]),
+    (2, [20, 13], [8, 4], [-3, 11]),
+    (3, [9, 5, 4], [4, 2, 3], [6, -1, 2]),
+    (4, [8, 3, 3, 2], [4, 2, 2, 2], [5, 2, -1, 1]),
+    (5, [5, 2, 3, 2, 2], [4, 2, 2, 2, 2], [3, 1, 2, 1, -1]),
+])
+def test_tma_load_ranks_with_out_of_bounds_fill(hopper, rng, rank, dims, box, coords):
+    out, want = _tma_load(hopper, rng, rank, dims, box, np.float32, F32, coords)
+    assert (out == want).all()
+    inside, _ = _tma_load(hopper, rng, rank, dims, box, np.float32, F32, [0] * rank)
+    assert (inside != 0).mean() > 0.5           # a box inside the tensor is data, not fill
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype,code,inner,swizzle", [
+    (np.uint16, BF16, 64, 3), (np.uint16, BF16, 32, 2), (np.uint16, BF16, 16, 1), (np.float32, F32, 32, 3),
+    (np.uint8, U8, 128, 3)])
+def test_tma_load_swizzle(hopper, rng, dtype, code, inner, swizzle):
+    out, want = _tma_load(hopper, rng, 2, [inner + 8, 19], [inner, 16], dtype, code, [4, 6], swizzle)
+    assert (out == want).all()
+    plain, _ = _tma_load(hopper, rng, 2, [inner + 8, 19], [inner, 16], dtype, code, [4, 6], 0)
+    assert not (plain == want).all()
+
+
+@needs_nvcc
+def test_tma_load_nan_fill(hopper, rng):
+    out, want = _tma_load(hopper, rng, 2, [20, 13], [8, 4], np.float32, F32, [16, 11], oob=1)
+    tile = out.view(np.float32).reshape(4, 8)
+    assert np.isnan(tile[:, 4:]).all() and np.isnan(tile[2:]).all() and not np.isnan(tile[:2, :4]).any()
+    assert (out == want).all()
+
+
+@needs_nvcc
+def test_tma_load_misuse(hopper, rng):
+    args = (hopper, rng, 2, [20, 13], [8, 4], np.float32, F32, [0, 0])
+    with pytest.raises(EmulationError, match=r"complete_tx of 128 bytes .*more transaction bytes arrived than "
+                                             r"expect_tx announced"):
+        _tma_load(*args, expect=64)
+    with pytest.raises(EmulationError, match=r"spins on mbarrier\.try_wait\.parity 0; .*0 of 1 arrivals and 128 "
+                                             r"transaction bytes pending"):
+        _tma_load(*args, expect=256, max_warp_instructions=20000)
+    with pytest.raises(EmulationError, match=r"shared load at offset \d+ touches bytes a TMA load has not "
+                                             r"delivered yet"):
+        _tma_load(*args, flags=1)
+    buf, raw, strides = device_tensor(rng, [20, 13, 2], np.float32)
+    with pytest.raises(EmulationError, match=r"2d TMA load with a rank-3 tensor map"):
+        run(hopper, "tma_load_2d", [tma_map(raw, [20, 13, 2], strides, F32, [8, 4, 1]), np.zeros(128, np.uint8),
+                                    128, 128, 0, 0, 0, 0, 0, 0], block=(32, 1, 1), smem=1024, device=[buf])
+    with pytest.raises(EmulationError, match=r"not a map made by cuTensorMapEncodeTiled's stand-in"):
+        run(hopper, "tma_load_2d", [bytes(128), np.zeros(128, np.uint8), 128, 128, 0, 0, 0, 0, 0, 0],
+            block=(32, 1, 1), smem=1024)
+
+
+def test_tensor_map_stand_in_checks_the_driver_rules():
+    from flashgen.emulate.tensormap import decode, encode_tiled
+    m = decode(encode_tiled(BF16, 3, 0x1000, [64, 10, 3], [256, 2560], [64, 8, 1], [1, 1, 1], swizzle=3))
+    assert (m.dims, m.strides, m.box, m.box_bytes(), m.swizzle_bytes) == ((64, 10, 3), (256, 2560), (64, 8, 1),
+                                                                           1024, 128)
+    for kw, why in [
+        (dict(address=0x1008), "not 16-byte aligned"),
+        (dict(strides=[136, 1360]), "positive multiple of 16"),
+        (dict(box=[64, 300, 1]), r"each must be in \(0, 256\]"),
+        (dict(box=[4, 8, 1], swizzle=0), "not a multiple of 16"),
+        (dict(box=[32, 8, 1]), "box inner dimension of 64 bytes with a 128-byte swizzle"),
+        (dict(rank=6), "rank 6"),
+        (dict(dtype=U8, oob_fill=1, box=[128, 8, 1]), "NaN fill needs a floating-point type"),
+    ]:
+        args = dict(dtype=BF16, rank=3, address=0x1000, dims=[64, 10, 3], strides=[256, 2560], box=[64, 8, 1],
+                    element_strides=[1, 1, 1], swizzle=3)
+        args.update(kw)
+        with pytest.raises(EmulationError, match=why):
+            encode_tiled(**args)
+
+
+@needs_nvcc
+def test_tma_store_writes_the_box_inside_the_tensor(hopper, rng):
+    dims, box, coords = [20, 13], [8, 4], [15, 11]
+    buf, raw, strides = device_tensor(rng, dims, np.float32)
+    before = raw.copy()
+    tile = rng.standard_normal(32).astype(np.float32)
+    run(hopper, "tma_store_2d", [tma_map(raw, dims, strides, F32, box), tile.view(np.uint8), 128, *coords, 0],
+        block=(64, 1, 1), smem=1024, device=[buf])
+    want = before.copy()
+    for r in range(4):
+        for c in range(8):
+            x, y = coords[0] + c, coords[1] + r
+            if x < dims[0] and y < dims[1]:
+                element(want, strides, 4, [x, y])[:] = tile[r * 8 + c:r * 8 + c + 1].view(np.uint8)
+    assert (raw == want).all() and not (raw == before).all()
+    for flag, why in [(2, r"TMA store reads shared offset \d+, written by warp \d through the generic proxy with no "
+                          r"fence\.proxy\.async"),
+                      (4, r"shared write at offset 0, which an in-flight asynchronous operation")]:
+        with pytest.raises(EmulationError, match=why):
+            run(hopper, "tma_store_2d", [tma_map(raw, dims, strides, F32, box), tile.view(np.uint8), 128, *coords,
+                                         flag], block=(64, 1, 1), smem=1024, device=[buf])

@@ -6,7 +6,8 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
 
  - MBarrier: the PTX ISA's mbarrier object (pending arrival count, expected arrival count,
    transaction count, phase). A phase completes when the pending arrivals and the transaction
-   count both reach zero; then the next phase starts with the expected count. try_wait.parity
+   count both reach zero; then the next phase starts with the expected count. TMA loads count
+   their bytes (and land their data) when a thread next waits on the barrier. try_wait.parity
    only asks whether a phase completed, so a wait on the wrong parity spins until the
    instruction budget stops the launch: hang_note() then says which warp waits on what.
  - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
@@ -56,6 +57,7 @@ class MBarrier:
             raise EmulationError(f"mbarrier.init at offset {offset} with count {count} (must be in [1, 2^20))")
         self.offset, self.expected, self.pending, self.tx, self.phase = offset, count, count, 0, 0
         self.on_complete = []           # callbacks of the current phase (TMA deliveries)
+        self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
 
     def describe(self) -> str:
         return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
@@ -89,6 +91,14 @@ class MBarrier:
             for fn in done:
                 fn()
 
+    def land(self) -> None:
+        """The issued TMA loads complete their bytes. Done when a thread waits on the barrier
+        (the earliest the program may rely on them), so that a read before any wait fails."""
+        landing, self.in_flight = self.in_flight, []
+        for nbytes, deliver in landing:
+            self.on_complete.append(deliver)
+            self.complete_tx(nbytes)
+
     def completed(self, parity: int) -> bool:
         """try_wait.parity: whether the phase of this parity (the current one or the one before)
         has completed, i.e. the current phase has the other parity."""
@@ -109,6 +119,8 @@ class AsyncState:
         self.warp_state: dict = {}      # warp -> per-warp dict (wgmma groups, register locks, ...)
         # generic-proxy writer (warp + 1) of each shared byte not yet fenced; 0: none
         self.unfenced = np.zeros(smem.data.size, np.int16)
+        # undelivered TMA-load bytes (also counted in smem.pending, as cp.async's are)
+        self.tma_pending = np.zeros(smem.data.size, np.int16)
         # in-flight async-proxy reads (wgmma operands, TMA stores) of each shared byte
         self.reading = np.zeros(smem.data.size, np.int16)
         self.reading_any = 0
@@ -209,16 +221,17 @@ class AsyncState:
                                  f"(bad descriptor?)")
         return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
 
-    def async_gather(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
-        """An async-proxy read of elements of `elem` bytes at shared offsets `addrs`: in bounds,
-        delivered (no cp.async / TMA still writing them), and fenced after generic writes."""
+    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+        """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
+        [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), and
+        fenced after generic writes."""
         idx = self._indices(warp, addrs, elem, what)
         if self.smem.in_flight and self.smem.pending[idx].any():
             x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
             raise EmulationError(f"{what} reads shared offset {x}, which an asynchronous copy has not delivered yet "
                                  f"(missing wait before this access?)")
         self.async_read(idx, what)
-        return self.smem.data[idx].view({1: np.uint8, 2: np.uint16, 4: np.uint32}[elem]).reshape(addrs.shape)
+        return self.smem.data[idx]
 
     def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:
         """Mark the bytes an issued async operation reads until it completes; -> their indices."""
@@ -244,6 +257,34 @@ class AsyncState:
             raise EmulationError(f"warp {warp.wid}'s wgmma.mma_async number {i} (PTX line {key[0]}, descriptors "
                                  f"{key[1:]}) differs from its warpgroup's (PTX line {log[i][0]}, {log[i][1:]}): "
                                  f"wgmma is a warpgroup-collective instruction")
+
+    def tma_write(self, warp, addrs: np.ndarray, data: np.ndarray, barrier: MBarrier, nbytes: int) -> None:
+        """A TMA load of `data` (bytes [elements, elem]) to shared offsets `addrs`: the bytes are
+        undelivered until the mbarrier's phase completes, which the load's `nbytes` count toward."""
+        idx = self._indices(warp, addrs, data.shape[1], "TMA load destination")
+        if self.smem.pending[idx].any():
+            raise EmulationError(f"TMA load to shared offset {int(addrs.min())}: its destination overlaps an "
+                                 f"asynchronous copy not yet delivered")
+        if self.reading_any and self.reading[idx].any():
+            raise EmulationError(f"TMA load to shared offset {int(addrs.min())}: its destination is still read by "
+                                 f"an in-flight wgmma or TMA store")
+        self.smem.pending[idx] += 1
+        self.tma_pending[idx] += 1
+        self.smem.in_flight += idx.size
+
+        def deliver():
+            self.smem.pending[idx] -= 1
+            self.tma_pending[idx] -= 1
+            self.smem.in_flight -= idx.size
+            self.unfenced[idx] = 0              # written by the async proxy: nothing to fence
+            self.smem.data[idx] = data
+        barrier.in_flight.append((nbytes, deliver))
+
+    def pending_note(self, byte: int) -> str | None:
+        """Why an undelivered byte is undelivered, if a TMA load holds it (for memory.py's error)."""
+        if self.tma_pending[byte]:
+            return "a TMA load has not delivered yet (missing mbarrier wait, or its phase has not completed?)"
+        return None
 
     def of_warp(self, warp) -> dict:
         s = self.warp_state.get(warp)

@@ -318,8 +318,9 @@ class SharedMemory:
         p = self.pending[idx]
         if p.any():
             x = int(idx[p > 0][0]) % self.stride
-            raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
-                                 f"yet (missing cp.async.wait_group before this access?)")
+            note = self.hopper.pending_note(int(idx[p > 0][0])) if self.hopper is not None else None
+            raise EmulationError(f"shared {what} at offset {x} touches bytes " + (note or "a cp.async has not "
+                                 "delivered yet (missing cp.async.wait_group before this access?)"))
 
     def _race(self, x: int, warp: int, stamp: int, verb: str, how: str) -> EmulationError:
         other = stamp & 255

@@ -51,6 +51,12 @@ class Addr:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorAddr:
+    base: Reg | Sym | Imm   # `[tensorMap, {c0, ...}]` (cp.async.bulk.tensor): the map's address
+    coords: "Vec"
+
+
+@dataclasses.dataclass(frozen=True)
 class Vec:
     items: tuple       # of Reg / Imm / None (the `_` sink)
 
@@ -195,6 +201,17 @@ _TOP_COMMA = re.compile(r",(?![^{\[]*[}\]])")    # a comma not inside {...} or [
 
 def _split_top(s: str) -> list[str]:
     """Split operands on commas outside braces/brackets."""
+    if "[" in s and "{" in s:          # brackets around braces (a tensor address): count the depth
+        parts, depth, start = [], 0, 0
+        for i, ch in enumerate(s):
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                parts.append(s[start:i])
+                start = i + 1
+        return [x.strip() for x in parts + [s[start:]] if x.strip()]
     return [x.strip() for x in _TOP_COMMA.split(s) if x.strip()]
 
 
@@ -354,6 +371,9 @@ class _Parser:
         if a.startswith("{"):
             return Vec(tuple(None if x.strip() == "_" else self._operand(x, scopes)
                              for x in _split_top(a[1:-1])))
+        if a.startswith("[") and "{" in a:
+            base, coords = _split_top(a[1:-1])
+            return TensorAddr(self._operand(base, scopes), self._operand(coords, scopes))
         if a.startswith("["):
             inner = a[1:-1].strip()
             m = re.match(r"(.+?)\s*(?:\+\s*(-?(?:0x[0-9a-fA-F]+|\d+)))?$", inner)

@@ -2,6 +2,8 @@
 // for sm_90a. Each instruction is written as inline PTX in the forms CUTLASS emits
 // (cutlass/arch/barrier.h, cute/arch/mma_sm90_gmma.hpp, cute/arch/copy_sm90*.hpp); the waits
 // loop in C, since labels inside inline asm are not scoped by the emulator's parser.
+#include <cuda.h>  // CUtensorMap
+
 #include <cstdint>
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -202,3 +204,57 @@ DEFINE_SS(wgmma_ss_f16_kk, "f16", 0, 0)
   }
 DEFINE_RS(wgmma_rs_bf16_k, "bf16", 0)
 DEFINE_RS(wgmma_rs_f16_m, "f16", 1)
+
+// ---- TMA: cp.async.bulk.tensor tile loads and stores ------------------------------------------
+enum { TMA_NO_WAIT = 1, TMA_NO_PROXY_FENCE = 2, TMA_WRITE_IN_FLIGHT = 4 };
+#define COORDS_1 "{%3}"
+#define COORDS_2 "{%3, %4}"
+#define COORDS_3 "{%3, %4, %5}"
+#define COORDS_4 "{%3, %4, %5, %6}"
+#define COORDS_5 "{%3, %4, %5, %6, %7}"
+// Thread 0 announces `expect` bytes and loads the box at (c0, ..) into the tile; every thread
+// waits, then copies the tile's `bytes` bytes out (raw, swizzled as they lie).
+#define DEFINE_TMA_LOAD(N)                                                                          \
+  extern "C" __global__ void tma_load_##N##d(const __grid_constant__ CUtensorMap tmap, uint8_t* out, \
+                                             int bytes, int expect, int c0, int c1, int c2, int c3,  \
+                                             int c4, int flags) {                                   \
+    extern __shared__ __align__(1024) uint8_t tile[];                                               \
+    __shared__ __align__(8) uint64_t bar;                                                           \
+    const uint32_t b = smem_u32(&bar);                                                              \
+    if (threadIdx.x == 0) {                                                                         \
+      mbar_init(b, 1);                                                                              \
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap) : "memory");                             \
+    }                                                                                               \
+    __syncthreads();                                                                                \
+    if (threadIdx.x == 0) {                                                                         \
+      mbar_arrive_expect_tx(b, expect);                                                             \
+      asm volatile("cp.async.bulk.tensor." #N "d.shared::cluster.global.mbarrier::complete_tx::bytes" \
+                   " [%0], [%1, " COORDS_##N "], [%2];"                                             \
+                   ::"r"(smem_u32(tile)), "l"(&tmap), "r"(b), "r"(c0), "r"(c1), "r"(c2), "r"(c3),    \
+                   "r"(c4) : "memory");                                                             \
+    }                                                                                               \
+    if (!(flags & TMA_NO_WAIT)) mbar_wait(b, 0);                                                    \
+    for (int i = threadIdx.x; i < bytes; i += blockDim.x) out[i] = tile[i];                         \
+  }
+DEFINE_TMA_LOAD(1)
+DEFINE_TMA_LOAD(2)
+DEFINE_TMA_LOAD(3)
+DEFINE_TMA_LOAD(4)
+DEFINE_TMA_LOAD(5)
+
+// The threads fill the tile with `in` (generic stores), fence them to the async proxy, and
+// thread 0 stores the box at (c0, c1) and waits until the tile has been read.
+extern "C" __global__ void tma_store_2d(const __grid_constant__ CUtensorMap tmap, const uint8_t* in, int bytes,
+                                        int c0, int c1, int flags) {
+  extern __shared__ __align__(1024) uint8_t tile[];
+  for (int i = threadIdx.x; i < bytes; i += blockDim.x) tile[i] = in[i];
+  if (!(flags & TMA_NO_PROXY_FENCE)) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"(&tmap), "r"(c0), "r"(c1), "r"(smem_u32(tile)) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (flags & TMA_WRITE_IN_FLIGHT) tile[0] = 0;
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}

@@ -99,6 +99,7 @@ def mbarrier(ins, ops):
                 for off in np.unique(offs[offs >= 0]):
                     mine = offs == off
                     b = h.mbarrier(warp.smem_slot, int(off))
+                    b.land()
                     want = np.unique(arg[sl][mine])
                     ok = [b.completed(int(x)) if parity else b.phase != int(x) for x in want]
                     done[sl][mine] = np.array(ok)[np.searchsorted(want, arg[sl][mine])]

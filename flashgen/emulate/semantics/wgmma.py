@@ -245,7 +245,7 @@ def _mma_async(ins, ops):
             desc_b = uniform(warp, rdesc_b(warp), "the B descriptor")
             b_addr = operand_addresses(n, k, elem, bool(trans_b), decode_descriptor(desc_b, "B"))
             reads = [b_addr]
-            b = decode(h.async_gather(warp, b_addr, elem, "wgmma.mma_async (B)"))               # [n, k]
+            b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)"), elem))   # [n, k]
             if a_regs:
                 raw = np.stack([r(warp) for r in ra], 1).view(_RAW[elem]).reshape(32, -1)
                 a = np.empty((16, k), np.float64)
@@ -255,7 +255,7 @@ def _mma_async(ins, ops):
                 desc_a = uniform(warp, rdesc_a(warp), "the A descriptor")
                 a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))[rows]
                 reads.append(a_addr)
-                a = decode(h.async_gather(warp, a_addr, elem, "wgmma.mma_async (A)"))
+                a = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)"), elem))
             h.warpgroup_issue(warp, (ins.line, desc_a, desc_b))
             # products of f16/bf16/tf32/fp8 are exact in f64; the sum is rounded once to f32
             prod = (scale_a * a) @ (scale_b * b).T                                              # [16, n]
@@ -270,6 +270,11 @@ def _mma_async(ins, ops):
 
 
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _elements(raw: np.ndarray, elem: int) -> np.ndarray:
+    """Bytes [..., elem] -> raw elements [...]."""
+    return raw.view(_RAW[elem])[..., 0]
 
 
 @functools.lru_cache(maxsize=None)
