@@ -60,14 +60,18 @@ def test_mma_fragment_tables_equal_cute():
         assert (cr[lane, reg], cc[lane, reg]) == (C(lane, reg) % 16, C(lane, reg) // 16)
 
 
-@pytest.mark.parametrize("trans,nmat,cute", [
+# (trans, number of matrices, DstLayout of SM75_U32x{1,2,4}_LDSM_N / SM75_U16x{2,4,8}_LDSM_T)
+LDSM_DST_LAYOUTS = [
     (False, 1, ((32, 32), (32, 1))),
     (False, 2, ((32, (32, 2)), (32, (1, 1024)))),
     (False, 4, ((32, (32, 4)), (32, (1, 1024)))),
     (True, 1, (((4, 8), (16, 2)), ((256, 16), (1, 128)))),
     (True, 2, (((4, 8), (16, 2, 2)), ((256, 16), (1, 128, 1024)))),
     (True, 4, (((4, 8), (16, 2, 4)), ((256, 16), (1, 128, 1024)))),
-])
+]
+
+
+@pytest.mark.parametrize("trans,nmat,cute", LDSM_DST_LAYOUTS)
 def test_ldmatrix_table_equals_cute(trans, nmat, cute):
     # DstLayout maps (lane, value bit) to a bit of the nmat 8x8 b16 matrices (1024 bits each,
     # row-major: row r, column c at bit 128 r + 16 c).

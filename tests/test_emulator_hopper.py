@@ -494,3 +494,84 @@ def test_tma_store_writes_the_box_inside_the_tensor(hopper, rng):
         with pytest.raises(EmulationError, match=why):
             run(hopper, "tma_store_2d", [tma_map(raw, dims, strides, F32, box), tile.view(np.uint8), 128, *coords,
                                          flag], block=(64, 1, 1), smem=1024, device=[buf])
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma tf32 (k8) and e4m3 (k32): K-major only, same descriptors and accumulators
+# ---------------------------------------------------------------------------------------------
+def _k_major_case(rng, atype):
+    import ml_dtypes
+    c = rng.standard_normal((64, 64)).astype(np.float32)
+    if atype == "tf32":                    # random low mantissa bits: the tensor core ignores them
+        a, b = (rng.standard_normal((64, 8)).astype(np.float32) for _ in range(2))
+        value = lambda x: (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)  # noqa: E731
+        return a.view(np.uint32), b.view(np.uint32), value(a), value(b), c
+    a, b = (rng.standard_normal((64, 32)).astype(ml_dtypes.float8_e4m3fn) for _ in range(2))
+    return a.view(np.uint8), b.view(np.uint8), a.astype(np.float64), b.astype(np.float64), c
+
+
+@needs_nvcc
+@pytest.mark.parametrize("atype", ["tf32", "e4m3"])
+@pytest.mark.parametrize("width", [16, 32, 128])
+def test_wgmma_tf32_e4m3_ss_matches_float64(hopper, rng, atype, width):
+    a_raw, b_raw, a, b, c = _k_major_case(rng, atype)
+    img, (da, db) = smem_image([a_raw, b_raw], (False, False), width)
+    out = np.full((128, 32), np.nan, np.float32)
+    run(hopper, f"wgmma_ss_{atype}", [img, img.size, da, db, _as_registers(c), out, 1], block=(128, 1, 1),
+        smem=img.nbytes)
+    want = a @ b.T + c
+    assert np.abs(_accumulators(out) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("atype,cute,per_reg", [("tf32", CUTE_A_64x8, 1), ("e4m3", CUTE_A_64x32, 4)])
+def test_wgmma_tf32_e4m3_rs_matches_float64(hopper, rng, atype, cute, per_reg):
+    a_raw, b_raw, a, b, c = _k_major_case(rng, atype)
+    img, (db,) = smem_image([b_raw], (False,), 64)
+    f = cute_layout(*cute)
+    vals = np.array([[a_raw[f(t, v) % 64, f(t, v) // 64] for v in range(4 * per_reg)] for t in range(128)],
+                    a_raw.dtype)
+    out = np.full((128, 32), np.nan, np.float32)
+    run(hopper, f"wgmma_rs_{atype}", [img, img.size, vals.view(np.uint32), db, _as_registers(c), out, 1],
+        block=(128, 1, 1), smem=img.nbytes)
+    want = a @ b.T + c
+    assert np.abs(_accumulators(out) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+# ---------------------------------------------------------------------------------------------
+# stmatrix: CuTe's SM90_U32x4_STSM_N / SM90_U16x8_STSM_T take as their register (source) layout
+# the DstLayout of SM75_U32x4_LDSM_N / SM75_U16x8_LDSM_T (cute/atom/copy_traits_sm90.hpp lines
+# 73-85, 118-130), whose numbers test_emulator.py transcribes.
+# ---------------------------------------------------------------------------------------------
+@needs_nvcc
+@pytest.mark.parametrize("kernel,trans", [("stmatrix_x4", False), ("stmatrix_x4_trans", True)])
+def test_stmatrix_equals_cute(hopper, rng, kernel, trans):
+    from test_emulator import LDSM_DST_LAYOUTS
+    cute = next(c for t, n, c in LDSM_DST_LAYOUTS if t == trans and n == 4)
+    dst = cute_layout(*cute)
+    mats = rng.integers(0, 1 << 16, (4, 8, 8), dtype=np.uint16)          # [matrix, row, col]
+    regs = np.zeros((32, 4, 2), np.uint16)
+    for lane in range(32):
+        for j in range(4):
+            for h in range(2):
+                bit = dst(lane, 32 * j + 16 * h)
+                regs[lane, j, h] = mats[bit // 1024, bit % 1024 // 128, bit % 128 // 16]
+    perm = rng.permutation(8).astype(np.int32)
+    out = np.zeros(512, np.uint8)
+    run(hopper, kernel, [regs.view(np.uint32).reshape(-1), perm, out])
+    stored = out.view(np.uint16).reshape(4, 8, 8)
+    assert (stored[:, perm] == mats).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# setmaxnreg
+# ---------------------------------------------------------------------------------------------
+@needs_nvcc
+def test_setmaxnreg_budget(hopper):
+    out = np.full(384, -1, np.int32)
+    run(hopper, "setmaxnreg_240", [out], block=(384, 1, 1))          # 128 x 24 + 256 x 240 <= 65536
+    assert (out == np.arange(384)).all()
+    with pytest.raises(EmulationError, match=r"the CTA's warps hold 68608 registers, more than the SM's 65536"):
+        run(hopper, "setmaxnreg_256", [out], block=(384, 1, 1))
+    with pytest.raises(EmulationError, match=r"setmaxnreg in a kernel without __launch_bounds__"):
+        run(hopper, "setmaxnreg_unbounded", [out], block=(384, 1, 1))

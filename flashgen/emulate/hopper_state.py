@@ -125,6 +125,7 @@ class AsyncState:
         self.reading = np.zeros(smem.data.size, np.int16)
         self.reading_any = 0
         self.issues: dict = {}          # (slot, warpgroup) -> the wgmma.mma_async issued, in order
+        self.register_counts: dict = {}  # slot -> setmaxnreg's bookkeeping (semantics/hopper_warp.py)
 
     # -- mbarriers -------------------------------------------------------------------------------
     def mbarrier(self, slot: int, offset: int, init_count: int | None = None) -> MBarrier:

@@ -258,3 +258,73 @@ extern "C" __global__ void tma_store_2d(const __grid_constant__ CUtensorMap tmap
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   }
 }
+
+// ---- wgmma for the K-major-only types: m64n64k8 tf32, m64n64k32 e4m3 (no transpose operands) ---
+#define DEFINE_SS_K(NAME, TY, K)                                                                    \
+  extern "C" __global__ void NAME(const uint32_t* img, int words, uint64_t desc_a, uint64_t desc_b, \
+                                  const float* c, float* out, int flags) {                        \
+    load_image(img, words, flags);                                                                \
+    const uint64_t base = image_base();                                                           \
+    float d[32];                                                                                  \
+    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                       \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n64k" #K ".f32." TY "." TY " " D_REGS           \
+                 ", %32, %33, p, 1, 1;\n}"                                                        \
+                 : D_OUTS                                                                         \
+                 : "l"(desc_a + base), "l"(desc_b + base), "r"(flags & ACCUMULATE));              \
+    finish(d, out, flags);                                                                        \
+  }
+#define DEFINE_RS_K(NAME, TY, K)                                                                    \
+  extern "C" __global__ void NAME(const uint32_t* img, int words, const uint32_t* a, uint64_t desc_b, \
+                                  const float* c, float* out, int flags) {                        \
+    load_image(img, words, flags);                                                                \
+    const uint64_t base = image_base();                                                           \
+    const uint32_t a0 = a[threadIdx.x * 4], a1 = a[threadIdx.x * 4 + 1];                          \
+    const uint32_t a2 = a[threadIdx.x * 4 + 2], a3 = a[threadIdx.x * 4 + 3];                      \
+    float d[32];                                                                                  \
+    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                       \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n64k" #K ".f32." TY "." TY " " D_REGS           \
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}"                                       \
+                 : D_OUTS                                                                         \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b + base), "r"(flags & ACCUMULATE)); \
+    finish(d, out, flags);                                                                        \
+  }
+DEFINE_SS_K(wgmma_ss_tf32, "tf32", 8)
+DEFINE_SS_K(wgmma_ss_e4m3, "e4m3", 32)
+DEFINE_RS_K(wgmma_rs_tf32, "tf32", 8)
+DEFINE_RS_K(wgmma_rs_e4m3, "e4m3", 32)
+
+// ---- stmatrix: each thread's registers in[thread][j] stored by stmatrix.x4 (.trans) ---------------
+// Lane i gives the address of row i % 8 of matrix i / 8: matrices 128 bytes apart, rows 16
+// bytes apart, in a row order permuted by `perm` (to show the rows go where the lanes say).
+#define DEFINE_STSM(NAME, TRANS)                                                                    \
+  extern "C" __global__ void NAME(const uint32_t* in, const int* perm, uint8_t* out) {             \
+    __shared__ __align__(128) uint8_t rows[512];                                                   \
+    const int lane = threadIdx.x;                                                                  \
+    const uint32_t addr = smem_u32(rows) + (lane / 8) * 128 + perm[lane % 8] * 16;                \
+    asm volatile("stmatrix.sync.aligned.x4" TRANS ".m8n8.shared.b16 [%0], {%1, %2, %3, %4};"       \
+                 ::"r"(addr), "r"(in[lane * 4]), "r"(in[lane * 4 + 1]), "r"(in[lane * 4 + 2]),     \
+                 "r"(in[lane * 4 + 3]) : "memory");                                                \
+    __syncwarp();                                                                                  \
+    for (int i = 0; i < 16; ++i) out[lane * 16 + i] = rows[lane * 16 + i];                        \
+  }
+DEFINE_STSM(stmatrix_x4, "")
+DEFINE_STSM(stmatrix_x4_trans, ".trans")
+
+// ---- setmaxnreg: FA3's rebalancing; warpgroup 0 (the producer) gives registers away, the others
+// take `take` each (240 fits with two consumer warpgroups, 256 does not).
+template <int kTake>
+__device__ void rebalance(int* out) {
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kTake) : "memory");
+  }
+  out[threadIdx.x] = threadIdx.x;
+}
+extern "C" __global__ void __launch_bounds__(384, 1) setmaxnreg_240(int* out) { rebalance<240>(out); }
+extern "C" __global__ void __launch_bounds__(384, 1) setmaxnreg_256(int* out) { rebalance<256>(out); }
+extern "C" __global__ void setmaxnreg_unbounded(int* out) { rebalance<240>(out); }

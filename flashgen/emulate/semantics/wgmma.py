@@ -204,13 +204,14 @@ def _mma_async(ins, ops):
         raise unsupported(ins, f"{len(d_ops)} accumulator registers (m64n{n} needs {n // 2})")
     a_regs = isinstance(ins.operands[1], Vec)
     rest = ins.operands[2:]
+    # imm-scale-a, imm-scale-b, then (16-bit types only: the others are K-major) imm-trans-a
+    # (descriptor A only) and imm-trans-b
     imms = [int(x.text, 0) for x in rest[2:]]
-    scale_a, scale_b = imms[0], imms[1]
-    trans_a, trans_b = (0, imms[2]) if a_regs else (imms[2], imms[3])
-    if len(imms) != (3 if a_regs else 4) or {scale_a, scale_b} - {1, -1} or {trans_a, trans_b} - {0, 1}:
+    n_trans = 0 if elem != 2 else 1 if a_regs else 2
+    if len(imms) != 2 + n_trans or {imms[0], imms[1]} - {1, -1} or set(imms[2:]) - {0, 1}:
         raise unsupported(ins, "immediate scale / transpose operands")
-    if (trans_a or trans_b) and elem != 2:
-        raise unsupported(ins, f".{atype} operands must be K-major (transpose is for 16-bit types only)")
+    scale_a, scale_b = imms[:2]
+    trans_a, trans_b = ([0] * (2 - n_trans) + imms[2:])
     rd = [ops.read(x, "f32") for x in d_ops]
     wd = [ops.write(x, "f32") for x in d_ops]
     rdesc_b = ops.read(rest[0], "u64")
