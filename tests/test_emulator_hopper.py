@@ -319,6 +319,18 @@ def test_wgmma_misuse_fails(hopper, rng, flag, message):
 
 
 @needs_nvcc
+def test_wgmma_a_registers_written_after_the_fence_fail(hopper, rng):
+    """nvcc places the loads of the asm's A inputs after the wgmma.fence: the PTX ISA leaves that
+    undefined (CUTLASS pins them with warpgroup_fence_operand), and so does the emulator."""
+    a, b, c, _, _, _ = _wgmma_case(rng, "bf16", (False, False), 16)
+    img, (db,) = smem_image([b.view(np.uint16)], (False,), 64)
+    with pytest.raises(EmulationError, match=r"wgmma\.mma_async without a wgmma\.fence since the warpgroup's "
+                                             r"wgmma registers were last accessed"):
+        run(hopper, "wgmma_rs_late_a", [img, img.size, np.zeros(512, np.uint32), db, _as_registers(c),
+                                        np.zeros((128, 32), np.float32), 1], block=(128, 1, 1), smem=img.nbytes)
+
+
+@needs_nvcc
 def test_wgmma_wrong_swizzle_gives_a_wrong_product(hopper, rng):
     """The descriptor's swizzle mode matters: the image laid out for 128B read as 64B is wrong."""
     a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)

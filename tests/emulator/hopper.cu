@@ -134,7 +134,7 @@ extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask)
   }
 }
 
-// ---- wgmma.mma_async m64n64k16, f32 += {bf16, f16} x {bf16, f16} ------------------------------
+// ---- wgmma.mma_async m64n64k{16,8,32}, f32 += {bf16, f16, tf32, e4m3} x the same ------------
 // The host lays A (64 x 16) and B (64 x 16, D = A B^T) out in a shared-memory image by CuTe's
 // canonical layouts and passes the descriptors (start address relative to the image); C and D
 // are the accumulator registers per (thread, register). `flags` switches misuses on:
@@ -163,47 +163,49 @@ __device__ __forceinline__ void finish(float* d, float* out, int flags) {
   for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
 }
 
-#define DEFINE_SS(NAME, TY, TA, TB)                                                                 \
-  extern "C" __global__ void NAME(const uint32_t* img, int words, uint64_t desc_a, uint64_t desc_b, \
+// A_ARG: the A descriptor (relative to the image) or the A registers, a[thread * 4 + j] being
+// register j of the thread; A_SET: what reads them before the wgmma.fence; A_ASM / A_IN: its
+// operand text and inputs (numbered from %34); TRANS: the transpose immediates (16-bit types
+// only: imm-trans-a for a descriptor, imm-trans-b).
+#define DEFINE_WGMMA(NAME, TY, K, A_ARG, A_SET, A_ASM, A_IN, TRANS)                               \
+  extern "C" __global__ void NAME(const uint32_t* img, int words, A_ARG, uint64_t desc_b,          \
                                   const float* c, float* out, int flags) {                        \
     load_image(img, words, flags);                                                                \
     const uint64_t base = image_base();                                                           \
+    A_SET;                                                                                        \
     float d[32];                                                                                  \
     for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
     if (!(flags & NO_WGMMA_FENCE)) asm volatile("wgmma.fence.sync.aligned;" ::: "memory");        \
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " D_REGS               \
-                 ", %32, %33, p, 1, 1, %35, %36;\n}"                                              \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %33, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n64k" #K ".f32." TY "." TY " " D_REGS           \
+                 ", " A_ASM ", %32, p, 1, 1" TRANS ";\n}"                                         \
                  : D_OUTS                                                                         \
-                 : "l"(desc_a + base), "l"(desc_b + base), "r"(flags & ACCUMULATE), "n"(TA), "n"(TB)); \
+                 : "l"(desc_b + base), "r"(flags & ACCUMULATE), A_IN);                            \
     finish(d, out, flags);                                                                        \
   }
-DEFINE_SS(wgmma_ss_bf16_kk, "bf16", 0, 0)
-DEFINE_SS(wgmma_ss_bf16_km, "bf16", 0, 1)
-DEFINE_SS(wgmma_ss_bf16_mk, "bf16", 1, 0)
-DEFINE_SS(wgmma_ss_bf16_mm, "bf16", 1, 1)
-DEFINE_SS(wgmma_ss_f16_kk, "f16", 0, 0)
-
-// A from registers: a[thread * 4 + j] is register j of the thread (two 16-bit elements).
-#define DEFINE_RS(NAME, TY, TB)                                                                     \
-  extern "C" __global__ void NAME(const uint32_t* img, int words, const uint32_t* a, uint64_t desc_b, \
-                                  const float* c, float* out, int flags) {                        \
-    load_image(img, words, flags);                                                                \
-    const uint64_t base = image_base();                                                           \
-    const uint32_t a0 = a[threadIdx.x * 4], a1 = a[threadIdx.x * 4 + 1];                          \
-    const uint32_t a2 = a[threadIdx.x * 4 + 2], a3 = a[threadIdx.x * 4 + 3];                      \
-    float d[32];                                                                                  \
-    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
-    if (!(flags & NO_WGMMA_FENCE)) asm volatile("wgmma.fence.sync.aligned;" ::: "memory");        \
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " D_REGS               \
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"                                  \
-                 : D_OUTS                                                                         \
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b + base), "r"(flags & ACCUMULATE), "n"(TB)); \
-    finish(d, out, flags);                                                                        \
-  }
-DEFINE_RS(wgmma_rs_bf16_k, "bf16", 0)
-DEFINE_RS(wgmma_rs_f16_m, "f16", 1)
+#define SS_ARG uint64_t desc_a
+#define SS_IN "l"(desc_a + base)
+#define RS_ARG const uint32_t* a
+#define RS_SET                                                                                    \
+  uint32_t r[4];                                                                                  \
+  for (int j = 0; j < 4; ++j) r[j] = a[threadIdx.x * 4 + j]
+#define RS_IN "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+// the A registers loaded as the asm's inputs: after the wgmma.fence (a misuse)
+#define LATE_IN "r"(a[threadIdx.x * 4]), "r"(a[threadIdx.x * 4 + 1]), "r"(a[threadIdx.x * 4 + 2]), \
+                "r"(a[threadIdx.x * 4 + 3])
+#define RS_ASM "{%34, %35, %36, %37}"
+DEFINE_WGMMA(wgmma_ss_bf16_kk, "bf16", 16, SS_ARG, , "%34", SS_IN, ", 0, 0")
+DEFINE_WGMMA(wgmma_ss_bf16_km, "bf16", 16, SS_ARG, , "%34", SS_IN, ", 0, 1")
+DEFINE_WGMMA(wgmma_ss_bf16_mk, "bf16", 16, SS_ARG, , "%34", SS_IN, ", 1, 0")
+DEFINE_WGMMA(wgmma_ss_bf16_mm, "bf16", 16, SS_ARG, , "%34", SS_IN, ", 1, 1")
+DEFINE_WGMMA(wgmma_ss_f16_kk, "f16", 16, SS_ARG, , "%34", SS_IN, ", 0, 0")
+DEFINE_WGMMA(wgmma_ss_tf32, "tf32", 8, SS_ARG, , "%34", SS_IN, "")
+DEFINE_WGMMA(wgmma_ss_e4m3, "e4m3", 32, SS_ARG, , "%34", SS_IN, "")
+DEFINE_WGMMA(wgmma_rs_bf16_k, "bf16", 16, RS_ARG, RS_SET, RS_ASM, RS_IN, ", 0")
+DEFINE_WGMMA(wgmma_rs_f16_m, "f16", 16, RS_ARG, RS_SET, RS_ASM, RS_IN, ", 1")
+DEFINE_WGMMA(wgmma_rs_tf32, "tf32", 8, RS_ARG, RS_SET, RS_ASM, RS_IN, "")
+DEFINE_WGMMA(wgmma_rs_e4m3, "e4m3", 32, RS_ARG, RS_SET, RS_ASM, RS_IN, "")
+DEFINE_WGMMA(wgmma_rs_late_a, "bf16", 16, RS_ARG, , RS_ASM, LATE_IN, ", 0")
 
 // ---- TMA: cp.async.bulk.tensor tile loads and stores ------------------------------------------
 enum { TMA_NO_WAIT = 1, TMA_NO_PROXY_FENCE = 2, TMA_WRITE_IN_FLIGHT = 4 };
@@ -258,44 +260,6 @@ extern "C" __global__ void tma_store_2d(const __grid_constant__ CUtensorMap tmap
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   }
 }
-
-// ---- wgmma for the K-major-only types: m64n64k8 tf32, m64n64k32 e4m3 (no transpose operands) ---
-#define DEFINE_SS_K(NAME, TY, K)                                                                    \
-  extern "C" __global__ void NAME(const uint32_t* img, int words, uint64_t desc_a, uint64_t desc_b, \
-                                  const float* c, float* out, int flags) {                        \
-    load_image(img, words, flags);                                                                \
-    const uint64_t base = image_base();                                                           \
-    float d[32];                                                                                  \
-    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                       \
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n64k" #K ".f32." TY "." TY " " D_REGS           \
-                 ", %32, %33, p, 1, 1;\n}"                                                        \
-                 : D_OUTS                                                                         \
-                 : "l"(desc_a + base), "l"(desc_b + base), "r"(flags & ACCUMULATE));              \
-    finish(d, out, flags);                                                                        \
-  }
-#define DEFINE_RS_K(NAME, TY, K)                                                                    \
-  extern "C" __global__ void NAME(const uint32_t* img, int words, const uint32_t* a, uint64_t desc_b, \
-                                  const float* c, float* out, int flags) {                        \
-    load_image(img, words, flags);                                                                \
-    const uint64_t base = image_base();                                                           \
-    const uint32_t a0 = a[threadIdx.x * 4], a1 = a[threadIdx.x * 4 + 1];                          \
-    const uint32_t a2 = a[threadIdx.x * 4 + 2], a3 = a[threadIdx.x * 4 + 3];                      \
-    float d[32];                                                                                  \
-    for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                       \
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n64k" #K ".f32." TY "." TY " " D_REGS           \
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}"                                       \
-                 : D_OUTS                                                                         \
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b + base), "r"(flags & ACCUMULATE)); \
-    finish(d, out, flags);                                                                        \
-  }
-DEFINE_SS_K(wgmma_ss_tf32, "tf32", 8)
-DEFINE_SS_K(wgmma_ss_e4m3, "e4m3", 32)
-DEFINE_RS_K(wgmma_rs_tf32, "tf32", 8)
-DEFINE_RS_K(wgmma_rs_e4m3, "e4m3", 32)
 
 // ---- stmatrix: each thread's registers in[thread][j] stored by stmatrix.x4 (.trans) ---------------
 // Lane i gives the address of row i % 8 of matrix i / 8: matrices 128 bytes apart, rows 16

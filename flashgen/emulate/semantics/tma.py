@@ -114,21 +114,30 @@ def _box(tmap: tensormap.TensorMap, coords: list, smem_base: int, what: str):
     return addr, gaddr, inside
 
 
-def _load(ins, ops, rank):
-    dst, src, bar = ins.operands[:3]
-    if len(ins.operands) > 4 or not isinstance(dst, Addr) or not isinstance(bar, Addr):
-        raise unsupported(ins)
-    rdst, rbar = ops.address(dst), ops.address(bar)
-    rmap, rcoords = _tensor_operand(ins, ops, src, rank)
-
-    def run(w, m):
-        d, b, a = rdst(w), rbar(w), rmap(w)
+def _boxes(rank, rmap, rcoords, rsmem, what):
+    """-> run(w, m) -> (warp, lane, map, shared offsets, global addresses, in-bounds) per
+    executing lane's copy (each lane issues its own)."""
+    def each(w, m):
+        a, sm = rmap(w), rsmem(w)
         coords = [r(w) for r in rcoords]
         for warp, lane in _lanes(w, m):
             tmap = _map_at(warp, int(a[lane]))
             if tmap.rank != rank:
-                raise EmulationError(f"{rank}d TMA load with a rank-{tmap.rank} tensor map")
-            saddr, gaddr, inside = _box(tmap, [int(c[lane]) for c in coords], int(d[lane]), "TMA load")
+                raise EmulationError(f"{rank}d {what} with a rank-{tmap.rank} tensor map")
+            yield (warp, lane, tmap, *_box(tmap, [int(c[lane]) for c in coords], int(sm[lane]), what))
+    return each
+
+
+def _load(ins, ops, rank):
+    dst, src, bar = ins.operands[:3]
+    if len(ins.operands) > 4 or not isinstance(dst, Addr) or not isinstance(bar, Addr):
+        raise unsupported(ins)
+    rbar = ops.address(bar)
+    boxes = _boxes(rank, *_tensor_operand(ins, ops, src, rank), ops.address(dst), "TMA load")
+
+    def run(w, m):
+        b = rbar(w)
+        for warp, lane, tmap, saddr, gaddr, inside in boxes(w, m):
             data = np.full((saddr.size, tmap.elem), 0xFF if tmap.oob_fill else 0, np.uint8)
             if inside.any():
                 data[inside] = warp.gmem.load(gaddr[inside], tmap.elem, "TMA load source", cta=warp.cta_index)
@@ -141,17 +150,10 @@ def _store(ins, ops, rank):
     dst, src = ins.operands[:2]
     if len(ins.operands) > 3 or not isinstance(src, Addr):
         raise unsupported(ins)
-    rsrc = ops.address(src)
-    rmap, rcoords = _tensor_operand(ins, ops, dst, rank)
+    boxes = _boxes(rank, *_tensor_operand(ins, ops, dst, rank), ops.address(src), "TMA store")
 
     def run(w, m):
-        s, a = rsrc(w), rmap(w)
-        coords = [r(w) for r in rcoords]
-        for warp, lane in _lanes(w, m):
-            tmap = _map_at(warp, int(a[lane]))
-            if tmap.rank != rank:
-                raise EmulationError(f"{rank}d TMA store with a rank-{tmap.rank} tensor map")
-            saddr, gaddr, inside = _box(tmap, [int(c[lane]) for c in coords], int(s[lane]), "TMA store")
+        for warp, _, tmap, saddr, gaddr, inside in boxes(w, m):
             h = warp.smem.hopper
             data = h.async_bytes(warp, saddr, tmap.elem, "TMA store")
             if inside.any():
