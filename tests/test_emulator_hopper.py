@@ -587,3 +587,42 @@ def test_setmaxnreg_budget(hopper):
         run(hopper, "setmaxnreg_256", [out], block=(384, 1, 1))
     with pytest.raises(EmulationError, match=r"setmaxnreg in a kernel without __launch_bounds__"):
         run(hopper, "setmaxnreg_unbounded", [out], block=(384, 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything together: a warp-specialized TMA -> mbarrier ring -> wgmma GEMM
+# ---------------------------------------------------------------------------------------------
+def _gemm_inputs(rng, k):
+    import ml_dtypes
+    a, b = (rng.standard_normal((64, k)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    maps = [tma_map(x.view(np.uint16), [k, 64], [k * 2], BF16, [64, 64], swizzle=3) for x in (a, b)]
+    return a, b, maps
+
+
+@needs_nvcc
+def test_pipelined_gemm_matches_float64(hopper, rng):
+    k = 256
+    for seed in range(2):
+        a, b, maps = _gemm_inputs(rng, k)
+        out = np.full((128, 32), np.nan, np.float32)
+        run(hopper, "pipelined_gemm", [*maps, out, k // 64, 0], block=(256, 1, 1), smem=4 * 64 * 64 * 2,
+            device=[a, b], seed=seed)
+        want = a.astype(np.float64) @ b.astype(np.float64).T
+        assert np.abs(_accumulators(out) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("misuse,message", [
+    # the consumer's first wait passes at once (the phase before the first): its wgmma reads the
+    # stage before the TMA landed, or, in other schedules, a later wait hangs
+    (2, r"wgmma\.mma_async \([AB]\) reads shared offset \d+, which an asynchronous copy has not delivered|"
+        r"spins on mbarrier\.try_wait\.parity"),
+    # the phase completes with A's bytes: B's count toward the next phase, its data is not there
+    (4, r"more transaction bytes arrived than expect_tx announced|wgmma\.mma_async \(B\) reads shared offset \d+, "
+        r"which an asynchronous copy has not delivered"),
+])
+def test_pipelined_gemm_misuse_fails(hopper, rng, misuse, message):
+    a, b, maps = _gemm_inputs(rng, 256)
+    with pytest.raises(EmulationError, match=message):
+        run(hopper, "pipelined_gemm", [*maps, np.zeros((128, 32), np.float32), 4, misuse], block=(256, 1, 1),
+            smem=4 * 64 * 64 * 2, device=[a, b], max_warp_instructions=60_000)

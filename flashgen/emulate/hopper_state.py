@@ -36,6 +36,13 @@ def uses_hopper(kernel) -> bool:
                (ins.opcode in ("bar", "barrier") and named_barrier(ins)) for ins in kernel.instructions)
 
 
+def blocking(ins) -> bool:
+    """An instruction that may make its warp wait, other than the CTA barrier (machine.py's
+    _NAMED kind): wgmma.mma_async, or a named barrier."""
+    return (ins.opcode == "wgmma" and ins.mods[:1] == ("mma_async",)) or \
+        (ins.opcode in ("bar", "barrier") and named_barrier(ins))
+
+
 def named_barrier(ins) -> bool:
     """A barrier instruction the machine's CTA barrier does not cover: an arrive, or a sync on
     an id other than the literal 0 (or an id in a register)."""
@@ -124,7 +131,7 @@ class AsyncState:
         # in-flight async-proxy reads (wgmma operands, TMA stores) of each shared byte
         self.reading = np.zeros(smem.data.size, np.int16)
         self.reading_any = 0
-        self.issues: dict = {}          # (slot, warpgroup) -> the wgmma.mma_async issued, in order
+        self.rendezvous: dict = {}      # (slot, warpgroup) -> (wgmma issued, the warps waiting in it)
         self.register_counts: dict = {}  # slot -> setmaxnreg's bookkeeping (semantics/hopper_warp.py)
 
     # -- mbarriers -------------------------------------------------------------------------------
@@ -188,9 +195,12 @@ class AsyncState:
             self.smem.barrier(warp.cta.slot)
 
     def deadlock(self) -> str:
-        return "; ".join(f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
-                         f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
-                         for (slot, bid), b in self.named.items())
+        return "; ".join([f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
+                          f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
+                          for (slot, bid), b in self.named.items()] +
+                         [f"wgmma.mma_async at PTX line {key[0]}: warps {[w.wid for w in warps]} of warpgroup {wg} "
+                          f"(block slot {slot}) wait for the rest of their warpgroup"
+                          for (slot, wg), (key, warps) in self.rendezvous.items()])
 
     # -- the proxy fence -------------------------------------------------------------------------
     def generic_write(self, idx: np.ndarray, warp) -> None:
@@ -246,18 +256,25 @@ class AsyncState:
             self.reading[idx] -= 1
             self.reading_any -= idx.size
 
-    def warpgroup_issue(self, warp, key) -> None:
-        """The warps of a warpgroup must issue the same wgmma.mma_async (line, descriptors), in order."""
-        log = self.issues.setdefault((warp.smem_slot, warp.wid // 4), [])
-        st = self.of_warp(warp)
-        i = st.get("issued", 0)
-        st["issued"] = i + 1
-        if i == len(log):
-            log.append(key)
-        elif log[i] != key:
-            raise EmulationError(f"warp {warp.wid}'s wgmma.mma_async number {i} (PTX line {key[0]}, descriptors "
-                                 f"{key[1:]}) differs from its warpgroup's (PTX line {log[i][0]}, {log[i][1:]}): "
-                                 f"wgmma is a warpgroup-collective instruction")
+    def warpgroup_rendezvous(self, warp, key) -> list | None:
+        """A warp issues a warpgroup-collective instruction `key` (PTX line, operands): it waits
+        (None) until the 4 warps of its warpgroup have issued the same; -> the 4 warps then."""
+        where = (warp.smem_slot, warp.wid // 4)
+        pending = self.rendezvous.get(where)
+        if pending is None:
+            pending = self.rendezvous[where] = (key, [])
+        elif pending[0] != key:
+            raise EmulationError(f"warp {warp.wid} issues wgmma.mma_async (PTX line {key[0]}, descriptors {key[1:]}) "
+                                 f"while its warpgroup's warps {[x.wid for x in pending[1]]} issued PTX line "
+                                 f"{pending[0][0]}, descriptors {pending[0][1:]}: wgmma is warpgroup-collective")
+        pending[1].append(warp)
+        if len(pending[1]) < 4:
+            warp.at_barrier, warp.named_wait = True, "wgmma"
+            return None
+        del self.rendezvous[where]
+        for x in pending[1]:
+            x.at_barrier, x.named_wait = False, None
+        return sorted(pending[1], key=lambda x: x.wid)
 
     def tma_write(self, warp, addrs: np.ndarray, data: np.ndarray, barrier: MBarrier, nbytes: int) -> None:
         """A TMA load of `data` (bytes [elements, elem]) to shared offsets `addrs`: the bytes are

@@ -35,8 +35,7 @@ from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
 from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
-from flashgen.emulate.semantics.hopper_sync import compile_named_barrier
-from flashgen.emulate.semantics.wgmma import guard_wgmma_registers
+from flashgen.emulate.semantics.wgmma import compile_blocking, guard_wgmma_registers
 
 MAX_THREADS_PER_BLOCK = 1024
 # A wave: the CTAs that run together, up to this many threads (the register file's length) and
@@ -44,7 +43,7 @@ MAX_THREADS_PER_BLOCK = 1024
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _DEAD_WARP = np.full(32, _DEAD)       # the lane pcs of a warp that is done or waits at a barrier (copied)
-_ALU, _BRA, _RET, _BAR, _NAMED = range(5)     # _NAMED: bar.arrive, bar.sync on a nonzero id (hopper_state)
+_ALU, _BRA, _RET, _BAR, _NAMED = range(5)     # _NAMED: may make a warp wait (hopper_state.blocking)
 _DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
 
@@ -242,8 +241,8 @@ class _Compiled:
             return (_BRA, "uni" in ins.mods, *guard, target)
         if ins.opcode in ("ret", "exit"):
             return (_RET, None, *guard, None)
-        if ins.opcode in ("bar", "barrier") and hopper_state.named_barrier(ins):
-            return (_NAMED, compile_named_barrier(ins, ops), *guard, None)
+        if hopper_state.blocking(ins):
+            return (_NAMED, compile_blocking(ins, ops), *guard, None)
         if ins.opcode in ("bar", "barrier") and ins.mods in (("sync",), ("cta", "sync"), ("sync", "aligned"),
                                                               ("cta", "sync", "aligned")):
             if ins.pred is not None:

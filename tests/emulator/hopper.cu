@@ -292,3 +292,68 @@ __device__ void rebalance(int* out) {
 extern "C" __global__ void __launch_bounds__(384, 1) setmaxnreg_240(int* out) { rebalance<240>(out); }
 extern "C" __global__ void __launch_bounds__(384, 1) setmaxnreg_256(int* out) { rebalance<256>(out); }
 extern "C" __global__ void setmaxnreg_unbounded(int* out) { rebalance<240>(out); }
+
+// ---- Everything together: a warp-specialized GEMM, D (64 x 64, f32) = A (64 x K) B (64 x K)^T,
+// bf16, FA3's structure in miniature. Warpgroup 0 is the producer: one elected thread of warp 0
+// TMA-loads 64 x 64 tiles of A and B (128B swizzle) into a 2-stage ring guarded by full/empty
+// mbarriers; warpgroup 1 consumes each stage with four k16 wgmmas whose descriptors advance 32
+// bytes inside the swizzle atom, then frees the stage. `misuse` breaks one rule:
+enum { WRONG_PARITY = 2, SHORT_EXPECT = 4 };
+extern "C" __global__ void __launch_bounds__(256, 1)
+    pipelined_gemm(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                   float* out, int k_blocks, int misuse) {
+  extern __shared__ __align__(1024) uint8_t ring[];             // stage s: A at 32 KiB s, B 16 KiB later
+  __shared__ __align__(8) uint64_t full[2], empty[2];
+  constexpr int kTile = 64 * 64 * 2;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(smem_u32(&full[s]), 1);
+      mbar_init(smem_u32(&empty[s]), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {                                        // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (threadIdx.x < 32) {
+      uint32_t leader;
+      asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(leader));
+      if (leader) {
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          const int s = kb % 2;
+          mbar_wait(smem_u32(&empty[s]), ((kb / 2) & 1) ^ 1);
+          const uint32_t bar = smem_u32(&full[s]), a = smem_u32(ring + s * 2 * kTile);
+          mbar_arrive_expect_tx(bar, (misuse & SHORT_EXPECT) ? kTile : 2 * kTile);
+          asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                       " [%0], [%1, {%3, %4}], [%2];" ::"r"(a), "l"(&map_a), "r"(bar), "r"(kb * 64), "r"(0)
+                       : "memory");
+          asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                       " [%0], [%1, {%3, %4}], [%2];" ::"r"(a + kTile), "l"(&map_b), "r"(bar), "r"(kb * 64), "r"(0)
+                       : "memory");
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 248;" ::: "memory");
+  float d[32];
+  for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const int s = kb % 2;
+    mbar_wait(smem_u32(&full[s]), ((kb / 2) & 1) ^ ((misuse & WRONG_PARITY) ? 1 : 0));
+    // K-major, 128B swizzle: 8-row atoms 1024 bytes apart (SBO), LBO unused (1)
+    const uint64_t desc = (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (1ull << 16);
+    const uint32_t a = smem_u32(ring + s * 2 * kTile);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t da = desc | ((a + 32 * kk) >> 4), db = desc | ((a + kTile + 32 * kk) >> 4);
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D_REGS ", %32, %33, p, 1, 1, 0, 0;\n}"
+                   : D_OUTS : "l"(da), "l"(db), "r"(1));
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if (threadIdx.x == 128) mbar_arrive(smem_u32(&empty[s]));
+  }
+  for (int i = 0; i < 32; ++i) out[(threadIdx.x - 128) * 32 + i] = d[i];
+}

@@ -1,8 +1,10 @@
 """Warpgroup MMA: wgmma.mma_async (A from registers or a shared-memory descriptor, B from a
 descriptor), wgmma.fence, wgmma.commit_group, wgmma.wait_group N.
 
-Each warp of a warpgroup computes its own 16 rows of the 64 x N result (warp w % 4 holds rows
-16 (w % 4) ..), at issue, from the registers and shared memory as they are then. The asynchrony
+The instruction is a warpgroup rendezvous: a warp that issues it waits until the 4 warps of its
+warpgroup have (with the same descriptors), and the last one runs it for all (warp w % 4 holds
+rows 16 (w % 4) .. of the 64 x N result), from the registers and shared memory as they are
+then; its shared-memory reads end when a warp's wait_group retires it. The asynchrony
 is modelled by forbidding every observation that could tell issue from completion: until a
 wait_group retires its group, another instruction that reads or writes an accumulator register,
 or writes an A-fragment register, of the warp is an error (guard_wgmma_registers wraps exactly
@@ -26,7 +28,7 @@ import numpy as np
 
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.ptx import Reg, RegPair, Vec
-from flashgen.emulate.semantics.hopper_sync import warp_lanes
+from flashgen.emulate.semantics.hopper_sync import compile_named_barrier, warp_lanes
 from flashgen.emulate.semantics.registry import handles, require_full_warp, unsupported
 from flashgen.emulate.semantics.warpops import GROUP, THREAD, _to_float64, mma_a_table
 
@@ -150,7 +152,7 @@ def _guarded(fn, ins, acc_named, afrag_written):
 def _state(warp) -> dict:
     st = warp.smem.hopper.of_warp(warp)
     if "open" not in st:
-        st.update(open={"acc": set(), "a": set(), "bytes": []}, groups=[], fenced=False, issued=0)
+        st.update(open={"acc": set(), "a": set(), "ops": []}, groups=[], fenced=False)
     return st
 
 
@@ -169,7 +171,7 @@ def wgmma(ins, ops):
             for warp, _, _ in warp_lanes(w, m):
                 st = _state(warp)
                 st["groups"].append(st["open"])
-                st["open"] = {"acc": set(), "a": set(), "bytes": []}
+                st["open"] = {"acc": set(), "a": set(), "ops": []}
         return commit
     if mods == ("wait_group", "sync", "aligned"):
         keep = int(ins.operands[0].text, 0)
@@ -179,12 +181,20 @@ def wgmma(ins, ops):
             for warp, _, _ in warp_lanes(w, m):
                 st = _state(warp)
                 while len(st["groups"]) > keep:
-                    done = st["groups"].pop(0)
-                    warp.smem.hopper.async_read_done(done["bytes"])
+                    for op in st["groups"].pop(0)["ops"]:      # the warpgroup's op: its reads end once
+                        if not op["done"]:
+                            warp.smem.hopper.async_read_done(op["bytes"])
+                            op["done"] = True
         return wait
-    if mods[0] == "mma_async":
-        return _mma_async(ins, ops)
     raise unsupported(ins)
+
+
+def compile_blocking(ins, ops):
+    """The instructions machine.py runs warp by warp and that may make a warp wait
+    (hopper_state.blocking): a named barrier, or wgmma.mma_async (a warpgroup rendezvous)."""
+    if ins.opcode == "wgmma":
+        return _mma_async(ins, ops)
+    return compile_named_barrier(ins, ops)
 
 
 def _mma_async(ins, ops):
@@ -233,41 +243,45 @@ def _mma_async(ins, ops):
             raise EmulationError(f"{what} differs between the lanes of warp {warp.wid}")
         return int(vals[0])
 
-    def run(w, m):
-        require_full_warp(w, m, ins)
-        for warp, _, _ in warp_lanes(w, m):
-            st = _state(warp)
-            if not st["fenced"]:
-                raise EmulationError("wgmma.mma_async without a wgmma.fence since the warpgroup's wgmma registers "
-                                     "were last accessed (or before its first wgmma)")
-            if 4 * (warp.wid // 4 + 1) > len(warp.cta.warps):
-                raise EmulationError(f"warp {warp.wid} is not in a full warpgroup of 4 warps")
-            h, rows = warp.smem.hopper, slice(16 * (warp.wid % 4), 16 * (warp.wid % 4) + 16)
-            desc_b = uniform(warp, rdesc_b(warp), "the B descriptor")
-            b_addr = operand_addresses(n, k, elem, bool(trans_b), decode_descriptor(desc_b, "B"))
-            reads = [b_addr]
-            b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)"), elem))   # [n, k]
+    def arrive(warp):
+        """One warp issues; the 4th warp of its warpgroup to issue runs the instruction for all."""
+        require_full_warp(warp, None, ins)
+        if not _state(warp)["fenced"]:
+            raise EmulationError("wgmma.mma_async without a wgmma.fence since the warpgroup's wgmma registers "
+                                 "were last accessed (or before its first wgmma)")
+        if 4 * (warp.wid // 4 + 1) > len(warp.cta.warps):
+            raise EmulationError(f"warp {warp.wid} is not in a full warpgroup of 4 warps")
+        desc_b = uniform(warp, rdesc_b(warp), "the B descriptor")
+        desc_a = None if a_regs else uniform(warp, rdesc_a(warp), "the A descriptor")
+        h = warp.smem.hopper
+        group = h.warpgroup_rendezvous(warp, (ins.line, desc_a, desc_b))
+        if group is None:
+            return
+        b_addr = operand_addresses(n, k, elem, bool(trans_b), decode_descriptor(desc_b, "B"))
+        b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)"), elem))       # [n, k]
+        reads = [b_addr]
+        if not a_regs:
+            a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))
+            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)"), elem))  # [64, k]
+            reads.append(a_addr)
+        op = {"bytes": [h.async_read_start(warp, x, elem) for x in reads], "done": False}
+        for x in group:
             if a_regs:
-                raw = np.stack([r(warp) for r in ra], 1).view(_RAW[elem]).reshape(32, -1)
                 a = np.empty((16, k), np.float64)
-                a[a_rows, a_cols] = decode(raw)
-                desc_a = None
+                a[a_rows, a_cols] = decode(np.stack([r(x) for r in ra], 1).view(_RAW[elem]).reshape(32, -1))
             else:
-                desc_a = uniform(warp, rdesc_a(warp), "the A descriptor")
-                a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))[rows]
-                reads.append(a_addr)
-                a = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)"), elem))
-            h.warpgroup_issue(warp, (ins.line, desc_a, desc_b))
+                a = a_all[16 * (x.wid % 4):16 * (x.wid % 4) + 16]
             # products of f16/bf16/tf32/fp8 are exact in f64; the sum is rounded once to f32
             prod = (scale_a * a) @ (scale_b * b).T                                              # [16, n]
-            c = np.stack([r(warp) for r in rd], 1).astype(np.float64)                           # [lane, reg]
-            out = (prod[c_rows, c_cols] + np.where(rscale_d(warp)[:, None], c, 0.0)).astype(np.float32)
+            c = np.stack([r(x) for r in rd], 1).astype(np.float64)                              # [lane, reg]
+            out = (prod[c_rows, c_cols] + np.where(rscale_d(x)[:, None], c, 0.0)).astype(np.float32)
             for i, wr in enumerate(wd):
-                wr(warp, out[:, i], None)
+                wr(x, out[:, i], None)
+            st = _state(x)
             st["open"]["acc"] |= acc_names
             st["open"]["a"] |= a_names
-            st["open"]["bytes"] += [h.async_read_start(warp, x, elem) for x in reads]
-    return run
+            st["open"]["ops"].append(op)
+    return arrive
 
 
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
