@@ -4,6 +4,7 @@ transcribed from CuTe's headers, and every misuse triggered by a tiny kernel."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -626,3 +627,40 @@ def test_pipelined_gemm_misuse_fails(hopper, rng, misuse, message):
     with pytest.raises(EmulationError, match=message):
         run(hopper, "pipelined_gemm", [*maps, np.zeros((128, 32), np.float32), 4, misuse], block=(256, 1, 1),
             smem=4 * 64 * 64 * 2, device=[a, b], max_warp_instructions=60_000)
+
+
+@needs_nvcc
+def test_wgmma_wait_group_keeps_the_newest_groups_in_flight(hopper, rng):
+    a, b, _, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)
+    out = np.full((128, 8), np.nan, np.float32)
+    run(hopper, "wgmma_wait_one", [img, img.size, da, db, out, 0], block=(128, 1, 1), smem=img.nbytes)
+    want = a.astype(np.float64) @ b.astype(np.float64)[:8].T
+    for half in (out[:, :4], out[:, 4:]):          # both groups computed D = A B[:8]^T
+        assert np.abs(_accumulators(half, 8) - want).max() <= 1e-5 * np.abs(want).max()
+    with pytest.raises(EmulationError, match=r"accesses register %f\d+ of a wgmma\.mma_async that has not completed"):
+        run(hopper, "wgmma_wait_one", [img, img.size, da, db, out, 1], block=(128, 1, 1), smem=img.nbytes)
+
+
+@needs_nvcc
+def test_wgmma_needs_its_whole_warpgroup(hopper, rng):
+    a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)
+    args = [img, img.size, da, db, _as_registers(c), np.zeros((128, 32), np.float32)]
+    with pytest.raises(EmulationError, match=r"deadlock: no warp can run; wgmma\.mma_async at PTX line \d+: warps "
+                                             r"\[[012], [012], [012]\] of warpgroup 0 .*wait for the rest"):
+        run(hopper, "wgmma_ss_bf16_kk", args + [1 | 32], block=(128, 1, 1), smem=img.nbytes)
+    with pytest.raises(EmulationError, match=r"warp [01] is not in a full warpgroup of 4 warps"):
+        run(hopper, "wgmma_ss_bf16_kk", args + [1], block=(64, 1, 1), smem=img.nbytes)
+
+
+@needs_nvcc
+def test_micro_kernels_assemble_and_ptxas_agrees_on_the_fences(tmp_path):
+    """ptxas (sm_90a) accepts every inline-PTX form used here, and needs to inject no
+    warpgroup.arrive / wait (a missing wgmma.fence / wait_group) into the kernels that have no
+    misuse switch, which the emulator runs cleanly (the others inject them on the misuse paths)."""
+    import subprocess
+    from flashgen import toolchain
+    out = subprocess.run([toolchain.nvcc(), "-arch=sm_90a", "-cubin", str(HOPPER), "-o", str(tmp_path / "h.cubin")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    injected = set(re.findall(r"warpgroup\.(?:arrive|wait) is injected .* in function '(\w+)'", out.stderr))
+    assert "wgmma_rs_late_a" in injected and not injected & {"wgmma_wait_one", "pipelined_gemm"}

@@ -138,7 +138,7 @@ extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask)
 // The host lays A (64 x 16) and B (64 x 16, D = A B^T) out in a shared-memory image by CuTe's
 // canonical layouts and passes the descriptors (start address relative to the image); C and D
 // are the accumulator registers per (thread, register). `flags` switches misuses on:
-enum { ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16 };
+enum { ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16, WARP_3_EXITS = 32 };
 #define D_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define D_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
@@ -172,6 +172,7 @@ __device__ __forceinline__ void finish(float* d, float* out, int flags) {
                                   const float* c, float* out, int flags) {                        \
     load_image(img, words, flags);                                                                \
     const uint64_t base = image_base();                                                           \
+    if ((flags & WARP_3_EXITS) && threadIdx.x >= 96) return;                                      \
     A_SET;                                                                                        \
     float d[32];                                                                                  \
     for (int i = 0; i < 32; ++i) d[i] = c[threadIdx.x * 32 + i];                                  \
@@ -356,4 +357,30 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     if (threadIdx.x == 128) mbar_arrive(smem_u32(&empty[s]));
   }
   for (int i = 0; i < 32; ++i) out[(threadIdx.x - 128) * 32 + i] = d[i];
+}
+
+// wait_group N keeps the N newest groups in flight: two m64n8k16 groups into d and e; after
+// wait_group 1 only d may be read (`read_early` reads e too soon).
+extern "C" __global__ void wgmma_wait_one(const uint32_t* img, int words, uint64_t desc_a, uint64_t desc_b,
+                                          float* out, int read_early) {
+  load_image(img, words, 0);
+  const uint64_t base = image_base();
+  float d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 4; ++i) {   // CUTLASS's warpgroup_fence_operand: defined before the wgmma.fence
+    asm volatile("" : "+f"(d[i])::"memory");
+    asm volatile("" : "+f"(e[i])::"memory");
+  }
+#define WGMMA_N8(R)                                                                                 \
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                           \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %6, 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}" \
+               : "+f"(R[0]), "+f"(R[1]), "+f"(R[2]), "+f"(R[3]) : "l"(desc_a + base), "l"(desc_b + base), "r"(1)); \
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory")
+  WGMMA_N8(d);
+  WGMMA_N8(e);
+  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+  for (int i = 0; i < 4; ++i) out[threadIdx.x * 8 + i] = d[i];
+  if (read_early) out[threadIdx.x * 8 + 4] = e[0];
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int i = 0; i < 4; ++i) out[threadIdx.x * 8 + 4 + i] = e[i];
 }
