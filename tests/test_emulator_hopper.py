@@ -310,7 +310,7 @@ def test_wgmma_rs_matches_float64(hopper, rng, kernel, dtype, b_major):
     (4, r"wgmma\.mma_async without a wgmma\.fence"),
     (2, r"wgmma\.mma_async \([AB]\) reads shared offset \d+, written by warp \d through the generic proxy with no "
         r"fence\.proxy\.async"),
-    (16, r"shared write at offset \d+, which an in-flight asynchronous operation \(wgmma or TMA store\) still reads"),
+    (16, r"shared write by warp \d at shared offset \d+: an in-flight wgmma of warpgroup 0 still reads it"),
 ])
 def test_wgmma_misuse_fails(hopper, rng, flag, message):
     a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)
@@ -503,7 +503,7 @@ def test_tma_store_writes_the_box_inside_the_tensor(hopper, rng):
     assert (raw == want).all() and not (raw == before).all()
     for flag, why in [(2, r"TMA store reads shared offset \d+, written by warp \d through the generic proxy with no "
                           r"fence\.proxy\.async"),
-                      (4, r"shared write at offset 0, which an in-flight asynchronous operation")]:
+                      (4, r"shared write at offset 0, which an in-flight TMA store still reads")]:
         with pytest.raises(EmulationError, match=why):
             run(hopper, "tma_store_2d", [tma_map(raw, dims, strides, F32, box), tile.view(np.uint8), 128, *coords,
                                          flag], block=(64, 1, 1), smem=1024, device=[buf])
@@ -614,6 +614,10 @@ def test_pipelined_gemm_matches_float64(hopper, rng):
 
 @needs_nvcc
 @pytest.mark.parametrize("misuse,message", [
+    # the consumer frees the stage before its wgmma.wait_group: whatever the schedule, the
+    # producer's next TMA load into it has not observed that wgmma's completion
+    (1, r"TMA load by warp 0 at shared offset \d+: (an in-flight wgmma of warpgroup 1 still reads it|it was read by "
+        r"a wgmma of warpgroup 1 whose completion warp 0 has not observed)"),
     # the consumer's first wait passes at once (the phase before the first): its wgmma reads the
     # stage before the TMA landed, or, in other schedules, a later wait hangs
     (2, r"wgmma\.mma_async \([AB]\) reads shared offset \d+, which an asynchronous copy has not delivered|"

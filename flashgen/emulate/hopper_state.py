@@ -18,6 +18,14 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
  - The proxy fence: shared-memory bytes written through the generic proxy (st.shared, cp.async,
    stmatrix) are marked with their writer warp until that warp executes fence.proxy.async; an
    async-proxy read (wgmma from a descriptor, a TMA store) of a marked byte is an error.
+ - WgmmaReads: the wgmma that read a shared byte, against what each warp knows has completed.
+   A warpgroup's wgmmas complete in order, so that knowledge is one number per warpgroup (the
+   latest completed wgmma) per warp: a warp learns it from its own wait_group, and passes on
+   what it knows with an mbarrier arrival (to the warps whose wait sees that phase complete)
+   or a barrier (named: to its waiting warps; the CTA's: to all). A write (st.shared, stmatrix,
+   a TMA load) to a byte that a wgmma read is an error unless the writing warp knows that wgmma
+   completed: releasing a stage before wgmma.wait_group is caught whatever the schedule.
+   (TMA stores' reads end, more simply, at the issuing warp's cp.async.bulk.wait_group.read.)
 """
 from __future__ import annotations
 
@@ -64,6 +72,8 @@ class MBarrier:
             raise EmulationError(f"mbarrier.init at offset {offset} with count {count} (must be in [1, 2^20))")
         self.offset, self.expected, self.pending, self.tx, self.phase = offset, count, count, 0, 0
         self.on_complete = []           # callbacks of the current phase (TMA deliveries)
+        self.carry = None               # WgmmaReads knowledge the arrivals so far passed on
+        self.published = None           # ... as of the last phase completion
         self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
 
     def describe(self) -> str:
@@ -93,6 +103,7 @@ class MBarrier:
     def _maybe_complete(self):
         if self.pending == 0 and self.tx == 0:
             done, self.on_complete = self.on_complete, []
+            self.published = None if self.carry is None else self.carry.copy()
             self.phase += 1
             self.pending = self.expected
             for fn in done:
@@ -115,6 +126,42 @@ class MBarrier:
 class NamedBarrier:
     def __init__(self, count: int):
         self.count, self.arrived, self.waiting = count, 0, []
+        self.carry = None               # WgmmaReads knowledge of the arriving warps
+
+
+class WgmmaReads:
+    """Per CTA slot: seq[g, byte], the latest wgmma (numbered from 1 per warpgroup g) that read
+    each shared byte; known[warp, g], the latest wgmma of warpgroup g each warp knows completed."""
+
+    def __init__(self, nbytes: int, warps: int):
+        self.groups = -(-warps // 4)
+        self.seq = np.zeros((self.groups, nbytes), np.int32)
+        self.issued = np.zeros(self.groups, np.int32)
+        self.retired = np.zeros(self.groups, np.int32)
+        self.known = np.zeros((warps, self.groups), np.int32)
+
+    def read(self, g: int, local: np.ndarray) -> int:
+        self.issued[g] += 1
+        self.seq[g, local] = self.issued[g]
+        return int(self.issued[g])
+
+    def retire(self, wid: int, g: int, seq: int) -> None:
+        self.retired[g] = max(self.retired[g], seq)
+        self.known[wid, g] = max(self.known[wid, g], seq)
+
+    def check_write(self, wid: int, local: np.ndarray, what: str) -> None:
+        latest = self.seq[:, local.reshape(-1)].max(1) if local.size else self.retired
+        unknown = latest > self.known[wid]
+        if not unknown.any():
+            return
+        g = int(np.argmax(unknown))
+        x = int(local.reshape(-1)[np.argmax(self.seq[g, local.reshape(-1)] > self.known[wid, g])])
+        if latest[g] > self.retired[g]:
+            why = "an in-flight wgmma of warpgroup {g} still reads it (missing wgmma.wait_group?)"
+        else:
+            why = ("it was read by a wgmma of warpgroup {g} whose completion warp {w} has not observed (no "
+                   "wgmma.wait_group by it, nor an mbarrier wait or barrier after one: a stage released early?)")
+        raise EmulationError(f"{what} by warp {wid} at shared offset {x}: " + why.format(g=g, w=wid))
 
 
 class AsyncState:
@@ -132,6 +179,7 @@ class AsyncState:
         self.reading = np.zeros(smem.data.size, np.int16)
         self.reading_any = 0
         self.rendezvous: dict = {}      # (slot, warpgroup) -> (wgmma issued, the warps waiting in it)
+        self.wgmma_reads: dict = {}     # slot -> WgmmaReads
         self.register_counts: dict = {}  # slot -> setmaxnreg's bookkeeping (semantics/hopper_warp.py)
 
     # -- mbarriers -------------------------------------------------------------------------------
@@ -183,6 +231,7 @@ class AsyncState:
             raise EmulationError(f"barrier {bid} reached with thread count {count} while {b.arrived} threads "
                                  f"wait with count {b.count}")
         b.arrived += 32
+        b.carry = self.release(warp, b.carry)
         if wait:
             b.waiting.append(warp)
             warp.at_barrier, warp.named_wait = True, bid
@@ -191,6 +240,7 @@ class AsyncState:
         del self.named[key]
         for x in b.waiting:
             x.at_barrier, x.named_wait = False, None
+            self.acquire(x, b.carry)
         if count == cta_threads:           # every warp of the CTA took part: a barrier epoch
             self.smem.barrier(warp.cta.slot)
 
@@ -206,9 +256,42 @@ class AsyncState:
     def generic_write(self, idx: np.ndarray, warp) -> None:
         if self.reading_any and self.reading[idx].any():
             x = int(idx[self.reading[idx] > 0][0]) % self.smem.stride
-            raise EmulationError(f"shared write at offset {x}, which an in-flight asynchronous operation (wgmma or "
-                                 f"TMA store) still reads (missing wgmma.wait_group / cp.async.bulk.wait_group?)")
+            raise EmulationError(f"shared write at offset {x}, which an in-flight TMA store still reads (missing "
+                                 f"cp.async.bulk.wait_group.read?)")
+        if self.wgmma_reads and idx.size:
+            warps = np.broadcast_to(np.asarray(warp).reshape(-1), idx.shape[:1])
+            slots = idx[:, 0] // self.smem.stride
+            for slot, wid in set(zip(slots.tolist(), warps.tolist())):
+                reads = self.wgmma_reads.get(slot)
+                if reads is not None:
+                    rows = (slots == slot) & (warps == wid)
+                    reads.check_write(wid, idx[rows] - slot * self.smem.stride, "shared write")
         self.unfenced[idx] = np.asarray(warp).reshape(-1, 1) + 1
+
+    # -- what each warp knows of the wgmmas that completed (WgmmaReads) ---------------------------
+    def reads_of(self, warp) -> WgmmaReads:
+        r = self.wgmma_reads.get(warp.smem_slot)
+        if r is None:
+            r = self.wgmma_reads[warp.smem_slot] = WgmmaReads(self.smem.size, len(warp.cta.warps))
+        return r
+
+    def release(self, warp, carry):
+        """A warp's arrival passes on what it knows: -> the barrier's knowledge with it."""
+        r = self.wgmma_reads.get(warp.smem_slot)
+        if r is None:
+            return carry
+        return r.known[warp.wid].copy() if carry is None else np.maximum(carry, r.known[warp.wid])
+
+    def acquire(self, warp, carry) -> None:
+        if carry is not None:
+            known = self.reads_of(warp).known
+            np.maximum(known[warp.wid], carry, out=known[warp.wid])
+
+    def cta_barrier(self, slot: int) -> None:
+        """bar.sync 0: every warp of the CTA learns what any knew."""
+        r = self.wgmma_reads.get(slot)
+        if r is not None:
+            r.known[:] = r.known.max(0)
 
     def fence_proxy_async(self, slot: int, wid: int) -> None:
         lo, hi = slot * self.smem.stride, slot * self.smem.stride + self.smem.size
@@ -285,7 +368,10 @@ class AsyncState:
                                  f"asynchronous copy not yet delivered")
         if self.reading_any and self.reading[idx].any():
             raise EmulationError(f"TMA load to shared offset {int(addrs.min())}: its destination is still read by "
-                                 f"an in-flight wgmma or TMA store")
+                                 f"an in-flight TMA store")
+        if warp.smem_slot in self.wgmma_reads:
+            self.wgmma_reads[warp.smem_slot].check_write(warp.wid, idx - warp.smem_slot * self.smem.stride,
+                                                         "TMA load")
         self.smem.pending[idx] += 1
         self.tma_pending[idx] += 1
         self.smem.in_flight += idx.size

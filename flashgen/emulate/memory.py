@@ -292,6 +292,8 @@ class SharedMemory:
 
     def barrier(self, slot: int = 0) -> None:
         self.epochs[slot] += 1
+        if self.hopper is not None:
+            self.hopper.cta_barrier(slot)
 
     def warp_sync(self, warps) -> None:
         """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""

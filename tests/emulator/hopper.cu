@@ -299,7 +299,7 @@ extern "C" __global__ void setmaxnreg_unbounded(int* out) { rebalance<240>(out);
 // TMA-loads 64 x 64 tiles of A and B (128B swizzle) into a 2-stage ring guarded by full/empty
 // mbarriers; warpgroup 1 consumes each stage with four k16 wgmmas whose descriptors advance 32
 // bytes inside the swizzle atom, then frees the stage. `misuse` breaks one rule:
-enum { WRONG_PARITY = 2, SHORT_EXPECT = 4 };
+enum { EARLY_RELEASE = 1, WRONG_PARITY = 2, SHORT_EXPECT = 4 };
 extern "C" __global__ void __launch_bounds__(256, 1)
     pipelined_gemm(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                    float* out, int k_blocks, int misuse) {
@@ -353,8 +353,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                    : D_OUTS : "l"(da), "l"(db), "r"(1));
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    if ((misuse & EARLY_RELEASE) && threadIdx.x == 128) mbar_arrive(smem_u32(&empty[s]));
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (threadIdx.x == 128) mbar_arrive(smem_u32(&empty[s]));
+    if (!(misuse & EARLY_RELEASE) && threadIdx.x == 128) mbar_arrive(smem_u32(&empty[s]));
   }
   for (int i = 0; i < 32; ++i) out[(threadIdx.x - 128) * 32 + i] = d[i];
 }

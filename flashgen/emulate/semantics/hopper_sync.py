@@ -81,6 +81,7 @@ def mbarrier(ins, ops):
                         b.complete_tx(int(amounts.sum()))
                     if action == "arrive":
                         count = int(mine.sum()) if tx_arrive or amounts is None else int(amounts.sum())
+                        b.carry = h.release(warp, b.carry)
                         tokens[sl][mine] = b.arrive(count)
             if state is not None:
                 state(w, tokens, m)
@@ -109,6 +110,8 @@ def mbarrier(ins, ops):
                         h.spin(warp, what, b)
                     else:
                         h.stop_spinning(warp)
+                    if any(ok):
+                        h.acquire(warp, b.published)
             done_w(w, done, m)
         return wait
 

@@ -4,12 +4,12 @@ descriptor), wgmma.fence, wgmma.commit_group, wgmma.wait_group N.
 The instruction is a warpgroup rendezvous: a warp that issues it waits until the 4 warps of its
 warpgroup have (with the same descriptors), and the last one runs it for all (warp w % 4 holds
 rows 16 (w % 4) .. of the 64 x N result), from the registers and shared memory as they are
-then; its shared-memory reads end when a warp's wait_group retires it. The asynchrony
+then; which warps know it completed (so may overwrite what it read) is hopper_state.WgmmaReads'
+bookkeeping. The asynchrony
 is modelled by forbidding every observation that could tell issue from completion: until a
 wait_group retires its group, another instruction that reads or writes an accumulator register,
 or writes an A-fragment register, of the warp is an error (guard_wgmma_registers wraps exactly
-the instructions that name such registers), and so is a generic shared-memory write to bytes the
-group reads. A wgmma.mma_async after another instruction touched the wgmma registers, with no
+the instructions that name such registers). A wgmma.mma_async after another instruction touched the wgmma registers, with no
 wgmma.fence in between (or before the first one), is an error too (the PTX ISA requires the fence).
 
 The shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address >> 4 in
@@ -181,10 +181,8 @@ def wgmma(ins, ops):
             for warp, _, _ in warp_lanes(w, m):
                 st = _state(warp)
                 while len(st["groups"]) > keep:
-                    for op in st["groups"].pop(0)["ops"]:      # the warpgroup's op: its reads end once
-                        if not op["done"]:
-                            warp.smem.hopper.async_read_done(op["bytes"])
-                            op["done"] = True
+                    for g, seq in st["groups"].pop(0)["ops"]:
+                        warp.smem.hopper.reads_of(warp).retire(warp.wid, g, seq)
         return wait
     raise unsupported(ins)
 
@@ -264,7 +262,8 @@ def _mma_async(ins, ops):
             a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))
             a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)"), elem))  # [64, k]
             reads.append(a_addr)
-        op = {"bytes": [h.async_read_start(warp, x, elem) for x in reads], "done": False}
+        local = np.unique(np.concatenate([(x[..., None] + np.arange(elem)).reshape(-1) for x in reads]))
+        op = (warp.wid // 4, h.reads_of(warp).read(warp.wid // 4, local))          # (warpgroup, its number)
         for x in group:
             if a_regs:
                 a = np.empty((16, k), np.float64)
