@@ -652,6 +652,10 @@ def test_wgmma_needs_its_whole_warpgroup(hopper, rng):
     with pytest.raises(EmulationError, match=r"deadlock: no warp can run; wgmma\.mma_async at PTX line \d+: warps "
                                              r"\[[012], [012], [012]\] of warpgroup 0 .*wait for the rest"):
         run(hopper, "wgmma_ss_bf16_kk", args + [1 | 32], block=(128, 1, 1), smem=img.nbytes)
+    with pytest.raises(EmulationError, match=r"issues wgmma\.mma_async \(PTX line \d+, descriptors .*\) while its "
+                                             r"warpgroup's warps \[.*\] issued PTX line \d+, descriptors .*: wgmma is "
+                                             r"warpgroup-collective"):
+        run(hopper, "wgmma_ss_bf16_kk", args + [1 | 64], block=(128, 1, 1), smem=img.nbytes)
     with pytest.raises(EmulationError, match=r"warp [01] is not in a full warpgroup of 4 warps"):
         run(hopper, "wgmma_ss_bf16_kk", args + [1], block=(64, 1, 1), smem=img.nbytes)
 

@@ -138,7 +138,10 @@ extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask)
 // The host lays A (64 x 16) and B (64 x 16, D = A B^T) out in a shared-memory image by CuTe's
 // canonical layouts and passes the descriptors (start address relative to the image); C and D
 // are the accumulator registers per (thread, register). `flags` switches misuses on:
-enum { ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16, WARP_3_EXITS = 32 };
+enum {
+  ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16, WARP_3_EXITS = 32,
+  WARP_3_OTHER_B = 64                       // warp 3 names another B tile than its warpgroup
+};
 #define D_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define D_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
@@ -181,7 +184,8 @@ __device__ __forceinline__ void finish(float* d, float* out, int flags) {
                  "wgmma.mma_async.sync.aligned.m64n64k" #K ".f32." TY "." TY " " D_REGS           \
                  ", " A_ASM ", %32, p, 1, 1" TRANS ";\n}"                                         \
                  : D_OUTS                                                                         \
-                 : "l"(desc_b + base), "r"(flags & ACCUMULATE), A_IN);                            \
+                 : "l"(desc_b + base + ((flags & WARP_3_OTHER_B) && threadIdx.x >= 96 ? 2 : 0)),   \
+                   "r"(flags & ACCUMULATE), A_IN);                                                \
     finish(d, out, flags);                                                                        \
   }
 #define SS_ARG uint64_t desc_a
