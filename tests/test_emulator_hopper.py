@@ -519,12 +519,13 @@ def _k_major_case(rng, atype):
         a, b = (rng.standard_normal((64, 8)).astype(np.float32) for _ in range(2))
         value = lambda x: (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)  # noqa: E731
         return a.view(np.uint32), b.view(np.uint32), value(a), value(b), c
-    a, b = (rng.standard_normal((64, 32)).astype(ml_dtypes.float8_e4m3fn) for _ in range(2))
+    fp8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[atype]
+    a, b = (rng.standard_normal((64, 32)).astype(fp8) for _ in range(2))
     return a.view(np.uint8), b.view(np.uint8), a.astype(np.float64), b.astype(np.float64), c
 
 
 @needs_nvcc
-@pytest.mark.parametrize("atype", ["tf32", "e4m3"])
+@pytest.mark.parametrize("atype", ["tf32", "e4m3", "e5m2"])
 @pytest.mark.parametrize("width", [16, 32, 128])
 def test_wgmma_tf32_e4m3_ss_matches_float64(hopper, rng, atype, width):
     a_raw, b_raw, a, b, c = _k_major_case(rng, atype)

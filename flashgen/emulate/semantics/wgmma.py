@@ -5,12 +5,12 @@ The instruction is a warpgroup rendezvous: a warp that issues it waits until the
 warpgroup have (with the same descriptors), and the last one runs it for all (warp w % 4 holds
 rows 16 (w % 4) .. of the 64 x N result), from the registers and shared memory as they are
 then; which warps know it completed (so may overwrite what it read) is hopper_state.WgmmaReads'
-bookkeeping. The asynchrony
-is modelled by forbidding every observation that could tell issue from completion: until a
-wait_group retires its group, another instruction that reads or writes an accumulator register,
-or writes an A-fragment register, of the warp is an error (guard_wgmma_registers wraps exactly
-the instructions that name such registers). A wgmma.mma_async after another instruction touched the wgmma registers, with no
-wgmma.fence in between (or before the first one), is an error too (the PTX ISA requires the fence).
+bookkeeping. The asynchrony is modelled by forbidding every observation that could tell issue
+from completion: until a wait_group retires its group, another instruction that reads or writes
+an accumulator register, or writes an A-fragment register, of the warp is an error
+(guard_wgmma_registers wraps exactly the instructions that name such registers). A
+wgmma.mma_async after another instruction touched the wgmma registers, with no wgmma.fence in
+between (or before the first one), is an error too (the PTX ISA requires the fence).
 
 The shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address >> 4 in
 bits [0,14), leading-dimension byte offset >> 4 in [16,30), stride-dimension byte offset >> 4 in
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 
+import ml_dtypes
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
@@ -201,8 +202,8 @@ def _mma_async(ins, ops):
     if mods[1:3] != ("sync", "aligned") or len(mods) != 7 or not mods[3].startswith("m64n") or mods[4] != "f32":
         raise unsupported(ins, "only m64nNkK with f32 accumulators is modelled")
     atype, btype = mods[5], mods[6]
-    if atype not in INPUT_TYPES or btype not in INPUT_TYPES or (atype != btype and atype[0] != "e"):
-        raise unsupported(ins)
+    if atype not in INPUT_TYPES or btype != atype:
+        raise unsupported(ins, "A and B of one input type (mixed e4m3 / e5m2 is not modelled)")
     n, k = (int(x) for x in mods[3][4:].split("k"))
     kk, elem = INPUT_TYPES[atype]
     if k != kk or n % 8 or not 8 <= n <= 256:
@@ -295,7 +296,6 @@ def _elements(raw: np.ndarray, elem: int) -> np.ndarray:
 def _decoder(atype):
     """Raw elements -> float64 (f16 / bf16 / tf32 as mma.sync reads them; fp8 by ml_dtypes)."""
     if atype in ("e4m3", "e5m2"):
-        import ml_dtypes
         dt = ml_dtypes.float8_e4m3fn if atype == "e4m3" else ml_dtypes.float8_e5m2
         return lambda e: e.view(dt).astype(np.float64)
     return _to_float64(atype)
