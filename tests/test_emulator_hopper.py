@@ -465,6 +465,17 @@ def test_tma_load_misuse(hopper, rng):
             block=(32, 1, 1), smem=1024)
 
 
+@needs_nvcc
+def test_tma_load_over_generic_writes_ordered_by_mbarriers(hopper, rng):
+    """The race detector sees no mbarrier: the TMA load's bytes drop the generic accesses before
+    it, so the reader after the full barrier is not reported against the earlier writer."""
+    buf, raw, strides = device_tensor(rng, [8, 4], np.float32)
+    out = np.full(32, np.nan, np.float32)
+    run(hopper, "tma_reuses_a_stage", [tma_map(raw, [8, 4], strides, F32, [8, 4]), out], block=(96, 1, 1),
+        smem=1024, device=[buf])
+    assert (out.view(np.uint8) == raw.reshape(4, -1)[:, :32].reshape(-1)).all()
+
+
 def test_tensor_map_stand_in_checks_the_driver_rules():
     from flashgen.emulate.tensormap import decode, encode_tiled
     m = decode(encode_tiled(BF16, 3, 0x1000, [64, 10, 3], [256, 2560], [64, 8, 1], [1, 1, 1], swizzle=3))

@@ -381,6 +381,7 @@ class AsyncState:
             self.tma_pending[idx] -= 1
             self.smem.in_flight -= idx.size
             self.unfenced[idx] = 0              # written by the async proxy: nothing to fence
+            self.smem.forget(idx)
             self.smem.data[idx] = data
         barrier.in_flight.append((nbytes, deliver))
 

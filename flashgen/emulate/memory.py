@@ -295,6 +295,14 @@ class SharedMemory:
         if self.hopper is not None:
             self.hopper.cta_barrier(slot)
 
+    def forget(self, idx: np.ndarray) -> None:
+        """Bytes a TMA load replaced (flat byte indices): the generic accesses before it are
+        ordered with the ones after by its mbarrier, which the detector does not see."""
+        if self.race_check:
+            g = self._granules(idx)
+            self.w_stamp[g] = 0
+            self.r_stamp[g] = 0
+
     def warp_sync(self, warps) -> None:
         """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""
         if self.race_check:

@@ -390,3 +390,32 @@ extern "C" __global__ void wgmma_wait_one(const uint32_t* img, int words, uint64
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   for (int i = 0; i < 4; ++i) out[threadIdx.x * 8 + 4 + i] = e[i];
 }
+
+// A stage reused: warp 1 writes the tile (generic stores, as an epilogue would) and arrives on
+// `done`; warp 0 waits for that, TMA-loads a box over it, and warp 2 reads the box after the
+// full barrier. Every access is ordered by an mbarrier, none by a CTA barrier.
+extern "C" __global__ void tma_reuses_a_stage(const __grid_constant__ CUtensorMap tmap, float* out) {
+  extern __shared__ __align__(1024) float stage[];
+  __shared__ __align__(8) uint64_t done, full;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    mbar_init(smem_u32(&done), 32);
+    mbar_init(smem_u32(&full), 1);
+  }
+  __syncthreads();
+  if (warp == 1) {
+    stage[lane] = -1.0f;
+    mbar_arrive(smem_u32(&done));
+  } else if (warp == 0) {
+    mbar_wait(smem_u32(&done), 0);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(smem_u32(&full), 128);
+      asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                   " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_u32(stage)), "l"(&tmap), "r"(smem_u32(&full)),
+                   "r"(0), "r"(0) : "memory");
+    }
+  } else {
+    mbar_wait(smem_u32(&full), 0);
+    out[lane] = stage[lane];
+  }
+}
