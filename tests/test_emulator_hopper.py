@@ -497,6 +497,15 @@ def test_tensor_map_stand_in_checks_the_driver_rules():
             encode_tiled(**args)
 
 
+def box_inside(dims, box, coords):
+    """(tile index, tensor coordinates) of the elements of a 2D box inside the tensor."""
+    for r in range(box[1]):
+        for c in range(box[0]):
+            x, y = coords[0] + c, coords[1] + r
+            if x < dims[0] and y < dims[1]:
+                yield r * box[0] + c, [x, y]
+
+
 @needs_nvcc
 def test_tma_store_writes_the_box_inside_the_tensor(hopper, rng):
     dims, box, coords = [20, 13], [8, 4], [15, 11]
@@ -506,11 +515,8 @@ def test_tma_store_writes_the_box_inside_the_tensor(hopper, rng):
     run(hopper, "tma_store_2d", [tma_map(raw, dims, strides, F32, box), tile.view(np.uint8), 128, *coords, 0],
         block=(64, 1, 1), smem=1024, device=[buf])
     want = before.copy()
-    for r in range(4):
-        for c in range(8):
-            x, y = coords[0] + c, coords[1] + r
-            if x < dims[0] and y < dims[1]:
-                element(want, strides, 4, [x, y])[:] = tile[r * 8 + c:r * 8 + c + 1].view(np.uint8)
+    for i, xy in box_inside(dims, box, coords):
+        element(want, strides, 4, xy)[:] = tile[i:i + 1].view(np.uint8)
     assert (raw == want).all() and not (raw == before).all()
     for flag, why in [(2, r"TMA store reads shared offset \d+, written by warp \d through the generic proxy with no "
                           r"fence\.proxy\.async"),
@@ -684,3 +690,23 @@ def test_micro_kernels_assemble_and_ptxas_agrees_on_the_fences(tmp_path):
     assert out.returncode == 0, out.stderr
     injected = set(re.findall(r"warpgroup\.(?:arrive|wait) is injected .* in function '(\w+)'", out.stderr))
     assert "wgmma_rs_late_a" in injected and not injected & {"wgmma_wait_one", "pipelined_gemm"}
+
+
+@needs_nvcc
+def test_tma_reduce_add(hopper, rng):
+    dims, box, coords = [20, 13], [8, 4], [15, 11]
+    buf, raw, strides = device_tensor(rng, dims, np.float32)
+    raw.view(np.float32)[:] = rng.integers(-8, 8, raw.size // 4)   # small integers: sums exact in any order
+    before = raw.copy()
+    tile = rng.integers(-8, 8, 32).astype(np.float32)
+    run(hopper, "tma_reduce_add", [tma_map(raw, dims, strides, F32, box), tile, np.zeros(4, np.float32), 1, *coords],
+        grid=(3, 1, 1), smem=1024, device=[buf])
+    want = before.copy()
+    for i, xy in box_inside(dims, box, coords):
+        element(want, strides, 4, xy).view(np.float32)[:] += 3 * tile[i]
+    assert (raw == want).all() and not (raw == before).all()
+    dst = rng.integers(-8, 8, 32).astype(np.float32)
+    start = dst.copy()
+    run(hopper, "tma_reduce_add", [tma_map(raw, dims, strides, F32, box), tile, dst, 0, 0, 0], grid=(2, 1, 1),
+        smem=1024, device=[buf])
+    assert (dst == start + 2 * tile).all()

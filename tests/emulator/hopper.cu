@@ -419,3 +419,24 @@ extern "C" __global__ void tma_reuses_a_stage(const __grid_constant__ CUtensorMa
     out[lane] = stage[lane];
   }
 }
+
+// Reduce-adds: every CTA adds its tile (`in`, 32 floats) into the box at (c0, c1) of the tensor
+// (`tensor`), or (`tensor` = 0) into dst[0:32] with the untiled form.
+extern "C" __global__ void tma_reduce_add(const __grid_constant__ CUtensorMap tmap, const float* in, float* dst,
+                                          int tensor, int c0, int c1) {
+  extern __shared__ __align__(1024) float sums[];
+  sums[threadIdx.x] = in[threadIdx.x];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (tensor) {
+      asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%1, %2}], [%3];"
+                   ::"l"(&tmap), "r"(c0), "r"(c1), "r"(smem_u32(sums)) : "memory");
+    } else {
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                   ::"l"(dst), "r"(smem_u32(sums)), "r"(128) : "memory");
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}

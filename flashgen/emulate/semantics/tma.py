@@ -1,6 +1,8 @@
 """TMA: cp.async.bulk.tensor.{1-5}d tile loads (global -> shared, counted on an mbarrier with
-mbarrier::complete_tx::bytes) and stores (shared -> global, in bulk groups),
-cp.async.bulk.commit_group, cp.async.bulk.wait_group{.read} N, prefetch.tensormap.
+mbarrier::complete_tx::bytes), stores and f32 reduce-adds (shared -> global, in bulk groups:
+cp.async.bulk.tensor ... .bulk_group, cp.reduce.async.bulk.tensor ... .add, and the untiled
+cp.reduce.async.bulk ... .add.f32), cp.async.bulk.commit_group, cp.async.bulk.wait_group{.read} N,
+prefetch.tensormap.
 
 A load reads global memory at issue; its bytes count toward its mbarrier, and its data lands in
 shared memory, when a thread next waits on that mbarrier, once the phase completes
@@ -25,10 +27,13 @@ from flashgen.emulate.semantics.registry import HANDLERS, handles, unsupported
 
 _plain_cp = HANDLERS["cp"]                       # cp.async (memops.py): everything but the bulk forms
 _HINTS = {"tile", "L2::cache_hint"}
+F32_TYPES = {7, 10}                              # CU_TENSOR_MAP_DATA_TYPE_FLOAT32(_FTZ)
 
 
 @handles("cp", per_warp=True)
 def cp(ins, ops):
+    if ins.mods[:3] == ("reduce", "async", "bulk"):
+        return _reduce(ins, ops)
     if ins.mods[:2] != ("async", "bulk"):
         return _plain_cp(ins, ops)
     mods = ins.mods[2:]
@@ -54,7 +59,7 @@ def cp(ins, ops):
                 rest == {"shared::cta", "global", "mbarrier::complete_tx::bytes"}:
             return _load(ins, ops, rank)
         if rest == {"global", "shared::cta", "bulk_group"}:
-            return _store(ins, ops, rank)
+            return _store(ins, ops, rank, reduce=False)
     raise unsupported(ins, "only tile-mode cp.async.bulk.tensor loads (mbarrier::complete_tx::bytes) and "
                            "stores (bulk_group) are modelled")
 
@@ -146,19 +151,60 @@ def _load(ins, ops, rank):
     return run
 
 
-def _store(ins, ops, rank):
+def _store(ins, ops, rank, reduce):
+    """A TMA store, or (reduce) an f32 reduce-add, of the box at the shared source."""
     dst, src = ins.operands[:2]
     if len(ins.operands) > 3 or not isinstance(src, Addr):
         raise unsupported(ins)
-    boxes = _boxes(rank, *_tensor_operand(ins, ops, dst, rank), ops.address(src), "TMA store")
+    what = "TMA reduce-add" if reduce else "TMA store"
+    boxes = _boxes(rank, *_tensor_operand(ins, ops, dst, rank), ops.address(src), what)
 
     def run(w, m):
         for warp, _, tmap, saddr, gaddr, inside in boxes(w, m):
+            if reduce and tmap.dtype not in F32_TYPES:
+                raise EmulationError(f"{what} into a tensor map of data type {tmap.dtype}: only f32 adds are modelled")
             h = warp.smem.hopper
-            data = h.async_bytes(warp, saddr, tmap.elem, "TMA store")
+            data = h.async_bytes(warp, saddr, tmap.elem, what)
             if inside.any():
-                warp.gmem.store(gaddr[inside], data[inside], "TMA store", cta=warp.cta_index)
+                _write(warp, gaddr[inside], data[inside], reduce, what)
             _bulk(warp)["open"].append(h.async_read_start(warp, saddr, tmap.elem))
+    return run
+
+
+def _write(warp, gaddr, data, reduce, what):
+    if reduce:
+        warp.gmem.atomic_add(gaddr, np.ascontiguousarray(data).view(np.float32)[:, 0], what, cta=warp.cta_index)
+    else:
+        warp.gmem.store(gaddr, data, what, cta=warp.cta_index)
+
+
+def _reduce(ins, ops):
+    mods = ins.mods[3:]
+    if mods[:1] == ("tensor",) and len(mods) > 1 and mods[1] in ("1d", "2d", "3d", "4d", "5d"):
+        if set(mods[2:]) - _HINTS == {"global", "shared::cta", "add", "bulk_group"}:
+            return _store(ins, ops, int(mods[1][0]), reduce=True)
+    elif set(mods) - {"L2::cache_hint"} == {"global", "shared::cta", "bulk_group", "add", "f32"}:
+        return _bulk_reduce(ins, ops)
+    raise unsupported(ins, "only the f32 add of cp.reduce.async.bulk(.tensor) is modelled")
+
+
+def _bulk_reduce(ins, ops):
+    """cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], size: dst[i] += src[i]."""
+    dst, src, size = ins.operands[:3]
+    rdst, rsrc, rsize = ops.address(dst), ops.address(src), ops.read(size, "u32")
+
+    def run(w, m):
+        d, s, n = rdst(w), rsrc(w), rsize(w)
+        for warp, lane in _lanes(w, m):
+            nbytes = int(n[lane])
+            if nbytes % 16 or d[lane] % 16 or s[lane] % 16:
+                raise EmulationError(f"cp.reduce.async.bulk of {nbytes} bytes from shared offset {int(s[lane])} to "
+                                     f"{int(d[lane]):#x}: size and both addresses must be multiples of 16")
+            saddr = int(s[lane]) + 4 * np.arange(nbytes // 4)
+            h = warp.smem.hopper
+            data = h.async_bytes(warp, saddr, 4, "cp.reduce.async.bulk")
+            _write(warp, int(d[lane]) + 4 * np.arange(nbytes // 4), data, True, "cp.reduce.async.bulk")
+            _bulk(warp)["open"].append(h.async_read_start(warp, saddr, 4))
     return run
 
 
