@@ -30,12 +30,13 @@ def run(module, name, args, **kw):
 # mbarrier
 # ---------------------------------------------------------------------------------------------
 @needs_nvcc
-def test_mbarrier_producer_consumer_handoff(hopper, rng):
+@pytest.mark.parametrize("asm_loops", [0, 1])
+def test_mbarrier_producer_consumer_handoff(hopper, rng, asm_loops):
     rounds = 6
     for seed in range(4):
         a = rng.standard_normal((rounds, 32)).astype(np.float32)
         buf, out = np.full(32, np.nan, np.float32), np.full((rounds, 32), np.nan, np.float32)
-        run(hopper, "mbarrier_handoff", [a, buf, out, rounds], block=(64, 1, 1), seed=seed)
+        run(hopper, "mbarrier_handoff", [a, buf, out, rounds, asm_loops], block=(64, 1, 1), seed=seed)
         assert (out == 2 * a).all()
 
 

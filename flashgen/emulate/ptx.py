@@ -295,9 +295,10 @@ class _Parser:
                 buf += tok
                 ln += tok.count("\n")
         pending.append((buf, ln))
+        scope_labels = iter(self._scope_labels(pending, counter))
         for s, ln in pending:
             if s == "{":
-                scopes.append({})
+                scopes.append(next(scope_labels))
                 continue
             if s == "}":
                 scopes.pop()
@@ -309,7 +310,8 @@ class _Parser:
                 lm = _LABEL.match(s)
                 if not lm:
                     break
-                k.labels[lm.group(1)] = len(k.instructions)
+                name = self._reg_name(lm.group(1), scopes)
+                k.labels[name.name if isinstance(name, Label) else name] = len(k.instructions)
                 s = s[lm.end():].strip()
             if not s:
                 continue
@@ -317,6 +319,26 @@ class _Parser:
                 self._directive(k, s, scopes, counter)
                 continue
             k.instructions.append(self._instruction(s, scopes, ln))
+
+    @staticmethod
+    def _scope_labels(pending, counter) -> list[dict]:
+        """Per brace scope, in the order they open: its labels renamed apart (inline asm such as
+        CUTLASS's wait loops repeats `LAB_WAIT:` / `DONE:` in every copy), as Label operands, so
+        that a branch can name a label its scope defines further down."""
+        scopes, stack = [], []
+        for s, _ in pending:
+            if s == "{":
+                scopes.append({})
+                stack.append(scopes[-1])
+            elif s == "}":
+                stack.pop()
+            elif stack:
+                s = s.strip()
+                while lm := _LABEL.match(s):
+                    counter[0] += 1
+                    stack[-1][lm.group(1)] = Label(f"{lm.group(1)}${counter[0]}")
+                    s = s[lm.end():].strip()
+        return scopes
 
     def _directive(self, k, s, scopes, counter):
         rm = _REGDECL.match(s)
@@ -389,7 +411,8 @@ class _Parser:
             x, y = a.split("|")
             return RegPair(self._operand(x, scopes), self._operand(y, scopes))
         if not a.startswith("%") and any(a in sc for sc in scopes[1:]):
-            return Reg(self._reg_name(a, scopes))        # inline asm may name registers without %
+            name = self._reg_name(a, scopes)             # inline asm may name registers without %,
+            return name if isinstance(name, Label) else Reg(name)    # and its labels without $
         if a.startswith("%"):
             sm = _SPECIAL.match(a)
             if sm:

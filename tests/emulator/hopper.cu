@@ -1,7 +1,6 @@
 // Hopper micro-kernels for the emulator's self-checks (tests/test_emulator_hopper.py), compiled
 // for sm_90a. Each instruction is written as inline PTX in the forms CUTLASS emits
-// (cutlass/arch/barrier.h, cute/arch/mma_sm90_gmma.hpp, cute/arch/copy_sm90*.hpp); the waits
-// loop in C, since labels inside inline asm are not scoped by the emulator's parser.
+// (cutlass/arch/barrier.h, cute/arch/mma_sm90_gmma.hpp, cute/arch/copy_sm90*.hpp).
 #include <cuda.h>  // CUtensorMap
 
 #include <cstdint>
@@ -32,6 +31,12 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
 }
+// The same wait as a loop inside the asm, as barrier.h's ClusterBarrier::wait writes it: every
+// inlined copy repeats the labels, which only their brace scope tells apart.
+__device__ __forceinline__ void mbar_wait_in_asm(uint32_t bar, uint32_t parity) {
+  asm volatile("{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1, %2;\n"
+               " @P1 bra DONE;\n bra LAB_WAIT;\n DONE:\n}" ::"r"(bar), "r"(parity), "r"(0x989680) : "memory");
+}
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
@@ -42,7 +47,8 @@ __device__ __forceinline__ void named_arrive(uint32_t id, uint32_t n) {
 // Producer warp 0 hands `rounds` rows of 32 floats to consumer warp 1 through a global buffer,
 // guarded by a full and an empty mbarrier (all 32 lanes arrive): out = 2 * a, row by row. A wait
 // that returned early would read the poisoned buffer or a row the producer already replaced.
-extern "C" __global__ void mbarrier_handoff(const float* a, float* buf, float* out, int rounds) {
+// `asm_loops`: wait with mbar_wait_in_asm.
+extern "C" __global__ void mbarrier_handoff(const float* a, float* buf, float* out, int rounds, int asm_loops) {
   __shared__ __align__(8) uint64_t full, empty;
   const uint32_t f = smem_u32(&full), e = smem_u32(&empty);
   const int lane = threadIdx.x % 32;
@@ -53,11 +59,19 @@ extern "C" __global__ void mbarrier_handoff(const float* a, float* buf, float* o
   __syncthreads();
   for (int i = 0; i < rounds; ++i) {
     if (threadIdx.x < 32) {
-      mbar_wait(e, (i & 1) ^ 1);           // a fresh barrier's phase "-1" (parity 1) is complete
+      if (asm_loops) {
+        mbar_wait_in_asm(e, (i & 1) ^ 1);
+      } else {
+        mbar_wait(e, (i & 1) ^ 1);         // a fresh barrier's phase "-1" (parity 1) is complete
+      }
       buf[lane] = a[i * 32 + lane];
       mbar_arrive(f);
     } else {
-      mbar_wait(f, i & 1);
+      if (asm_loops) {
+        mbar_wait_in_asm(f, i & 1);
+      } else {
+        mbar_wait(f, i & 1);
+      }
       out[i * 32 + lane] = 2.0f * buf[lane];
       mbar_arrive(e);
     }
