@@ -711,3 +711,15 @@ def test_tma_reduce_add(hopper, rng):
     run(hopper, "tma_reduce_add", [tma_map(raw, dims, strides, F32, box), tile, dst, 0, 0, 0], grid=(2, 1, 1),
         smem=1024, device=[buf])
     assert (dst == start + 2 * tile).all()
+
+
+@needs_nvcc
+def test_untiled_bulk_copies(hopper, rng):
+    src = rng.standard_normal(64).astype(np.float32)
+    out = np.full(64, np.nan, np.float32)
+    run(hopper, "bulk_copy_roundtrip", [src, out, 192, 192], block=(64, 1, 1), smem=256)
+    assert (out[:48] == src[:48]).all() and np.isnan(out[48:]).all()
+    with pytest.raises(EmulationError, match=r"complete_tx of 192 bytes .*more transaction bytes arrived"):
+        run(hopper, "bulk_copy_roundtrip", [src, out, 192, 128], block=(64, 1, 1), smem=256)
+    with pytest.raises(EmulationError, match=r"cp\.async\.bulk load of 100 bytes .*must be multiples of 16"):
+        run(hopper, "bulk_copy_roundtrip", [src, out, 100, 100], block=(64, 1, 1), smem=256)

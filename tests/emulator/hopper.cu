@@ -454,3 +454,25 @@ extern "C" __global__ void tma_reduce_add(const __grid_constant__ CUtensorMap tm
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   }
 }
+
+// Untiled bulk copies: thread 0 loads `nbytes` of `in` into shared memory (announcing `expect`
+// bytes), every thread waits, and thread 0 stores them to `out`.
+extern "C" __global__ void bulk_copy_roundtrip(const float* in, float* out, int nbytes, int expect) {
+  extern __shared__ __align__(128) float staged[];
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = smem_u32(&bar);
+  if (threadIdx.x == 0) mbar_init(b, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbar_arrive_expect_tx(b, expect);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(staged)), "l"(in), "r"(nbytes), "r"(b) : "memory");
+  }
+  mbar_wait(b, 0);
+  if (threadIdx.x == 0) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(out), "r"(smem_u32(staged)),
+                 "r"(nbytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}

@@ -1,8 +1,8 @@
 """TMA: cp.async.bulk.tensor.{1-5}d tile loads (global -> shared, counted on an mbarrier with
 mbarrier::complete_tx::bytes), stores and f32 reduce-adds (shared -> global, in bulk groups:
 cp.async.bulk.tensor ... .bulk_group, cp.reduce.async.bulk.tensor ... .add, and the untiled
-cp.reduce.async.bulk ... .add.f32), cp.async.bulk.commit_group, cp.async.bulk.wait_group{.read} N,
-prefetch.tensormap.
+cp.reduce.async.bulk ... .add.f32), untiled cp.async.bulk loads and stores,
+cp.async.bulk.commit_group, cp.async.bulk.wait_group{.read} N, prefetch.tensormap.
 
 A load reads global memory at issue; its bytes count toward its mbarrier, and its data lands in
 shared memory, when a thread next waits on that mbarrier, once the phase completes
@@ -60,8 +60,14 @@ def cp(ins, ops):
             return _load(ins, ops, rank)
         if rest == {"global", "shared::cta", "bulk_group"}:
             return _store(ins, ops, rank, reduce=False)
-    raise unsupported(ins, "only tile-mode cp.async.bulk.tensor loads (mbarrier::complete_tx::bytes) and "
-                           "stores (bulk_group) are modelled")
+    rest = set(mods) - {"L2::cache_hint"}
+    if rest in ({"shared::cluster", "global", "mbarrier::complete_tx::bytes"},
+                {"shared::cta", "global", "mbarrier::complete_tx::bytes"}):
+        return _untiled(ins, ops, "load")
+    if rest == {"global", "shared::cta", "bulk_group"}:
+        return _untiled(ins, ops, "store")
+    raise unsupported(ins, "only tile-mode cp.async.bulk.tensor and untiled cp.async.bulk loads "
+                           "(mbarrier::complete_tx::bytes) and stores (bulk_group) are modelled")
 
 
 def _bulk(warp) -> dict:
@@ -184,27 +190,34 @@ def _reduce(ins, ops):
         if set(mods[2:]) - _HINTS == {"global", "shared::cta", "add", "bulk_group"}:
             return _store(ins, ops, int(mods[1][0]), reduce=True)
     elif set(mods) - {"L2::cache_hint"} == {"global", "shared::cta", "bulk_group", "add", "f32"}:
-        return _bulk_reduce(ins, ops)
+        return _untiled(ins, ops, "reduce")
     raise unsupported(ins, "only the f32 add of cp.reduce.async.bulk(.tensor) is modelled")
 
 
-def _bulk_reduce(ins, ops):
-    """cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], size: dst[i] += src[i]."""
+def _untiled(ins, ops, kind):
+    """The untiled bulk copies, [dst], [src], size (multiples of 16): a load (global -> shared,
+    `, [mbar]`, landing as a TMA load does), a store, or an f32 reduce-add (shared -> global)."""
     dst, src, size = ins.operands[:3]
     rdst, rsrc, rsize = ops.address(dst), ops.address(src), ops.read(size, "u32")
+    rbar = ops.address(ins.operands[3]) if kind == "load" else None
+    what = {"load": "cp.async.bulk load", "store": "cp.async.bulk store", "reduce": "cp.reduce.async.bulk"}[kind]
+    elem = 4 if kind == "reduce" else 16
 
     def run(w, m):
         d, s, n = rdst(w), rsrc(w), rsize(w)
         for warp, lane in _lanes(w, m):
             nbytes = int(n[lane])
             if nbytes % 16 or d[lane] % 16 or s[lane] % 16:
-                raise EmulationError(f"cp.reduce.async.bulk of {nbytes} bytes from shared offset {int(s[lane])} to "
-                                     f"{int(d[lane]):#x}: size and both addresses must be multiples of 16")
-            saddr = int(s[lane]) + 4 * np.arange(nbytes // 4)
-            h = warp.smem.hopper
-            data = h.async_bytes(warp, saddr, 4, "cp.reduce.async.bulk")
-            _write(warp, int(d[lane]) + 4 * np.arange(nbytes // 4), data, True, "cp.reduce.async.bulk")
-            _bulk(warp)["open"].append(h.async_read_start(warp, saddr, 4))
+                raise EmulationError(f"{what} of {nbytes} bytes from {int(s[lane]):#x} to {int(d[lane]):#x}: the "
+                                     f"size and both addresses must be multiples of 16")
+            h, step = warp.smem.hopper, elem * np.arange(nbytes // elem)
+            if kind == "load":
+                data = warp.gmem.load(int(s[lane]) + step, 16, f"{what} source", cta=warp.cta_index)
+                h.tma_write(warp, int(d[lane]) + step, data, h.mbarrier(warp.smem_slot, int(rbar(w)[lane])), nbytes)
+                continue
+            saddr = int(s[lane]) + step
+            _write(warp, int(d[lane]) + step, h.async_bytes(warp, saddr, elem, what), kind == "reduce", what)
+            _bulk(warp)["open"].append(h.async_read_start(warp, saddr, elem))
     return run
 
 
