@@ -477,6 +477,7 @@ def test_tma_load_over_generic_writes_ordered_by_mbarriers(hopper, rng):
     assert (out.view(np.uint8) == raw.reshape(4, -1)[:, :32].reshape(-1)).all()
 
 
+@needs_nvcc                      # the stand-in is the emulation runtime's (C++, built by nvcc)
 def test_tensor_map_stand_in_checks_the_driver_rules():
     from flashgen.emulate.tensormap import decode, encode_tiled
     m = decode(encode_tiled(BF16, 3, 0x1000, [64, 10, 3], [256, 2560], [64, 8, 1], [1, 1, 1], swizzle=3))
