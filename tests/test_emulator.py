@@ -60,14 +60,18 @@ def test_mma_fragment_tables_equal_cute():
         assert (cr[lane, reg], cc[lane, reg]) == (C(lane, reg) % 16, C(lane, reg) // 16)
 
 
-@pytest.mark.parametrize("trans,nmat,cute", [
+# (trans, number of matrices, DstLayout of SM75_U32x{1,2,4}_LDSM_N / SM75_U16x{2,4,8}_LDSM_T)
+LDSM_DST_LAYOUTS = [
     (False, 1, ((32, 32), (32, 1))),
     (False, 2, ((32, (32, 2)), (32, (1, 1024)))),
     (False, 4, ((32, (32, 4)), (32, (1, 1024)))),
     (True, 1, (((4, 8), (16, 2)), ((256, 16), (1, 128)))),
     (True, 2, (((4, 8), (16, 2, 2)), ((256, 16), (1, 128, 1024)))),
     (True, 4, (((4, 8), (16, 2, 4)), ((256, 16), (1, 128, 1024)))),
-])
+]
+
+
+@pytest.mark.parametrize("trans,nmat,cute", LDSM_DST_LAYOUTS)
 def test_ldmatrix_table_equals_cute(trans, nmat, cute):
     # DstLayout maps (lane, value bit) to a bit of the nmat 8x8 b16 matrices (1024 bits each,
     # row-major: row r, column c at bit 128 r + 16 c).
@@ -93,18 +97,23 @@ def micro_sm90():
     return PtxModule.parse(compile_ptx(MICRO, "sm90a"))
 
 
-def run(module, name, args, grid=(1, 1, 1), block=(32, 1, 1), smem=0, arch="sm80", **kw):
-    """Launch `name` with numpy arrays (registered as device memory, passed as pointers) and
-    Python scalars (packed by the parameter's PTX type)."""
+def run(module, name, args, grid=(1, 1, 1), block=(32, 1, 1), smem=0, arch="sm80", device=(), **kw):
+    """Launch `name` with numpy arrays (registered as device memory, passed as pointers), bytes
+    (passed by value: a struct parameter) and Python scalars (packed by the parameter's PTX type);
+    `device`: more arrays the kernel reaches through those (registered, not passed)."""
     kernel = module.kernel(name)
     mem = GlobalMemory()
+    for i, a in enumerate(device):
+        mem.add(a.ctypes.data, a.nbytes, f"device{i}")
     params = []
     for i, (p, a) in enumerate(zip(kernel.params, args)):
         if isinstance(a, np.ndarray):
             mem.add(a.ctypes.data, a.nbytes, f"arg{i}")
             params.append(struct.pack("<Q", a.ctypes.data))
+        elif isinstance(a, bytes):
+            params.append(a)
         else:
-            params.append(struct.pack({"u32": "<I", "s32": "<i", "f32": "<f"}[p.ptx_type], a))
+            params.append(struct.pack({"u32": "<I", "s32": "<i", "f32": "<f", "u64": "<Q"}[p.ptx_type], a))
     return launch(module, name, grid, block, smem, params, mem, arch=arch, **kw)
 
 

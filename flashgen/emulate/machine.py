@@ -29,11 +29,13 @@ import time
 import numpy as np
 
 from flashgen import targets
+from flashgen.emulate import hopper_state
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
 from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
+from flashgen.emulate.semantics.wgmma import compile_blocking, guard_wgmma_registers
 
 MAX_THREADS_PER_BLOCK = 1024
 # A wave: the CTAs that run together, up to this many threads (the register file's length) and
@@ -41,7 +43,7 @@ MAX_THREADS_PER_BLOCK = 1024
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _DEAD_WARP = np.full(32, _DEAD)       # the lane pcs of a warp that is done or waits at a barrier (copied)
-_ALU, _BRA, _RET, _BAR = range(4)
+_ALU, _BRA, _RET, _BAR, _NAMED = range(5)     # _NAMED: may make a warp wait (hopper_state.blocking)
 _DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
 
@@ -221,6 +223,9 @@ class _Compiled:
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
         # the shared-memory race detector's granule: a word unless some access is narrower
         self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
+        self.hopper = hopper_state.uses_hopper(kernel)
+        if self.hopper:
+            self.code = guard_wgmma_registers(kernel, self.code)
 
     @staticmethod
     def _compile(ins, ops, kernel):
@@ -236,6 +241,8 @@ class _Compiled:
             return (_BRA, "uni" in ins.mods, *guard, target)
         if ins.opcode in ("ret", "exit"):
             return (_RET, None, *guard, None)
+        if hopper_state.blocking(ins):
+            return (_NAMED, compile_blocking(ins, ops), *guard, None)
         if ins.opcode in ("bar", "barrier") and ins.mods in (("sync",), ("cta", "sync"), ("sync", "aligned"),
                                                               ("cta", "sync", "aligned")):
             if ins.pred is not None:
@@ -299,11 +306,17 @@ class _Launch:
             else:
                 self.run_gang(wave.gang(live[0].gid, live[-1].gid), quantum, nthreads)
             if self.executed > self.budget:
+                hopper = getattr(warps[0].smem, "hopper", None)
+                note = f": {hopper.hang_note()}" if hopper and hopper.spinning else ""
                 raise EmulationError(f"{short_name(self.kernel.name)}: more than {self.budget} warp-instructions "
-                                     f"in one launch (an infinite loop?) [schedule seed {self.seed}]")
+                                     f"in one launch (an infinite loop?) [schedule seed {self.seed}]{note}")
 
     def _release_barriers(self, waiting, nthreads):
         """No warp can run: every live warp waits at a barrier. Release each CTA's."""
+        stuck = [w for w in waiting if getattr(w, "named_wait", None) is not None]
+        if stuck:
+            raise EmulationError(f"{self.context(stuck[0], stuck[0].pc - 1)}: deadlock: no warp can run; "
+                                 f"{stuck[0].smem.hopper.deadlock()}")
         for cta in dict.fromkeys(w.cta for w in waiting):
             exited = sum(int((~w.alive).sum()) for w in cta.warps) - (32 * len(cta.warps) - nthreads)
             if exited:
@@ -385,6 +398,18 @@ class _Launch:
                         m.alive_mask = None if m.alive.all() else m.alive.copy()
                     lp[act & ~exe] = pc + 1
                     lp[exe] = _DEAD
+                elif kind == _NAMED:
+                    waiting = [m.at_barrier for m in members]
+                    arriving = act.reshape(-1, 32).any(1)
+                    for j in np.flatnonzero(arriving):
+                        m = members[j]
+                        if not (exe[32 * j:32 * j + 32] == m.alive).all():
+                            raise _Located(f"{self.context(m, pc)}: {_DIVERGED_BARRIER}")
+                        m.pc = pc + 1
+                        fn(m)
+                    for j, m in enumerate(members):       # arrivals wait or go on; released warps go on
+                        if arriving[j] or (waiting[j] and not m.at_barrier):
+                            lp[32 * j:32 * j + 32] = _DEAD if m.at_barrier else np.where(m.alive, m.pc, _DEAD)
                 else:   # _BAR: a warp whose live lanes all stand here waits; a warp split by it is an error
                     self._check_barrier_count(pc, nthreads)
                     for j in np.flatnonzero(act.reshape(-1, 32).any(1)):
@@ -443,6 +468,14 @@ class _Launch:
                 elif kind == _RET:
                     self._exit(w, pc, active, exe)
                     if w.done:
+                        return
+                    pc = w.pc
+                elif kind == _NAMED:
+                    if w.lane_pc is not None or (exe is not None and not (exe == w.alive).all()):
+                        raise EmulationError(_DIVERGED_BARRIER)
+                    w.pc = pc + 1
+                    fn(w)
+                    if w.at_barrier:
                         return
                     pc = w.pc
                 else:   # _BAR
@@ -593,6 +626,8 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
             for first in range(0, len(order), per_wave):
                 wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
                              kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
+                if program.hopper:
+                    hopper_state.attach(wave.warps[0].smem)
                 run.run_wave(wave, nthreads)
     finally:
         memory.end_launch()

@@ -281,6 +281,7 @@ class SharedMemory:
         self.in_flight = 0                                   # their number
         self.epochs = np.ones(ctas, np.int64)
         self.granule = granule
+        self.hopper = None                                   # hopper_state.AsyncState of a Hopper kernel
         if race_check:
             n = -(-total // granule)
             self.w_stamp = np.zeros(n, np.int64)
@@ -291,6 +292,16 @@ class SharedMemory:
 
     def barrier(self, slot: int = 0) -> None:
         self.epochs[slot] += 1
+        if self.hopper is not None:
+            self.hopper.cta_barrier(slot)
+
+    def forget(self, idx: np.ndarray) -> None:
+        """Bytes a TMA load replaced (flat byte indices): the generic accesses before it are
+        ordered with the ones after by its mbarrier, which the detector does not see."""
+        if self.race_check:
+            g = self._granules(idx)
+            self.w_stamp[g] = 0
+            self.r_stamp[g] = 0
 
     def warp_sync(self, warps) -> None:
         """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""
@@ -317,8 +328,9 @@ class SharedMemory:
         p = self.pending[idx]
         if p.any():
             x = int(idx[p > 0][0]) % self.stride
-            raise EmulationError(f"shared {what} at offset {x} touches bytes a cp.async has not delivered "
-                                 f"yet (missing cp.async.wait_group before this access?)")
+            note = self.hopper.pending_note(int(idx[p > 0][0])) if self.hopper is not None else None
+            raise EmulationError(f"shared {what} at offset {x} touches bytes " + (note or "a cp.async has not "
+                                 "delivered yet (missing cp.async.wait_group before this access?)"))
 
     def _race(self, x: int, warp: int, stamp: int, verb: str, how: str) -> EmulationError:
         other = stamp & 255
@@ -402,6 +414,8 @@ class SharedMemory:
         self._check_pending(idx, what)
         if self.race_check:
             self._race_write(self._granules(idx), warp, lanes)
+        if self.hopper is not None:
+            self.hopper.generic_write(idx, warp)
         self.data[idx] = data
 
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
@@ -424,4 +438,6 @@ class SharedMemory:
         if self.race_check:
             warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
             self._race_write(self._granules(idx), warps, np.concatenate([c[3] for c in copies]))
+        if self.hopper is not None:
+            self.hopper.generic_write(idx, np.repeat([c[2] for c in copies], [len(c[0]) for c in copies]))
         self.data[idx] = np.concatenate([c[1] for c in copies])

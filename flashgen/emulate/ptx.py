@@ -51,6 +51,12 @@ class Addr:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorAddr:
+    base: Reg | Sym | Imm   # `[tensorMap, {c0, ...}]` (cp.async.bulk.tensor): the map's address
+    coords: "Vec"
+
+
+@dataclasses.dataclass(frozen=True)
 class Vec:
     items: tuple       # of Reg / Imm / None (the `_` sink)
 
@@ -187,7 +193,7 @@ _SPECIAL = re.compile(r"%(tid|ntid|ctaid|nctaid|laneid|warpid|nwarpid)(?:\.([xyz
 _LABEL = re.compile(r"([$\w]+)\s*:")
 _BRACE = re.compile(r"[{}]")
 _ONLY_LABELS = re.compile(r"(\s*[$\w]+\s*:)*\s*")
-_GUARD = re.compile(r"@(!?)(%[\w$]+)\s+")
+_GUARD = re.compile(r"@(!?)(%?[\w$]+)\s+")
 
 
 _TOP_COMMA = re.compile(r",(?![^{\[]*[}\]])")    # a comma not inside {...} or [...] (never nested)
@@ -195,6 +201,17 @@ _TOP_COMMA = re.compile(r",(?![^{\[]*[}\]])")    # a comma not inside {...} or [
 
 def _split_top(s: str) -> list[str]:
     """Split operands on commas outside braces/brackets."""
+    if "[" in s and "{" in s:          # brackets around braces (a tensor address): count the depth
+        parts, depth, start = [], 0, 0
+        for i, ch in enumerate(s):
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                parts.append(s[start:i])
+                start = i + 1
+        return [x.strip() for x in parts + [s[start:]] if x.strip()]
     return [x.strip() for x in _TOP_COMMA.split(s) if x.strip()]
 
 
@@ -278,9 +295,10 @@ class _Parser:
                 buf += tok
                 ln += tok.count("\n")
         pending.append((buf, ln))
+        scope_labels = iter(self._scope_labels(pending, counter))
         for s, ln in pending:
             if s == "{":
-                scopes.append({})
+                scopes.append(next(scope_labels))
                 continue
             if s == "}":
                 scopes.pop()
@@ -292,7 +310,8 @@ class _Parser:
                 lm = _LABEL.match(s)
                 if not lm:
                     break
-                k.labels[lm.group(1)] = len(k.instructions)
+                name = self._reg_name(lm.group(1), scopes)
+                k.labels[name.name if isinstance(name, Label) else name] = len(k.instructions)
                 s = s[lm.end():].strip()
             if not s:
                 continue
@@ -300,6 +319,26 @@ class _Parser:
                 self._directive(k, s, scopes, counter)
                 continue
             k.instructions.append(self._instruction(s, scopes, ln))
+
+    @staticmethod
+    def _scope_labels(pending, counter) -> list[dict]:
+        """Per brace scope, in the order they open: its labels renamed apart (inline asm such as
+        CUTLASS's wait loops repeats `LAB_WAIT:` / `DONE:` in every copy), as Label operands, so
+        that a branch can name a label its scope defines further down."""
+        scopes, stack = [], []
+        for s, _ in pending:
+            if s == "{":
+                scopes.append({})
+                stack.append(scopes[-1])
+            elif s == "}":
+                stack.pop()
+            elif stack:
+                s = s.strip()
+                while lm := _LABEL.match(s):
+                    counter[0] += 1
+                    stack[-1][lm.group(1)] = Label(f"{lm.group(1)}${counter[0]}")
+                    s = s[lm.end():].strip()
+        return scopes
 
     def _directive(self, k, s, scopes, counter):
         rm = _REGDECL.match(s)
@@ -354,6 +393,9 @@ class _Parser:
         if a.startswith("{"):
             return Vec(tuple(None if x.strip() == "_" else self._operand(x, scopes)
                              for x in _split_top(a[1:-1])))
+        if a.startswith("[") and "{" in a:
+            base, coords = _split_top(a[1:-1])
+            return TensorAddr(self._operand(base, scopes), self._operand(coords, scopes))
         if a.startswith("["):
             inner = a[1:-1].strip()
             m = re.match(r"(.+?)\s*(?:\+\s*(-?(?:0x[0-9a-fA-F]+|\d+)))?$", inner)
@@ -368,6 +410,9 @@ class _Parser:
         if "|" in a:
             x, y = a.split("|")
             return RegPair(self._operand(x, scopes), self._operand(y, scopes))
+        if not a.startswith("%") and any(a in sc for sc in scopes[1:]):
+            name = self._reg_name(a, scopes)             # inline asm may name registers without %,
+            return name if isinstance(name, Label) else Reg(name)    # and its labels without $
         if a.startswith("%"):
             sm = _SPECIAL.match(a)
             if sm:

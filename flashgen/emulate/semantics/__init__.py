@@ -8,6 +8,7 @@ from flashgen.emulate.semantics.registry import (HANDLERS, PER_WARP, compile_ins
                                                  require_full_warp, unsupported)
 # the families; importing them fills HANDLERS through @handles
 from flashgen.emulate.semantics import arith, data, memops, warpops  # noqa: F401
+from flashgen.emulate.semantics import hopper_sync, hopper_warp, tma, wgmma  # noqa: F401  (Hopper; tma after memops)
 
 __all__ = ["HANDLERS", "PER_WARP", "compile_instruction", "handles", "require_full_warp", "unsupported",
            "arith", "data", "memops", "warpops"]

@@ -45,9 +45,10 @@ def mov(ins, ops):
 
 @handles("cvta")
 def cvta(ins, ops):
-    # Only global<->generic: our global addresses are the generic ones (identity). Shared/local
-    # generic addressing is not modelled, so those forms fail here.
-    if "global" not in ins.mods:
+    # Only global<->generic and param->generic: our global and parameter-window addresses are the
+    # generic ones (identity; a __grid_constant__ tensor map is read through its generic address).
+    # Shared/local generic addressing is not modelled, so those forms fail here.
+    if "global" not in ins.mods and ins.mods[:1] != ("param",):
         raise unsupported(ins, "generic addressing of non-global spaces")
     ty = ins.type()
     d, s = ins.operands

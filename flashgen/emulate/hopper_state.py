@@ -1,0 +1,398 @@
+"""Hopper's asynchronous state of a wave: mbarriers, named barriers, and the generic -> async
+proxy fence bookkeeping, kept beside the wave's SharedMemory (as `smem.hopper`).
+
+The machine attaches it (attach) only to launches of kernels that use a Hopper instruction, so
+that the bookkeeping costs nothing elsewhere. What each piece models:
+
+ - MBarrier: the PTX ISA's mbarrier object (pending arrival count, expected arrival count,
+   transaction count, phase). A phase completes when the pending arrivals and the transaction
+   count both reach zero; then the next phase starts with the expected count. TMA loads count
+   their bytes (and land their data) when a thread next waits on the barrier. try_wait.parity
+   only asks whether a phase completed, so a wait on the wrong parity spins until the
+   instruction budget stops the launch: hang_note() then says which warp waits on what.
+ - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
+   (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. Only a
+   barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
+   detector: shared-memory traffic ordered by a partial barrier (or an mbarrier) alone is
+   reported as a race (a false alarm, never a missed one).
+ - The proxy fence: shared-memory bytes written through the generic proxy (st.shared, cp.async,
+   stmatrix) are marked with their writer warp until that warp executes fence.proxy.async; an
+   async-proxy read (wgmma from a descriptor, a TMA store) of a marked byte is an error.
+ - WgmmaReads: the wgmma that read a shared byte, against what each warp knows has completed.
+   A warpgroup's wgmmas complete in order, so that knowledge is one number per warpgroup (the
+   latest completed wgmma) per warp: a warp learns it from its own wait_group, and passes on
+   what it knows with an mbarrier arrival (to the warps whose wait sees that phase complete)
+   or a barrier (named: to its waiting warps; the CTA's: to all). A write (st.shared, stmatrix,
+   a TMA load) to a byte that a wgmma read is an error unless the writing warp knows that wgmma
+   completed: releasing a stage before wgmma.wait_group is caught whatever the schedule.
+   (TMA stores' reads end, more simply, at the issuing warp's cp.async.bulk.wait_group.read.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.ptx import Imm
+
+# Opcodes whose presence makes a launch carry this state (the async proxy, mbarriers, named
+# barriers and the warpgroup instructions all need it).
+HOPPER_OPCODES = frozenset({"mbarrier", "wgmma", "fence", "elect", "setmaxnreg", "stmatrix"})
+
+
+def uses_hopper(kernel) -> bool:
+    return any(ins.opcode in HOPPER_OPCODES or (ins.opcode == "cp" and "bulk" in ins.mods) or
+               (ins.opcode in ("bar", "barrier") and named_barrier(ins)) for ins in kernel.instructions)
+
+
+def blocking(ins) -> bool:
+    """An instruction that may make its warp wait, other than the CTA barrier (machine.py's
+    _NAMED kind): wgmma.mma_async, or a named barrier."""
+    return (ins.opcode == "wgmma" and ins.mods[:1] == ("mma_async",)) or \
+        (ins.opcode in ("bar", "barrier") and named_barrier(ins))
+
+
+def named_barrier(ins) -> bool:
+    """A barrier instruction the machine's CTA barrier does not cover: an arrive, or a sync on
+    an id other than the literal 0 (or an id in a register)."""
+    if "arrive" in ins.mods:
+        return True
+    if "sync" not in ins.mods or "warp" in ins.mods or not ins.operands:
+        return False
+    first = ins.operands[0]
+    return not (isinstance(first, Imm) and int(first.text, 0) == 0)
+
+
+def attach(smem) -> None:
+    smem.hopper = AsyncState(smem)
+
+
+class MBarrier:
+    def __init__(self, offset: int, count: int):
+        if not 1 <= count < 1 << 20:
+            raise EmulationError(f"mbarrier.init at offset {offset} with count {count} (must be in [1, 2^20))")
+        self.offset, self.expected, self.pending, self.tx, self.phase = offset, count, count, 0, 0
+        self.on_complete = []           # callbacks of the current phase (TMA deliveries)
+        self.carry = None               # WgmmaReads knowledge the arrivals so far passed on
+        self.published = None           # ... as of the last phase completion
+        self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
+
+    def describe(self) -> str:
+        return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
+                f"{self.pending} of {self.expected} arrivals and {self.tx} transaction bytes pending")
+
+    def arrive(self, n: int) -> int:
+        """n arrivals; -> the phase they arrived in (the state token)."""
+        if n > self.pending:
+            raise EmulationError(f"{n} arrivals on an {self.describe()} (more arrivals than the phase expects)")
+        phase = self.phase
+        self.pending -= n
+        self._maybe_complete()
+        return phase
+
+    def expect_tx(self, nbytes: int) -> None:
+        self.tx += nbytes
+        self._maybe_complete()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        if self.tx < 0 and self.pending == 0:
+            raise EmulationError(f"complete_tx of {nbytes} bytes on an {self.describe()}: more transaction "
+                                 f"bytes arrived than expect_tx announced (expect_tx byte count too small?)")
+        self._maybe_complete()
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            done, self.on_complete = self.on_complete, []
+            self.published = None if self.carry is None else self.carry.copy()
+            self.phase += 1
+            self.pending = self.expected
+            for fn in done:
+                fn()
+
+    def land(self) -> None:
+        """The issued TMA loads complete their bytes. Done when a thread waits on the barrier
+        (the earliest the program may rely on them), so that a read before any wait fails."""
+        landing, self.in_flight = self.in_flight, []
+        for nbytes, deliver in landing:
+            self.on_complete.append(deliver)
+            self.complete_tx(nbytes)
+
+    def completed(self, parity: int) -> bool:
+        """try_wait.parity: whether the phase of this parity (the current one or the one before)
+        has completed, i.e. the current phase has the other parity."""
+        return (self.phase & 1) != (parity & 1)
+
+
+class NamedBarrier:
+    def __init__(self, count: int):
+        self.count, self.arrived, self.waiting = count, 0, []
+        self.carry = None               # WgmmaReads knowledge of the arriving warps
+
+
+class WgmmaReads:
+    """Per CTA slot: seq[g, byte], the latest wgmma (numbered from 1 per warpgroup g) that read
+    each shared byte; known[warp, g], the latest wgmma of warpgroup g each warp knows completed."""
+
+    def __init__(self, nbytes: int, warps: int):
+        self.groups = -(-warps // 4)
+        self.seq = np.zeros((self.groups, nbytes), np.int32)
+        self.issued = np.zeros(self.groups, np.int32)
+        self.retired = np.zeros(self.groups, np.int32)
+        self.known = np.zeros((warps, self.groups), np.int32)
+
+    def read(self, g: int, local: np.ndarray) -> int:
+        self.issued[g] += 1
+        self.seq[g, local] = self.issued[g]
+        return int(self.issued[g])
+
+    def retire(self, wid: int, g: int, seq: int) -> None:
+        self.retired[g] = max(self.retired[g], seq)
+        self.known[wid, g] = max(self.known[wid, g], seq)
+
+    def check_write(self, wid: int, local: np.ndarray, what: str) -> None:
+        latest = self.seq[:, local.reshape(-1)].max(1) if local.size else self.retired
+        unknown = latest > self.known[wid]
+        if not unknown.any():
+            return
+        g = int(np.argmax(unknown))
+        x = int(local.reshape(-1)[np.argmax(self.seq[g, local.reshape(-1)] > self.known[wid, g])])
+        if latest[g] > self.retired[g]:
+            why = "an in-flight wgmma of warpgroup {g} still reads it (missing wgmma.wait_group?)"
+        else:
+            why = ("it was read by a wgmma of warpgroup {g} whose completion warp {w} has not observed (no "
+                   "wgmma.wait_group by it, nor an mbarrier wait or barrier after one: a stage released early?)")
+        raise EmulationError(f"{what} by warp {wid} at shared offset {x}: " + why.format(g=g, w=wid))
+
+
+class AsyncState:
+    def __init__(self, smem):
+        self.smem = smem
+        self.mbarriers: dict = {}       # (slot, offset) -> MBarrier
+        self.named: dict = {}           # (slot, id) -> NamedBarrier
+        self.spinning: dict = {}        # warp -> (what it waits for, the mbarrier)
+        self.warp_state: dict = {}      # warp -> per-warp dict (wgmma groups, register locks, ...)
+        # generic-proxy writer (warp + 1) of each shared byte not yet fenced; 0: none
+        self.unfenced = np.zeros(smem.data.size, np.int16)
+        # undelivered TMA-load bytes (also counted in smem.pending, as cp.async's are)
+        self.tma_pending = np.zeros(smem.data.size, np.int16)
+        # in-flight async-proxy reads (wgmma operands, TMA stores) of each shared byte
+        self.reading = np.zeros(smem.data.size, np.int16)
+        self.reading_any = 0
+        self.rendezvous: dict = {}      # (slot, warpgroup) -> (wgmma issued, the warps waiting in it)
+        self.wgmma_reads: dict = {}     # slot -> WgmmaReads
+        self.register_counts: dict = {}  # slot -> setmaxnreg's bookkeeping (semantics/hopper_warp.py)
+
+    # -- mbarriers -------------------------------------------------------------------------------
+    def mbarrier(self, slot: int, offset: int, init_count: int | None = None) -> MBarrier:
+        if offset % 8 or not 0 <= offset <= self.smem.size - 8:
+            raise EmulationError(f"mbarrier at shared offset {offset}: not an aligned 8-byte object inside "
+                                 f"the CTA's {self.smem.size} bytes of shared memory")
+        key = (slot, offset)
+        if init_count is not None:
+            b = self.mbarriers[key] = MBarrier(offset, init_count)
+            return b
+        b = self.mbarriers.get(key)
+        if b is None:
+            raise EmulationError(f"mbarrier at shared offset {offset} used before mbarrier.init")
+        return b
+
+    def invalidate(self, slot: int, offset: int) -> None:
+        self.mbarrier(slot, offset)
+        del self.mbarriers[(slot, offset)]
+
+    def spin(self, warp, what: str, barrier: MBarrier | None) -> None:
+        self.spinning[warp] = (what, barrier)
+
+    def stop_spinning(self, warp) -> None:
+        self.spinning.pop(warp, None)
+
+    def hang_note(self) -> str:
+        """What the warps that last failed a wait are waiting for (for the budget's error)."""
+        notes = []
+        for warp, (what, b) in list(self.spinning.items())[:4]:
+            notes.append(f"warp {warp.wid} of block {warp.cta.ctaid} spins on {what}" +
+                         (f"; the {b.describe()}" if b is not None else ""))
+        return "; ".join(notes)
+
+    # -- named barriers --------------------------------------------------------------------------
+    def named_arrive(self, warp, bid: int, count: int, wait: bool) -> None:
+        """One warp arrives at named barrier `bid` expecting `count` threads; a bar.sync waits."""
+        if not 0 <= bid < 16:
+            raise EmulationError(f"named barrier id {bid} (must be in [0, 16))")
+        cta_threads = 32 * len(warp.cta.warps)
+        if count % 32 or not 0 < count <= cta_threads:
+            raise EmulationError(f"barrier {bid} with thread count {count} (must be a positive multiple of 32, "
+                                 f"at most the block's {cta_threads})")
+        key = (warp.cta.slot, bid)
+        b = self.named.get(key)
+        if b is None:
+            b = self.named[key] = NamedBarrier(count)
+        elif b.count != count:
+            raise EmulationError(f"barrier {bid} reached with thread count {count} while {b.arrived} threads "
+                                 f"wait with count {b.count}")
+        b.arrived += 32
+        b.carry = self.release(warp, b.carry)
+        if wait:
+            b.waiting.append(warp)
+            warp.at_barrier, warp.named_wait = True, bid
+        if b.arrived < count:
+            return
+        del self.named[key]
+        for x in b.waiting:
+            x.at_barrier, x.named_wait = False, None
+            self.acquire(x, b.carry)
+        if count == cta_threads:           # every warp of the CTA took part: a barrier epoch
+            self.smem.barrier(warp.cta.slot)
+
+    def deadlock(self) -> str:
+        return "; ".join([f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
+                          f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
+                          for (slot, bid), b in self.named.items()] +
+                         [f"wgmma.mma_async at PTX line {key[0]}: warps {[w.wid for w in warps]} of warpgroup {wg} "
+                          f"(block slot {slot}) wait for the rest of their warpgroup"
+                          for (slot, wg), (key, warps) in self.rendezvous.items()])
+
+    # -- the proxy fence -------------------------------------------------------------------------
+    def generic_write(self, idx: np.ndarray, warp) -> None:
+        if self.reading_any and self.reading[idx].any():
+            x = int(idx[self.reading[idx] > 0][0]) % self.smem.stride
+            raise EmulationError(f"shared write at offset {x}, which an in-flight TMA store still reads (missing "
+                                 f"cp.async.bulk.wait_group.read?)")
+        if self.wgmma_reads and idx.size:
+            warps = np.broadcast_to(np.asarray(warp).reshape(-1), idx.shape[:1])
+            slots = idx[:, 0] // self.smem.stride
+            for slot, wid in set(zip(slots.tolist(), warps.tolist())):
+                reads = self.wgmma_reads.get(slot)
+                if reads is not None:
+                    rows = (slots == slot) & (warps == wid)
+                    reads.check_write(wid, idx[rows] - slot * self.smem.stride, "shared write")
+        self.unfenced[idx] = np.asarray(warp).reshape(-1, 1) + 1
+
+    # -- what each warp knows of the wgmmas that completed (WgmmaReads) ---------------------------
+    def reads_of(self, warp) -> WgmmaReads:
+        r = self.wgmma_reads.get(warp.smem_slot)
+        if r is None:
+            r = self.wgmma_reads[warp.smem_slot] = WgmmaReads(self.smem.size, len(warp.cta.warps))
+        return r
+
+    def release(self, warp, carry):
+        """A warp's arrival passes on what it knows: -> the barrier's knowledge with it."""
+        r = self.wgmma_reads.get(warp.smem_slot)
+        if r is None:
+            return carry
+        return r.known[warp.wid].copy() if carry is None else np.maximum(carry, r.known[warp.wid])
+
+    def acquire(self, warp, carry) -> None:
+        if carry is not None:
+            known = self.reads_of(warp).known
+            np.maximum(known[warp.wid], carry, out=known[warp.wid])
+
+    def cta_barrier(self, slot: int) -> None:
+        """bar.sync 0: every warp of the CTA learns what any knew."""
+        r = self.wgmma_reads.get(slot)
+        if r is not None:
+            r.known[:] = r.known.max(0)
+
+    def fence_proxy_async(self, slot: int, wid: int) -> None:
+        lo, hi = slot * self.smem.stride, slot * self.smem.stride + self.smem.size
+        part = self.unfenced[lo:hi]
+        part[part == wid + 1] = 0
+
+    def async_read(self, idx: np.ndarray, what: str) -> None:
+        """An async-proxy read of byte indices `idx`: every byte must be fenced."""
+        w = self.unfenced[idx]
+        if w.any():
+            x = int(idx[w > 0][0])
+            raise EmulationError(f"{what} reads shared offset {x % self.smem.stride}, written by warp "
+                                 f"{int(w[w > 0][0]) - 1} through the generic proxy with no fence.proxy.async "
+                                 f"after the write")
+
+    def _indices(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+        a = addrs.astype(np.int64)
+        if a.min() < 0 or a.max() + elem > self.smem.size:
+            x = int(a[(a < 0) | (a + elem > self.smem.size)][0])
+            raise EmulationError(f"{what} reads shared offset {x}, outside the CTA's {self.smem.size} bytes "
+                                 f"(bad descriptor?)")
+        return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
+
+    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+        """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
+        [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), and
+        fenced after generic writes."""
+        idx = self._indices(warp, addrs, elem, what)
+        if self.smem.in_flight and self.smem.pending[idx].any():
+            x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
+            raise EmulationError(f"{what} reads shared offset {x}, which an asynchronous copy has not delivered yet "
+                                 f"(missing wait before this access?)")
+        self.async_read(idx, what)
+        return self.smem.data[idx]
+
+    def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:
+        """Mark the bytes an issued async operation reads until it completes; -> their indices."""
+        idx = np.unique(self._indices(warp, addrs, elem, "async read"))
+        self.reading[idx] += 1
+        self.reading_any += idx.size
+        return idx
+
+    def async_read_done(self, reads: list) -> None:
+        for idx in reads:
+            self.reading[idx] -= 1
+            self.reading_any -= idx.size
+
+    def warpgroup_rendezvous(self, warp, key) -> list | None:
+        """A warp issues a warpgroup-collective instruction `key` (PTX line, operands): it waits
+        (None) until the 4 warps of its warpgroup have issued the same; -> the 4 warps then."""
+        where = (warp.smem_slot, warp.wid // 4)
+        pending = self.rendezvous.get(where)
+        if pending is None:
+            pending = self.rendezvous[where] = (key, [])
+        elif pending[0] != key:
+            raise EmulationError(f"warp {warp.wid} issues wgmma.mma_async (PTX line {key[0]}, descriptors {key[1:]}) "
+                                 f"while its warpgroup's warps {[x.wid for x in pending[1]]} issued PTX line "
+                                 f"{pending[0][0]}, descriptors {pending[0][1:]}: wgmma is warpgroup-collective")
+        pending[1].append(warp)
+        if len(pending[1]) < 4:
+            warp.at_barrier, warp.named_wait = True, "wgmma"
+            return None
+        del self.rendezvous[where]
+        for x in pending[1]:
+            x.at_barrier, x.named_wait = False, None
+        return sorted(pending[1], key=lambda x: x.wid)
+
+    def tma_write(self, warp, addrs: np.ndarray, data: np.ndarray, barrier: MBarrier, nbytes: int) -> None:
+        """A TMA load of `data` (bytes [elements, elem]) to shared offsets `addrs`: the bytes are
+        undelivered until the mbarrier's phase completes, which the load's `nbytes` count toward."""
+        idx = self._indices(warp, addrs, data.shape[1], "TMA load destination")
+        if self.smem.pending[idx].any():
+            raise EmulationError(f"TMA load to shared offset {int(addrs.min())}: its destination overlaps an "
+                                 f"asynchronous copy not yet delivered")
+        if self.reading_any and self.reading[idx].any():
+            raise EmulationError(f"TMA load to shared offset {int(addrs.min())}: its destination is still read by "
+                                 f"an in-flight TMA store")
+        if warp.smem_slot in self.wgmma_reads:
+            self.wgmma_reads[warp.smem_slot].check_write(warp.wid, idx - warp.smem_slot * self.smem.stride,
+                                                         "TMA load")
+        self.smem.pending[idx] += 1
+        self.tma_pending[idx] += 1
+        self.smem.in_flight += idx.size
+
+        def deliver():
+            self.smem.pending[idx] -= 1
+            self.tma_pending[idx] -= 1
+            self.smem.in_flight -= idx.size
+            self.unfenced[idx] = 0              # written by the async proxy: nothing to fence
+            self.smem.forget(idx)
+            self.smem.data[idx] = data
+        barrier.in_flight.append((nbytes, deliver))
+
+    def pending_note(self, byte: int) -> str | None:
+        """Why an undelivered byte is undelivered, if a TMA load holds it (for memory.py's error)."""
+        if self.tma_pending[byte]:
+            return "a TMA load has not delivered yet (missing mbarrier wait, or its phase has not completed?)"
+        return None
+
+    def of_warp(self, warp) -> dict:
+        s = self.warp_state.get(warp)
+        if s is None:
+            s = self.warp_state[warp] = {}
+        return s
