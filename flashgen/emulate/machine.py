@@ -30,6 +30,7 @@ import numpy as np
 
 from flashgen import targets
 from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.heap import collector_paused
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
@@ -90,7 +91,6 @@ class Warp:
         self.wid = self.lane_warp = wid      # within its CTA (the race detectors' warp id)
         self.gid = gid                       # within its wave (its place in the register file)
         self.label = f"warp {wid}"
-        self.members = (self,)
         self.cta = cta
         self.regs = _RegisterView(registers, 32 * gid, 32 * gid + 32)
         self.gmem, self.params, self.cta_index = cta.gmem, cta.params, cta.index
@@ -110,6 +110,10 @@ class Warp:
             self.special[("ntid", ax)] = _same(block[ax])
             self.special[("ctaid", ax)] = _same(cta.ctaid[ax])
             self.special[("nctaid", ax)] = _same(cta.grid[ax])
+
+    @property
+    def members(self):
+        return (self,)
 
 
 # The special registers' lanes are shared by every warp that has the same values (read-only: no
@@ -172,12 +176,21 @@ class _Wave:
         per_cta = -(-nthreads // 32)
         self.registers = _Registers(types, 32 * per_cta * len(blocks))
         smem = SharedMemory(smem_bytes, race_check, len(blocks), granule)
-        self.warps = []
+        self.warps, self.ctas = [], []
         for slot, ctaid in enumerate(blocks):
             cta = _Cta(ctaid, grid, smem, slot, gmem, params)
             cta.warps = [Warp(i, len(self.warps) + i, cta, nthreads, block, self.registers) for i in range(per_cta)]
             self.warps += cta.warps
+            self.ctas.append(cta)
         self.gangs = {}                                                    # (first, last) gid -> _Gang
+
+    def close(self):
+        """Break the wave's reference cycles (a CTA and its warps), so that its register file and
+        shared memory go as soon as it is done, with the cyclic collector paused (heap.py)."""
+        for cta in self.ctas:
+            for w in cta.warps:
+                w.cta = None
+        self.warps, self.ctas, self.gangs = [], [], {}
 
     def gang(self, lo, hi):
         g = self.gangs.get((lo, hi))
@@ -560,6 +573,13 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
            *, arch: str, seed: int | None = None, race_check: bool = True,
            max_warp_instructions: int = 200_000_000) -> LaunchStats:
     """Run one kernel launch to completion; raise EmulationError on anything unsupported or unsafe."""
+    with collector_paused():
+        return _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch, seed, race_check,
+                       max_warp_instructions)
+
+
+def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch, seed, race_check,
+            max_warp_instructions) -> LaunchStats:
     if arch not in targets.emulated():
         raise EmulationError(f"unknown arch {arch!r} (expected one of {', '.join(targets.emulated())})")
     kernel = module.kernel(kernel_name)
@@ -593,7 +613,10 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
             for first in range(0, len(order), per_wave):
                 wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
                              kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
-                run.run_wave(wave, nthreads)
+                try:
+                    run.run_wave(wave, nthreads)
+                finally:
+                    wave.close()
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)
