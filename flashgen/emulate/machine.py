@@ -12,6 +12,9 @@ wait at a barrier stand aside. This changes no result -- each lane runs the same
 some order anyway -- but divides the interpreter's per-instruction cost by the lanes it covers.
 Warp-collective handlers (semantics.PER_WARP) take the gang whole when each of its warps executes
 in full or not at all, and run warp by warp otherwise (so a diverged warp fails them as before).
+A gang is a contiguous range of the register file; once done warps fill a quarter of it, the live
+warps' registers move to the front of a smaller file (_Wave.compact), so that steps stop computing
+over lanes that will never run again.
 One time in four, and for up to 256 instructions, the scheduler runs a random warp alone instead,
 so any interleaving between barriers can occur; the race detectors (memory.py) flag conflicting
 accesses whatever the interleaving was. A CTA's barrier is released once no warp of the wave can
@@ -41,7 +44,6 @@ MAX_THREADS_PER_BLOCK = 1024
 # bytes of shared memory (its race bookkeeping takes up to 27 more bytes per byte).
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
-_DEAD_WARP = np.full(32, _DEAD)       # the lane pcs of a warp that is done or waits at a barrier (copied)
 _ALU, _BRA, _RET, _BAR = range(4)
 _DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
@@ -184,6 +186,22 @@ class _Wave:
             self.ctas.append(cta)
         self.gangs = {}                                                    # (first, last) gid -> _Gang
 
+    def compact(self, live):
+        """Once done warps fill a quarter of the span of the live ones, move the live warps'
+        registers to the front of a smaller register file and forget the done ones: a gang is a
+        contiguous range of the file, and each of its steps computes over all of its lanes, a done
+        warp's too (the paged case, whose CTAs finish at very different times, spent three quarters
+        of its lanes on done warps)."""
+        if 4 * len(live) > 3 * (live[-1].gid - live[0].gid + 1):
+            return
+        old = self.registers
+        keep = np.array([w.gid for w in live])
+        self.registers = _Registers(old.types, 32 * keep.size)
+        self.registers.arrays = {name: a.reshape(-1, 32)[keep].reshape(-1) for name, a in old.arrays.items()}
+        for gid, w in enumerate(live):
+            w.gid, w.regs = gid, _RegisterView(self.registers, 32 * gid, 32 * gid + 32)
+        self.warps, self.gangs = live, {}
+
     def close(self):
         """Break the wave's reference cycles (a CTA and its warps), so that its register file and
         shared memory go as soon as it is done, with the cyclic collector paused (heap.py)."""
@@ -310,6 +328,8 @@ class _Launch:
                 # one time in four a random warp runs alone: varied interleavings
                 self.run_warp(runnable[int(rng.integers(len(runnable)))], quantum, nthreads)
             else:
+                wave.compact(live)
+                warps = wave.warps
                 self.run_gang(wave.gang(live[0].gid, live[-1].gid), quantum, nthreads)
             if self.executed > self.budget:
                 raise EmulationError(f"{short_name(self.kernel.name)}: more than {self.budget} warp-instructions "
@@ -346,11 +366,17 @@ class _Launch:
         their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
         code, counts = self.code, self.counts
         members = g.members
-        lp = np.concatenate([_DEAD_WARP if m.done or m.at_barrier else
-                             m.lane_pc if m.lane_pc is not None else np.where(m.alive, m.pc, _DEAD)
-                             for m in members])
-        for m in members:               # the gang holds its warps' pcs until it hands them back
-            m.lane_pc = None
+        # the gang holds its warps' pcs until it hands them back
+        lp = np.repeat(np.array([_DEAD if m.done or m.at_barrier else m.pc for m in members], np.int64), 32)
+        rows = lp.reshape(-1, 32)
+        for j, m in enumerate(members):
+            if m.done or m.at_barrier:
+                continue
+            if m.lane_pc is not None:
+                rows[j] = m.lane_pc
+                m.lane_pc = None
+            elif m.alive_mask is not None:
+                rows[j, ~m.alive] = _DEAD
         pc, active, n, rest, fresh = 0, None, 0, -1, True
         steps = executed = 0
         try:
@@ -415,12 +441,11 @@ class _Launch:
             self.executed += executed
         if not fresh:
             lp[slice(None) if active is None else active] = pc
-        for j, m in enumerate(members):
-            if m.done or m.at_barrier:
-                continue
-            mine = lp[32 * j:32 * j + 32]
-            m.pc = int(mine.min())
-            m.lane_pc = None if ((mine == m.pc) | (mine == _DEAD)).all() else mine.copy()
+        low = rows.min(1)
+        converged = ((rows == low[:, None]) | (rows == _DEAD)).all(1)
+        for j, (m, first, together) in enumerate(zip(members, low.tolist(), converged.tolist())):
+            if not (m.done or m.at_barrier):
+                m.pc, m.lane_pc = first, None if together else rows[j].copy()
 
     def run_warp(self, w, quantum, nthreads):
         """Run one warp for up to `quantum` instructions (its lanes at their lowest pc)."""
