@@ -25,6 +25,7 @@ import numpy as np
 
 from flashgen import cache, targets
 from flashgen.build import Library, emulation_runtime
+from flashgen.emulate import heap
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.machine import LaunchStats, launch, short_name
 from flashgen.emulate.memory import GlobalMemory
@@ -161,6 +162,7 @@ def _parsed(sha256: str, path) -> PtxModule:
     module = _PARSED.get(sha256)
     if module is None:
         module = _PARSED[sha256] = PtxModule.parse(path.read_text())
+        heap.keep_forever()
     return module
 
 

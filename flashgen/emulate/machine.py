@@ -12,6 +12,9 @@ wait at a barrier stand aside. This changes no result -- each lane runs the same
 some order anyway -- but divides the interpreter's per-instruction cost by the lanes it covers.
 Warp-collective handlers (semantics.PER_WARP) take the gang whole when each of its warps executes
 in full or not at all, and run warp by warp otherwise (so a diverged warp fails them as before).
+A gang is a contiguous range of the register file; once done warps fill a quarter of it, the live
+warps' registers move to the front of a smaller file (_Wave.compact), so that steps stop computing
+over lanes that will never run again.
 One time in four, and for up to 256 instructions, the scheduler runs a random warp alone instead,
 so any interleaving between barriers can occur; the race detectors (memory.py) flag conflicting
 accesses whatever the interleaving was. A CTA's barrier is released once no warp of the wave can
@@ -31,6 +34,7 @@ import numpy as np
 from flashgen import targets
 from flashgen.emulate import hopper_state
 from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.heap import collector_paused
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
@@ -42,7 +46,6 @@ MAX_THREADS_PER_BLOCK = 1024
 # bytes of shared memory (its race bookkeeping takes up to 27 more bytes per byte).
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
-_DEAD_WARP = np.full(32, _DEAD)       # the lane pcs of a warp that is done or waits at a barrier (copied)
 _ALU, _BRA, _RET, _BAR, _NAMED = range(5)     # _NAMED: may make a warp wait (hopper_state.blocking)
 _DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
@@ -92,7 +95,6 @@ class Warp:
         self.wid = self.lane_warp = wid      # within its CTA (the race detectors' warp id)
         self.gid = gid                       # within its wave (its place in the register file)
         self.label = f"warp {wid}"
-        self.members = (self,)
         self.cta = cta
         self.regs = _RegisterView(registers, 32 * gid, 32 * gid + 32)
         self.gmem, self.params, self.cta_index = cta.gmem, cta.params, cta.index
@@ -112,6 +114,10 @@ class Warp:
             self.special[("ntid", ax)] = _same(block[ax])
             self.special[("ctaid", ax)] = _same(cta.ctaid[ax])
             self.special[("nctaid", ax)] = _same(cta.grid[ax])
+
+    @property
+    def members(self):
+        return (self,)
 
 
 # The special registers' lanes are shared by every warp that has the same values (read-only: no
@@ -174,12 +180,37 @@ class _Wave:
         per_cta = -(-nthreads // 32)
         self.registers = _Registers(types, 32 * per_cta * len(blocks))
         smem = SharedMemory(smem_bytes, race_check, len(blocks), granule)
-        self.warps = []
+        self.warps, self.ctas = [], []
         for slot, ctaid in enumerate(blocks):
             cta = _Cta(ctaid, grid, smem, slot, gmem, params)
             cta.warps = [Warp(i, len(self.warps) + i, cta, nthreads, block, self.registers) for i in range(per_cta)]
             self.warps += cta.warps
+            self.ctas.append(cta)
         self.gangs = {}                                                    # (first, last) gid -> _Gang
+
+    def compact(self, live):
+        """Once done warps fill a quarter of the span of the live ones, move the live warps'
+        registers to the front of a smaller register file and forget the done ones: a gang is a
+        contiguous range of the file, and each of its steps computes over all of its lanes, a done
+        warp's too (the paged case, whose CTAs finish at very different times, spent three quarters
+        of its lanes on done warps)."""
+        if 4 * len(live) > 3 * (live[-1].gid - live[0].gid + 1):
+            return
+        old = self.registers
+        keep = np.array([w.gid for w in live])
+        self.registers = _Registers(old.types, 32 * keep.size)
+        self.registers.arrays = {name: a.reshape(-1, 32)[keep].reshape(-1) for name, a in old.arrays.items()}
+        for gid, w in enumerate(live):
+            w.gid, w.regs = gid, _RegisterView(self.registers, 32 * gid, 32 * gid + 32)
+        self.warps, self.gangs = live, {}
+
+    def close(self):
+        """Break the wave's reference cycles (a CTA and its warps), so that its register file and
+        shared memory go as soon as it is done, with the cyclic collector paused (heap.py)."""
+        for cta in self.ctas:
+            for w in cta.warps:
+                w.cta = None
+        self.warps, self.ctas, self.gangs = [], [], {}
 
     def gang(self, lo, hi):
         g = self.gangs.get((lo, hi))
@@ -304,6 +335,8 @@ class _Launch:
                 # one time in four a random warp runs alone: varied interleavings
                 self.run_warp(runnable[int(rng.integers(len(runnable)))], quantum, nthreads)
             else:
+                wave.compact(live)
+                warps = wave.warps
                 self.run_gang(wave.gang(live[0].gid, live[-1].gid), quantum, nthreads)
             if self.executed > self.budget:
                 hopper = getattr(warps[0].smem, "hopper", None)
@@ -346,11 +379,17 @@ class _Launch:
         their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
         code, counts = self.code, self.counts
         members = g.members
-        lp = np.concatenate([_DEAD_WARP if m.done or m.at_barrier else
-                             m.lane_pc if m.lane_pc is not None else np.where(m.alive, m.pc, _DEAD)
-                             for m in members])
-        for m in members:               # the gang holds its warps' pcs until it hands them back
-            m.lane_pc = None
+        # the gang holds its warps' pcs until it hands them back
+        lp = np.repeat(np.array([_DEAD if m.done or m.at_barrier else m.pc for m in members], np.int64), 32)
+        rows = lp.reshape(-1, 32)
+        for j, m in enumerate(members):
+            if m.done or m.at_barrier:
+                continue
+            if m.lane_pc is not None:
+                rows[j] = m.lane_pc
+                m.lane_pc = None
+            elif m.alive_mask is not None:
+                rows[j, ~m.alive] = _DEAD
         pc, active, n, rest, fresh = 0, None, 0, -1, True
         steps = executed = 0
         try:
@@ -427,12 +466,11 @@ class _Launch:
             self.executed += executed
         if not fresh:
             lp[slice(None) if active is None else active] = pc
-        for j, m in enumerate(members):
-            if m.done or m.at_barrier:
-                continue
-            mine = lp[32 * j:32 * j + 32]
-            m.pc = int(mine.min())
-            m.lane_pc = None if ((mine == m.pc) | (mine == _DEAD)).all() else mine.copy()
+        low = rows.min(1)
+        converged = ((rows == low[:, None]) | (rows == _DEAD)).all(1)
+        for j, (m, first, together) in enumerate(zip(members, low.tolist(), converged.tolist())):
+            if not (m.done or m.at_barrier):
+                m.pc, m.lane_pc = first, None if together else rows[j].copy()
 
     def run_warp(self, w, quantum, nthreads):
         """Run one warp for up to `quantum` instructions (its lanes at their lowest pc)."""
@@ -593,6 +631,13 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
            *, arch: str, seed: int | None = None, race_check: bool = True,
            max_warp_instructions: int = 200_000_000) -> LaunchStats:
     """Run one kernel launch to completion; raise EmulationError on anything unsupported or unsafe."""
+    with collector_paused():
+        return _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch, seed, race_check,
+                       max_warp_instructions)
+
+
+def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch, seed, race_check,
+            max_warp_instructions) -> LaunchStats:
     if arch not in targets.emulated():
         raise EmulationError(f"unknown arch {arch!r} (expected one of {', '.join(targets.emulated())})")
     kernel = module.kernel(kernel_name)
@@ -628,7 +673,10 @@ def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, 
                              kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
                 if program.hopper:
                     hopper_state.attach(wave.warps[0].smem)
-                run.run_wave(wave, nthreads)
+                try:
+                    run.run_wave(wave, nthreads)
+                finally:
+                    wave.close()
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)

@@ -11,6 +11,7 @@ import pathlib
 import re
 
 from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.heap import collector_paused
 
 # Widths in bytes of the PTX fundamental types the kernels use.
 TYPE_SIZES = {
@@ -164,7 +165,8 @@ class PtxModule:
 
     @classmethod
     def parse(cls, text: str) -> "PtxModule":
-        return _Parser(text).module()
+        with collector_paused():
+            return _Parser(text).module()
 
     def kernel(self, name: str) -> Kernel:
         k = self.kernels.get(name)

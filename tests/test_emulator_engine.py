@@ -1,0 +1,96 @@
+"""The emulator engine's own bookkeeping, which changes no result but must not lose one: the
+compaction of a wave's register file as its CTAs finish, and the cyclic garbage collector it
+pauses during a launch (flashgen/emulate/heap.py)."""
+from __future__ import annotations
+
+import gc
+import struct
+
+import numpy as np
+import pytest
+
+from conftest import needs_nvcc
+from flashgen.emulate import GlobalMemory, PtxModule, launch, machine
+from flashgen.emulate.nvcc import compile_ptx
+
+# Each CTA loops its own number of times, with a barrier in the loop, and keeps values loaded
+# before the loop in registers across it: CTAs finish far apart, so the wave compacts its register
+# file while the others still hold live values.
+UNEVEN = r"""
+extern "C" __global__ void uneven(const int* trips, const float* x, float* out) {
+  __shared__ float s[64];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const float a = x[i], b = x[i] * 0.5f + 1.f;
+  float acc = 0.f;
+  for (int j = 0; j < trips[blockIdx.x]; ++j) {
+    s[threadIdx.x] = a + static_cast<float>(j);
+    __syncthreads();
+    acc += s[63 - threadIdx.x] * b;
+    __syncthreads();
+  }
+  out[i] = acc + a;
+}
+"""
+BLOCKS, THREADS = 48, 64
+pytestmark = needs_nvcc
+
+
+@pytest.fixture(scope="module")
+def uneven():
+    return PtxModule.parse(compile_ptx(UNEVEN, "sm80"))
+
+
+def _launch(module, trips, x, out, seed):
+    mem = GlobalMemory()
+    for i, a in enumerate((trips, x, out)):
+        mem.add(a.ctypes.data, a.nbytes, f"arg{i}")
+    params = [struct.pack("<Q", a.ctypes.data) for a in (trips, x, out)]
+    return launch(module, "uneven", (BLOCKS, 1, 1), (THREADS, 1, 1), 0, params, mem, arch="sm80", seed=seed)
+
+
+def _want(trips, x):
+    a = x.reshape(BLOCKS, THREADS).astype(np.float32)
+    b = a * np.float32(0.5) + np.float32(1)
+    acc = np.zeros_like(a)
+    for blk in range(BLOCKS):
+        for j in range(trips[blk]):
+            acc[blk] += (a[blk, ::-1] + np.float32(j)) * b[blk]
+    return (acc + a).reshape(-1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ctas_finishing_far_apart_keep_their_registers_through_compaction(uneven, rng, seed, monkeypatch):
+    shrunk = []
+    compact = machine._Wave.compact
+
+    def spy(wave, live):
+        before = wave.registers.nlanes
+        compact(wave, live)
+        if wave.registers.nlanes < before:
+            shrunk.append((before, wave.registers.nlanes))
+    monkeypatch.setattr(machine._Wave, "compact", spy)
+    trips = rng.permutation(np.arange(BLOCKS) % 24).astype(np.int32)
+    x = rng.standard_normal(BLOCKS * THREADS).astype(np.float32)
+    out = np.full(BLOCKS * THREADS, np.nan, np.float32)
+    _launch(uneven, trips, x, out, seed)
+    assert shrunk, "the wave never compacted: the test no longer exercises what it is for"
+    np.testing.assert_allclose(out, _want(trips, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_launch_leaves_no_cycles_and_the_collector_as_it_was(uneven, rng):
+    trips = np.arange(BLOCKS, dtype=np.int32) % 3
+    x = rng.standard_normal(BLOCKS * THREADS).astype(np.float32)
+    out = np.full(BLOCKS * THREADS, np.nan, np.float32)
+    gc.collect()
+    gc.disable()
+    try:
+        _launch(uneven, trips, x, out, 0)
+        assert not gc.isenabled()
+        # with the collector off, a warp or wave left in a cycle would still be here (and with it
+        # the wave's register file and shared memory, until some later collection)
+        left = [o for o in gc.get_objects() if isinstance(o, (machine.Warp, machine._Wave, machine._Cta))]
+        assert not left, f"{len(left)} warps/waves/CTAs of a finished launch are held in reference cycles"
+    finally:
+        gc.enable()
+    _launch(uneven, trips, x, out, 0)
+    assert gc.isenabled()
