@@ -126,7 +126,8 @@ class KernelSpec:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
-        if self.head_dim_v != self.head_dim and not targets.lookup(self.target).family.split_head_dims:
+        family = targets.lookup(self.target).family
+        if self.head_dim_v != self.head_dim and not family.split_head_dims:
             raise ValueError(f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}: target {self.target} "
                              f"has no kernels for a value head dim other than the query/key one "
                              f"(targets with them: {', '.join(targets.split_head_dim_targets())})")

@@ -4,7 +4,7 @@ formats (.mlir, .mlirbc, .jax_exported), a value-and-grad graph.
 
 import math
 
-from .common import B, T, export_fn, jax_modules, qkv, spec, tname
+from .common import B, H, T, export_fn, jax_modules, qkv, spec, tname
 from .registry import golden
 
 
@@ -43,6 +43,20 @@ def jnn_head_dim_48_padded():
     jax, _, _ = jax_modules()
     return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
                      *qkv(d=48, hkv=2))
+
+
+# DeepSeek's MLA: query/key head dim 192 (128 + 64 rotary), value head dim 128, its own kernel
+@golden(rewritten=1, targets=["flashgen_fwd_d192v128_f32_causal"], causal=True, scale=1 / math.sqrt(192),
+        kv_heads=4)
+def mla_head_dims_192_128():
+    jax, jnp, _ = jax_modules()
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(192)
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), v)
+    q, k, _ = qkv(d=192)
+    return export_fn(f, q, k, spec((B, T, H, 128)))
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], scale=0.5)
