@@ -121,3 +121,25 @@ def test_split_head_dim_handlers_check_every_shape(rng):
             *a, causal=False, scale=np.float32(0.1), bottom_right=False, window_left=np.int32(-1),
             window_right=np.int32(-1), softcap=np.float32(0), extras="", max_seqlen_q=np.int32(24),
             max_seqlen_k=np.int32(32)))(*flat, *cu)
+
+
+def test_rewrite_for_a_target_without_split_kernels_pads_v_to_the_query_head_dim():
+    """The MLA golden rewritten for sm80 (no d192v128 kernels there): V zero-padded to 192, O
+    sliced back to 128, the d192 kernel; exact (run here on the CPU library, which serves the
+    same target names)."""
+    import pathlib
+
+    import flashgen.rewrite as fr
+    from flashgen.rewrite import verify
+    golden = pathlib.Path(__file__).parent / "golden" / "inputs"
+    for name, fwd, bwd in (("mla_head_dims_192_128", "flashgen_fwd_d192_f32_causal", None),
+                           ("train_mla_head_dims_192_128", "flashgen_fwd_d192_f32_causal",
+                            "flashgen_bwd_d192_f32_causal")):
+        result = fr.rewrite(golden / f"{name}.mlir", target="sm80")
+        (site,) = result.rewritten
+        assert (site.target, site.backward_target or None) == (fwd, bwd)
+        text = result.text()
+        assert "tensor<2x8x4x128xf32>, tensor<f32>) -> tensor<2x8x4x192xf32>" in text  # V (and dO) padded
+        assert "(tensor<2x8x4x192xf32>) -> tensor<2x8x4x128xf32>" in text              # O (and dV) sliced
+        rows = verify.verify(result, seed=3)["outputs"]
+        assert rows and all(r["ok"] for r in rows), [verify.describe(r) for r in rows]
