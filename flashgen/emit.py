@@ -246,13 +246,15 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
         module = ir.Module.create()
         elt = ir.Type.parse(_MLIR_DTYPES[spec.dtype])
         q_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim], elt)
-        kv_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
+        k_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
+        v_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim_v], elt)
+        o_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim_v], elt)
         lse_t = ir.RankedTensorType.get([batch, heads, seq_q], ir.F32Type.get())
         dims = {"B": batch, "Sq": seq_q, "Sk": seq_k, "Hq": heads}
         extra_t = [ir.RankedTensorType.get(o.full_shape(dims), ir.Type.parse(o.full_dtype(spec.dtype)))
                    for o in CALLS["fwd"].extra_operands(extras)]
         with ir.InsertionPoint(module.body):
-            main = func.FuncOp("main", ir.FunctionType.get([q_t, kv_t, kv_t, *extra_t], [q_t, lse_t]))
+            main = func.FuncOp("main", ir.FunctionType.get([q_t, k_t, v_t, *extra_t], [o_t, lse_t]))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
             block = main.add_entry_block()
             with ir.InsertionPoint(block):

@@ -143,3 +143,46 @@ def test_rewrite_for_a_target_without_split_kernels_pads_v_to_the_query_head_dim
         assert "(tensor<2x8x4x192xf32>) -> tensor<2x8x4x128xf32>" in text              # O (and dV) sliced
         rows = verify.verify(result, seed=3)["outputs"]
         assert rows and all(r["ok"] for r in rows), [verify.describe(r) for r in rows]
+
+
+def test_shape_polymorphic_split_head_dim_site(rng):
+    """Symbolic batch and sequence, static head dims 192 / 128: rewritten, and the result runs."""
+    import math
+
+    from jax import export
+
+    import flashgen.rewrite as fr
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(192)
+        return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), v)
+    b, t = export.symbolic_shape("b, t")
+    qk = jax.ShapeDtypeStruct((b, t, 4, 192), jnp.float32)
+    exported = export.export(jax.jit(f), platforms=["cpu"])(qk, qk, jax.ShapeDtypeStruct((b, t, 4, 128), jnp.float32))
+    result = fr.rewrite(bytes(exported.serialize()))
+    assert [s.target for s in result.rewritten] == ["flashgen_fwd_d192v128_f32"], [s.reason for s in result.rejected]
+    runtime.ensure([KernelSpec(192, "f32", False, "cpu", 128)])
+    rewritten = export.deserialize(bytearray(result.to_bytes()))
+    q, k, v, _ = _inputs(rng, 192, 128, sq=5, sk=5, hkv=4)
+    _close(rewritten.call(q, k, v), reference.attention(q, k, v)[0], 2e-5)
+
+
+def test_emit_and_the_cli_take_a_value_head_dim(capsys):
+    from flashgen.cli import main
+    from flashgen.emit import attention_module, result_types
+    from flashgen.mlir_context import new_context
+    from jaxlib.mlir import ir
+    spec = KernelSpec(192, "bf16", True, "cpu", 128)
+    text = str(attention_module(spec, batch=1, seq_q=16, seq_k=16, heads=4))
+    assert ("(tensor<1x16x4x192xbf16>, tensor<1x16x4x192xbf16>, tensor<1x16x4x128xbf16>) -> "
+            "(tensor<1x16x4x128xbf16>, tensor<1x4x16xf32>)") in text
+    with new_context(), ir.Location.unknown():
+        module = ir.Module.parse("func.func @f(%a: tensor<24x4x192xbf16>, %b: tensor<24x4x192xbf16>, "
+                                 "%c: tensor<24x4x128xbf16>, %d: tensor<2xi32>) { return }")
+        args = list(module.body.operations[0].regions[0].blocks[0].arguments)
+        with pytest.raises(ValueError, match="only the dense fwd and bwd calls take a value head dim"):
+            result_types(spec, "fwd_varlen", args[:3] + [args[3], args[3]])
+    assert main(["emit", "--hdim", "192", "--hdim-v", "128", "--causal", "--seq-q", "8", "--heads", "2"]) == 0
+    assert "@flashgen_fwd_d192v128_bf16_causal" in capsys.readouterr().out
+    assert main(["build", "--hdim", "192", "--hdim-v", "128", "--target", "sm80"]) != 0
+    assert "target sm80 has no kernels for a value head dim" in capsys.readouterr().err

@@ -48,7 +48,7 @@ inline ffi::ErrorOr<AttentionShape> shape_from_qkv(const char* target, int64_t h
   if (k[0] != q[0] || v[0] != q[0])
     return fail("batch sizes differ: q " + dims_str(q) + ", k " + dims_str(k) + ", v " + dims_str(v));
   if (v[1] != k[1] || v[2] != k[2])
-    return fail("k and v differ in sequence or heads: k " + dims_str(k) + ", v " + dims_str(v));
+    return fail("k and v shapes differ in sequence or heads: k " + dims_str(k) + ", v " + dims_str(v));
   if (k[2] <= 0 || q[2] % k[2] != 0)
     return fail("kv heads (" + std::to_string(k[2]) + ") must divide q heads (" + std::to_string(q[2]) + ")");
   return AttentionShape{q[0], q[1], k[1], q[2], k[2], head_dim};

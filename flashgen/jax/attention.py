@@ -42,7 +42,7 @@ def _check(q, k, v, scale) -> tuple[str, float]:
     b, _, hq, d = q.shape
     kernel_head_dims(d, v.shape[3], "cpu")  # raises for a head dim no kernel serves, even padded
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v differ in batch, sequence or heads: {k.shape} vs {v.shape}")
+        raise ValueError(f"k and v shapes differ in batch, sequence or heads: {k.shape} vs {v.shape}")
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k shape {k.shape} does not match q {q.shape} in batch or head_dim")
     if k.shape[2] == 0 or hq % k.shape[2]:
