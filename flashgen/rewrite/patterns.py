@@ -234,9 +234,9 @@ class AttentionPattern:
                        guarded=bool(probs.guards),
                        polymorphic=self.polymorphic)
         draft = P.build(found)
-        m.notes.extend(draft.notes)
         site = P.finish(found, draft, target=self.target, where=where, dot1=dot1,
                         exit_op=exit_op, exit_value=exit_value, site_ops=m.ops)
+        m.notes.extend(site.notes)
         if m.training:
             if scores.runtime_scales:
                 raise Reject("a training site with a scale known only at run time (its "

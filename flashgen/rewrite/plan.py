@@ -253,6 +253,9 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
     """The AttentionSite, its Plan attached."""
     head_dim, head_dim_v = kernel_head_dims(draft.report["head_dim"], draft.head_dim_v, target)
     spec = KernelSpec(head_dim, draft.dtype, draft.causal, target, head_dim_v)
+    if kernel_head_dim(draft.report["head_dim"]) != kernel_head_dim(draft.head_dim_v) and head_dim == head_dim_v:
+        draft = draft.but(note=f"target {target} has no kernels for a value head dim other than the "
+                               f"query/key one: both run at {head_dim} (zero columns, sliced off)")
     # as the call carries them: f32, the window a pair
     attributes = {k: float(np.float32(x)) if isinstance(x, float) else
                   tuple(x) if isinstance(x, (list, tuple)) else x
@@ -270,8 +273,8 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
         out_shape=shape_of(exit_value), dtype=draft.dtype, seq_q=draft.seq_q,
         seq_k=draft.seq_k, causal=draft.causal, target=spec.target_name("fwd"),
         spec=spec.to_json(), plan=plan, extras=list(resolved.names),
-        extras_detail=list(resolved.describe), empty_rows=draft.empty_rows, **draft.report,
-        **_reported(plan))
+        extras_detail=list(resolved.describe), empty_rows=draft.empty_rows, notes=list(draft.notes),
+        **draft.report, **_reported(plan))
 
 
 def _reported(plan: Plan) -> dict:
