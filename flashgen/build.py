@@ -45,8 +45,7 @@ class Library:
 
     @property
     def specs(self) -> list[KernelSpec]:
-        return [KernelSpec(s["head_dim"], s["dtype"], s["causal"], s["target"])
-                for s in self.manifest["specs"]]
+        return [KernelSpec.from_json(s) for s in self.manifest["specs"]]
 
 
 def resolve_target(target: str | None) -> tuple[str, str]:

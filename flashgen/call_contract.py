@@ -37,7 +37,7 @@ def check_module(source) -> None:
 
 def _operand_problem(op, parsed):
     from jaxlib.mlir import ir
-    direction, _, dtype, _ = parsed
+    direction, dtype = parsed.direction, parsed.dtype
     fixed = CALLS[direction].operands
     if len(op.operands) < len(fixed):
         return (f"{len(op.operands)} operands, expected at least {len(fixed)} "

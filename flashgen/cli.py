@@ -31,7 +31,8 @@ def cmd_build(args) -> int:
         from flashgen.output_files import check_directory
         check_directory("--out", args.out)
     target, why = resolve_target(args.target)
-    specs = [KernelSpec(d, t, c, target) for d in args.hdim for t in args.dtype for c in _causal_values(args)]
+    specs = [KernelSpec(d, t, c, target, args.hdim_v) for d in args.hdim for t in args.dtype
+             for c in _causal_values(args)]
     print(f"target: {target} ({why})", file=sys.stderr)
     if args.verbose:
         logging.getLogger("flashgen").setLevel(logging.DEBUG)
@@ -45,7 +46,7 @@ def cmd_build(args) -> int:
 
 def cmd_emit(args) -> int:
     from flashgen.emit import attention_module
-    spec = KernelSpec(args.hdim, args.dtype, bool(args.causal))
+    spec = KernelSpec(args.hdim, args.dtype, bool(args.causal), head_dim_v=args.hdim_v)
     seq_k = args.seq_q if args.seq_k is None else args.seq_k
     module = attention_module(spec, batch=args.batch, seq_q=args.seq_q, seq_k=seq_k,
                               heads=args.heads, kv_heads=args.kv_heads, scale=args.scale,

@@ -30,5 +30,7 @@ def csv(text: str) -> list[str]:
 def add_spec_args(p: argparse.ArgumentParser, multi: bool) -> None:
     p.add_argument("--hdim", type=csv_ints if multi else int, required=True,
                    help=f"head dim{'s (comma-separated)' if multi else ''}: {', '.join(map(str, HEAD_DIMS))}")
+    p.add_argument("--hdim-v", type=int, default=None,
+                   help="the value head dim (KernelSpec.head_dim_v), if it differs from --hdim (cpu only)")
     p.add_argument("--dtype", type=csv if multi else str, default=["bf16"] if multi else "bf16",
                    help=f"element type{'s (comma-separated)' if multi else ''}: {', '.join(DTYPES)}")

@@ -68,6 +68,7 @@ def call_bindings(spec: KernelSpec) -> list[dict]:
 def _spec_context(spec: KernelSpec) -> dict:
     return {
         "head_dim": spec.head_dim,
+        "head_dim_v": spec.head_dim_v,
         "dtype": spec.dtype,
         "ffi_dtype": FFI_DTYPES[spec.dtype],
         "causal": spec.causal,

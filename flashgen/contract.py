@@ -1,6 +1,6 @@
 """The call contract: every flashgen custom call's attributes, operands and results, said once.
 
-A flashgen call is `stablehlo.custom_call @flashgen_<direction>_d<D>_<dtype>[_causal]` (spec.target_name)
+A flashgen call is `stablehlo.custom_call @flashgen_<direction>_d<D>[v<Dv>]_<dtype>[_causal]` (spec.target_name)
 with the operands CALLS[direction] lists, then the operands its `extras` attribute names (EXTRAS), and a
 typed attribute dictionary (ATTRIBUTES, each passed on every call: an XLA FFI handler rejects missing or
 extra ones). Everything that builds, binds, checks, partitions or renders a call reads these tables:
@@ -113,10 +113,12 @@ class Call:
         return [o.name for o in self.operands + self.extra_operands(extras)]
 
 
+# D: the query/key head dim; Dv: the value head dim (KernelSpec.head_dim_v), the last dim of V and
+# of everything V's rows are summed into. Only the dense calls take a Dv other than D.
 _Q, _K, _V = Operand("q", ("B", "Sq", "Hq", "D")), Operand("k", ("B", "Sk", "Hkv", "D")), \
-    Operand("v", ("B", "Sk", "Hkv", "D"))
-_O, _LSE = Operand("o", ("B", "Sq", "Hq", "D")), Operand("lse", ("B", "Hq", "Sq"), "f32")
-_DO = Operand("do", ("B", "Sq", "Hq", "D"))
+    Operand("v", ("B", "Sk", "Hkv", "Dv"))
+_O, _LSE = Operand("o", ("B", "Sq", "Hq", "Dv")), Operand("lse", ("B", "Hq", "Sq"), "f32")
+_DO = Operand("do", ("B", "Sq", "Hq", "Dv"))
 _PQ, _PK, _PV = Operand("q", ("Tq", "Hq", "D")), Operand("k", ("Tk", "Hkv", "D")), Operand("v", ("Tk", "Hkv", "D"))
 _PO, _PLSE, _PDO = Operand("o", ("Tq", "Hq", "D")), Operand("lse", ("Hq", "Tq"), "f32"), Operand("do", ("Tq", "Hq", "D"))
 _CU = (Operand("cu_seqlens_q", ("B+1",), "i32"), Operand("cu_seqlens_k", ("B+1",), "i32"))
@@ -135,7 +137,7 @@ CALLS = {c.direction: c for c in (
          (Operand("dq", _PQ.shape), Operand("dk", _PK.shape), Operand("dv", _PV.shape)), _VARLEN, _PACKED_EXTRAS),
     Call("fwd_paged", (_Q, Operand("k_cache", ("NB", "BS", "Hkv", "D")), Operand("v_cache", ("NB", "BS", "Hkv", "D")),
                        Operand("block_table", ("B", "MB"), "i32"), Operand("seqused_k", ("B",), "i32")),
-         (_O, _LSE), _DENSE, _PACKED_EXTRAS),
+         (Operand("o", _Q.shape), _LSE), _DENSE, _PACKED_EXTRAS),
 )}
 DIRECTIONS = tuple(CALLS)
 # name -> MLIR type of every attribute a direction's call carries (the build manifest's schema).

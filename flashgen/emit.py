@@ -86,6 +86,9 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
         raise ValueError("dynamic batch/sequence dims are supported only by the dense fwd/bwd "
                          "calls")
     call_name = spec.target_name(direction)  # ValueError for an unknown direction
+    if spec.head_dim_v != spec.head_dim and direction not in ("fwd", "bwd"):
+        raise ValueError(f"{call_name}: only the dense fwd and bwd calls take a value head dim "
+                         f"({spec.head_dim_v}) other than the query/key one ({spec.head_dim})")
     CALLS[direction].extra_operands(extras, call_name)
     names = CALLS[direction].operand_names(extras)
     if len(operands) != len(names):
@@ -98,14 +101,17 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     q = _tensor(operands[0], "q", rank, "[tokens, heads, head_dim]" if rank == 3 else
                 "[batch, seq, heads, head_dim] (BSHD)", dynamic)
     k, v = (_tensor(x, n, rank, layout, dynamic) for x, n in zip(operands[1:3], names[1:3]))
-    for t, n in ((q, "q"), (k, names[1]), (v, names[2])):
+    for t, n, d in ((q, "q", spec.head_dim), (k, names[1], spec.head_dim), (v, names[2], spec.head_dim_v)):
         if element_dtype(t.element_type) != spec.dtype:
             raise ValueError(f"{n} has element type {t.element_type}, the spec needs {spec.dtype}")
-        if t.shape[-1] != spec.head_dim:
-            raise ValueError(f"{n} head_dim is {t.shape[-1]}, the spec needs {spec.head_dim}")
+        if t.shape[-1] != d:
+            raise ValueError(f"{n} head_dim is {t.shape[-1]}, the spec needs {d}")
     hq, hkv = q.shape[-2], k.shape[-2]
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"mismatched shapes: {names[1]} {k}, {names[2]} {v}")
+    # o (and do): q's shape with v's head dim
+    o = q if spec.head_dim_v == spec.head_dim else ir.RankedTensorType.get([*q.shape[:-1], spec.head_dim_v],
+                                                                          q.element_type)
     if hkv == 0 or hq % hkv:
         raise ValueError(f"kv heads ({hkv}) must divide q heads ({hq})")
     f32 = ir.F32Type.get()
@@ -139,14 +145,14 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     dbias_type = _check_extras(direction, extras, operands[nfixed:], {"B": b, "Sq": sq, "Sk": sk, "Hq": hq},
                                str(q.element_type), dynamic)
     if direction == "fwd":
-        return [q, lse]
-    _check_saved(operands, q, lse)
+        return [o, lse]
+    _check_saved(operands, o, lse)
     return [q, k, v, *(dbias_type if dbias else [])]
 
 
-def _check_saved(operands, q: ir.Type, lse: ir.Type) -> None:
+def _check_saved(operands, o: ir.Type, lse: ir.Type) -> None:
     """A backward's o, lse, do (operands 3..5) have the forward's result types."""
-    for x, n, want in zip(operands[3:6], ("o", "lse", "do"), (q, lse, q)):
+    for x, n, want in zip(operands[3:6], ("o", "lse", "do"), (o, lse, o)):
         if x.type != want:
             raise ValueError(f"{n} has type {x.type}, expected {want}")
 
@@ -245,13 +251,15 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
         module = ir.Module.create()
         elt = ir.Type.parse(_MLIR_DTYPES[spec.dtype])
         q_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim], elt)
-        kv_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
+        k_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
+        v_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim_v], elt)
+        o_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim_v], elt)
         lse_t = ir.RankedTensorType.get([batch, heads, seq_q], ir.F32Type.get())
         dims = {"B": batch, "Sq": seq_q, "Sk": seq_k, "Hq": heads}
         extra_t = [ir.RankedTensorType.get(o.full_shape(dims), ir.Type.parse(o.full_dtype(spec.dtype)))
                    for o in CALLS["fwd"].extra_operands(extras)]
         with ir.InsertionPoint(module.body):
-            main = func.FuncOp("main", ir.FunctionType.get([q_t, kv_t, kv_t, *extra_t], [q_t, lse_t]))
+            main = func.FuncOp("main", ir.FunctionType.get([q_t, k_t, v_t, *extra_t], [o_t, lse_t]))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
             block = main.add_entry_block()
             with ir.InsertionPoint(block):

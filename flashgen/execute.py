@@ -119,8 +119,7 @@ def specs_for_targets(names: Sequence[str], target: str = "cpu"):
         parsed = parse_target_name(n)
         if parsed is None:
             raise LoadError(f"unknown flashgen custom-call target {n!r}")
-        _, head_dim, dtype, causal = parsed
-        specs.add(KernelSpec(head_dim, dtype, causal, target))
+        specs.add(KernelSpec(parsed.head_dim, parsed.dtype, parsed.causal, target, parsed.head_dim_v))
     return sorted(specs)
 
 

@@ -34,7 +34,8 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
     """Returns o, lse and, when `do` is given, (dq, dk, dv) — plus dbias when `bias` is
     given — all float64.
 
-    q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D]; rows that see no key give o = 0, lse = -inf.
+    q [B,Sq,Hq,D], k [B,Sk,Hkv,D], v [B,Sk,Hkv,Dv] (o: [B,Sq,Hq,Dv]; Dv may differ from D);
+    rows that see no key give o = 0, lse = -inf.
     window=(left, right), -1 = unbounded; softcap=c > 0 maps scaled scores x to
     c·tanh(x/c) before masking. Then (README "Variants"): alibi_slopes [Hq] | [B,Hq] adds
     -slope·|i + off - j|, bias [1|B,1|Hq,1|Sq,Sk] is added, mask ([1|B,1|Hq,Sq,Sk] bool) and
@@ -104,7 +105,7 @@ def attention(q, k, v, *, causal=False, scale=None, bottom_right=False, window=(
             ds = np.where(visible, ds * (1.0 - tanh ** 2), 0.0)
         dq = _masked_product("bhqk,bkhd->bqhd", ds, kr, visible) * scale
         dk = _masked_product("bhqk,bqhd->bkhd", ds, q, visible) * scale
-    fold = lambda x: x.reshape(b, sk, hkv, group, d).sum(axis=3)
+    fold = lambda x: x.reshape(b, sk, hkv, group, x.shape[-1]).sum(axis=3)  # dk: D, dv: Dv
     return o, lse, (dq, fold(dk), fold(dv)) + grads
 
 

@@ -3,7 +3,7 @@
 Put on every flashgen call by ``flashgen.emit.emit_custom_call`` and by ``flash_attention``'s
 lowering (flashgen/jax/sharding.py, which also holds the XLA partitioners that honour it).
 Factors: b (batch), s (Sq), t (Sk), g (kv heads), h (q heads per kv head, Hq = Hkv·G, q heads =
-the compound ``(g h)``), d (head_dim). s, t, d and h are *need-replication* factors, so
+the compound ``(g h)``), d (head_dim), v (the value head dim, where it differs from d). s, t, d and h are *need-replication* factors, so
 propagation only ever shards b and g: q/k/v/o/lse (and dO/dQ/dK/dV) share them, and kv heads
 travel with their q-head groups. (MQA, Hkv = 1: the q heads are all h, so only the batch is
 split.)
@@ -49,14 +49,19 @@ def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
         return [q, cache, cache, ("b", "m"), ("b",), *extra], [q, lse], sizes
     sizes["t"] = int(kv_shape[1])
     kv = ("b", "t", "g", "d")
-    fixed = [q, kv, kv] if direction == "fwd" else [q, kv, kv, q, lse, q]
+    # v's head dim: a factor of its own (v) when it differs from q's and k's (MLA)
+    v_dim = int(shapes[2][-1])
+    v, o = (kv, q) if v_dim == sizes["d"] else (("b", "t", "g", "v"), ("b", "s", qh, "v"))
+    if v_dim != sizes["d"]:
+        sizes["v"] = v_dim
+    fixed = [q, kv, v] if direction == "fwd" else [q, kv, v, o, lse, o]
     extra = _extra_mappings(direction, shapes[len(fixed):], extras, {"B": "b", "Hq": qh, "Sq": "s", "Sk": "t"},
                             {"B": b, "Hq": heads, "Sq": sq, "Sk": sizes["t"]}, sizes)
     dbias = [m for m, o in zip(extra, CALLS[direction].extra_operands(extras)) if o.name == "bias"]
     if direction == "fwd":
-        return fixed + extra, [q, lse], sizes
+        return fixed + extra, [o, lse], sizes
     if direction == "bwd":
-        return fixed + extra, [q, kv, kv] + (dbias if with_dbias else []), sizes
+        return fixed + extra, [q, kv, v] + (dbias if with_dbias else []), sizes
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
@@ -81,7 +86,7 @@ def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = Tru
     returns dbias."""
     operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras,
                                               with_dbias)
-    order = ("b", "s", "g", "h", "d", "t", "c", "e", "n", "p", "m") + tuple(
+    order = ("b", "s", "g", "h", "d", "t", "c", "e", "n", "p", "m", "v") + tuple(
         sorted(f for f in sizes if f.startswith("u")))
     used = [f for f in order
             if any(f in (dim if isinstance(dim, tuple) else (dim,))
@@ -98,7 +103,7 @@ def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = Tru
         factor_sizes=[sizes[f] for f in used],
         operand_mappings=[tensor(m) for m in operands],
         result_mappings=[tensor(m) for m in results],
-        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h", "c", "e", "n", "p", "m")
+        need_replication_factors=sorted(index[f] for f in ("s", "t", "d", "h", "c", "e", "n", "p", "m", "v")
                                         if f in index),
         is_custom=True)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import NamedTuple
 
 from flashgen import targets
 
@@ -24,6 +25,18 @@ def kernel_head_dim(head_dim: int) -> int:
             return d
     raise ValueError(f"unsupported head_dim {head_dim}: supported head dims are "
                      f"{', '.join(map(str, HEAD_DIMS))} (a smaller one is zero-padded to the next)")
+
+
+def kernel_head_dims(head_dim: int, head_dim_v: int, target: str) -> tuple[int, int]:
+    """The (head_dim, head_dim_v) of the kernel a model's query/key and value head dims run at:
+    each its kernel_head_dim; where `target` has no kernels for differing ones, both the larger
+    (exact too: zero columns of q and k change no score, those of v add output columns)."""
+    d, dv = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
+    if d != dv and not targets.lookup(target).family.split_head_dims:
+        d = dv = max(d, dv)
+    return d, dv
+
+
 DTYPES = ("f16", "bf16", "f32")
 # Kernel entry points of one spec: dense BSHD forward/backward, packed variable-length
 # forward/backward, and the paged-KV forward (decode). README "Variants" has their operands.
@@ -49,24 +62,41 @@ def normalize_dtype(dtype) -> str:
             f"unsupported dtype {name!r}: flashgen supports {', '.join(DTYPES)}") from None
 
 
-def target_name(direction: str, head_dim: int, dtype: str, causal: bool) -> str:
+def _dims_name(head_dim: int, head_dim_v: int | None) -> str:
+    """`d<D>`, or `d<D>v<Dv>` when the value head dim differs (names of equal dims unchanged)."""
+    return f"d{head_dim}" + ("" if head_dim_v in (None, head_dim) else f"v{head_dim_v}")
+
+
+def target_name(direction: str, head_dim: int, dtype: str, causal: bool, head_dim_v: int | None = None) -> str:
     """The stable custom-call target (and C symbol) of one direction of one spec.
 
     The name carries no architecture: a rewritten module calls the same
     target on CPU and CUDA, and whichever library is loaded serves it.
     """
-    return f"flashgen_{direction}_d{head_dim}_{dtype}{'_causal' if causal else ''}"
+    return f"flashgen_{direction}_{_dims_name(head_dim, head_dim_v)}_{dtype}{'_causal' if causal else ''}"
 
 
-_TARGET_NAME = re.compile(r"^flashgen_(fwd|bwd|fwd_varlen|bwd_varlen|fwd_paged)_d(\d+)_(f16|bf16|f32)(_causal)?$")
+_TARGET_NAME = re.compile(
+    r"^flashgen_(fwd|bwd|fwd_varlen|bwd_varlen|fwd_paged)_d(\d+)(?:v(\d+))?_(f16|bf16|f32)(_causal)?$")
 
 
-def parse_target_name(name: str):
-    """(direction, head_dim, dtype, causal) of a flashgen target name, or None."""
+class ParsedTarget(NamedTuple):
+    direction: str
+    head_dim: int
+    dtype: str
+    causal: bool
+    head_dim_v: int
+
+
+def parse_target_name(name: str) -> ParsedTarget | None:
+    """The fields of a flashgen target name, or None (also for a head-dim pair no kernel has)."""
     m = _TARGET_NAME.match(name)
-    if not m or int(m.group(2)) not in HEAD_DIMS:
+    if not m:
         return None
-    return m.group(1), int(m.group(2)), m.group(3), bool(m.group(4))
+    d, dv = int(m.group(2)), int(m.group(3) or m.group(2))
+    if d not in HEAD_DIMS or dv not in HEAD_DIMS or (m.group(3) and dv == d):
+        return None
+    return ParsedTarget(m.group(1), d, m.group(4), bool(m.group(5)), dv)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -75,6 +105,9 @@ class KernelSpec:
     dtype: str = "bf16"
     causal: bool = False
     target: str = "cpu"
+    # The last dim of V, O, dO and dV (None: head_dim). A different one is a kernel variant of
+    # its own (DeepSeek's MLA: 192 for Q/K, 128 for V), on the families whose split_head_dims is set.
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int):
@@ -83,10 +116,21 @@ class KernelSpec:
             raise ValueError(
                 f"unsupported head_dim {self.head_dim}: supported head dims are "
                 f"{', '.join(map(str, HEAD_DIMS))}")
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if isinstance(self.head_dim_v, bool) or not isinstance(self.head_dim_v, int):
+            raise ValueError(f"head_dim_v must be an int, got {self.head_dim_v!r}")
+        if self.head_dim_v not in HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim_v {self.head_dim_v}: supported head dims are "
+                             f"{', '.join(map(str, HEAD_DIMS))}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
-        targets.lookup(self.target)
+        family = targets.lookup(self.target).family
+        if self.head_dim_v != self.head_dim and not family.split_head_dims:
+            raise ValueError(f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}: target {self.target} "
+                             f"has no kernels for a value head dim other than the query/key one "
+                             f"(targets with them: {', '.join(targets.split_head_dim_targets())})")
 
     @property
     def platform(self) -> str:
@@ -96,16 +140,20 @@ class KernelSpec:
     def target_name(self, direction: str) -> str:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        return target_name(direction, self.head_dim, self.dtype, self.causal)
+        return target_name(direction, self.head_dim, self.dtype, self.causal, self.head_dim_v)
 
     @property
     def stem(self) -> str:
         """A file-name-safe id built only from validated fields."""
-        return f"d{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}_{self.target}"
+        return f"{_dims_name(self.head_dim, self.head_dim_v)}_{self.dtype}_{'causal' if self.causal else 'full'}_{self.target}"
 
     def to_json(self) -> dict:
-        return {
-            "head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal,
-            "target": self.target,
-            "targets": {d: self.target_name(d) for d in DIRECTIONS},
-        }
+        out = {"head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal, "target": self.target,
+               "targets": {d: self.target_name(d) for d in DIRECTIONS}}
+        if self.head_dim_v != self.head_dim:  # equal dims: the manifest of before, byte for byte
+            out["head_dim_v"] = self.head_dim_v
+        return out
+
+    @classmethod
+    def from_json(cls, s: dict) -> "KernelSpec":
+        return cls(s["head_dim"], s["dtype"], s["causal"], s["target"], s.get("head_dim_v"))

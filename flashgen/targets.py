@@ -21,9 +21,12 @@ class KernelFamily:
     template: str   # under templates/
     suffix: str     # of the rendered source's file name
     language: str   # codegen.Source.language: "c++" or "cuda"
+    # Whether its dense fwd / bwd kernels take a value head dim other than the query/key one
+    # (KernelSpec.head_dim_v: any pair of spec.HEAD_DIMS); its varlen and paged calls refuse one.
+    split_head_dims: bool = False
 
 
-CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++")
+CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dims=True)
 # Ampere's warp-level mma.sync kernels; sm90a runs them too until a Hopper family exists.
 MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda")
 
@@ -109,6 +112,11 @@ def lookup(name: str) -> Target:
 def emulated() -> tuple[str, ...]:
     """The targets flashgen.emulate runs: those built for a GPU."""
     return tuple(name for name, t in TARGETS.items() if t.gpu)
+
+
+def split_head_dim_targets() -> tuple[str, ...]:
+    """The targets whose kernels take a value head dim other than the query/key one."""
+    return tuple(name for name, t in TARGETS.items() if t.family.split_head_dims)
 
 
 def is_host(platform: str) -> bool:

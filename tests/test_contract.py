@@ -6,7 +6,7 @@ import pytest
 from flashgen.contract import ATTRIBUTE_TYPES, CALLS, DIRECTIONS, CallAttributes
 
 # Sizes of the contract's symbolic dims, all different so a swapped dim shows.
-DIMS = {"B": 2, "Sq": 16, "Sk": 24, "Hq": 4, "Hkv": 2, "D": 32, "Tq": 40, "Tk": 50, "B+1": 3,
+DIMS = {"B": 2, "Sq": 16, "Sk": 24, "Hq": 4, "Hkv": 2, "D": 32, "Dv": 32, "Tq": 40, "Tk": 50, "B+1": 3,
         "NB": 6, "BS": 16, "MB": 3}
 
 

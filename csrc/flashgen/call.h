@@ -40,7 +40,8 @@ struct VarlenAttrs : DenseAttrs {
 // The handler a call reached.
 struct Callee {
   const char* target;  // its symbol, for messages
-  int64_t head_dim;    // what its kernels are specialized for
+  int64_t head_dim;    // what its kernels are specialized for: q and k's last dim
+  int64_t head_dim_v;  // v, o, do and dv's last dim
   bool causal;
   bool host_operands;  // operands are host memory (CPU): their values are checked too
 };
@@ -76,6 +77,13 @@ inline ffi::Error decode_scores(const Callee& c, const DenseAttrs& a, const ffi:
   return check_attrs(c.target, c.causal, d->attrs, d->x.alibi != nullptr);
 }
 
+// Varlen and paged calls have kernels only for equal query/key and value head dims.
+inline ffi::Error split_head_dims_refused(const Callee& c) {
+  return invalid(c.target, "the varlen and paged calls need the value head dim (" + std::to_string(c.head_dim_v) +
+                               ") to equal the query/key head dim (" + std::to_string(c.head_dim) +
+                               "); only the dense fwd and bwd take different ones");
+}
+
 #define FLASHGEN_RETURN_IF_ERROR(expr)                                                    \
   if (ffi::Error flashgen_error_ = (expr); flashgen_error_.failure()) {                    \
     return ffi::Unexpected<ffi::Error>(flashgen_error_);                                  \
@@ -90,8 +98,8 @@ struct FwdBuffers {
   template <ffi::DataType T>
   ffi::Error take(const Callee& c, const AttentionShape& s, bool packed, ffi::Buffer<T>& q_in, ffi::Buffer<T>& k_in,
                   ffi::Buffer<T>& v_in, ffi::ResultBuffer<T>& o_out, ffi::ResultBuffer<ffi::F32>& lse_out) {
-    if (auto e = packed ? expect_dims(c.target, "o", o_out->dimensions(), {s.seqlen_q, s.heads_q, s.head_dim})
-                        : expect_dims(c.target, "o", o_out->dimensions(), {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
+    if (auto e = packed ? expect_dims(c.target, "o", o_out->dimensions(), {s.seqlen_q, s.heads_q, c.head_dim_v})
+                        : expect_dims(c.target, "o", o_out->dimensions(), {s.batch, s.seqlen_q, s.heads_q, c.head_dim_v});
         e.failure())
       return e;
     if (auto e = packed ? expect_dims(c.target, "lse", lse_out->dimensions(), {s.heads_q, s.seqlen_q})
@@ -115,19 +123,19 @@ struct BwdBuffers {
   ffi::Error take(const Callee& c, const AttentionShape& s, bool packed, ffi::Buffer<T>& q_in, ffi::Buffer<T>& k_in,
                   ffi::Buffer<T>& v_in, ffi::Buffer<T>& o_in, ffi::Buffer<ffi::F32>& lse_in, ffi::Buffer<T>& dout_in,
                   ffi::ResultBuffer<T>& dq_out, ffi::ResultBuffer<T>& dk_out, ffi::ResultBuffer<T>& dv_out) {
-    const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv, D = s.head_dim;
-    auto rows = [&](const char* name, Dims d, int64_t seq, int64_t heads) {
+    const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
+    auto rows = [&](const char* name, Dims d, int64_t seq, int64_t heads, int64_t D) {
       return packed ? expect_dims(c.target, name, d, {seq, heads, D}) : expect_dims(c.target, name, d, {B, seq, heads, D});
     };
-    if (auto e = rows("o", o_in.dimensions(), Sq, Hq); e.failure()) return e;
+    if (auto e = rows("o", o_in.dimensions(), Sq, Hq, c.head_dim_v); e.failure()) return e;
     if (auto e = packed ? expect_dims(c.target, "lse", lse_in.dimensions(), {Hq, Sq})
                         : expect_dims(c.target, "lse", lse_in.dimensions(), {B, Hq, Sq});
         e.failure())
       return e;
-    if (auto e = rows("do", dout_in.dimensions(), Sq, Hq); e.failure()) return e;
-    if (auto e = rows("dq", dq_out->dimensions(), Sq, Hq); e.failure()) return e;
-    if (auto e = rows("dk", dk_out->dimensions(), Sk, Hkv); e.failure()) return e;
-    if (auto e = rows("dv", dv_out->dimensions(), Sk, Hkv); e.failure()) return e;
+    if (auto e = rows("do", dout_in.dimensions(), Sq, Hq, c.head_dim_v); e.failure()) return e;
+    if (auto e = rows("dq", dq_out->dimensions(), Sq, Hq, c.head_dim); e.failure()) return e;
+    if (auto e = rows("dk", dk_out->dimensions(), Sk, Hkv, c.head_dim); e.failure()) return e;
+    if (auto e = rows("dv", dv_out->dimensions(), Sk, Hkv, c.head_dim_v); e.failure()) return e;
     q = q_in.untyped_data(), k = k_in.untyped_data(), v = v_in.untyped_data(), o = o_in.untyped_data();
     lse = lse_in.typed_data(), dout = dout_in.untyped_data();
     dq = as_out(dq_out), dk = as_out(dk_out), dv = as_out(dv_out);
@@ -142,7 +150,7 @@ struct FwdCall : Decoded, FwdBuffers {
                                       ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> o,
                                       ffi::ResultBuffer<ffi::F32> lse, DenseAttrs a) {
     FwdCall call;
-    auto shape = shape_from_qkv(c.target, c.head_dim, q.dimensions(), k.dimensions(), v.dimensions());
+    auto shape = shape_from_qkv(c.target, c.head_dim, c.head_dim_v, q.dimensions(), k.dimensions(), v.dimensions());
     if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
     call.s = shape.value();
     FLASHGEN_RETURN_IF_ERROR(decode_scores(c, a, extra_args, T, false, nullptr, &call));
@@ -163,7 +171,7 @@ struct BwdCall : Decoded, BwdBuffers {
                                       ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv,
                                       ffi::RemainingRets extra_rets, DenseAttrs a) {
     BwdCall call;
-    auto shape = shape_from_qkv(c.target, c.head_dim, q.dimensions(), k.dimensions(), v.dimensions());
+    auto shape = shape_from_qkv(c.target, c.head_dim, c.head_dim_v, q.dimensions(), k.dimensions(), v.dimensions());
     if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
     call.s = shape.value();
     FLASHGEN_RETURN_IF_ERROR(decode_scores(c, a, extra_args, T, false, &extra_rets, &call));
@@ -182,6 +190,7 @@ struct VarlenDecoded : Decoded {
   ffi::Error decode_varlen(const Callee& c, Dims q, Dims k, Dims v, const ffi::Buffer<ffi::S32>& cu_q,
                            const ffi::Buffer<ffi::S32>& cu_k, const ffi::RemainingArgs& extra_args,
                            const VarlenAttrs& a) {
+    if (c.head_dim_v != c.head_dim) return split_head_dims_refused(c);
     auto shape = varlen_shape(c.target, c.head_dim, q, k, v, cu_q.dimensions(), cu_k.dimensions());
     if (shape.has_error()) return shape.error();
     s = shape.value();
@@ -261,6 +270,7 @@ struct FwdPagedCall : Decoded, FwdBuffers {  // k, v: k_cache, v_cache
  private:
   static ffi::ErrorOr<AttentionShape> paged_shape(const Callee& c, Dims q, Dims k, Dims v, Dims table, Dims used) {
     auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(c.target, what)); };
+    if (c.head_dim_v != c.head_dim) return ffi::Unexpected<ffi::Error>(split_head_dims_refused(c));
     if (q.size() != 4) return fail("q must be rank 4 [batch, seq, heads, head_dim], got " + dims_str(q));
     if (k.size() != 4)
       return fail("k_cache must be rank 4 [num_blocks, block_size, kv_heads, head_dim], got " + dims_str(k));

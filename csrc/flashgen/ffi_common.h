@@ -29,8 +29,9 @@ inline ffi::Error invalid(const char* target, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
 }
 
-// Reads B, Sq, Sk, Hq, Hkv from q/k/v and checks everything the kernel relies on.
-inline ffi::ErrorOr<AttentionShape> shape_from_qkv(const char* target, int64_t head_dim,
+// Reads B, Sq, Sk, Hq, Hkv from q/k/v and checks everything the kernel relies on; v's last dim
+// is head_dim_v (the value head dim), q's and k's head_dim.
+inline ffi::ErrorOr<AttentionShape> shape_from_qkv(const char* target, int64_t head_dim, int64_t head_dim_v,
                                                    Dims q, Dims k, Dims v) {
   auto fail = [&](const std::string& what) { return ffi::Unexpected<ffi::Error>(invalid(target, what)); };
   const char* names[3] = {"q", "k", "v"};
@@ -39,13 +40,15 @@ inline ffi::ErrorOr<AttentionShape> shape_from_qkv(const char* target, int64_t h
     if (all[i].size() != 4)
       return fail(std::string(names[i]) + " must be rank 4 [batch, seq, heads, head_dim], got " +
                   dims_str(all[i]));
-    if (all[i][3] != head_dim)
+    const int64_t want = i == 2 ? head_dim_v : head_dim;
+    if (all[i][3] != want)
       return fail(std::string(names[i]) + " head_dim is " + std::to_string(all[i][3]) +
-                  " but this kernel is specialized for " + std::to_string(head_dim));
+                  " but this kernel is specialized for " + std::to_string(want));
   }
   if (k[0] != q[0] || v[0] != q[0])
     return fail("batch sizes differ: q " + dims_str(q) + ", k " + dims_str(k) + ", v " + dims_str(v));
-  if (v[1] != k[1] || v[2] != k[2]) return fail("k and v shapes differ: k " + dims_str(k) + ", v " + dims_str(v));
+  if (v[1] != k[1] || v[2] != k[2])
+    return fail("k and v shapes differ in sequence or heads: k " + dims_str(k) + ", v " + dims_str(v));
   if (k[2] <= 0 || q[2] % k[2] != 0)
     return fail("kv heads (" + std::to_string(k[2]) + ") must divide q heads (" + std::to_string(q[2]) + ")");
   return AttentionShape{q[0], q[1], k[1], q[2], k[2], head_dim};

@@ -16,7 +16,7 @@ import numpy as np
 from flashgen import runtime, targets
 from flashgen.contract import EXTRAS, CallAttributes, extra_operand_index, normalize_scale, normalize_window
 from flashgen.jax import primitive, sharding
-from flashgen.spec import KernelSpec, kernel_head_dim, normalize_dtype
+from flashgen.spec import KernelSpec, kernel_head_dims, normalize_dtype
 
 
 def local_target() -> str:
@@ -40,11 +40,11 @@ def _check(q, k, v, scale) -> tuple[str, float]:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = normalize_dtype(q.dtype)
     b, _, hq, d = q.shape
-    kernel_head_dim(d)  # raises for a head dim no kernel serves, even padded
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    kernel_head_dims(d, v.shape[3], "cpu")  # raises for a head dim no kernel serves, even padded
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v shapes differ in batch, sequence or heads: {k.shape} vs {v.shape}")
     if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k/v shape {k.shape} does not match q {q.shape} in batch or head_dim")
+        raise ValueError(f"k shape {k.shape} does not match q {q.shape} in batch or head_dim")
     if k.shape[2] == 0 or hq % k.shape[2]:
         raise ValueError(f"kv heads ({k.shape[2]}) must divide q heads ({hq})")
     if scale is None:
@@ -115,9 +115,9 @@ def _attention_bwd(spec, scale, mask, res, cts):
     else:
         dq, dk, dv, *dbias = bwd(q, k, v, o, lse, do, *ex)
     if not isinstance(dlse, zero):
-        e0 = jnp.zeros(q.shape[3], q.dtype).at[0].set(1)
+        e0 = jnp.zeros(v.shape[3], q.dtype).at[0].set(1)
         v1 = jnp.broadcast_to(e0, v.shape)
-        do1 = jnp.swapaxes(dlse, 1, 2)[..., None].astype(q.dtype) * e0  # [B,Sq,Hq,D]
+        do1 = jnp.swapaxes(dlse, 1, 2)[..., None].astype(q.dtype) * e0  # [B,Sq,Hq,Dv]
         dq1, dk1, _, *dbias1 = bwd(q, k, v1, jnp.zeros_like(o), lse, do1, *ex)
         dq, dk = dq + dq1, dk + dk1
         dbias = [a + b for a, b in zip(dbias, dbias1)]
@@ -136,9 +136,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
 
     A drop-in for jax.nn.dot_product_attention where the two overlap (query, key,
     value, bias, mask, scale, is_causal; `causal` is flashgen's own spelling of is_causal).
-    query: [batch, seq_q, heads, head_dim]; key, value: [batch, seq_k, kv_heads, head_dim]
-    (kv_heads divides heads: GQA/MQA). scale defaults to 1/sqrt(head_dim). A head_dim up to
-    256 that no kernel has runs at the next one with zero columns (flashgen.spec.kernel_head_dim).
+    query, key: [batch, seq_q|seq_k, heads|kv_heads, head_dim]; value: [batch, seq_k, kv_heads,
+    head_dim_v] (kv_heads divides heads: GQA/MQA); the result is [batch, seq_q, heads,
+    head_dim_v]. head_dim_v may differ from head_dim (DeepSeek's MLA: 192 and 128). scale
+    defaults to 1/sqrt(head_dim). A head dim up to 256 that no kernel has runs at the next one
+    with zero columns (flashgen.spec.kernel_head_dims).
     Causal masks key j for query i unless j <= i (top-left, as jnp.tril and
     jax.nn.dot_product_attention), or j <= i + seq_k - seq_q with bottom_right=True
     (FlashAttention-2's alignment).
@@ -172,8 +174,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
         q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False
     spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
     q, k, v, *ex = primitive.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
-    o, lse = _attention(*_pad_head_dim(spec.head_dim, q, k, v), tuple(ex), spec, scale, attrs)
-    o = o[..., :query.shape[3]]
+    o, lse = _attention(*_pad_qkv(spec, q, k, v), tuple(ex), spec, scale, attrs)
+    o = o[..., :value.shape[3]]
     if fold:
         o, lse = _unfold_group(o, query.shape[2]), lse.reshape(lse.shape[0], -1, 1)
     return (o, lse) if return_lse else o
@@ -269,10 +271,15 @@ def _alibi_operand(alibi_slopes, batch: int, heads: int):
 
 def _pad_head_dim(head_dim: int, *xs):
     """``xs`` with zero columns appended to their last (head) axis up to ``head_dim``, the
-    spec's (flashgen.spec.kernel_head_dim): exact, the caller slices the extra output
+    spec's (flashgen.spec.kernel_head_dims): exact, the caller slices the extra output
     columns off and jnp.pad's transpose slices the gradients."""
     return tuple(x if x.shape[-1] == head_dim else
                  jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])]) for x in xs)
+
+
+def _pad_qkv(spec: KernelSpec, q, k, v, *value_rows):
+    """q, k padded to the spec's head dim; v and `value_rows` (o, do) to its value head dim."""
+    return _pad_head_dim(spec.head_dim, q, k) + _pad_head_dim(spec.head_dim_v, v, *value_rows)
 
 
 def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0, extras=(),
@@ -283,7 +290,9 @@ def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0,
         raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
     if check_shardings:
         sharding.check_operand_shardings(q, k, v)
-    spec = KernelSpec(kernel_head_dim(q.shape[3]), dtype, attrs.causal, local_target())
+    target = local_target()
+    head_dim, head_dim_v = kernel_head_dims(q.shape[3], v.shape[3], target)
+    spec = KernelSpec(head_dim, dtype, attrs.causal, target, head_dim_v)
     runtime.ensure([spec])
     return spec, scale, (attrs.bottom_right, attrs.window, attrs.softcap, attrs.extras)
 
@@ -294,8 +303,8 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     ring attention combines these and brings its own VJP; users want
     flash_attention(..., return_lse=True))."""
     spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
-    o, lse = _kernel_calls(spec, scale, *mask)[0](*_pad_head_dim(spec.head_dim, q, k, v))
-    return o[..., :q.shape[3]], lse
+    o, lse = _kernel_calls(spec, scale, *mask)[0](*_pad_qkv(spec, q, k, v))
+    return o[..., :v.shape[3]], lse
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
@@ -304,9 +313,10 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | N
     and lse of a longer key sequence and one block of it as k, v, it returns that block's
     exact share of dq and its exact dk, dv."""
     spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
-    d = q.shape[3]
-    q, k, v, o, do = _pad_head_dim(spec.head_dim, q, k, v, o, do)
-    return tuple(g[..., :d] for g in _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do))
+    dims = q.shape[3], k.shape[3], v.shape[3]
+    q, k, v, o, do = _pad_qkv(spec, q, k, v, o, do)
+    grads = _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do)
+    return tuple(g[..., :d] for g, d in zip(grads, dims))
 
 
 # --------------------------------------------------------------------------------------
@@ -331,6 +341,9 @@ def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap, extras):
         if np.ndim(x) != 3:
             raise ValueError(f"{name} must be rank 3 [total_tokens, heads, head_dim] (packed), "
                              f"got shape {np.shape(x)}")
+    if v.shape[2] != q.shape[2]:
+        raise ValueError(f"flash_attention_varlen needs v's head dim ({v.shape[2]}) to equal q's and k's "
+                         f"({q.shape[2]}); flash_attention takes a different one")
     # Reuse the dense checks on [1, T, H, D] views (dtype, head dim, kv heads, scale).
     return _prepare(*(jax.ShapeDtypeStruct((1, *x.shape), x.dtype) for x in (q, k, v)),
                     causal, scale, bottom_right, window, softcap, extras, check_shardings=False)

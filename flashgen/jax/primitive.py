@@ -34,12 +34,13 @@ def _abstract_eval(*avals, target, direction, attrs: CallAttributes, dbias):
     if direction == "fwd_varlen":
         lse = q.update(shape=(q.shape[1], q.shape[0]), dtype=jnp.float32, weak_type=False)
         return [q.update(weak_type=False), lse]
+    o = q.update(shape=(*q.shape[:-1], avals[2].shape[-1]), weak_type=False)  # v's head dim
     b, sq, hq, _ = q.shape
     sharding = q.sharding
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
     lse = q.update(shape=(b, hq, sq), dtype=jnp.float32, weak_type=False,
                    sharding=sharding.update(spec=P(spec[BATCH], spec[HEADS], None)))
-    return [q.update(weak_type=False), lse]
+    return [o, lse]
 
 
 def _fully_manual(ctx) -> bool:

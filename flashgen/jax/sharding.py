@@ -104,8 +104,9 @@ def _lse_sharding(s):
 
 def _read_call(name: str, backend_string: bytes):
     """(spec, direction, attributes) of the call XLA asks about, read by the contract's parse."""
-    direction, head_dim, dtype, causal = parse_target_name(name)
-    return KernelSpec(head_dim, dtype, causal, "cpu"), direction, CallAttributes.parse(backend_string, direction)
+    p = parse_target_name(name)
+    spec = KernelSpec(p.head_dim, p.dtype, p.causal, "cpu", p.head_dim_v)
+    return spec, p.direction, CallAttributes.parse(backend_string, p.direction)
 
 
 _MLIR_ELEMENTS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "bool": "i1", "int32": "i32"}

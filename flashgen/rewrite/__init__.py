@@ -51,8 +51,7 @@ class RewriteResult:
     @property
     def specs(self) -> list:
         from flashgen.spec import KernelSpec
-        return sorted({KernelSpec(s.spec["head_dim"], s.spec["dtype"], s.spec["causal"],
-                                  s.spec["target"]) for s in self.rewritten})
+        return sorted({KernelSpec.from_json(s.spec) for s in self.rewritten})
 
     def to_bytes(self) -> bytes:
         """The module in the input's format; the input itself when nothing changed."""

@@ -233,9 +233,9 @@ class AttentionPattern:
                        masked_sum=softmax.masked_sum, remasked=probs.remasked,
                        guarded=bool(probs.guards))
         draft = P.build(found)
-        m.notes.extend(draft.notes)
         site = P.finish(found, draft, target=self.target, where=where, dot1=dot1,
                         exit_op=exit_op, exit_value=exit_value, site_ops=m.ops)
+        m.notes.extend(site.notes)
         if m.training:
             if scores.runtime_scales:
                 raise Reject("a training site with a scale known only at run time (its "
@@ -314,7 +314,8 @@ class AttentionPattern:
                     if name == "q":
                         for scalar, divide in plan.runtime_scales:
                             x = adapters.scale_by_scalar(x, scalar, divide, created)
-                    operands.append(adapters.pad_head_dim(x, plan.spec.head_dim, created))
+                    operands.append(adapters.pad_head_dim(
+                        x, plan.spec.head_dim_v if name == "v" else plan.spec.head_dim, created))
                 names = plan.extras.names if plan.extras is not None else ()
                 if names:
                     operands += X.emit(plan.extras, plan.spec.dtype, created)
@@ -327,7 +328,7 @@ class AttentionPattern:
                         o, operands[2], empty_rows.visible_parts(plan.extras, operands[3:]),
                         causal=plan.spec.causal, bottom_right=plan.bottom_right,
                         window=plan.window, created=created)
-                out = adapters.adapt(adapters.slice_head_dim(o, site.head_dim, created),
+                out = adapters.adapt(adapters.slice_head_dim(o, plan.head_dim_v, created),
                                      plan.kernel["o"], plan.exit_layout, created,
                                      final_shape=shape_of(plan.exit_value))
                 want = plan.exit_value.type.element_type
@@ -376,7 +377,7 @@ class AttentionPattern:
             do = adapters.adapt(bw.do, plan.exit_layout, plan.kernel["o"], created)
             if do.type.element_type != kdt:
                 do = adapters.convert(do, kdt, created)
-            do = adapters.pad_head_dim(do, plan.spec.head_dim, created)
+            do = adapters.pad_head_dim(do, plan.spec.head_dim_v, created)
             names = plan.extras.names if plan.extras is not None else ()
             results = emit_custom_call(plan.spec, "bwd", operands[:3] + [o, lse, do] + operands[3:],
                                        **plan.attributes, extras=names, dbias=bool(bw.dbias),
@@ -390,7 +391,8 @@ class AttentionPattern:
             out = {}
             for name, x in zip("qkv", results[:3]):
                 want = bw.grads[name]
-                g = adapters.adapt(adapters.slice_head_dim(x, head_dim, created), plan.kernel[name],
+                dim = plan.head_dim_v if name == "v" else head_dim
+                g = adapters.adapt(adapters.slice_head_dim(x, dim, created), plan.kernel[name],
                                    plan.inputs[name][1], created, final_shape=shape_of(want))
                 if g.type.element_type != want.type.element_type:
                     g = adapters.convert(g, want.type.element_type, created)

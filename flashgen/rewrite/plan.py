@@ -23,7 +23,7 @@ from flashgen.rewrite.errors import Reject
 from flashgen.rewrite.report import AttentionSite
 from flashgen.rewrite.variants import BAND_VARIANTS, PLAN_VARIANTS
 from flashgen.rewrite.variants.state import Scores
-from flashgen.spec import KernelSpec, kernel_head_dim
+from flashgen.spec import KernelSpec, kernel_head_dim, kernel_head_dims
 
 
 # emit_custom_call takes the window as one keyword, the pair of the contract's attributes
@@ -54,6 +54,7 @@ class Plan:
     empty_rows: str = "none"  # rows without a visible key: empty_rows.behaviour()
     backward: object = None   # backward.Backward: a training site's VJP cluster
     runtime_scales: tuple = ()  # (scalar value, divide): multiplied into Q before the call
+    head_dim_v: int = 0       # the model's value head dim (its output's last kernel dim)
 
     def attribute(self, name: str):
         return self.attributes.get(name, default(name))
@@ -117,6 +118,7 @@ class Draft:
     dtype: str = ""
     seq_q: int = 0
     seq_k: int = 0
+    head_dim_v: int = 0
     details: dict = dataclasses.field(default_factory=dict)   # for a Rejection
     report: dict = dataclasses.field(default_factory=dict)    # AttentionSite's sizes
     # the other variants
@@ -219,11 +221,8 @@ def _kernel(site: Site, draft: Draft) -> Draft:
             raise Reject(f"element type {dt} is not supported (f16, bf16, f32)")
     dtype = dts[0] if len(set(dts)) == 1 else "f32"
     details = dict(q_shape=shape_of(site.q[0]), head_dim=head_dim, dtype=dtype)
-    if head_dim != head_dim_v:
-        raise Reject(f"the value head dim ({head_dim_v}) differs from the query/key head dim "
-                     f"({head_dim})", **details)
-    try:
-        padded = kernel_head_dim(head_dim)   # finish() specializes at it; the adapters pad and slice
+    try:   # finish() specializes at the kernel head dims; the adapters pad and slice
+        padded, padded_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     except ValueError as e:
         raise Reject(str(e), **details) from None
     report = dict(layout=_layout_letters(q_lay, first, q_seq, rest + group_q, c_pieces),
@@ -231,8 +230,11 @@ def _kernel(site: Site, draft: Draft) -> Draft:
                   kv_heads=heads // prod(p[2] for p in group), head_dim=head_dim)
     note = (f"head dim {head_dim} runs at the kernel's {padded}: Q, K, V get zero columns "
             "and the extra output columns are sliced off") if padded != head_dim else None
+    if head_dim_v != head_dim:
+        note = "; ".join(filter(None, [note, f"value head dim {head_dim_v}" + (
+            f" runs at the kernel's {padded_v}" if padded_v != head_dim_v else "")]))
     return draft.but(q_seq=tuple(q_seq), kernel=kernel, dtype=dtype, seq_q=seq_q,
-                     seq_k=seq_k, details=details, report=report, note=note)
+                     seq_k=seq_k, head_dim_v=head_dim_v, details=details, report=report, note=note)
 
 
 STEPS = (_refine, *(v.plan for v in BAND_VARIANTS), _kernel, *(v.plan for v in PLAN_VARIANTS))
@@ -248,7 +250,11 @@ def build(site: Site) -> Draft:
 def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op, exit_value,
            site_ops) -> AttentionSite:
     """The AttentionSite, its Plan attached."""
-    spec = KernelSpec(kernel_head_dim(draft.report["head_dim"]), draft.dtype, draft.causal, target)
+    head_dim, head_dim_v = kernel_head_dims(draft.report["head_dim"], draft.head_dim_v, target)
+    spec = KernelSpec(head_dim, draft.dtype, draft.causal, target, head_dim_v)
+    if kernel_head_dim(draft.report["head_dim"]) != kernel_head_dim(draft.head_dim_v) and head_dim == head_dim_v:
+        draft = draft.but(note=f"target {target} has no kernels for a value head dim other than the "
+                               f"query/key one: both run at {head_dim} (zero columns, sliced off)")
     # as the call carries them: f32, the window a pair
     attributes = {k: float(np.float32(x)) if isinstance(x, float) else
                   tuple(x) if isinstance(x, (list, tuple)) else x
@@ -258,7 +264,7 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
                 inputs={n: (x[0], draft.layouts[n]) for n, x in zip("qkv", (site.q, site.k, site.v))},
                 kernel=draft.kernel, spec=spec, attributes=attributes, site_ops=set(site_ops),
                 extras=draft.extras, empty_rows=draft.empty_rows,
-                runtime_scales=tuple(draft.runtime_scales))
+                runtime_scales=tuple(draft.runtime_scales), head_dim_v=draft.head_dim_v)
     resolved = draft.extras
     return AttentionSite(
         location=where["location"], function=where["function"], op=where["op"],
@@ -266,8 +272,8 @@ def finish(site: Site, draft: Draft, *, target: str, where: dict, dot1, exit_op,
         out_shape=shape_of(exit_value), dtype=draft.dtype, seq_q=draft.seq_q,
         seq_k=draft.seq_k, causal=draft.causal, target=spec.target_name("fwd"),
         spec=spec.to_json(), plan=plan, extras=list(resolved.names),
-        extras_detail=list(resolved.describe), empty_rows=draft.empty_rows, **draft.report,
-        **_reported(plan))
+        extras_detail=list(resolved.describe), empty_rows=draft.empty_rows, notes=list(draft.notes),
+        **draft.report, **_reported(plan))
 
 
 def _reported(plan: Plan) -> dict:

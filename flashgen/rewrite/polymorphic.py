@@ -307,9 +307,10 @@ def _decide(ctx: _Context, tag: int, found: list, walk: bool):
             why = _static_kernel_dims(a.plan.kernel, symbols)
         except Unsupported as e:
             why = str(e)
-        if why is None and a.plan.spec.head_dim != a.head_dim:
-            why = (f"head dim {a.head_dim} is not a kernel's (zero-padding it to "
-                   f"{a.plan.spec.head_dim} is done for static shapes only)")
+        for model, kernel in ((a.head_dim, a.plan.spec.head_dim), (a.plan.head_dim_v, a.plan.spec.head_dim_v)):
+            if why is None and kernel != model:
+                why = (f"head dim {model} is not a kernel's (zero-padding it to "
+                       f"{kernel} is done for static shapes only)")
         if why is not None:
             return Rejection(*where, f"a shape-polymorphic site: {why}")
     for _, r in records[1:]:

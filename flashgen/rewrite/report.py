@@ -162,7 +162,8 @@ class Report:
         parts = [head] + [s.explain() for s in self.sites]
         if self.specs:
             parts.append("kernels needed: " + ", ".join(
-                f"d{s['head_dim']} {s['dtype']}{' causal' if s['causal'] else ''}" for s in self.specs))
+                f"d{s['head_dim']}{'v%d' % s['head_dim_v'] if 'head_dim_v' in s else ''} {s['dtype']}"
+                f"{' causal' if s['causal'] else ''}" for s in self.specs))
         if self.manifest:
             parts.append(f"library manifest: {self.manifest} (register with flashgen.jax.load)")
         parts += [f"note: {n}" for n in self.notes]

@@ -21,6 +21,7 @@ namespace detail {
 // ---------------------------------------------------------------------------
 // Backward.
 // ---------------------------------------------------------------------------
+// D: the widest of the query/key and the value head dims (every row buffer is sized by it).
 template <int D>
 constexpr size_t bwd_ws_floats() {
   // Kt, Vt [D][BK]; Kc, dKa, dVa [BK][D]; Qc, dOc [BQ][D]; P, dS [BQ][BK];
@@ -105,8 +106,8 @@ __attribute__((noinline)) inline void bwd_extras_p_ds(const HeadExtras& e, const
 }
 
 // One backward problem (a batch entry or a packed sequence). q, dout and the
-// dq accumulator: row 0 of head 0, rows Hq * D apart; k, v, dk, dv: row 0 of
-// head 0, rows Hkv * D apart; lse2, Drow: row 0 of head 0, heads lse_hs apart.
+// dq accumulator: row 0 of head 0, rows Hq * D (dout: Hq * DV) apart; k, v, dk, dv: row 0 of
+// head 0, rows Hkv * D (v, dv: Hkv * DV) apart; lse2, Drow: row 0 of head 0, heads lse_hs apart.
 template <typename T>
 struct BwdProblem {
   const T* q = nullptr;
@@ -120,7 +121,7 @@ struct BwdProblem {
   const float* Drow = nullptr;
   int64_t lse_hs = 0;
   int64_t Sq = 0, Sk = 0;
-  // q and dout as fp32 [Hq][Sq][D] (packed once per call, bwd_row_terms), and per
+  // q and dout as fp32 [Hq][Sq][D], [Hq][Sq][DV] (packed once per call, bwd_row_terms), and per
   // (q head, q block) how many of their rows hold a NaN or an infinity; or null.
   const float* qpack = nullptr;
   const float* dopack = nullptr;
@@ -132,28 +133,29 @@ struct BwdProblem {
 // extras and batch entry. With a bias, dS' is added to the fp32 dbias
 // accumulator dbacc (bias layout), q head by q head (ascending), q block by q
 // block (ascending).
-template <typename T, int D>
+// D: q, k, dq, dk's head dim; DV: v, dout, dv's (the workspace is bwd_ws_floats<max(D, DV)>).
+template <typename T, int D, int DV>
 void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const AttentionAttrs& a, int64_t hk, int64_t kb,
                const ScoreExtras* x, int64_t b, float* dbacc, float* ws) {
-  constexpr int BQ = kBwdBq, BK = kBwdBk;
+  constexpr int BQ = kBwdBq, BK = kBwdBk, M = std::max(D, DV);
   constexpr bool BF = kBf16Dot && std::is_same<T, bf16>::value;
   const int64_t Sq = pr.Sq, Sk = pr.Sk;
   const AttentionShape s{1, Sq, Sk, Hq, Hkv, D};
   const int64_t G = Hq / Hkv;
-  const int64_t ldq = Hq * D, ldkv = Hkv * D;
+  const int64_t ldq = Hq * D, ldkv = Hkv * D, ldo = Hq * DV, ldv = Hkv * DV;
 
   float* Kt = ws;                // [D][BK] (or [D/2][BK] bf16 pairs)
-  float* Vt = Kt + D * BK;       // [D][BK] (or pairs)
-  float* Kc = Vt + D * BK;       // [BK][D]
-  float* dKa = Kc + BK * D;      // [BK][D]
-  float* dVa = dKa + BK * D;     // [BK][D]
-  float* Qc = dVa + BK * D;      // [BQ][D]
-  float* dOc = Qc + BQ * D;      // [BQ][D]
-  float* P = dOc + BQ * D;       // [BQ][BK]
+  float* Vt = Kt + M * BK;       // [DV][BK] (or pairs)
+  float* Kc = Vt + M * BK;       // [BK][D]
+  float* dKa = Kc + BK * M;      // [BK][D]
+  float* dVa = dKa + BK * M;     // [BK][DV]
+  float* Qc = dVa + BK * M;      // [BQ][D]
+  float* dOc = Qc + BQ * M;      // [BQ][DV]
+  float* P = dOc + BQ * M;       // [BQ][BK]
   float* dS = P + BQ * BK;       // [BQ][BK]
-  float* QdOb = dS + BQ * BK;    // [BQ][D/2] + [BQ][D/2] bf16 pairs
-  float* tmp = QdOb + BQ * D;    // [BK][D]
-  float* PdSp = tmp + BK * D;    // [BQ/2][BK] + [BQ/2][BK] bf16 pairs along the query axis
+  float* QdOb = dS + BQ * BK;    // [BQ][D/2] + [BQ][DV/2] bf16 pairs
+  float* tmp = QdOb + BQ * M;    // [BK][max(D, DV)]
+  float* PdSp = tmp + BK * M;    // [BQ/2][BK] + [BQ/2][BK] bf16 pairs along the query axis
   [[maybe_unused]] float* dSbuf = PdSp + BQ * BK;  // [BQ][BK/2] bf16 pairs along the key axis
   float* xrow = PdSp + 2 * BQ * BK;                // [BK] extras' terms of one row
   int32_t* ksegb = reinterpret_cast<int32_t*>(xrow + BK);  // [BK]
@@ -175,15 +177,15 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
   const int64_t nk = std::min<int64_t>(BK, Sk - k0);
   const int64_t nkp = round_up(nk, W);
   const T* kblk = pr.k + (k0 * Hkv + hk) * D;
-  const T* vblk = pr.v + (k0 * Hkv + hk) * D;
+  const T* vblk = pr.v + (k0 * Hkv + hk) * DV;
   if constexpr (BF) {
     transpose32(reinterpret_cast<const uint32_t*>(kblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Kt),
                 BK);
-    transpose32(reinterpret_cast<const uint32_t*>(vblk), ldkv / 2, nk, D / 2, nkp, reinterpret_cast<uint32_t*>(Vt),
+    transpose32(reinterpret_cast<const uint32_t*>(vblk), ldv / 2, nk, DV / 2, nkp, reinterpret_cast<uint32_t*>(Vt),
                 BK);
   } else {
     load_transposed<T, D>(kblk, ldkv, nk, nkp, Kt, BK, tmp);
-    load_transposed<T, D>(vblk, ldkv, nk, nkp, Vt, BK, tmp);
+    load_transposed<T, DV>(vblk, ldv, nk, nkp, Vt, BK, tmp);
   }
   int64_t ldk = D;
   const float* Kp = Kc;
@@ -206,7 +208,7 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
     nbadk = take_nonfinite_rows<D>(Kc, nk, D, badk);
   }
   std::memset(dKa, 0, sizeof(float) * size_t(nk) * D);
-  std::memset(dVa, 0, sizeof(float) * size_t(nk) * D);
+  std::memset(dVa, 0, sizeof(float) * size_t(nk) * DV);
 
   // Rows that see some key of the block: [qstart, qend).
   const int64_t qstart = banded ? std::min<int64_t>(Sq, std::max<int64_t>(0, k0 - band.hi)) : 0;
@@ -233,30 +235,30 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         if (hi < kseg_lo || lo > kseg_hi) continue;  // no query of the block shares a key's segment
       }
       const T* qrows = pr.q + (q0 * Hq + h) * D;
-      const T* dorows = pr.dout + (q0 * Hq + h) * D;
-      int64_t ldqf = D, lddo = D;
+      const T* dorows = pr.dout + (q0 * Hq + h) * DV;
+      int64_t ldqf = D, lddo = DV;
       const float* Qp = Qc;
       const float* dOp = dOc;
       if constexpr (!BF) {
         if (pr.qpack != nullptr) {
           Qp = pr.qpack + (h * Sq + q0) * D;
-          dOp = pr.dopack + (h * Sq + q0) * D;
+          dOp = pr.dopack + (h * Sq + q0) * DV;
         } else {
           Qp = rows_f32<T, D>(qrows, ldq, nq, Qc, &ldqf);
-          dOp = rows_f32<T, D>(dorows, ldq, nq, dOc, &lddo);
+          dOp = rows_f32<T, DV>(dorows, ldo, nq, dOc, &lddo);
         }
       }
 
       if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
         const uint32_t* Qb = rows_pairs<T, D>(qrows, ldq, nq, QdOb);
-        const uint32_t* dOb = rows_pairs<T, D>(dorows, ldq, nq, QdOb + BQ * D / 2);
+        const uint32_t* dOb = rows_pairs<T, DV>(dorows, ldo, nq, QdOb + BQ * M / 2);
         gemm<uint32_t, false>(nq, nkp, D / 2, Qb, D / 2, 1, reinterpret_cast<const uint32_t*>(Kt), BK, P, BK);
-        gemm<uint32_t, false>(nq, nkp, D / 2, dOb, D / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
+        gemm<uint32_t, false>(nq, nkp, DV / 2, dOb, DV / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
 #endif
       } else {
-        gemm<float, false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK);    // S
-        gemm<float, false>(nq, nkp, D, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
+        gemm<float, false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK);     // S
+        gemm<float, false>(nq, nkp, DV, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
       }
 
       const bool diag = banded && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
@@ -314,13 +316,13 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         const bool bad_rows = pr.qpack == nullptr || pr.qbad[h * ((Sq + BQ - 1) / BQ) + qb] > 0;
         if (bad_rows && pr.qpack != nullptr) {  // zeroed in copies: the packed rows are shared
           std::memcpy(Qc, Qp, sizeof(float) * size_t(nq) * D);
-          std::memcpy(dOc, dOp, sizeof(float) * size_t(nq) * D);
+          std::memcpy(dOc, dOp, sizeof(float) * size_t(nq) * DV);
           Qp = Qc;
           dOp = dOc;
         }
         if (bad_rows) {
           nbadq = take_nonfinite_rows<D>(Qc, nq, D, badq);
-          nbado = take_nonfinite_rows<D>(dOc, nq, D, bado);
+          nbado = take_nonfinite_rows<DV>(dOc, nq, DV, bado);
         }
       }
       if constexpr (BF) {
@@ -332,22 +334,22 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         uint32_t* dSp = Pp + (BQ / 2) * BK;
         uint32_t* dSb = reinterpret_cast<uint32_t*>(dSbuf);
         interleave_row_pairs<D>(reinterpret_cast<const bf16*>(qrows), ldq, nq, Qi);
-        interleave_row_pairs<D>(reinterpret_cast<const bf16*>(dorows), ldq, nq, dOi);
+        interleave_row_pairs<DV>(reinterpret_cast<const bf16*>(dorows), ldo, nq, dOi);
         nbadq = take_nonfinite_rows_bf16<D>(
             [&](int64_t r) { return reinterpret_cast<const bf16*>(qrows) + r * ldq; }, nq, Qi, badq);
-        nbado = take_nonfinite_rows_bf16<D>(
-            [&](int64_t r) { return reinterpret_cast<const bf16*>(dorows) + r * ldq; }, nq, dOi, bado);
+        nbado = take_nonfinite_rows_bf16<DV>(
+            [&](int64_t r) { return reinterpret_cast<const bf16*>(dorows) + r * ldo; }, nq, dOi, bado);
         pack_p_pairs(P, BK, nq, nkp, Pp, BK);
         pack_p_pairs(dS, BK, nq, nkp, dSp, BK);
         rows_to_bf16_pairs(dS, BK, nq, nkp, dSb, BK / 2);
         const int64_t qp = (nq + 1) / 2, kp = (nk + 1) / 2;
-        gemm<uint32_t, true>(nk, D, qp, Pp, 1, BK, dOi, D, dVa, D);  // dV += P^T dO
+        gemm<uint32_t, true>(nk, DV, qp, Pp, 1, BK, dOi, DV, dVa, DV);  // dV += P^T dO
         gemm<uint32_t, true>(nk, D, qp, dSp, 1, BK, Qi, D, dKa, D);  // dK += dS^T Q
         gemm<uint32_t, true>(nq, D, kp, dSb, BK / 2, 1, reinterpret_cast<const uint32_t*>(Kc), D, dq_rows,
                              ldq);                                   // dQ += dS K
 #endif
       } else {
-        gemm<float, true>(nk, D, nq, P, 1, BK, dOp, lddo, dVa, D);       // dV += P^T dO
+        gemm<float, true>(nk, DV, nq, P, 1, BK, dOp, lddo, dVa, DV);     // dV += P^T dO
         gemm<float, true>(nk, D, nq, dS, 1, BK, Qp, ldqf, dKa, D);       // dK += dS^T Q
         gemm<float, true>(nq, D, nk, dS, BK, 1, Kp, ldk, dq_rows, ldq);  // dQ += dS K
       }
@@ -357,9 +359,9 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
           *w = W[i * BK + j];
           return true;
         };
-        add_nonfinite_terms<D>(
+        add_nonfinite_terms<DV>(
             nk, bado, nbado, [&](int64_t j, int32_t i, float* w) { return weight(P, i, j, w); },
-            [&](int32_t i, float* dst) { load_f32<T>(dorows + i * ldq, dst, D); }, dVa, D);
+            [&](int32_t i, float* dst) { load_f32<T>(dorows + i * ldo, dst, DV); }, dVa, DV);
         add_nonfinite_terms<D>(
             nk, badq, nbadq, [&](int64_t j, int32_t i, float* w) { return weight(dS, i, j, w); },
             [&](int32_t i, float* dst) { load_f32<T>(qrows + i * ldq, dst, D); }, dKa, D);
@@ -371,7 +373,7 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
   }
   for (int64_t j = 0; j < nk; ++j) {
     store_from_f32<T>(dKa + j * D, pr.dk + ((k0 + j) * Hkv + hk) * D, D, 1.0f);
-    store_from_f32<T>(dVa + j * D, pr.dv + ((k0 + j) * Hkv + hk) * D, D, 1.0f);
+    store_from_f32<T>(dVa + j * DV, pr.dv + ((k0 + j) * Hkv + hk) * DV, DV, 1.0f);
   }
 }
 
@@ -392,11 +394,11 @@ inline int64_t pick_chunks(int64_t nbh, int64_t nkb, int nt) {
 }
 
 // lse2 = lse * log2(e) (+inf for rows that see no key) and Drow = rowsum(dO o O)
-// for B x Hq x Sq rows (lse [B][Hq][Sq]; o, dout [B][Sq][Hq][D]).
-// With q set, also packs q and dout as fp32 [B][Hq][Sq][D] into qpack, dopack
+// for B x Hq x Sq rows (lse [B][Hq][Sq]; o, dout [B][Sq][Hq][DV]).
+// With q set, also packs q and dout as fp32 [B][Hq][Sq][D], [..][DV] into qpack, dopack
 // and counts per (batch, head, q block of kBwdBq) the rows holding a NaN or an
 // infinity in either (qbad [B][Hq][blocks]).
-template <typename T, int D>
+template <typename T, int D, int DV = D>
 void bwd_row_terms(const T* o, const T* dout, const float* lse, int64_t B, int64_t Sq, int64_t Hq, float* lse2,
                    float* Drow, int nt, Workers* workers, const T* q = nullptr, float* qpack = nullptr,
                    float* dopack = nullptr, int32_t* qbad = nullptr) {
@@ -406,22 +408,22 @@ void bwd_row_terms(const T* o, const T* dout, const float* lse, int64_t B, int64
       B * Hq, nt,
       [&](int64_t bh, int) {
         const int64_t b = bh / Hq, h = bh % Hq;
-        alignas(64) float to[D], tdbuf[D];
+        alignas(64) float to[DV], tdbuf[DV];
         if (q != nullptr) std::fill(qbad + bh * nqc, qbad + (bh + 1) * nqc, 0);
         for (int64_t i = 0; i < Sq; ++i) {
           const int64_t r = bh * Sq + i;
           const float l = lse[r];
           lse2[r] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
-          const int64_t off = ((b * Sq + i) * Hq + h) * D;
-          load_f32<T>(o + off, to, D);
-          float* td = q != nullptr ? dopack + r * D : tdbuf;
-          load_f32<T>(dout + off, td, D);
+          const int64_t row = (b * Sq + i) * Hq + h;
+          load_f32<T>(o + row * DV, to, DV);
+          float* td = q != nullptr ? dopack + r * DV : tdbuf;
+          load_f32<T>(dout + row * DV, td, DV);
           if (q != nullptr) {
-            load_f32<T>(q + off, qpack + r * D, D);
-            qbad[bh * nqc + i / kBwdBq] += row_nonfinite<D>(qpack + r * D) || row_nonfinite<D>(td);
+            load_f32<T>(q + row * D, qpack + r * D, D);
+            qbad[bh * nqc + i / kBwdBq] += row_nonfinite<D>(qpack + r * D) || row_nonfinite<DV>(td);
           }
           vf acc = splat(0.0f);
-          for (int d = 0; d < D; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
+          for (int d = 0; d < DV; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
           float sum = 0.0f;
           for (int t = 0; t < W; ++t) sum += acc[t];
           Drow[r] = sum;
@@ -453,28 +455,29 @@ void reduce_dq(float* dqacc, int64_t nchunks, int64_t elems, int64_t rows, int64
 }
 
 // Dense backward; x (optional) may carry a bias and its dbias.
-template <typename T, int D>
+template <typename T, int D, int DV>
 void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk, T* dv,
                const AttentionShape& s, const AttentionAttrs& a, const ScoreExtras* x, int num_threads,
                Workers* workers) {
   const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   const int64_t G = Hq / Hkv;
-  const double bwd_flops = 10.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(std::max(Sq, Sk))) * D;
+  const double bwd_flops = 5.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(std::max(Sq, Sk))) * (D + DV);
   const int nthreads = threads_for(num_threads, bwd_flops);
-  const int light_threads = threads_for(nthreads, 8.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * D);
+  const int light_threads =
+      threads_for(nthreads, 4.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * (D + DV));
 
   AlignedFloats lse2(size_t(B * Hq * Sq)), Drow(size_t(B * Hq * Sq));
   // fp32 products read each q / dout block once per key block: pack them once
   // when that is more than once (bf16 pairs are gathered per block).
   const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && Sk > kBwdBk;
   const int64_t nqc = (Sq + kBwdBq - 1) / kBwdBq;
-  AlignedFloats qdo(pack ? size_t(2 * B * Hq * Sq * D) : 0);
+  AlignedFloats qdo(pack ? size_t(B * Hq * Sq * (D + DV)) : 0);
   std::vector<int32_t> qbad(pack ? size_t(B * Hq * nqc) : 0);
   if (pack)
-    bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers, q, qdo.p,
-                        qdo.p + B * Hq * Sq * D, qbad.data());
+    bwd_row_terms<T, D, DV>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers, q, qdo.p,
+                            qdo.p + B * Hq * Sq * D, qbad.data());
   else
-    bwd_row_terms<T, D>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
+    bwd_row_terms<T, D, DV>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
 
   // dbias: fp32 accumulator (dbias itself when f32), bias layout. When no two
   // (batch entry, kv head) pairs share a dbias slot, the work items are
@@ -514,11 +517,11 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   auto problem = [&](int64_t b, float* slab) {
     BwdProblem<T> p;
     p.q = q + b * Sq * Hq * D;
-    p.dout = dout + b * Sq * Hq * D;
+    p.dout = dout + b * Sq * Hq * DV;
     p.k = k + b * Sk * Hkv * D;
-    p.v = v + b * Sk * Hkv * D;
+    p.v = v + b * Sk * Hkv * DV;
     p.dk = dk + b * Sk * Hkv * D;
-    p.dv = dv + b * Sk * Hkv * D;
+    p.dv = dv + b * Sk * Hkv * DV;
     p.dqacc = slab + b * Sq * Hq * D;
     p.lse2 = lse2.p + b * Hq * Sq;
     p.Drow = Drow.p + b * Hq * Sq;
@@ -527,7 +530,7 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
     p.Sk = Sk;
     if (pack) {
       p.qpack = qdo.p + b * Hq * Sq * D;
-      p.dopack = qdo.p + (B + b) * Hq * Sq * D;
+      p.dopack = qdo.p + B * Hq * Sq * D + b * Hq * Sq * DV;
       p.qbad = qbad.data() + b * Hq * nqc;
     }
     return p;
@@ -551,7 +554,7 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
       [&](int64_t item, int) {
         const int64_t c = item % nchunks, bh = item / nchunks;
         float* slab = dqacc + c * dq_elems;
-        float* ws = thread_workspace(bwd_ws_floats<D>());
+        float* ws = thread_workspace(bwd_ws_floats<std::max(D, DV)>());
         if (db_shared) {
           // Group (gb, gh): batch entries [b0, b0 + pB) x kv heads [h0, h0 + pH).
           const int64_t b0 = (bh / gH) * pB, h0 = (bh % gH) * pH;
@@ -563,7 +566,7 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
             zero_db(b0, h0 * G, sh ? (h0 + pH) * G : 1, k0, nk);
             for (int64_t b = b0; b < b0 + pB; ++b) {
               const BwdProblem<T> p = problem(b, slab);
-              for (int64_t hk = h0; hk < h0 + pH; ++hk) bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
+              for (int64_t hk = h0; hk < h0 + pH; ++hk) bwd_block<T, D, DV>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
             }
           }
           return;
@@ -575,7 +578,7 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
           const int64_t k0 = kb * kBwdBk, nk = std::min<int64_t>(kBwdBk, Sk - k0);
           // This item owns the slots of (b, heads of hk): zero the block's columns.
           if (dbacc != nullptr) zero_db(b, hk * G, sh ? (hk + 1) * G : hk * G + 1, k0, nk);
-          bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
+          bwd_block<T, D, DV>(p, Hq, Hkv, a, hk, kb, x, b, dbacc, ws);
         }
       },
       workers);
@@ -601,25 +604,27 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
 // Entry points: preconditions, threads and workers as forward.h's.
 // x.dbias (with x.bias): receives dS summed over the bias's broadcast dims,
 // every element written.
-template <typename T, int D>
+// DV: the value head dim (v, o, dout, dv [..][DV]), D unless given.
+template <typename T, int D, int DV = D>
 void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk,
                    T* dv, const AttentionShape& s, const AttentionAttrs& a, const ScoreExtras& x, int num_threads,
                    Workers* workers = nullptr) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
-  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  static_assert(detail::valid_head_dim<T>(D) && detail::valid_head_dim<T>(DV), "unsupported head_dim");
   const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   if (B <= 0 || Hq <= 0 || Hkv <= 0 || Sq < 0 || Sk < 0) return;
   if (s.head_dim != D || Hq % Hkv != 0) return;  // precondition violated
   if (Sq == 0 && Sk == 0) return;
-  detail::bwd_dense<T, D>(q, k, v, o, lse, dout, dq, dk, dv, s, a, x.any() ? &x : nullptr, num_threads, workers);
+  detail::bwd_dense<T, D, DV>(q, k, v, o, lse, dout, dq, dk, dv, s, a, x.any() ? &x : nullptr, num_threads,
+                              workers);
 }
 
-template <typename T, int D>
+template <typename T, int D, int DV = D>
 void attention_bwd(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, T* dq, T* dk,
                    T* dv, const AttentionShape& s, const AttentionAttrs& a, int num_threads,
                    Workers* workers = nullptr) {
-  attention_bwd<T, D>(q, k, v, o, lse, dout, dq, dk, dv, s, a, ScoreExtras{}, num_threads, workers);
+  attention_bwd<T, D, DV>(q, k, v, o, lse, dout, dq, dk, dv, s, a, ScoreExtras{}, num_threads, workers);
 }
 
 // Packed varlen backward: q, o, dout, dq [Tq][Hq][D]; k, v, dk, dv [Tk][Hkv][D];
@@ -703,7 +708,7 @@ void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const 
         float* ws = thread_workspace(bwd_ws_floats<D>());
         const int64_t nkb_b = (p.Sk + kBwdBk - 1) / kBwdBk;
         for (int64_t kb = c; kb < nkb_b; kb += nchunks)
-          bwd_block<T, D>(p, Hq, Hkv, a, hk, kb, xa, b, nullptr, ws);
+          bwd_block<T, D, D>(p, Hq, Hkv, a, hk, kb, xa, b, nullptr, ws);
       },
       workers);
   if (!direct) reduce_dq<T>(dqacc, nchunks, int64_t(dq_elems), Tq, Hq * D, dq, light_threads, workers);

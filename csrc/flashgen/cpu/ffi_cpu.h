@@ -78,56 +78,64 @@ typename Storage<T>::type* out(const Out& o) {
   return static_cast<typename Storage<T>::type*>(o.data);
 }
 
-// The kernels of each call (call.h decoded and validated it).
-template <ffi::DataType T, int D>
+// The kernels of each call (call.h decoded and validated it). D: q and k's head dim; DV: v, o,
+// do and dv's (call.h refuses a varlen or paged call whose DV is not D, so those run only then).
+template <ffi::DataType T, int D, int DV>
 void run(const FwdCall& c, int threads, Workers* workers) {
-  attention_fwd<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
-                                              static_cast<float*>(c.lse.data), c.s, c.attrs, c.x, threads, workers,
-                                              env_kv_splits());
+  attention_fwd<typename Storage<T>::type, D, DV>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
+                                                  static_cast<float*>(c.lse.data), c.s, c.attrs, c.x, threads,
+                                                  workers, env_kv_splits());
 }
 
-template <ffi::DataType T, int D>
+template <ffi::DataType T, int D, int DV>
 void run(const BwdCall& c, int threads, Workers* workers) {
-  attention_bwd<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), in<T>(c.o), c.lse, in<T>(c.dout),
-                                              out<T>(c.dq), out<T>(c.dk), out<T>(c.dv), c.s, c.attrs, c.x, threads,
-                                              workers);
+  attention_bwd<typename Storage<T>::type, D, DV>(in<T>(c.q), in<T>(c.k), in<T>(c.v), in<T>(c.o), c.lse,
+                                                  in<T>(c.dout), out<T>(c.dq), out<T>(c.dk), out<T>(c.dv), c.s,
+                                                  c.attrs, c.x, threads, workers);
 }
 
-template <ffi::DataType T, int D>
+template <ffi::DataType T, int D, int DV>
 void run(const FwdVarlenCall& c, int threads, Workers* workers) {
-  attention_fwd_varlen<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
-                                                     static_cast<float*>(c.lse.data), c.s, c.varlen, c.attrs, c.x,
-                                                     threads, workers);
+  if constexpr (D == DV)
+    attention_fwd_varlen<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
+                                                       static_cast<float*>(c.lse.data), c.s, c.varlen, c.attrs,
+                                                       c.x, threads, workers);
 }
 
-template <ffi::DataType T, int D>
+template <ffi::DataType T, int D, int DV>
 void run(const BwdVarlenCall& c, int threads, Workers* workers) {
-  attention_bwd_varlen<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), in<T>(c.o), c.lse,
-                                                     in<T>(c.dout), out<T>(c.dq), out<T>(c.dk), out<T>(c.dv), c.s,
-                                                     c.varlen, c.attrs, c.x, threads, workers);
+  if constexpr (D == DV)
+    attention_bwd_varlen<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), in<T>(c.o), c.lse,
+                                                       in<T>(c.dout), out<T>(c.dq), out<T>(c.dk), out<T>(c.dv), c.s,
+                                                       c.varlen, c.attrs, c.x, threads, workers);
 }
 
-template <ffi::DataType T, int D>
+template <ffi::DataType T, int D, int DV>
 void run(const FwdPagedCall& c, int threads, Workers* workers) {
-  attention_fwd_paged<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
-                                                    static_cast<float*>(c.lse.data), c.s, c.paged, c.attrs, c.x,
-                                                    threads, workers, env_kv_splits());
+  if constexpr (D == DV)
+    attention_fwd_paged<typename Storage<T>::type, D>(in<T>(c.q), in<T>(c.k), in<T>(c.v), out<T>(c.o),
+                                                      static_cast<float*>(c.lse.data), c.s, c.paged, c.attrs, c.x,
+                                                      threads, workers, env_kv_splits());
 }
 
 // The handler of one call (templates/cpu/spec.cc.j2 binds it): Call (call.h) decodes and
-// validates the FFI's arguments, then the kernels run on XLA's thread pool.
-template <ffi::DataType T, int D, bool Causal, class Call>
-struct Handler {
+// validates the FFI's arguments, then the kernels run on XLA's thread pool. SplitHandler: a
+// spec whose value head dim DV differs from its query/key head dim D.
+template <ffi::DataType T, int D, int DV, bool Causal, class Call>
+struct SplitHandler {
   const char* target;
 
   template <class... Args>
   ffi::Error operator()(ffi::ThreadPool pool, Args... args) const {
-    auto call = Call::decode(Callee{target, D, Causal, /*host_operands=*/true}, std::move(args)...);
+    auto call = Call::decode(Callee{target, D, DV, Causal, /*host_operands=*/true}, std::move(args)...);
     if (call.has_error()) return call.error();
     poison(call.value());
-    with_threads(pool, [&](int threads, Workers* workers) { run<T, D>(call.value(), threads, workers); });
+    with_threads(pool, [&](int threads, Workers* workers) { run<T, D, DV>(call.value(), threads, workers); });
     return finished(target);
   }
 };
+
+template <ffi::DataType T, int D, bool Causal, class Call>
+using Handler = SplitHandler<T, D, D, Causal, Call>;
 
 }  // namespace flashgen::cpu

@@ -23,11 +23,12 @@ namespace detail {
 // Forward work item: one (problem, q head, q block), where a problem is a
 // batch entry (dense, paged) or a packed sequence (varlen).
 // ---------------------------------------------------------------------------
-template <int D>
+// D: the query/key head dim, DV: the value head dim (the last dim of v and o).
+template <int D, int DV = D>
 constexpr size_t fwd_ws_floats() {
-  // Qt [D][BQ], St [BK][BQ], Oacc [BQ][D], Kc, Vc [BK][D], Pb [BK/2][BQ], m, l, alpha [BQ];
-  // extras: Xt [BK][BQ], Xc [BQ][BK], q segment ids [BQ]
-  return size_t(D) * kFwdBq + size_t(kFwdBk) * kFwdBq + size_t(kFwdBq) * D + 2 * size_t(kFwdBk) * D +
+  // Qt [D][BQ], St [BK][BQ], Oacc [BQ][max(D, DV)] (also the q rows' scratch), Kc [BK][D], Vc [BK][DV],
+  // Pb [BK/2][BQ], m, l, alpha [BQ]; extras: Xt [BK][BQ], Xc [BQ][BK], q segment ids [BQ]
+  return size_t(D) * kFwdBq + size_t(kFwdBk) * kFwdBq + size_t(kFwdBq) * std::max(D, DV) + size_t(kFwdBk) * (D + DV) +
          size_t(kFwdBk / 2) * kFwdBq + 3 * size_t(kFwdBq) + 2 * size_t(kFwdBk) * kFwdBq + size_t(kFwdBq);
 }
 
@@ -160,7 +161,7 @@ inline int packed_nonfinite_rows(const PackedKV& kv, const Rows& vrows, int64_t 
 // partial's lse, which is >= its max score * ln 2 >= -FLT_MAX * ln 2).
 constexpr float kAllNegInfPartial = -std::numeric_limits<float>::max();
 
-// One forward problem at one q head. Rows of q / o are Hq * D elements apart,
+// One forward problem at one q head. Rows of q / o are Hq * D / Hq * DV elements apart,
 // lse rows are contiguous. With opart set, the item writes its normalized o in
 // fp32 to opart and its lse to lpart (same layouts; split-KV partials) instead.
 template <typename T>
@@ -176,7 +177,7 @@ struct FwdProblem {
   const PackedKV* kv = nullptr;  // this kv head's rows packed once per call (fp32 products), or null
 };
 
-template <typename T, int D, typename Rows>
+template <typename T, int D, int DV, typename Rows>
 void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int64_t Hq, const AttentionAttrs& a,
               int64_t qb, float* ws) {
   constexpr int BQ = kFwdBq, BK = kFwdBk;
@@ -193,10 +194,10 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
 
   float* Qt = ws;                      // [D][BQ] floats or [D/2][BQ] bf16 pairs
   float* St = Qt + D * BQ;             // [BK][BQ]
-  float* Oacc = St + BK * BQ;          // [BQ][D]
-  float* Kc = Oacc + BQ * D;           // [BK][D]
-  float* Vc = Kc + BK * D;             // [BK][D]
-  float* Pbuf = Vc + BK * D;           // [BK/2][BQ] bf16 pairs
+  float* Oacc = St + BK * BQ;          // [BQ][DV]; before the key loop, q rows [BQ][D]
+  float* Kc = Oacc + BQ * std::max(D, DV);  // [BK][D]
+  float* Vc = Kc + BK * D;             // [BK][DV]
+  float* Pbuf = Vc + BK * DV;          // [BK/2][BQ] bf16 pairs
   float* mrow = Pbuf + (BK / 2) * BQ;  // [BQ]
   float* lrow = mrow + BQ;             // [BQ]
   float* alpha = lrow + BQ;            // [BQ]
@@ -205,7 +206,7 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
   int32_t* qsegb = reinterpret_cast<int32_t*>(Xc + BQ * BK);  // [BQ]
   E* Qe = reinterpret_cast<E*>(Qt);
 
-  const int64_t ldq = Hq * D;
+  const int64_t ldq = Hq * D, ldo = Hq * DV;
   const T* qblk = p.q + q0 * ldq;
   if constexpr (BF) {
     transpose32(reinterpret_cast<const uint32_t*>(qblk), ldq / 2, nq, D / 2, nqp, reinterpret_cast<uint32_t*>(Qt),
@@ -213,7 +214,7 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
   } else {
     load_transposed<T, D>(qblk, ldq, nq, nqp, Qt, BQ, Oacc);  // Oacc: scratch for converted rows
   }
-  std::memset(Oacc, 0, sizeof(float) * size_t(nq) * D);
+  std::memset(Oacc, 0, sizeof(float) * size_t(nq) * DV);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nqp; ++i) {
     mrow[i] = ninf;
@@ -351,31 +352,31 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
 #if FLASHGEN_CPU_BF16_DOT
       uint32_t* Vp = reinterpret_cast<uint32_t*>(Vc);
       uint32_t* Pb = reinterpret_cast<uint32_t*>(Pbuf);
-      interleave_rows<D>(vrows, k0, nk, Vp);
-      nbad = take_nonfinite_rows_bf16<D>([&](int64_t r) { return vrows(k0 + r); }, nk, Vp, badv);
+      interleave_rows<DV>(vrows, k0, nk, Vp);
+      nbad = take_nonfinite_rows_bf16<DV>([&](int64_t r) { return vrows(k0 + r); }, nk, Vp, badv);
       pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
       const int64_t kp = (nk + 1) / 2;
       if (diag)
-        gemm<uint32_t, true, true>(nq, D, kp, Pb, 1, BQ, Vp, D, Oacc, D, alpha, ValueTiles<2>{off + q0 - k0});
+        gemm<uint32_t, true, true>(nq, DV, kp, Pb, 1, BQ, Vp, DV, Oacc, DV, alpha, ValueTiles<2>{off + q0 - k0});
       else
-        gemm<uint32_t, true, true>(nq, D, kp, Pb, 1, BQ, Vp, D, Oacc, D, alpha);
+        gemm<uint32_t, true, true>(nq, DV, kp, Pb, 1, BQ, Vp, DV, Oacc, DV, alpha);
 #endif
     } else {
       const float* Vp = Vc;
       if (p.kv != nullptr) {
-        Vp = p.kv->v + k0 * D;
-        nbad = packed_nonfinite_rows<T, D>(*p.kv, vrows, k0, nk, badv);
+        Vp = p.kv->v + k0 * DV;
+        nbad = packed_nonfinite_rows<T, DV>(*p.kv, vrows, k0, nk, badv);
       } else {
-        gather_f32<T, D>(vrows, k0, nk, Vc);
-        nbad = take_nonfinite_rows<D>(Vc, nk, D, badv);
+        gather_f32<T, DV>(vrows, k0, nk, Vc);
+        nbad = take_nonfinite_rows<DV>(Vc, nk, DV, badv);
       }
       if (diag)
-        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, D, Oacc, D, alpha, ValueTiles<1>{off + q0 - k0});
+        gemm<float, true, true>(nq, DV, nk, St, 1, BQ, Vp, DV, Oacc, DV, alpha, ValueTiles<1>{off + q0 - k0});
       else
-        gemm<float, true, true>(nq, D, nk, St, 1, BQ, Vp, D, Oacc, D, alpha);
+        gemm<float, true, true>(nq, DV, nk, St, 1, BQ, Vp, DV, Oacc, DV, alpha);
     }
     if (nbad > 0)
-      add_nonfinite_terms<D>(
+      add_nonfinite_terms<DV>(
           nq, badv, nbad,
           [&](int64_t i, int32_t j, float* w) {  // visible: in the band and not masked by the extras
             const int64_t dist = k0 + j - (q0 + i);
@@ -383,7 +384,7 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
             *w = St[j * BQ + i];
             return true;
           },
-          [&](int32_t j, float* dst) { load_f32<T>(vrows(k0 + j), dst, D); }, Oacc, D);
+          [&](int32_t j, float* dst) { load_f32<T>(vrows(k0 + j), dst, DV); }, Oacc, DV);
   }
 
   // Normalize and write o, lse (or the fp32 partials). A NaN l (a NaN or overflowed
@@ -402,19 +403,19 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       all_ninf = lo < hi && (x == nullptr || extras_see_a_key(*x, r, lo, hi));
     }
     if (p.opart != nullptr) {
-      float* orow = p.opart + (q0 + i) * ldq;
+      float* orow = p.opart + (q0 + i) * ldo;
       const float inv = l != 0.0f ? 1.0f / l : 0.0f;
-      for (int d = 0; d < D; ++d) orow[d] = l != 0.0f ? Oacc[i * D + d] * inv : 0.0f;
+      for (int d = 0; d < DV; ++d) orow[d] = l != 0.0f ? Oacc[i * DV + d] * inv : 0.0f;
       p.lpart[q0 + i] = l != 0.0f ? mrow[i] * kLn2 + std::log(l) : all_ninf ? kAllNegInfPartial : ninf;
       continue;
     }
-    T* orow = p.o + (q0 + i) * ldq;
+    T* orow = p.o + (q0 + i) * ldo;
     float* lrow_out = p.lse + q0 + i;
     if (l != 0.0f) {
-      store_from_f32<T>(Oacc + i * D, orow, D, 1.0f / l);
+      store_from_f32<T>(Oacc + i * DV, orow, DV, 1.0f / l);
       *lrow_out = mrow[i] * kLn2 + std::log(l);
     } else {
-      for (int d = 0; d < D; ++d) orow[d] = from_f32<T>(all_ninf ? nan : 0.0f);
+      for (int d = 0; d < DV; ++d) orow[d] = from_f32<T>(all_ninf ? nan : 0.0f);
       *lrow_out = all_ninf ? nan : ninf;
     }
   }
@@ -509,6 +510,7 @@ inline SplitPlan plan_splits(int64_t items, int64_t max_keys, int want, int forc
 // Dense forward (extras optional) and paged forward share this driver: `run`
 // is called as run(b, h, qb, FwdProblem&) with q / o / lse / extras of (b, h)
 // to fill in the kv rows and call fwd_item; Sk_of(b) gives the problem's keys.
+// D here is o's last dim (the value head dim).
 template <typename T, int D, typename SkOf, typename Run>
 void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const AttentionAttrs& a, int num_threads,
                  Workers* workers, int kv_splits, double flops, SkOf&& Sk_of, Run&& run) {
@@ -561,7 +563,7 @@ void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const Atte
 // Packs k and v ([B][Sk][Hkv][D]) to kp, vp ([B][Hkv][Sk][D] fp32) in chunks of
 // kFwdBk rows, zeroing V rows that hold a NaN or an infinity (counted per chunk
 // in vbad [B][Hkv][chunks]).
-template <typename T, int D>
+template <typename T, int D, int DV>
 void pack_kv(const T* k, const T* v, int64_t B, int64_t Sk, int64_t Hkv, float* kp, float* vp, int32_t* vbad,
              int num_threads, Workers* workers) {
   const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk;
@@ -570,35 +572,35 @@ void pack_kv(const T* k, const T* v, int64_t B, int64_t Sk, int64_t Hkv, float* 
       [&](int64_t item, int) {
         const int64_t bh = item / nkc, j0 = (item % nkc) * kFwdBk, b = bh / Hkv, hk = bh % Hkv;
         const int64_t n = std::min<int64_t>(kFwdBk, Sk - j0);
-        const int64_t src = ((b * Sk + j0) * Hkv + hk) * D, dst = (bh * Sk + j0) * D;
-        const DenseRows<T> kr{k + src, Hkv * D}, vr{v + src, Hkv * D};
-        gather_f32<T, D>(kr, 0, n, kp + dst);
-        gather_f32<T, D>(vr, 0, n, vp + dst);
+        const int64_t row = (b * Sk + j0) * Hkv + hk, dst = bh * Sk + j0;
+        const DenseRows<T> kr{k + row * D, Hkv * D}, vr{v + row * DV, Hkv * DV};
+        gather_f32<T, D>(kr, 0, n, kp + dst * D);
+        gather_f32<T, DV>(vr, 0, n, vp + dst * DV);
         int32_t bad[kFwdBk];
-        vbad[item] = take_nonfinite_rows<D>(vp + dst, n, D, bad);
+        vbad[item] = take_nonfinite_rows<DV>(vp + dst * DV, n, DV, bad);
       },
       workers);
 }
 
-template <typename T, int D>
+template <typename T, int D, int DV>
 void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
                const AttentionAttrs& a, const ScoreExtras* x, int num_threads, Workers* workers, int kv_splits) {
   const int64_t B = s.batch, Sq = s.seqlen_q, Sk = s.seqlen_k, Hq = s.heads_q, Hkv = s.heads_kv;
   const int64_t G = Hq / Hkv;
-  const double flops = 4.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(Sq)) * D;
+  const double flops = 2.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(Sq)) * (D + DV);
   // fp32 products gather each key / value block once per q block and q head of
   // the group: pack them once per call instead when that is more than once and
   // a kv head's K and V outgrow FLASHGEN_CPU_FWD_PACK_BYTES (half an L2); smaller
   // ones stay cached across the head's q blocks, which run in a row, and there
   // the packing pass costs more than it saves (bf16 pairs are gathered per block).
-  const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, kv_elems = B * Hkv * Sk * D;
+  const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, k_elems = B * Hkv * Sk * D;
   const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1) &&
-                    2 * Sk * D * int64_t(sizeof(float)) > FLASHGEN_CPU_FWD_PACK_BYTES;
-  AlignedFloats kvbuf(pack ? size_t(2 * kv_elems) : 0);
+                    Sk * (D + DV) * int64_t(sizeof(float)) > FLASHGEN_CPU_FWD_PACK_BYTES;
+  AlignedFloats kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
   std::vector<int32_t> vbad(pack ? size_t(B * Hkv * nkc) : 0);
-  if (pack) pack_kv<T, D>(k, v, B, Sk, Hkv, kvbuf.p, kvbuf.p + kv_elems, vbad.data(),
-                          threads_for(num_threads, flops), workers);
-  fwd_batched<T, D>(
+  if (pack) pack_kv<T, D, DV>(k, v, B, Sk, Hkv, kvbuf.p, kvbuf.p + k_elems, vbad.data(),
+                              threads_for(num_threads, flops), workers);
+  fwd_batched<T, DV>(
       o, lse, B, Sq, Hq, a, num_threads, workers, kv_splits, flops, [&](int64_t) { return Sk; },
       [&](int64_t b, int64_t h, int64_t qb, FwdProblem<T>& p) {
         const int64_t hk = h / G;
@@ -608,11 +610,11 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
           e = head_extras(*x, b, h, Sq, Sk, nullptr);
           p.x = &e;
         }
-        const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * D, Hkv * D};
+        const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * DV, Hkv * DV};
         const int64_t bhk = b * Hkv + hk;
-        const PackedKV kv{kvbuf.p + bhk * Sk * D, kvbuf.p + kv_elems + bhk * Sk * D, vbad.data() + bhk * nkc};
+        const PackedKV kv{kvbuf.p + bhk * Sk * D, kvbuf.p + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
         if (pack) p.kv = &kv;
-        fwd_item<T, D>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D>()));
+        fwd_item<T, D, DV>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D, DV>()));
       });
 }
 
@@ -626,22 +628,23 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
 // kv_splits (forward): split-KV ranges per row block; 0 = automatic (split
 // only when there are fewer row blocks than useful threads), 1 = never.
 // ---------------------------------------------------------------------------
-template <typename T, int D>
+// DV: the value head dim (v, o [..][DV]; call.h checks the shapes), D unless given.
+template <typename T, int D, int DV = D>
 void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
                    const AttentionAttrs& a, const ScoreExtras& x, int num_threads, Workers* workers = nullptr,
                    int kv_splits = 0) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16>::value || std::is_same<T, f16>::value,
                 "T must be float, bf16 or f16");
-  static_assert(detail::valid_head_dim<T>(D), "unsupported head_dim");
+  static_assert(detail::valid_head_dim<T>(D) && detail::valid_head_dim<T>(DV), "unsupported head_dim");
   if (s.batch <= 0 || s.heads_q <= 0 || s.heads_kv <= 0 || s.seqlen_q <= 0) return;
   if (s.head_dim != D || s.heads_q % s.heads_kv != 0 || s.seqlen_k < 0) return;  // precondition violated
-  detail::fwd_dense<T, D>(q, k, v, o, lse, s, a, x.any() ? &x : nullptr, num_threads, workers, kv_splits);
+  detail::fwd_dense<T, D, DV>(q, k, v, o, lse, s, a, x.any() ? &x : nullptr, num_threads, workers, kv_splits);
 }
 
-template <typename T, int D>
+template <typename T, int D, int DV = D>
 void attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
                    const AttentionAttrs& a, int num_threads, Workers* workers = nullptr) {
-  attention_fwd<T, D>(q, k, v, o, lse, s, a, ScoreExtras{}, num_threads, workers, 0);
+  attention_fwd<T, D, DV>(q, k, v, o, lse, s, a, ScoreExtras{}, num_threads, workers, 0);
 }
 
 // Paged KV forward (PagedArgs): q, o [B][Sq][Hq][D], lse [B][Hq][Sq]; k_cache,
@@ -682,7 +685,7 @@ void attention_fwd_paged(const T* q, const T* k_cache, const T* v_cache, T* o, f
         }
         const PagedRows<T> kr{k_cache + hk * D, pa.block_table + b * MB, BS, BS * Hkv * D, Hkv * D};
         const PagedRows<T> vr{v_cache + hk * D, pa.block_table + b * MB, BS, BS * Hkv * D, Hkv * D};
-        fwd_item<T, D>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D>()));
+        fwd_item<T, D, D>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D>()));
       });
 }
 
@@ -761,7 +764,7 @@ void attention_fwd_varlen(const T* q, const T* k, const T* v, T* o, float* lse, 
         }
         const DenseRows<T> kr{k + (int64_t(ck[b]) * Hkv + hk) * D, Hkv * D};
         const DenseRows<T> vr{v + (int64_t(ck[b]) * Hkv + hk) * D, Hkv * D};
-        fwd_item<T, D>(p, kr, vr, Hq, a, bl.second, thread_workspace(fwd_ws_floats<D>()));
+        fwd_item<T, D, D>(p, kr, vr, Hq, a, bl.second, thread_workspace(fwd_ws_floats<D>()));
       },
       workers);
 }

@@ -566,7 +566,7 @@ struct Handler {
 
   template <class... Args>
   ffi::Error operator()(cudaStream_t stream, ffi::ScratchAllocator scratch, Args... args) const {
-    auto call = Call::decode(Callee{target, D, CAUSAL, /*host_operands=*/false}, std::move(args)...);
+    auto call = Call::decode(Callee{target, D, D, CAUSAL, /*host_operands=*/false}, std::move(args)...);
     if (call.has_error()) return call.error();
     return launch<DT, D, CAUSAL>(target, stream, scratch, call.value());
   }

@@ -4,8 +4,8 @@ formats (.mlir, .mlirbc, .jax_exported), a value-and-grad graph.
 
 import math
 
-from .common import B, T, export_fn, jax_modules, qkv, spec, tname
-from .registry import golden
+from .common import B, H, T, export_fn, jax_modules, qkv, spec, tname
+from .registry import golden, training_golden
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], causal=False, scale=1 / math.sqrt(32),
@@ -43,6 +43,33 @@ def jnn_head_dim_48_padded():
     jax, _, _ = jax_modules()
     return export_fn(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
                      *qkv(d=48, hkv=2))
+
+
+def _mla_attention(q, k, v):
+    """DeepSeek's MLA shapes: query/key head dim 192 (128 + 64 rotary), value head dim 128."""
+    jax, jnp, _ = jax_modules()
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(192)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), v)
+
+
+def _mla_inputs():
+    q, k, _ = qkv(d=192)
+    return q, k, spec((B, T, H, 128))
+
+
+# the value head dim is a kernel's own (d192v128), not a padding
+@golden(rewritten=1, targets=["flashgen_fwd_d192v128_f32_causal"], causal=True, scale=1 / math.sqrt(192),
+        kv_heads=4)
+def mla_head_dims_192_128():
+    return export_fn(_mla_attention, *_mla_inputs())
+
+
+@training_golden(sites=1, fwd=["flashgen_fwd_d192v128_f32_causal"], bwd=["flashgen_bwd_d192v128_f32_causal"])
+def train_mla_head_dims_192_128():
+    jax, jnp, _ = jax_modules()
+    loss = lambda q, k, v: jnp.sum(jnp.sin(_mla_attention(q, k, v)))
+    return export_fn(jax.grad(loss, argnums=(0, 1, 2)), *_mla_inputs())
 
 
 @golden(rewritten=1, targets=[tname(32, "f32", False)], scale=0.5)

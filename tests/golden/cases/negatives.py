@@ -71,17 +71,6 @@ def neg_softmax_classifier():
     return export_fn(lambda x, w: jax.nn.softmax(x @ w), spec((B, 64)), spec((64, 10)))
 
 
-@golden(rejected=["value head dim"])
-def neg_value_head_dim():
-    jax, jnp, _ = jax_modules()
-
-    def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-        return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), v)
-    q, k, _ = qkv()
-    return export_fn(f, q, k, spec((B, T, H, 64)))
-
-
 @golden(rejected=["before the softcap"])
 def neg_bias_before_softcap():
     _, jnp, _ = jax_modules()
