@@ -1,0 +1,125 @@
+"""Padded fine-tuning steps: the gradient of a loss through library models called with a
+key-padding mask, exported for CPU. transformers adds its mask to the scores as finfo.min (a
+row without a visible key then gets a uniform softmax's gradient through the add:
+flashgen.rewrite.empty_rows.emit_added_fill_grads); flax and equinox select a finite fill.
+tests/test_rewrite_backward.py feeds integer masks with a fully padded sequence and a
+left-padded one, and boolean masks with a fully padded and a right-padded one, and runs
+--verify's own inputs on each case.
+"""
+
+from .common import export_fn, jax_modules, spec, torch_modules
+from .registry import training_golden
+from .train_model import B, T, H, D, target
+
+E = H * D
+
+
+def hf_padded_step(config_cls, model_cls, dtype="float32", impl="eager", **config):
+    """grad over (parameters, inputs_embeds) of mean(h²) of a 2-layer transformers model
+    (``model_cls``) called with ``inputs_embeds`` [B, T, E] and an int attention_mask [B, T],
+    traced by torchax (loss.backward() as torchax runs it: jax.grad of the traced model)."""
+    torch, torchax = torch_modules()
+    jax, jnp, _ = jax_modules()
+    import transformers
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=64, hidden_size=E, num_hidden_layers=2,
+                                            num_attention_heads=H, max_position_embeddings=64,
+                                            **config)
+    cfg._attn_implementation = impl
+    model = getattr(transformers, model_cls)(cfg)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x, mask):
+            return self.m(inputs_embeds=x, attention_mask=mask, use_cache=False).last_hidden_state
+    params, fn = torchax.extract_jax(Step())
+
+    def loss(p, x, mask):
+        return jnp.mean(fn(p, (x, mask)).astype(jnp.float32) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1)),
+                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, E), dtype), spec((B, T), "int32"))
+
+
+def _neox(dtype):
+    return hf_padded_step("GPTNeoXConfig", "GPTNeoXModel", dtype, intermediate_size=128)
+
+
+def _opt(dtype):
+    return hf_padded_step("OPTConfig", "OPTModel", dtype, ffn_dim=128, word_embed_proj_dim=E)
+
+
+# GPT-NeoX's MLP: a product whose "scores" are multiplied (GELU), correctly left alone
+_GELU = "the scores pass through stablehlo.multiply before any softmax"
+
+
+@training_golden(sites=2, fwd=[target("fwd")], bwd=[target("bwd")], rejected=[_GELU])
+def train_padded_hf_gpt_neox():
+    return _neox("float32")
+
+
+@training_golden(sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")],
+                 rejected=[_GELU])
+def train_padded_hf_gpt_neox_bf16():
+    return _neox("bfloat16")
+
+
+@training_golden(sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
+def train_padded_hf_opt():
+    return _opt("float32")
+
+
+def flax_padded_step(dtype="float32"):
+    """grad over (parameters, x) of a flax linen causal self-attention layer with a boolean
+    key-padding mask [B, T] (make_attention_mask & make_causal_mask: a select fill)."""
+    jax, jnp, _ = jax_modules()
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x, pad):
+            mask = nn.combine_masks(nn.make_attention_mask(pad, pad), nn.make_causal_mask(pad))
+            # no projection biases: Q's bias gets a gradient that is ~0 in exact arithmetic,
+            # bf16 rounding noise in both programs that the harness cannot judge
+            return nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, use_bias=False,
+                                                   dtype=jnp.dtype(dtype))(x, mask=mask)
+    m = M()
+    params = m.init(jax.random.key(0), jnp.ones((B, T, E), dtype), jnp.ones((B, T), bool))
+
+    def loss(p, x, pad):
+        return jnp.mean(m.apply(p, x, pad).astype(jnp.float32) ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1)),
+                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, E), dtype), spec((B, T), "bool"))
+
+
+@training_golden(sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
+def train_padded_flax():
+    return flax_padded_step("float32")
+
+
+@training_golden(sites=1, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")])
+def train_padded_flax_bf16():
+    return flax_padded_step("bfloat16")
+
+
+@training_golden(sites=1, fwd=[target("fwd", causal=False)], bwd=[target("bwd", causal=False)])
+def train_padded_equinox():
+    # equinox MultiheadAttention under jax.vmap with a key-padding mask [T, T] per example
+    jax, jnp, _ = jax_modules()
+    import equinox as eqx
+    m = eqx.nn.MultiheadAttention(num_heads=H, query_size=E, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(m, eqx.is_array)
+
+    def loss(p, x, pad):
+        mm = eqx.combine(p, static)
+        out = jax.vmap(lambda xx, pp: mm(xx, xx, xx, mask=jnp.broadcast_to(pp, (T, T))))(x, pad)
+        return jnp.mean(out ** 2)
+    return export_fn(jax.grad(loss, argnums=(0, 1)),
+                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
+                     spec((B, T, E)), spec((B, T), "bool"))
