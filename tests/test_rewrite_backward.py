@@ -118,10 +118,23 @@ def test_training_gradients_match(name, kernels):
     # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a per-row
     # shift) is rounding noise in both programs: measure it against the others' scale
     floor = 1e-2 * max(float(np.max(np.abs(np.asarray(r, np.float64)))) for r in ref)
+    arbiter = None
     for i, (r, g) in enumerate(zip(ref, got)):
         r64, g64 = np.asarray(r, np.float64), np.asarray(g, np.float64)
         assert np.all(np.isfinite(g64)), f"gradient {i} has non-finite entries"
         err = np.max(np.abs(r64 - g64)) / max(float(np.max(np.abs(r64))), floor)
+        if err > TOLERANCE[dtype] and dtype == "bf16":
+            # the bf16 original's own rounding can exceed the tolerance (a gradient summed
+            # over many rows): judged as --verify does, against the original run in f32
+            from flashgen.rewrite import verify
+            if arbiter is None:
+                original = modules.load(result.loaded.data)
+                arbiter = execute.run(verify.widened(original), inputs, register=False)
+            w64 = np.asarray(arbiter[i], np.float64)
+            own, mine = np.max(np.abs(r64 - w64)), np.max(np.abs(g64 - w64))
+            assert mine <= verify.ARBITER_FACTOR * own, \
+                f"gradient {i}: error {mine:.2e} against the f32 original, the original's {own:.2e}"
+            continue
         assert err <= TOLERANCE[dtype], f"gradient {i}: relative error {err:.2e}"
 
 

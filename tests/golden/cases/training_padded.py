@@ -123,3 +123,45 @@ def train_padded_equinox():
     return export_fn(jax.grad(loss, argnums=(0, 1)),
                      jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
                      spec((B, T, E)), spec((B, T), "bool"))
+
+
+def keras_hub_padded_step(backbone_cls, dtype="float32", **config):
+    """grad over the trainable weights of mean(h²) of a keras_hub backbone called with
+    token ids and a boolean padding_mask [B, T] (keras' masked Softmax: causal AND padding,
+    the probabilities masked again after it)."""
+    from .keras_layers import _keras
+    keras = _keras()
+    jax, jnp, _ = jax_modules()
+    import keras_hub
+    keras.utils.set_random_seed(0)
+    model = getattr(keras_hub.models, backbone_cls)(vocabulary_size=64, num_layers=2, dtype=dtype,
+                                                    **config)
+    weights = model.weights
+
+    def loss(ws, ids, pad):
+        with keras.StatelessScope(state_mapping=list(zip(weights, ws))):
+            out = model({"token_ids": ids, "padding_mask": pad}, training=False)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+    return export_fn(jax.grad(loss), [spec(w.shape, w.dtype) for w in weights],
+                     spec((B, T), "int32"), spec((B, T), "bool"))
+
+
+# the backward's dP = dO·Vᵀ masked again (where(mask, dP, 0)): a candidate seen before the
+# cluster is replaced, left alone as no forward
+_REMASKED_DP = "the mask fill value 0 is not a large negative number"
+
+
+def _gpt2(dtype):
+    return keras_hub_padded_step("GPT2Backbone", dtype, num_heads=H, hidden_dim=E,
+                                 intermediate_dim=2 * E, max_sequence_length=T)
+
+
+@training_golden(sites=2, fwd=[target("fwd")], bwd=[target("bwd")], rejected=[_REMASKED_DP])
+def train_padded_keras_hub_gpt2():
+    return _gpt2("float32")
+
+
+@training_golden(sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")],
+                 rejected=[_REMASKED_DP])
+def train_padded_keras_hub_gpt2_bf16():
+    return _gpt2("bfloat16")
