@@ -26,35 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def export_step(seq: int, batch: int, layers: int, hidden: int, heads: int) -> str:
-    import jax
-    import jax.numpy as jnp
-    import torch
-    import transformers
-    from flashgen.frontends.torchax_compat import import_torchax
-    torchax = import_torchax()
-    torch.manual_seed(0)
-    config = transformers.GPTNeoXConfig(
-        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=seq)
-    config._attn_implementation = "eager"
-    net = transformers.GPTNeoXModel(config)
-
-    class Step(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = net
-
-        def forward(self, x, mask):
-            return self.m(inputs_embeds=x, attention_mask=mask, use_cache=False).last_hidden_state
-    params, fn = torchax.extract_jax(Step())
-
-    def loss(p, x, mask):
-        return jnp.mean(fn(p, (x, mask)) ** 2)
-    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cpu"])(
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
-        jax.ShapeDtypeStruct((batch, seq, hidden), jnp.float32),
-        jax.ShapeDtypeStruct((batch, seq), jnp.int32))
-    return exported.mlir_module()
+    """The golden builder's step (tests/golden/cases/training_padded.py) at this size."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "golden"))
+    from cases.training_padded import hf_padded_step
+    return hf_padded_step("GPTNeoXConfig", "GPTNeoXModel", batch=batch, seq=seq, hidden=hidden,
+                          heads=heads, layers=layers, intermediate_size=2 * hidden).mlir_module()
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,8 @@ left-padded one, and boolean masks with a fully padded and a right-padded one, a
 --verify's own inputs on each case.
 """
 
+import functools
+
 from .common import export_fn, jax_modules, spec, torch_modules
 from .registry import training_golden
 from .train_model import B, T, H, D, target
@@ -14,17 +16,38 @@ from .train_model import B, T, H, D, target
 E = H * D
 
 
-def hf_padded_step(config_cls, model_cls, dtype="float32", impl="eager", **config):
-    """grad over (parameters, inputs_embeds) of mean(h²) of a 2-layer transformers model
-    (``model_cls``) called with ``inputs_embeds`` [B, T, E] and an int attention_mask [B, T],
-    traced by torchax (loss.backward() as torchax runs it: jax.grad of the traced model)."""
-    torch, torchax = torch_modules()
+def f32_and_bf16(name, build, sites, **expect):
+    """Register ``build(dtype)`` as two training goldens, ``name`` (f32) and ``name``_bf16."""
+    for dtype, suffix, kdt in (("float32", "", "f32"), ("bfloat16", "_bf16", "bf16")):
+        case = functools.partial(build, dtype)
+        case.__name__ = name + suffix
+        training_golden(sites=sites, fwd=[target("fwd", dt=kdt)], bwd=[target("bwd", dt=kdt)],
+                        **expect)(case)
+
+
+def mean_square_grad(apply, params, *args, argnums=(0, 1)):
+    """Export grad over ``argnums`` of mean(apply(params, *args)²), the square taken in f32;
+    ``params`` and ``args``: arrays or specs (a pytree of them)."""
     jax, jnp, _ = jax_modules()
+
+    def loss(p, *a):
+        return jnp.mean(apply(p, *a).astype(jnp.float32) ** 2)
+    return export_fn(jax.grad(loss, argnums=argnums),
+                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params), *args)
+
+
+def hf_padded_step(config_cls, model_cls, dtype="float32", impl="eager", *, batch=B, seq=T,
+                   hidden=E, heads=H, layers=2, **config):
+    """grad over (parameters, inputs_embeds) of mean(h²) of a transformers model
+    (``model_cls``) called with ``inputs_embeds`` [batch, seq, hidden] and an int
+    attention_mask [batch, seq], traced by torchax (loss.backward() as torchax runs it:
+    jax.grad of the traced model)."""
+    torch, torchax = torch_modules()
     import transformers
     torch.manual_seed(0)
-    cfg = getattr(transformers, config_cls)(vocab_size=64, hidden_size=E, num_hidden_layers=2,
-                                            num_attention_heads=H, max_position_embeddings=64,
-                                            **config)
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        max_position_embeddings=max(seq, 64), **config)
     cfg._attn_implementation = impl
     model = getattr(transformers, model_cls)(cfg)
     if dtype == "bfloat16":
@@ -38,40 +61,24 @@ def hf_padded_step(config_cls, model_cls, dtype="float32", impl="eager", **confi
         def forward(self, x, mask):
             return self.m(inputs_embeds=x, attention_mask=mask, use_cache=False).last_hidden_state
     params, fn = torchax.extract_jax(Step())
-
-    def loss(p, x, mask):
-        return jnp.mean(fn(p, (x, mask)).astype(jnp.float32) ** 2)
-    return export_fn(jax.grad(loss, argnums=(0, 1)),
-                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
-                     spec((B, T, E), dtype), spec((B, T), "int32"))
+    return mean_square_grad(lambda p, x, mask: fn(p, (x, mask)), params,
+                            spec((batch, seq, hidden), dtype), spec((batch, seq), "int32"))
 
 
 def _neox(dtype):
     return hf_padded_step("GPTNeoXConfig", "GPTNeoXModel", dtype, intermediate_size=128)
 
 
-def _opt(dtype):
-    return hf_padded_step("OPTConfig", "OPTModel", dtype, ffn_dim=128, word_embed_proj_dim=E)
-
-
 # GPT-NeoX's MLP: a product whose "scores" are multiplied (GELU), correctly left alone
 _GELU = "the scores pass through stablehlo.multiply before any softmax"
 
 
-@training_golden(sites=2, fwd=[target("fwd")], bwd=[target("bwd")], rejected=[_GELU])
-def train_padded_hf_gpt_neox():
-    return _neox("float32")
-
-
-@training_golden(sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")],
-                 rejected=[_GELU])
-def train_padded_hf_gpt_neox_bf16():
-    return _neox("bfloat16")
+f32_and_bf16("train_padded_hf_gpt_neox", _neox, sites=2, rejected=[_GELU])
 
 
 @training_golden(sites=2, fwd=[target("fwd")], bwd=[target("bwd")])
 def train_padded_hf_opt():
-    return _opt("float32")
+    return hf_padded_step("OPTConfig", "OPTModel", ffn_dim=128, word_embed_proj_dim=E)
 
 
 def flax_padded_step(dtype="float32"):
@@ -90,22 +97,10 @@ def flax_padded_step(dtype="float32"):
                                                    dtype=jnp.dtype(dtype))(x, mask=mask)
     m = M()
     params = m.init(jax.random.key(0), jnp.ones((B, T, E), dtype), jnp.ones((B, T), bool))
-
-    def loss(p, x, pad):
-        return jnp.mean(m.apply(p, x, pad).astype(jnp.float32) ** 2)
-    return export_fn(jax.grad(loss, argnums=(0, 1)),
-                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
-                     spec((B, T, E), dtype), spec((B, T), "bool"))
+    return mean_square_grad(m.apply, params, spec((B, T, E), dtype), spec((B, T), "bool"))
 
 
-@training_golden(sites=1, fwd=[target("fwd")], bwd=[target("bwd")])
-def train_padded_flax():
-    return flax_padded_step("float32")
-
-
-@training_golden(sites=1, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")])
-def train_padded_flax_bf16():
-    return flax_padded_step("bfloat16")
+f32_and_bf16("train_padded_flax", flax_padded_step, sites=1)
 
 
 @training_golden(sites=1, fwd=[target("fwd", causal=False)], bwd=[target("bwd", causal=False)])
@@ -116,13 +111,10 @@ def train_padded_equinox():
     m = eqx.nn.MultiheadAttention(num_heads=H, query_size=E, key=jax.random.PRNGKey(0))
     params, static = eqx.partition(m, eqx.is_array)
 
-    def loss(p, x, pad):
+    def apply(p, x, pad):
         mm = eqx.combine(p, static)
-        out = jax.vmap(lambda xx, pp: mm(xx, xx, xx, mask=jnp.broadcast_to(pp, (T, T))))(x, pad)
-        return jnp.mean(out ** 2)
-    return export_fn(jax.grad(loss, argnums=(0, 1)),
-                     jax.tree.map(lambda a: spec(a.shape, a.dtype), params),
-                     spec((B, T, E)), spec((B, T), "bool"))
+        return jax.vmap(lambda xx, pp: mm(xx, xx, xx, mask=jnp.broadcast_to(pp, (T, T))))(x, pad)
+    return mean_square_grad(apply, params, spec((B, T, E)), spec((B, T), "bool"))
 
 
 def keras_hub_padded_step(backbone_cls, dtype="float32", **config):
@@ -131,19 +123,17 @@ def keras_hub_padded_step(backbone_cls, dtype="float32", **config):
     the probabilities masked again after it)."""
     from .keras_layers import _keras
     keras = _keras()
-    jax, jnp, _ = jax_modules()
     import keras_hub
     keras.utils.set_random_seed(0)
     model = getattr(keras_hub.models, backbone_cls)(vocabulary_size=64, num_layers=2, dtype=dtype,
                                                     **config)
     weights = model.weights
 
-    def loss(ws, ids, pad):
+    def apply(ws, ids, pad):
         with keras.StatelessScope(state_mapping=list(zip(weights, ws))):
-            out = model({"token_ids": ids, "padding_mask": pad}, training=False)
-        return jnp.mean(out.astype(jnp.float32) ** 2)
-    return export_fn(jax.grad(loss), [spec(w.shape, w.dtype) for w in weights],
-                     spec((B, T), "int32"), spec((B, T), "bool"))
+            return model({"token_ids": ids, "padding_mask": pad}, training=False)
+    return mean_square_grad(apply, weights, spec((B, T), "int32"), spec((B, T), "bool"),
+                            argnums=0)
 
 
 # the backward's dP = dO·Vᵀ masked again (where(mask, dP, 0)): a candidate seen before the
@@ -156,12 +146,4 @@ def _gpt2(dtype):
                                  intermediate_dim=2 * E, max_sequence_length=T)
 
 
-@training_golden(sites=2, fwd=[target("fwd")], bwd=[target("bwd")], rejected=[_REMASKED_DP])
-def train_padded_keras_hub_gpt2():
-    return _gpt2("float32")
-
-
-@training_golden(sites=2, fwd=[target("fwd", dt="bf16")], bwd=[target("bwd", dt="bf16")],
-                 rejected=[_REMASKED_DP])
-def train_padded_keras_hub_gpt2_bf16():
-    return _gpt2("bfloat16")
+f32_and_bf16("train_padded_keras_hub_gpt2", _gpt2, sites=2, rejected=[_REMASKED_DP])
