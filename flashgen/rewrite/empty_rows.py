@@ -30,8 +30,9 @@ original's uniform mean. ``emit_bias_floor`` raises such entries to -2^127 (fini
 units, still absorbing every score) and keeps -inf entries -inf.
 
 Anything else is rejected: an added fill too small to absorb the scores (e.g. -1e4 in f32:
-the row is the softmax of the rounded scores, which no kernel mode reproduces), or masks of
-different fills (the row is uniform over only some keys).
+the row is the softmax of the rounded scores, which no kernel mode reproduces), masks of
+different fills, or fills that add up to -inf (``where(causal, s, min) + where(pad, 0, min)``:
+min + min overflows): the row is uniform over only some keys.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from flashgen.rewrite.errors import Reject
 # An added fill absorbs every score whose magnitude is below this: s + fill rounds to fill.
 ABSORBED_SCORE = 2.0 ** 20
 _MANTISSA_BITS = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52}
+_LARGEST = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38}
 
 
 def absorbs(fill: float, dtype: str) -> bool:
@@ -67,6 +69,13 @@ def behaviour(fills, *, zeroed_after: bool, max_subtracted: bool, may_empty: boo
         return "zero"
     if not max_subtracted or all(np.isneginf(v) for _, v, _ in fills):
         return "nan"
+    if len(fills) > 1 and any(how == "add" for how, _, _ in fills) and \
+            abs(sum(v for _, v, _ in fills)) > _LARGEST.get(fills[-1][2], np.inf):
+        # where(causal, s, min) + where(pad, 0, min): min + min is -inf, so a padded row's
+        # original averages only the keys its other masks leave
+        raise Reject("the masks' fills add up past the largest "
+                     f"{fills[-1][2]} (to -inf): a query row whose keys are all masked "
+                     "would average only some keys")
     values = {v for _, v, _ in fills}
     if len(values) > 1:
         raise Reject("the masks use different fill values "
