@@ -49,7 +49,9 @@ def test_training_sites(name):
         assert any(expected in s.reason for s in result.rejected), \
             f"no rejection mentions {expected!r}: {[s.reason for s in result.rejected]}"
     if case["sites"]:
-        assert not result.rejected, [s.reason for s in result.rejected]
+        # candidates that are not attention (a GELU's product) are left alone as expected
+        assert all(any(e in s.reason for e in case["rejected"]) for s in result.rejected), \
+            [s.reason for s in result.rejected]
         assert sorted({s.target for s in result.rewritten}) == sorted(case["fwd"])
         assert sorted({s.backward_target for s in training}) == sorted(case["bwd"])
         for s in training:
@@ -66,7 +68,9 @@ def test_training_sites(name):
 def test_rewritten_training_step_is_idempotent(name):
     data = _rewrite(name).to_bytes()
     again = fr.rewrite(data)
-    assert not again.rewritten and not again.rejected
+    assert not again.rewritten
+    assert all(any(e in s.reason for e in CASES[name]["rejected"]) for s in again.rejected), \
+        [s.reason for s in again.rejected]
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +81,22 @@ def kernels():
 
 def _inputs(params, seed):
     """Weights scaled by 1/sqrt(fan-in) (activations stay O(1) through the layers, so the
-    softmax is neither flat nor one-hot); key padding masks keep a prefix of keys visible,
-    except in the first sequence, which has none: every row there sees no key, where the
-    original (finite fill) gives the mean of V and its gradient."""
+    softmax is neither flat nor one-hot); key padding masks (boolean, or integer as
+    transformers' attention_mask) keep a prefix of keys visible (a boolean mask: right
+    padding) or a suffix (an integer one: left padding, whose first rows see no key under a
+    causal band), except in the first sequence, which has none: every row there sees no
+    key, where the original (finite fill) gives the mean of V and its gradient."""
     rng = np.random.default_rng(seed)
     out = []
     for p in params:
-        if p.dtype == np.bool_:
+        if p.dtype == np.bool_ or np.issubdtype(p.dtype, np.integer):
             lengths = rng.integers(p.shape[-1] // 2, p.shape[-1] + 1, p.shape[:-1])
             lengths.reshape(-1)[0] = 0
-            out.append(np.arange(p.shape[-1]) < lengths[..., None])
+            keys = np.arange(p.shape[-1])
+            if p.dtype == np.bool_:
+                out.append(keys < lengths[..., None])
+            else:
+                out.append((keys >= p.shape[-1] - lengths[..., None]).astype(p.dtype))
             continue
         x = rng.standard_normal(p.shape)
         if len(p.shape) >= 2 and p.shape[-2] >= 64:   # a weight matrix [.., in, out]
@@ -108,10 +118,23 @@ def test_training_gradients_match(name, kernels):
     # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a per-row
     # shift) is rounding noise in both programs: measure it against the others' scale
     floor = 1e-2 * max(float(np.max(np.abs(np.asarray(r, np.float64)))) for r in ref)
+    arbiter = None
     for i, (r, g) in enumerate(zip(ref, got)):
         r64, g64 = np.asarray(r, np.float64), np.asarray(g, np.float64)
         assert np.all(np.isfinite(g64)), f"gradient {i} has non-finite entries"
         err = np.max(np.abs(r64 - g64)) / max(float(np.max(np.abs(r64))), floor)
+        if err > TOLERANCE[dtype] and dtype == "bf16":
+            # the bf16 original's own rounding can exceed the tolerance (a gradient summed
+            # over many rows): judged as --verify does, against the original run in f32
+            from flashgen.rewrite import verify
+            if arbiter is None:
+                original = modules.load(result.loaded.data)
+                arbiter = execute.run(verify.widened(original), inputs, register=False)
+            w64 = np.asarray(arbiter[i], np.float64)
+            own, mine = np.max(np.abs(r64 - w64)), np.max(np.abs(g64 - w64))
+            assert mine <= verify.ARBITER_FACTOR * own, \
+                f"gradient {i}: error {mine:.2e} against the f32 original, the original's {own:.2e}"
+            continue
         assert err <= TOLERANCE[dtype], f"gradient {i}: relative error {err:.2e}"
 
 
@@ -218,6 +241,15 @@ def test_verify_passes_on_a_training_step(kernels):
     scaled by their fan-in) on a padded training step: every gradient in tolerance."""
     from flashgen.rewrite import verify
     rows = verify.verify(_rewrite("train_padding_mask"), seed=3)["outputs"]
+    assert rows and all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("name", [n for n in POSITIVE if n.startswith("train_padded_")])
+def test_verify_passes_on_padded_fine_tuning_steps(name, kernels):
+    """`flashgen rewrite --verify` on the library models' padded training steps: integer and
+    boolean masks with a fully padded sequence and rows whose first key is padded."""
+    from flashgen.rewrite import verify
+    rows = verify.verify(_rewrite(name), seed=5)["outputs"]
     assert rows and all(r["ok"] for r in rows), rows
 
 

@@ -74,6 +74,9 @@ class SiteView:
     # scores (layout views, the source included) where their gradient may be taken
     uses: dict = dataclasses.field(default_factory=dict)
     # 'q'|'k'|'v' -> (product, operand index): where the forward reads that input
+    added_fill: bool = False
+    # rows without a visible key keep their scores' cotangent: an added finite fill (see
+    # _flat_rows_zeroed); the rewrite adds those rows' dQ, dK terms after the call
 
 
 @dataclasses.dataclass
@@ -85,6 +88,7 @@ class Backward:
     dbias: dict = dataclasses.field(default_factory=dict)
     # bias view -> the value holding its gradient (one per differentiated source); its
     # uses outside ``ops`` are redirected
+    added_fill: bool = False  # SiteView.added_fill: the rewrite adds the empty rows' dQ, dK
 
 
 def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
@@ -141,7 +145,7 @@ def find(g: Graph, site: SiteView, proven: dict | None = None) -> Backward:
     _check_closed(g, ops, set(grads.values()) | set(dbias.values()))
     roots = [op for op, ctx in ops if not ctx] + [ctx[0] for _, ctx in ops if ctx] + \
         [op for op, _ in do_views]
-    return Backward(ops, do, grads, roots, dbias)
+    return Backward(ops, do, grads, roots, dbias, site.added_fill)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -413,6 +417,8 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
     for ref in _leaves(g, targets, set(base)):
         base[ref] = _random_like(rng, ref.value)
     delta = {n: rng.standard_normal(tuple(v.type.shape)) for n, v in inputs.items()}
+    if site.added_fill:
+        base[Ref(do)] = _flat_rows_zeroed(g, site, base, delta, base[Ref(do)])
     g0 = base[Ref(do)]
 
     def directional(roles):
@@ -463,6 +469,36 @@ def _prove(g: Graph, site: SiteView, ops: set, tails: dict, do: ir.Value,
                 if abs(lhs - dot) <= TOLERANCE * (scale + norm) + 1e-12:
                     chosen[role] = i
     return chosen
+
+
+def _flat_rows_zeroed(g: Graph, site: SiteView, base: dict, delta: dict,
+                      do: np.ndarray) -> np.ndarray:
+    """``do`` with zeros where the forward's output does not move with Q and K.
+
+    Under an added finite fill (transformers' ``scores + finfo.min``) a row without a
+    visible key is ``fill`` everywhere: the forward is flat in Q and K there (its output
+    the mean of V), but autodiff passes the scores' cotangent through the add, so the
+    backward gives that row the VJP of a uniform softmax, nonzero dQ and dK: not the
+    forward's derivative, which the identity would compare it with. Those rows are left
+    out of the identity (dO = 0 there: every term of the VJP is linear in the row's dO);
+    their gradients are the uniform softmax's, which the rewrite adds after the call
+    (flashgen.rewrite.empty_rows.emit_added_fill_grads). Rows that see one key are flat
+    too and drop out with them (their dQ, dK are zero on both sides)."""
+    outs = []
+    for sign in (1.0, -1.0):
+        moved = dict(base)
+        for n in "qk":
+            moved[Ref(site.inputs[n])] = base[Ref(site.inputs[n])] + sign * STEP * delta[n]
+        out = Evaluator(g, moved).value(Ref(site.exit_value))
+        if out is None:
+            raise Reject("the attention forward cannot be evaluated to check its backward")
+        outs.append(out)
+    moving = outs[0] != outs[1]
+    if np.count_nonzero(moving) < moving.size // 2:
+        # the identity would check too little (a mask leaving most rows without a key)
+        raise Reject("the attention backward cannot be checked: the forward is flat in Q "
+                     "and K on most rows of the random check")
+    return np.where(moving, do, 0.0)
 
 
 def _prove_together(jvp, qkv) -> dict:

@@ -30,8 +30,9 @@ original's uniform mean. ``emit_bias_floor`` raises such entries to -2^127 (fini
 units, still absorbing every score) and keeps -inf entries -inf.
 
 Anything else is rejected: an added fill too small to absorb the scores (e.g. -1e4 in f32:
-the row is the softmax of the rounded scores, which no kernel mode reproduces), or masks of
-different fills (the row is uniform over only some keys).
+the row is the softmax of the rounded scores, which no kernel mode reproduces), masks of
+different fills, or fills that add up to -inf (``where(causal, s, min) + where(pad, 0, min)``:
+min + min overflows): the row is uniform over only some keys.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from flashgen.rewrite.errors import Reject
 # An added fill absorbs every score whose magnitude is below this: s + fill rounds to fill.
 ABSORBED_SCORE = 2.0 ** 20
 _MANTISSA_BITS = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52}
+_LARGEST = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38}
 
 
 def absorbs(fill: float, dtype: str) -> bool:
@@ -67,6 +69,13 @@ def behaviour(fills, *, zeroed_after: bool, max_subtracted: bool, may_empty: boo
         return "zero"
     if not max_subtracted or all(np.isneginf(v) for _, v, _ in fills):
         return "nan"
+    if len(fills) > 1 and any(how == "add" for how, _, _ in fills) and \
+            abs(sum(v for _, v, _ in fills)) > _LARGEST.get(fills[-1][2], np.inf):
+        # where(causal, s, min) + where(pad, 0, min): min + min is -inf, so a padded row's
+        # original averages only the keys its other masks leave
+        raise Reject("the masks' fills add up past the largest "
+                     f"{fills[-1][2]} (to -inf): a query row whose keys are all masked "
+                     "would average only some keys")
     values = {v for _, v, _ in fills}
     if len(values) > 1:
         raise Reject("the masks use different fill values "
@@ -168,7 +177,8 @@ def emit_mean_fixup_grad(dv: ir.Value, do: ir.Value, visible_parts, *, causal: b
     """The gradient of emit_mean_fixup for V: a row without a visible key is the mean of V
     over all Sk keys, so each key's dV gains that row's dO / Sk (summed over the query heads
     of its kv head); the kernel's backward gives such rows no gradient at all (and dQ, dK
-    none is right: the original's scores there are constants).
+    none is right under a select fill: the original's scores there are constants; an added
+    fill keeps their cotangent, emit_added_fill_grads).
 
     ``dv``: [B, Sk, Hkv, Dv] from the backward call; ``do``: [B, Sq, Hq, Dv] as it reads it."""
     b, sq, hq, d = do.type.shape
@@ -189,6 +199,54 @@ def emit_mean_fixup_grad(dv: ir.Value, do: ir.Value, visible_parts, *, causal: b
     if g.type.element_type != dv.type.element_type:
         g = adapters.convert(g, dv.type.element_type, created)
     return _op(stablehlo.AddOp(dv, g), created)
+
+
+def emit_added_fill_grads(dq: ir.Value, dk: ir.Value, operands, do: ir.Value, visible_parts,
+                          *, scale: float, causal: bool, bottom_right: bool, window,
+                          created) -> tuple:
+    """dQ and dK of the rows without a visible key under an added finite fill, added to the
+    backward call's (which gives those rows none).
+
+    The original's scores there are ``fill`` everywhere, its probabilities uniform, but
+    autodiff passes the scores' cotangent dS through the add: a row i gets the uniform
+    softmax's VJP, dS_ij = (dO_i·v_j - dO_i·v̄) / Sk. Its products with K and Q need no
+    [Sq, Sk] matrix:
+
+        dQ_i += scale · dO_i · Σ_j (v_j - v̄) k_jᵀ / Sk              ([Dv, D] per head)
+        dK_j += scale / Sk · (Σ_i∈empty q_i dO_iᵀ) · (v_j - v̄)      ([D, Dv] per kv head)
+
+    ``operands``: the call's q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv];
+    ``dq``, ``dk`` and ``do`` in the same layouts."""
+    q, k, v = operands[:3]
+    b, sq, hq, d = q.type.shape
+    sk, hkv, dv = v.type.shape[1], v.type.shape[2], v.type.shape[3]
+    grp = hq // hkv
+    f32 = ir.F32Type.get()
+    q, k, v, g = (x if str(x.type.element_type) == "f32" else adapters.convert(x, f32, created)
+                  for x in (q, k, v, do))
+    empty = _no_visible_key(visible_parts, b, hq, sq, sk, causal, bottom_right, window,
+                            created)                                  # [1|B, 1|Hq, Sq]
+    empty = adapters.broadcast(empty, [b, sq, hq, dv], [0, 2, 1], created)
+    zero = adapters.scalar(ir.FloatAttr.get(f32, 0.0), f32, created)
+    g = _op(stablehlo.SelectOp(empty, g, adapters.broadcast(zero, [b, sq, hq, dv], [],
+                                                             created)), created)
+    g = adapters.reshape(g, [b, sq, hkv, grp, dv], created)       # q head h: kv head h // grp
+    centred = _op(stablehlo.SubtractOp(v, adapters.broadcast(
+        _mean_over_keys(v, created), [b, sk, hkv, dv], [0, 2, 3], created)), created)
+    cov = _scaled(_dot(centred, k, [0, 2], [0, 2], [1], [1], created), scale / sk,
+                  created)                                            # [B, Hkv, Dv, D]
+    dq_add = _dot(g, cov, [0, 2], [0, 1], [4], [2], created)          # [B, Hkv, Sq, grp, D]
+    dq_add = adapters.reshape(_transpose(dq_add, [0, 2, 1, 3, 4], created), [b, sq, hq, d],
+                              created)
+    qg = adapters.reshape(q, [b, sq, hkv, grp, d], created)
+    outer = _scaled(_dot(qg, g, [0, 2], [0, 2], [1, 3], [1, 3], created), scale / sk,
+                    created)                                          # [B, Hkv, D, Dv]
+    dk_add = _transpose(_dot(centred, outer, [0, 2], [0, 1], [3], [3], created), [0, 2, 1, 3],
+                        created)                                      # [B, Sk, Hkv, D]
+    return tuple(_op(stablehlo.AddOp(grad, add if add.type.element_type == grad.type.element_type
+                                     else adapters.convert(add, grad.type.element_type,
+                                                           created)), created)
+                 for grad, add in ((dq, dq_add), (dk, dk_add)))
 
 
 BIAS_FLOOR = -2.0 ** 127
@@ -305,6 +363,26 @@ def _mean_over_keys(v, created):
     total = adapters.sum_dims(x, [1], created)                        # [B, Hkv, Dv]
     n = adapters.constant(np.full(total.type.shape, v.type.shape[1], np.float32), f32, created)
     return _op(stablehlo.DivOp(total, n), created)
+
+
+def _dot(a, b, a_batch, b_batch, a_contract, b_contract, created):
+    """dot_general in f32: the batch dims, then ``a``'s free dims, then ``b``'s."""
+    dims = stablehlo.DotDimensionNumbers.get(a_batch, b_batch, a_contract, b_contract)
+    free = [[n for i, n in enumerate(x.type.shape) if i not in bd + cd]
+            for x, bd, cd in ((a, a_batch, a_contract), (b, b_batch, b_contract))]
+    shape = [a.type.shape[i] for i in a_batch] + free[0] + free[1]
+    t = ir.RankedTensorType.get(shape, ir.F32Type.get())
+    return _op(stablehlo.DotGeneralOp(t, a, b, dims), created)
+
+
+def _transpose(x, perm, created):
+    return _op(stablehlo.TransposeOp(x, perm), created)
+
+
+def _scaled(x, factor: float, created):
+    f32 = ir.F32Type.get()
+    return _op(stablehlo.MulOp(x, adapters.constant(np.full(x.type.shape, factor, np.float32),
+                                                     f32, created)), created)
 
 
 def _compare(a, b, direction, created):

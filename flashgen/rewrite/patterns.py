@@ -45,6 +45,9 @@ from flashgen.rewrite.roles import RolesStage
 from flashgen.rewrite.scores import ScoreWalk
 from flashgen.rewrite.softmax import SoftmaxStage
 
+# the name location of the ops a rewrite inserts
+EMITTED = "flashgen.attention"
+
 
 class AttentionPattern:
     """Finds dot_general → softmax → dot_general attention and replaces it."""
@@ -72,6 +75,8 @@ class AttentionPattern:
         """Does this dot_general's result reach a softmax (or a second batched product)?"""
         if op_name(op) != "stablehlo.dot_general":
             return False
+        if str(op.location).startswith(f'loc("{EMITTED}"'):
+            return False   # a product of a rewrite's own fix-up (empty rows' dQ, dK)
         batched = bool(dot_dims(op)[0])
         frontier, seen = [Ref(op.result)], set()
         for _ in range(16):
@@ -240,6 +245,7 @@ class AttentionPattern:
             if scores.runtime_scales:
                 raise Reject("a training site with a scale known only at run time (its "
                              "gradient would need the scale too)")
+            added_fill = self._added_fill(site.plan, found.scores.fills)
             view = backward.SiteView(
                 ops=set(m.ops), exit_value=exit_value,
                 probs={k for k, (_, tag) in m.chain.items() if tag == "probs"},
@@ -249,14 +255,41 @@ class AttentionPattern:
                         for s, views in site.plan.extras.bias_views.items()},
                 uses={"q": (dot1.operation, 0 if k_side == "rhs" else 1),
                       "k": (dot1.operation, 1 if k_side == "rhs" else 0),
-                      "v": (dot2.operation, 1 - p_idx)})
+                      "v": (dot2.operation, 1 - p_idx)},
+                added_fill=added_fill)
             bw = backward.find(self.g, view, self.proven)
+            if added_fill and bw.dbias:
+                raise Reject("a training site with a differentiated bias and an added finite "
+                             "fill: a query row whose keys are all masked gives the bias a "
+                             "gradient the kernel's does not have")
             site.plan.backward = bw
             site.plan.site_ops |= bw.ops
             site.backward_target = site.plan.spec.target_name("bwd")
             m.notes.append(f"training site: the backward (dQ, dK, dV{', dbias' * bool(bw.dbias)}) "
                            "is replaced too, checked numerically against the forward")
+            if added_fill:
+                m.notes.append("a query row whose keys are all masked keeps its scores' gradient "
+                               "through the added fill (a uniform softmax's VJP): its dQ, dK "
+                               "terms are added after the backward call")
         return site
+
+    @staticmethod
+    def _added_fill(plan: P.Plan, fills) -> bool:
+        """Do the rows without a visible key (finite fill, the mean of V) keep their scores'
+        cotangent in the backward (an added fill: empty_rows.emit_added_fill_grads)? A
+        select fill drops it (the kernel's answer); raises Reject where neither the kernel
+        nor the fix-up gives the original's gradient."""
+        if plan.empty_rows != "mean" or all(how == "select" for how, _, _ in fills):
+            return False
+        if any(how == "select" for how, _, _ in fills):
+            raise Reject("a training site whose masks both add and select a finite fill: a "
+                         "query row whose keys are all masked passes the scores' gradient "
+                         "through only some keys")
+        if plan.attribute("softcap"):
+            raise Reject("a training site with a softcap and an added finite fill: a query "
+                         "row whose keys are all masked has a gradient through the tanh that "
+                         "the fix-up does not reproduce")
+        return True
 
     def _inputs(self, q_ref, q_lay, k_ref, k_lay, v_ref, v_layout):
         """Q, K, V walked back to their sources: (value, layout, scale, absent pieces) each."""
@@ -300,7 +333,7 @@ class AttentionPattern:
         from flashgen.emit import emit_custom_call
         plan: P.Plan = site.plan
         exit_op = plan.exit_op
-        loc = ir.Location.name("flashgen.attention", childLoc=plan.dot1.location)
+        loc = ir.Location.name(EMITTED, childLoc=plan.dot1.location)
         kdt = ir.Type.parse(plan.spec.dtype)
         created = []
         with loc, ir.InsertionPoint(exit_op.operation):
@@ -388,6 +421,12 @@ class AttentionPattern:
                     results[2], do, empty_rows.visible_parts(plan.extras, operands[3:]),
                     causal=plan.spec.causal, bottom_right=plan.bottom_right,
                     window=plan.window, created=created)
+                if plan.backward.added_fill:
+                    results[0], results[1] = empty_rows.emit_added_fill_grads(
+                        results[0], results[1], operands, do,
+                        empty_rows.visible_parts(plan.extras, operands[3:]),
+                        scale=plan.scale, causal=plan.spec.causal,
+                        bottom_right=plan.bottom_right, window=plan.window, created=created)
             out = {}
             for name, x in zip("qkv", results[:3]):
                 want = bw.grads[name]
