@@ -42,14 +42,18 @@ def ran(result, kernel: str) -> int:
     return sum(f"{len(kernel)}{kernel}I" in k for k in result.kernels)
 
 
+# CI builds only the two sm90a specs test_cuda_build compiles (d64 bf16 causal, d128 f16); the
+# other specs cost a build each (about a minute on 2 cores) and are marked slow.
 @pytest.mark.parametrize("head_dim,dtype,causal,case", [
     # ragged lengths (no tile multiple), Sq != Sk both ways, GQA; causal skips and masks blocks
-    (64, "bf16", True, dict(seqlen_q=77, seqlen_k=130, heads_q=4, heads_kv=2)),
+    (64, "bf16", True, dict(batch=2, seqlen_q=77, seqlen_k=130, heads_q=4, heads_kv=2)),
     (64, "bf16", True, dict(seqlen_q=130, seqlen_k=45, heads_q=2, heads_kv=1)),
-    (64, "bf16", False, dict(seqlen_q=70, seqlen_k=150, heads_q=2, heads_kv=1)),
     (128, "f16", False, dict(seqlen_q=65, seqlen_k=100, heads_q=2, heads_kv=1)),
-    (128, "bf16", True, dict(seqlen_q=100, seqlen_k=70, heads_q=2, heads_kv=2)),
-], ids=["d64-bf16-causal-gqa", "d64-bf16-causal-sq>sk", "d64-bf16-sk>sq", "d128-f16", "d128-bf16-causal"])
+    pytest.param(64, "bf16", False, dict(seqlen_q=70, seqlen_k=150, heads_q=3, heads_kv=1), marks=pytest.mark.slow),
+    pytest.param(128, "bf16", True, dict(seqlen_q=100, seqlen_k=70, heads_q=2, heads_kv=2), marks=pytest.mark.slow),
+    pytest.param(256, "bf16", True, dict(seqlen_q=70, seqlen_k=90, heads_q=2, heads_kv=1), marks=pytest.mark.slow),
+], ids=["d64-bf16-causal-gqa", "d64-bf16-causal-sq>sk", "d128-f16", "d64-bf16-mqa", "d128-bf16-causal",
+        "d256-bf16-causal"])
 def test_hopper_forward_matches_float64(rng, head_dim, dtype, causal, case):
     r = forward(rng, head_dim, dtype, causal, **case)
     assert ran(r, HOPPER_FWD) == 1 and ran(r, SM80_FWD) == 0, r.kernels
@@ -57,7 +61,7 @@ def test_hopper_forward_matches_float64(rng, head_dim, dtype, causal, case):
 
 def test_no_keys_gives_zero_and_minus_inf(rng):
     # Sk = 0: the kernel loads nothing, every row writes o = 0, lse = -inf (poisoned before).
-    r = forward(rng, 64, "bf16", False, seqlen_q=40, seqlen_k=0)
+    r = forward(rng, 64, "bf16", True, seqlen_q=40, seqlen_k=0)
     assert ran(r, HOPPER_FWD) == 1
 
 
@@ -66,9 +70,3 @@ def test_no_keys_gives_zero_and_minus_inf(rng):
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
     r = forward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
     assert ran(r, HOPPER_FWD) == 0 and ran(r, SM80_FWD) == 1, r.kernels
-
-
-@pytest.mark.slow
-def test_hopper_forward_d256(rng):
-    r = forward(rng, 256, "bf16", True, seqlen_q=70, seqlen_k=70)
-    assert ran(r, HOPPER_FWD) == 1
