@@ -33,7 +33,7 @@ def forward(rng, head_dim, dtype, causal, **case):
     bad = [r for r in result.rows if not r.ok]
     assert not bad, "\n".join(f"{r.spec} [{r.case}] {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
     for r in result.rows:
-        print(f"{r.spec} [{r.case}] {r.output}: error {r.error:.2e} ({r.seconds:.1f} s)")
+        print(f"{r.spec} [{r.case}] {r.output}: error {r.error:.2e} ({r.seconds:.1f} s, {r.warp_instructions} warp-instructions)")
     return result
 
 
