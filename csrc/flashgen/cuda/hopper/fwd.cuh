@@ -29,7 +29,7 @@ namespace {
 // test proves them yet.
 template <class T, int D>
 constexpr bool kHopperFwdCompiles =
-    D % 64 == 0 && D <= 256 && (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value);
+    D % sm90::kPanelCols == 0 && D <= 256 && (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value);
 
 inline bool hopper_fwd_supports(const FwdCall& c) {
   const AttentionAttrs& a = c.attrs;
