@@ -65,8 +65,18 @@ def test_no_keys_gives_zero_and_minus_inf(rng):
     assert ran(r, HOPPER_FWD) == 1
 
 
-@pytest.mark.parametrize("case", [dict(bottom_right=True), dict(window=(16, -1)), dict(softcap=3.0)],
-                         ids=["bottom_right", "window", "softcap"])
+@pytest.mark.parametrize("head_dim,dtype,causal,case", [
+    # bottom-right: the first 52 rows see no key (o = 0, lse = -inf)
+    (64, "bf16", True, dict(seqlen_q=129, seqlen_k=77, bottom_right=True)),
+    (64, "bf16", True, dict(seqlen_q=150, seqlen_k=150, window=(24, 0))),   # rows 128+ skip key block 0
+    (128, "f16", False, dict(seqlen_q=70, seqlen_k=90, window=(8, 5), heads_q=2, heads_kv=1)),
+], ids=["d64-bottom-right-empty-rows", "d64-causal-window", "d128-window"])
+def test_bands(rng, head_dim, dtype, causal, case):
+    r = forward(rng, head_dim, dtype, causal, **case)
+    assert ran(r, HOPPER_FWD) == 1 and ran(r, SM80_FWD) == 0, r.kernels
+
+
+@pytest.mark.parametrize("case", [dict(softcap=3.0), dict(alibi="H")], ids=["softcap", "alibi"])
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
     r = forward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
     assert ran(r, HOPPER_FWD) == 0 and ran(r, SM80_FWD) == 1, r.kernels

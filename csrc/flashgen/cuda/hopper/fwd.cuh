@@ -10,7 +10,7 @@
 //     in the log2 domain (ex2), O += P V (wgmma, P from registers, V MN-major from shared memory).
 // Loads are plain 16-byte ld.global / st.shared (no TMA yet: the emulated CUDA runtime has no
 // cuTensorMapEncodeTiled), so the producer's latency hiding is the ring alone. Blocks outside the
-// visible band (causal) are never loaded. Epilogue straight from registers: o = O / l, lse =
+// visible band (causal, window) are never loaded. Epilogue straight from registers: o = O / l, lse =
 // m * scale + ln(l), or o = 0, lse = -inf for a row that sees no key.
 #pragma once
 
@@ -24,16 +24,14 @@ namespace {
 
 // Which dense forward calls this kernel serves; the others keep the sm80 family's kernels.
 // Compiled for f16 / bf16 at head dims that are multiples of 64 up to 256 (the swizzled panels;
-// Q, K and V stages fit in shared memory). At run time: no extras, softcap or sliding window,
-// causal only top-left: the kernel's band logic would carry bottom-right and windows, but no
-// test proves them yet.
+// Q, K and V stages fit in shared memory). At run time: any band (causal top-left or
+// bottom-right, sliding window), but no extras and no softcap (not ported yet).
 template <class T, int D>
 constexpr bool kHopperFwdCompiles =
     D % sm90::kPanelCols == 0 && D <= 256 && (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value);
 
 inline bool hopper_fwd_supports(const FwdCall& c) {
-  const AttentionAttrs& a = c.attrs;
-  return !c.x.any() && a.softcap == 0.f && a.window_left < 0 && a.window_right < 0 && !a.bottom_right;
+  return !c.x.any() && c.attrs.softcap == 0.f;
 }
 
 struct HopperFwdConfig {
