@@ -74,6 +74,7 @@ def _spec_context(spec: KernelSpec) -> dict:
         "causal": spec.causal,
         "calls": call_bindings(spec),
         "arch": spec.target,
+        "family": targets.lookup(spec.target).family.name,
     }
 
 

@@ -27,8 +27,11 @@ class KernelFamily:
 
 
 CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dims=True)
-# Ampere's warp-level mma.sync kernels; sm90a runs them too until a Hopper family exists.
+# Ampere's warp-level mma.sync kernels.
 MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda")
+# Hopper: the mma.sync family plus the wgmma kernels of csrc/flashgen/cuda/hopper/ for the calls
+# they serve (hopper_fwd_supports there says which; the rest keep the mma.sync kernels).
+WGMMA_KERNELS = KernelFamily("wgmma", "cuda/spec.cu.j2", ".cu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +101,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            link_flags=("-pthread",), gpu=None),
     # PTX alongside the sm_80 machine code lets the Ampere build JIT onto newer GPUs.
     Target("sm80", MMA_SYNC_KERNELS, **_CUDA, gpu=Gpu("80", embeds_ptx=True, smem_limit=163 * 1024, sm_count=108)),
-    Target("sm90a", MMA_SYNC_KERNELS, **_CUDA, gpu=Gpu("90a", embeds_ptx=False, smem_limit=227 * 1024, sm_count=132)),
+    Target("sm90a", WGMMA_KERNELS, **_CUDA, gpu=Gpu("90a", embeds_ptx=False, smem_limit=227 * 1024, sm_count=132)),
 )}
 
 

@@ -55,6 +55,17 @@ def fwd_config(dtype: str, head_dim: int):
 def run_dense_forward(module: PtxModule, q, k, v, *, causal: bool, dtype: str, arch: str = "sm80",
                       seed: int | None = None, race_check: bool = True):
     """o, lse (float64) and the LaunchStats of flash_fwd_kernel<.., kFwdDense> on inputs q/k/v."""
+    threads, br, bc, ld = fwd_config(dtype, q.shape[3])
+    smem = (br + 2 * bc) * ld * np.dtype(NP_DTYPES[dtype]).itemsize
+    return run_forward_kernel(module, kernel_name(module, "flash_fwd_kernel", 0), br, threads, smem, q, k, v,
+                              causal=causal, dtype=dtype, arch=arch, seed=seed, race_check=race_check)
+
+
+def run_forward_kernel(module: PtxModule, name: str, rows_per_block: int, threads: int, smem: int, q, k, v, *,
+                       causal: bool, dtype: str, arch: str, seed: int | None = None, race_check: bool = True,
+                       max_warp_instructions: int = 200_000_000):
+    """o, lse (float64) and the LaunchStats of forward entry `name` (it takes FwdParams: the dense
+    kernels of fwd.cuh and hopper/fwd.cuh) on q/k/v, one CTA per `rows_per_block` query rows."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dt = NP_DTYPES[dtype]
@@ -62,21 +73,18 @@ def run_dense_forward(module: PtxModule, q, k, v, *, causal: bool, dtype: str, a
     o = np.full(q.shape, np.nan, dt)
     lse = np.full((b, hq, sq), np.nan, np.float32)
     mem = GlobalMemory()
-    for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
-        mem.add(a.ctypes.data, a.nbytes, name)
+    for label, a in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+        mem.add(a.ctypes.data, a.nbytes, label)
     scale = np.float32(1 / np.sqrt(d))
     lo, hi = (-_BAND_LIMIT, 0) if causal else (-_BAND_LIMIT, _BAND_LIMIT)
     params = struct.pack("<5Q6i3i4f", q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data,
                          lse.ctypes.data, b, sq, sk, hq, hkv, hq // hkv, lo, hi, int(causal), scale,
                          np.float32(scale * _LOG2E), 0.0, 0.0)
-    name = kernel_name(module, "flash_fwd_kernel", 0)
     kparam = module.kernels[name].params[0]
     params = params.ljust(kparam.size, b"\0")
     assert len(params) == kparam.size == 96, "FwdParams changed: update emulated_dense.py"
-    threads, br, bc, ld = fwd_config(dtype, d)
-    smem = (br + 2 * bc) * ld * np.dtype(dt).itemsize
-    stats = launch(module, name, (-(-sq // br), hq, b), (threads, 1, 1), smem, [params], mem, arch=arch,
-                   seed=seed, race_check=race_check)
+    stats = launch(module, name, (-(-sq // rows_per_block), hq, b), (threads, 1, 1), smem, [params], mem,
+                   arch=arch, seed=seed, race_check=race_check, max_warp_instructions=max_warp_instructions)
     return o.astype(np.float64), lse.astype(np.float64), stats
 
 

@@ -20,6 +20,9 @@
 #include "flashgen/attention.h"
 #include "flashgen/cuda/bwd.cuh"
 #include "flashgen/cuda/fwd.cuh"
+#ifdef FLASHGEN_WGMMA_KERNELS
+#include "flashgen/cuda/hopper/fwd.cuh"
+#endif
 #include "flashgen/call.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -223,6 +226,20 @@ ffi::Error launch_fwd(const char* target, cudaStream_t stream, const FwdVarParam
   return check_launch(target, "flash_fwd_kernel");
 }
 
+#ifdef FLASHGEN_WGMMA_KERNELS
+template <class T, int D, bool CAUSAL>
+ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const FwdParams& p, const AttentionShape& s) {
+  using Cfg = HopperFwdConfig;
+  constexpr size_t kSmem = Cfg::smem_bytes(D);
+  const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
+                  static_cast<unsigned>(s.batch));
+  auto kernel = hopper_fwd_kernel<T, D, CAUSAL>;
+  if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return check_launch(target, "hopper_fwd_kernel");
+}
+#endif
+
 // ---------------------------------------------------------------------------
 // forward
 // ---------------------------------------------------------------------------
@@ -241,6 +258,11 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
   fill_fwd_params<T, D>(p, s, c.attrs, c.q, c.k, c.v, c.o.data, static_cast<float*>(c.lse.data));
   const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
+#ifdef FLASHGEN_WGMMA_KERNELS
+  if constexpr (kHopperFwdCompiles<T, D>) {
+    if (hopper_fwd_supports(c)) return launch_hopper_fwd<T, D, CAUSAL>(target, stream, p, s);
+  }
+#endif
   if (!c.x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense>(target, stream, p, grid);
   p.x = extras_params(c.x, s, c.attrs.bottom_right);
   return launch_fwd<T, D, CAUSAL, kFwdExtras>(target, stream, p, grid);

@@ -1,0 +1,141 @@
+// Hopper (sm_90a) building blocks of the cuda/hopper kernels: mbarriers, named barriers, the
+// async-proxy fence, wgmma (m64n64k16, A from shared memory or registers, B from shared memory)
+// and the 128-byte-swizzled tile layout the wgmma descriptors read.
+//
+// Tile layout (CuTe's canonical K-major SW128 atom, cute/atom/mma_traits_sm90_gmma.hpp): a
+// [rows][D] tile of 16-bit elements is stored as D/64 panels of 64 columns; in a panel row r
+// takes 128 bytes at r * 128, its 16-byte chunk c at chunk c ^ (r % 8) (Swizzle<3,4,3> of the
+// address: panels are 1024-byte aligned). The same bytes serve both operand roles:
+//   K-major (Q, K as the A / B of S = Q K^T): 8-row atoms 1024 bytes apart (SBO), k16 step kk
+//     of a panel starts 32 * kk bytes in;
+//   MN-major (V as the B of O = P V, N = the head dim): 8 keys (K rows) 1024 bytes apart (SBO),
+//     k16 step kk starts 16 keys = 2048 bytes in; one wgmma per 64-column panel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "flashgen/cuda/common.cuh"
+
+namespace flashgen {
+namespace cuda {
+namespace {
+namespace sm90 {
+
+constexpr int kPanelCols = 64;                  // 16-bit columns per 128-byte swizzle row
+constexpr int kSwizzleAtom = 1024;              // 8 rows x 128 bytes
+
+FG_DEV void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+FG_DEV void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+FG_DEV bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Spins in C: labels inside inline asm are not scoped by the emulator's parser.
+FG_DEV void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+FG_DEV void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+FG_DEV void named_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Orders this thread's generic shared-memory stores before later async-proxy (wgmma) reads.
+FG_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+FG_DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+FG_DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+FG_DEV void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// 128B-swizzled descriptor (layout type 1) of the operand starting at shared address `addr`,
+// 8-row (K-major) or 8-key (MN-major) atoms 1024 bytes apart; the leading byte offset is unused
+// by both (one 64-column panel per wgmma) and set to 1 as CUTLASS does.
+FG_DEV uint64_t sw128_desc(uint32_t addr) {
+  return (uint64_t{1} << 62) | (uint64_t{kSwizzleAtom >> 4} << 32) | (uint64_t{1} << 16) | ((addr & 0x3FFFF) >> 4);
+}
+
+#define FG_WGMMA_D32                                                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FG_WGMMA_D32_OUTS(d)                                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),    \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// d (64 x 64, f32; thread layout: PTX ISA "wgmma .m64nNk16 accumulator D") += A B^T, A and B
+// K-major in shared memory.
+template <class T>
+FG_DEV void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (std::is_same<T, __half>::value)
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FG_WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+                 : FG_WGMMA_D32_OUTS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
+  else
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FG_WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+                 : FG_WGMMA_D32_OUTS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d (64 x 64) += A B with A (64 x 16) in registers (mma.m16n8k16's A fragment per warp) and B
+// MN-major in shared memory (imm-trans-b = 1).
+template <class T>
+FG_DEV void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (std::is_same<T, __half>::value)
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FG_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+                 : FG_WGMMA_D32_OUTS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  else
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FG_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+                 : FG_WGMMA_D32_OUTS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+#undef FG_WGMMA_D32
+#undef FG_WGMMA_D32_OUTS
+
+// Keeps the compiler from moving accumulator reads/writes across the wgmma.fence / wait
+// (CUTLASS's warpgroup_fence_operand).
+template <int N>
+FG_DEV void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Rows [0, ROWS) of a [ROWS][D] tile into the swizzled layout at `tile` (1024-byte aligned),
+// by NT threads (thread `tid`), 16 bytes each: row r is global row `row0 + r` at `src +
+// (row0 + r) * stride` elements; rows at or past `rows_valid` are zero-filled (never read).
+template <class T, int ROWS, int D, int NT>
+FG_DEV void load_tile_sw128(uint8_t* tile, const T* src, int64_t stride, int row0, int rows_valid, int tid) {
+  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // per row
+  constexpr int kPanelBytes = ROWS * 128;
+#pragma unroll 4
+  for (int i = tid; i < ROWS * kChunks; i += NT) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int row = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < rows_valid) v = *reinterpret_cast<const uint4*>(src + row * stride + c * 8);
+    *reinterpret_cast<uint4*>(tile + (c / 8) * kPanelBytes + r * 128 + (((c % 8) ^ (r % 8)) << 4)) = v;
+  }
+}
+
+}  // namespace sm90
+}  // namespace
+}  // namespace cuda
+}  // namespace flashgen

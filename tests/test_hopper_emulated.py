@@ -1,0 +1,82 @@
+"""The sm90a dense forward's Hopper kernel (csrc/flashgen/cuda/hopper/: wgmma, mbarrier ring, a
+producer and a consumer warpgroup) run on the CPU through its FFI handler, against float64.
+
+Each case builds the sm90a spec as it ships (build(host="emulate")), calls the forward handler
+under the emulator with fresh random inputs and poisoned outputs, compares o and lse with
+flashgen.reference, and asserts which kernel ran: the Hopper one for the calls it serves
+(hopper_fwd_supports), the sm80 family's for the others.
+"""
+import functools
+
+import pytest
+
+from conftest import needs_nvcc
+from flashgen.build import build
+from flashgen.emulate.check import Checker
+from flashgen.emulate.host import EmulatedLibrary
+from flashgen.spec import KernelSpec
+
+pytestmark = needs_nvcc
+
+HOPPER_FWD = "hopper_fwd_kernel"
+SM80_FWD = "flash_fwd_kernel"
+
+
+@functools.cache
+def _library(spec: KernelSpec) -> EmulatedLibrary:
+    return EmulatedLibrary(build(spec, host="emulate"))
+
+
+def forward(rng, head_dim, dtype, causal, **case):
+    spec = KernelSpec(head_dim, dtype, causal, "sm90a")
+    result = Checker(_library(spec), spec, rng).dense(backward=False, **case)
+    bad = [r for r in result.rows if not r.ok]
+    assert not bad, "\n".join(f"{r.spec} [{r.case}] {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
+    for r in result.rows:
+        print(f"{r.spec} [{r.case}] {r.output}: error {r.error:.2e} ({r.seconds:.1f} s, {r.warp_instructions} warp-instructions)")
+    return result
+
+
+def ran(result, kernel: str) -> int:
+    """Launches of template `kernel` in the case (its mangled name has `<length><name>I`)."""
+    return sum(f"{len(kernel)}{kernel}I" in k for k in result.kernels)
+
+
+# CI builds only the two sm90a specs test_cuda_build compiles (d64 bf16 causal, d128 f16); the
+# other specs cost a build each (about a minute on 2 cores) and are marked slow.
+@pytest.mark.parametrize("head_dim,dtype,causal,case", [
+    # ragged lengths (no tile multiple), Sq != Sk both ways, GQA; causal skips and masks blocks
+    (64, "bf16", True, dict(batch=2, seqlen_q=77, seqlen_k=130, heads_q=4, heads_kv=2)),
+    (64, "bf16", True, dict(seqlen_q=130, seqlen_k=45, heads_q=2, heads_kv=1)),
+    (128, "f16", False, dict(seqlen_q=65, seqlen_k=100, heads_q=2, heads_kv=1)),
+    pytest.param(64, "bf16", False, dict(seqlen_q=70, seqlen_k=150, heads_q=3, heads_kv=1), marks=pytest.mark.slow),
+    pytest.param(128, "bf16", True, dict(seqlen_q=100, seqlen_k=70, heads_q=2, heads_kv=2), marks=pytest.mark.slow),
+    pytest.param(256, "bf16", True, dict(seqlen_q=70, seqlen_k=90, heads_q=2, heads_kv=1), marks=pytest.mark.slow),
+], ids=["d64-bf16-causal-gqa", "d64-bf16-causal-sq>sk", "d128-f16", "d64-bf16-mqa", "d128-bf16-causal",
+        "d256-bf16-causal"])
+def test_hopper_forward_matches_float64(rng, head_dim, dtype, causal, case):
+    r = forward(rng, head_dim, dtype, causal, **case)
+    assert ran(r, HOPPER_FWD) == 1 and ran(r, SM80_FWD) == 0, r.kernels
+
+
+def test_no_keys_gives_zero_and_minus_inf(rng):
+    # Sk = 0: the kernel loads nothing, every row writes o = 0, lse = -inf (poisoned before).
+    r = forward(rng, 64, "bf16", True, seqlen_q=40, seqlen_k=0)
+    assert ran(r, HOPPER_FWD) == 1
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal,case", [
+    # bottom-right: the first 52 rows see no key (o = 0, lse = -inf)
+    (64, "bf16", True, dict(seqlen_q=129, seqlen_k=77, bottom_right=True)),
+    (64, "bf16", True, dict(seqlen_q=150, seqlen_k=150, window=(24, 0))),   # rows 128+ skip key block 0
+    (128, "f16", False, dict(seqlen_q=70, seqlen_k=90, window=(8, 5), heads_q=2, heads_kv=1)),
+], ids=["d64-bottom-right-empty-rows", "d64-causal-window", "d128-window"])
+def test_bands(rng, head_dim, dtype, causal, case):
+    r = forward(rng, head_dim, dtype, causal, **case)
+    assert ran(r, HOPPER_FWD) == 1 and ran(r, SM80_FWD) == 0, r.kernels
+
+
+@pytest.mark.parametrize("case", [dict(softcap=3.0), dict(alibi="H")], ids=["softcap", "alibi"])
+def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
+    r = forward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
+    assert ran(r, HOPPER_FWD) == 0 and ran(r, SM80_FWD) == 1, r.kernels
