@@ -28,7 +28,7 @@ class KernelFamily:
 
 CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dims=True)
 # Ampere's warp-level mma.sync kernels; sm90a runs them too until a Hopper family exists.
-MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda")
+MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True)
 
 
 @dataclasses.dataclass(frozen=True)
