@@ -215,8 +215,10 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
   constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDV = Cfg::LDV, LDS = Cfg::LDS;
   // The extras variant keeps more values live per element: narrower S^T chunks
   // for large head dims (fewer accumulators) avoid register spills.
-  // (f16/bf16 only: for f32 at those dims it makes the existing spills worse.)
-  constexpr int QC = (MODE == kBwdExtras && !Cfg::kF32 && D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D) ? 16 : Cfg::QC;
+  // (f16/bf16 only: for f32 at those dims it makes the existing spills worse.) So does a value
+  // head dim above the query/key one (d64v128 spilled 8 bytes at QC = 32).
+  constexpr int QC =
+      (MODE == kBwdExtras && !Cfg::kF32 && (D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D || DV > D)) ? 16 : Cfg::QC;
   constexpr int SK = Cfg::SK, SV = Cfg::SV, NSPLIT = Cfg::NSPLIT, NT = Cfg::kThreads, KS = Ops::KS;
   constexpr int kQT = QC / 8;  // S^T accumulator tiles per chunk
   constexpr int kKT = SK / 8;  // dK accumulator tiles
