@@ -198,7 +198,8 @@ FG_DEV void store_warp_rows(T* g, int64_t gstride, const T* s, int ld, int row0,
   for (int idx = lane; idx < 16 * kCpr; idx += 32) {
     const int r = idx / kCpr, c = idx % kCpr;
     if (row0 + r < nrows)
-      *reinterpret_cast<uint4*>(g + (row0 + r) * gstride + c * kEpc) = *reinterpret_cast<const uint4*>(s + r * ld + c * kEpc);
+      *reinterpret_cast<uint4*>(g + (row0 + r) * gstride + c * kEpc) =
+          *reinterpret_cast<const uint4*>(s + r * ld + c * kEpc);
   }
 }
 
