@@ -208,16 +208,16 @@ def test_emit_and_the_cli_take_a_value_head_dim(capsys, sm80_without_split_kerne
 # One library per spec (an nvcc build each, ~40 s): CI builds d192v128 causal and d64v128
 # non-causal; the other two of the four are slow.
 @functools.cache
-def _emulated(head_dim, head_dim_v, causal):
+def _emulated(head_dim, head_dim_v, causal, dtype="bf16"):
     from flashgen.build import build
     from flashgen.emulate.host import EmulatedLibrary
-    spec = KernelSpec(head_dim, "bf16", causal, "sm80", head_dim_v)
+    spec = KernelSpec(head_dim, dtype, causal, "sm80", head_dim_v)
     return EmulatedLibrary(build(spec, host="emulate")), spec
 
 
-def _emulated_checker(rng, head_dim, head_dim_v, causal):
+def _emulated_checker(rng, head_dim, head_dim_v, causal, dtype="bf16"):
     from flashgen.emulate.check import Checker
-    return Checker(*_emulated(head_dim, head_dim_v, causal), rng)
+    return Checker(*_emulated(head_dim, head_dim_v, causal, dtype), rng)
 
 
 def _assert_matches(result):
@@ -227,18 +227,19 @@ def _assert_matches(result):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("d, dv, causal", [
-    (192, 128, True),
-    (64, 128, False),  # dv > d
-    pytest.param(192, 128, False, marks=pytest.mark.slow),
-    pytest.param(64, 128, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("d, dv, causal, dtype", [
+    (192, 128, True, "bf16"),
+    (64, 128, False, "bf16"),  # dv > d
+    pytest.param(192, 128, False, "bf16", marks=pytest.mark.slow),
+    pytest.param(64, 128, True, "bf16", marks=pytest.mark.slow),
+    pytest.param(192, 128, False, "f32", marks=pytest.mark.slow),  # f32's tiles (4 warps, BC 32)
 ])
-def test_sm80_split_head_dim_kernels_match_float64(rng, d, dv, causal):
+def test_sm80_split_head_dim_kernels_match_float64(rng, d, dv, causal, dtype):
     """Dense fwd (o, lse) and bwd (dq, dk, dv) of the split-head-dim sm80 kernels against float64:
     ragged Sq != Sk both ways, GQA (dK/dV through the f32 accumulators) and one kv head per q
     head (dK/dV stored directly), several key and query blocks."""
     assert kernel_head_dims(d, dv, "sm80") == (d, dv)
-    c = _emulated_checker(rng, d, dv, causal)
+    c = _emulated_checker(rng, d, dv, causal, dtype)
     _assert_matches(c.dense(seqlen_q=77, seqlen_k=129, heads_q=4, heads_kv=2, bottom_right=causal))
     _assert_matches(c.dense(seqlen_q=130, seqlen_k=33, heads_q=2, heads_kv=2))
 
