@@ -28,10 +28,11 @@ class KernelFamily:
 
 CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dims=True)
 # Ampere's warp-level mma.sync kernels.
-MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda")
+MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True)
 # Hopper: the mma.sync family plus the wgmma kernels of csrc/flashgen/cuda/hopper/ for the calls
-# they serve (hopper_fwd_supports there says which; the rest keep the mma.sync kernels).
-WGMMA_KERNELS = KernelFamily("wgmma", "cuda/spec.cu.j2", ".cu", "cuda")
+# they serve (hopper_fwd_supports there says which; the rest, a split head dim included, keep the
+# mma.sync kernels).
+WGMMA_KERNELS = KernelFamily("wgmma", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,9 @@ DENSE_KERNELS = """
 #include "flashgen/cuda/bwd.cuh"
 namespace fc = flashgen::cuda;
 void* flashgen_emulated_kernels[] = {
-    (void*)&fc::flash_fwd_kernel<__nv_bfloat16, 64, true, fc::kFwdDense>,
+    (void*)&fc::flash_fwd_kernel<__nv_bfloat16, 64, 64, true, fc::kFwdDense>,
     (void*)&fc::flash_bwd_pre_kernel<__nv_bfloat16, 64>,
-    (void*)&fc::flash_bwd_kernel<__nv_bfloat16, 64, true, fc::kBwdDense>,
+    (void*)&fc::flash_bwd_kernel<__nv_bfloat16, 64, 64, true, fc::kBwdDense>,
     (void*)&fc::flash_bwd_convert_kernel<__nv_bfloat16>,
 };
 """
@@ -40,8 +40,8 @@ MUTATIONS = [
     ("missing_loop_end_syncthreads", "fwd.cuh",
      "      cp_async_wait<0>();\n      __syncthreads();\n    }\n  }\n", "      cp_async_wait<0>();\n    }\n  }\n", "fwd"),
     ("missing_v_cp_async_commit", "fwd.cuh",
-     "        load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);\n      cp_async_commit();\n",
-     "        load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);\n", "fwd"),
+     "        load_tile_async<T, BC, DV, NT>(sV, LDV, vg, v_stride, k0, Sk);\n      cp_async_commit();\n",
+     "        load_tile_async<T, BC, DV, NT>(sV, LDV, vg, v_stride, k0, Sk);\n", "fwd"),
     ("wrong_a_load_matrix_order", "common.cuh",
      "const T* p = s + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8;",
      "const T* p = s + (m0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8;", "fwd"),

@@ -2,12 +2,16 @@
 kernel variant of its own: the CPU kernels' forward and backward against the float64 reference
 on fresh random inputs (outputs poisoned by conftest's FLASHGEN_POISON), through
 flash_attention and the kernel entry points; clear errors where it has no kernels."""
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashgen import reference, runtime
+from conftest import needs_nvcc
+from flashgen import reference, runtime, targets
 from flashgen.jax import flash_attention, flash_attention_varlen
 from flashgen.jax.attention import attention_bwd, attention_with_lse
 from flashgen.spec import KernelSpec, kernel_head_dims, parse_target_name
@@ -18,6 +22,16 @@ TOL = {"float32": (2e-5, 1e-4), "bfloat16": (2e-2, 3e-2)}  # (forward, gradients
 def _inputs(rng, d, dv, dtype="float32", b=2, sq=12, sk=16, hq=4, hkv=2):
     shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv), (b, sq, hq, dv))
     return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]  # q, k, v, do
+
+
+@pytest.fixture
+def sm80_without_split_kernels(monkeypatch):
+    """sm80 as a target whose kernel family has no split-head-dim kernels (every family has them
+    today; a new one, as a first Hopper family, may not): its specs refuse a differing value
+    head dim and flash_attention / the rewriter pad V to the larger dim."""
+    row = targets.TARGETS["sm80"]
+    family = dataclasses.replace(row.family, split_head_dims=False)
+    monkeypatch.setitem(targets.TARGETS, "sm80", dataclasses.replace(row, family=family))
 
 
 def _close(got, want, tol):
@@ -74,7 +88,7 @@ def test_split_head_dims_kernel_entry_points_and_padding(rng):
         _close(got, want, 1e-4)
 
 
-def test_split_head_dim_names_and_where_they_have_no_kernels(rng):
+def test_split_head_dim_names_and_where_they_have_no_kernels(rng, sm80_without_split_kernels):
     spec = KernelSpec(192, "bf16", True, "cpu", 128)
     assert spec.target_name("fwd") == "flashgen_fwd_d192v128_bf16_causal"
     assert spec.stem == "d192v128_bf16_causal_cpu" and spec.to_json()["head_dim_v"] == 128
@@ -124,7 +138,7 @@ def test_split_head_dim_handlers_check_every_shape(rng):
             max_seqlen_k=np.int32(32)))(*flat, *cu)
 
 
-def test_rewrite_for_a_target_without_split_kernels_pads_v_to_the_query_head_dim():
+def test_rewrite_for_a_target_without_split_kernels_pads_v_to_the_query_head_dim(sm80_without_split_kernels):
     """The MLA golden rewritten for sm80 (no d192v128 kernels there): V zero-padded to 192, O
     sliced back to 128, the d192 kernel; exact (run here on the CPU library, which serves the
     same target names)."""
@@ -169,7 +183,7 @@ def test_shape_polymorphic_split_head_dim_site(rng):
     _close(rewritten.call(q, k, v), reference.attention(q, k, v)[0], 2e-5)
 
 
-def test_emit_and_the_cli_take_a_value_head_dim(capsys):
+def test_emit_and_the_cli_take_a_value_head_dim(capsys, sm80_without_split_kernels):
     from flashgen.cli import main
     from flashgen.emit import attention_module, result_types
     from flashgen.mlir_context import new_context
@@ -188,3 +202,55 @@ def test_emit_and_the_cli_take_a_value_head_dim(capsys):
     assert "@flashgen_fwd_d192v128_bf16_causal" in capsys.readouterr().out
     assert main(["build", "--hdim", "192", "--hdim-v", "128", "--target", "sm80"]) != 0
     assert "target sm80 has no kernels for a value head dim" in capsys.readouterr().err
+
+
+# ---- the sm80 CUDA kernels, emulated (tests/test_cuda_emulated.py's harness) ---------------------
+# One library per spec (an nvcc build each, ~40 s): CI builds d192v128 causal and d64v128
+# non-causal; the other two of the four are slow.
+@functools.cache
+def _emulated(head_dim, head_dim_v, causal, dtype="bf16"):
+    from flashgen.build import build
+    from flashgen.emulate.host import EmulatedLibrary
+    spec = KernelSpec(head_dim, dtype, causal, "sm80", head_dim_v)
+    return EmulatedLibrary(build(spec, host="emulate")), spec
+
+
+def _emulated_checker(rng, head_dim, head_dim_v, causal, dtype="bf16"):
+    from flashgen.emulate.check import Checker
+    return Checker(*_emulated(head_dim, head_dim_v, causal, dtype), rng)
+
+
+def _assert_matches(result):
+    bad = [f"{r.family} [{r.case}] {r.output}: {r.error:.3g} > {r.tolerance:g}" for r in result.rows if not r.ok]
+    assert not bad, "\n".join(bad)
+    assert {r.output for r in result.rows} >= {"o", "lse", "dq", "dk", "dv"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("d, dv, causal, dtype", [
+    (192, 128, True, "bf16"),
+    (64, 128, False, "bf16"),  # dv > d
+    pytest.param(192, 128, False, "bf16", marks=pytest.mark.slow),
+    pytest.param(64, 128, True, "bf16", marks=pytest.mark.slow),
+    pytest.param(192, 128, False, "f32", marks=pytest.mark.slow),  # f32's tiles (4 warps, BC 32)
+])
+def test_sm80_split_head_dim_kernels_match_float64(rng, d, dv, causal, dtype):
+    """Dense fwd (o, lse) and bwd (dq, dk, dv) of the split-head-dim sm80 kernels against float64:
+    ragged Sq != Sk both ways, GQA (dK/dV through the f32 accumulators) and one kv head per q
+    head (dK/dV stored directly), several key and query blocks."""
+    assert kernel_head_dims(d, dv, "sm80") == (d, dv)
+    c = _emulated_checker(rng, d, dv, causal, dtype)
+    _assert_matches(c.dense(seqlen_q=77, seqlen_k=129, heads_q=4, heads_kv=2, bottom_right=causal))
+    _assert_matches(c.dense(seqlen_q=130, seqlen_k=33, heads_q=2, heads_kv=2))
+
+
+@needs_nvcc
+def test_sm80_split_head_dim_kernels_with_extras_and_varlen_refused(rng):
+    """The extras variant (bias with its gradient, a mask with a row that sees no key, softcap)
+    takes the value head dim too; a varlen call of a split spec is the handler's error."""
+    from flashgen.emulate.host import HandlerError
+    c = _emulated_checker(rng, 64, 128, False)
+    _assert_matches(c.dense(seqlen_q=40, seqlen_k=70, heads_q=2, heads_kv=1, bias=(1, 2), mask=(1, 1),
+                            softcap=5.0))
+    with pytest.raises(HandlerError, match="the varlen and paged calls need the value head dim"):
+        c.varlen(backward=False)

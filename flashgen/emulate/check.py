@@ -108,9 +108,9 @@ class Checker:
         1, broadcasts it over the queries: a key-only bias) — the bias is differentiated (the
         backward returns dbias, checked) unless not bias_grad; the mask has a fully masked row;
         segment_ids: the last query segment has no keys."""
-        b, sq, hq, hkv, d = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim
+        b, sq, hq, hkv, d, dv = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim, self.spec.head_dim_v
         sk = sq if seqlen_k is None else seqlen_k
-        q, k, v, do = (self._normal(b, n, h, d) for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+        q, k, v, do = (self._normal(b, n, h, e) for n, h, e in ((sq, hq, d), (sk, hkv, d), (sk, hkv, dv), (sq, hq, dv)))
         ops, kw = {}, {}
         if alibi:
             ops["alibi"] = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
@@ -142,10 +142,10 @@ class Checker:
                                   window=window, softcap=softcap, do=do if backward else None, **kw)
         kernels: list[str] = []
         (o, lse), rows = self._run(family, case, self.spec.target_name("fwd"), [q, k, v, *extra_ops],
-                                   [((b, sq, hq, d), self.dt), ((b, hq, sq), np.float32)], attrs,
+                                   [((b, sq, hq, dv), self.dt), ((b, hq, sq), np.float32)], attrs,
                                    lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
         if backward:
-            results = [((b, sq, hq, d), self.dt), ((b, sk, hkv, d), self.dt), ((b, sk, hkv, d), self.dt)]
+            results = [((b, sq, hq, d), self.dt), ((b, sk, hkv, d), self.dt), ((b, sk, hkv, dv), self.dt)]
             if bias is not None and bias_grad:  # dbias: the bias's shape and type
                 results.append((ops["bias"][0].shape, ops["bias"][0].dtype))
             _, more = self._run(family, case, self.spec.target_name("bwd"), [q, k, v, o, lse, do, *extra_ops],

@@ -92,18 +92,22 @@ enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2, kBwdVarlenAl
 template <int MODE>
 using BwdParamsT = typename std::conditional<MODE == kBwdDense, BwdParams, BwdVarParams>::type;
 
-template <class T, int D>
+// D: q/k head dim; DV: v/o head dim (dO and dV have DV columns, dQ and dK D).
+template <class T, int D, int DV = D>
 struct BwdConfig {
   static constexpr bool kF32 = std::is_same<T, float>::value;
-  static constexpr int kWarps = kF32 ? (D <= 192 ? 4 : 2) : 4;
+  static constexpr int kDMax = D > DV ? D : DV;
+  static constexpr int kWarps = kF32 ? (kDMax <= 192 ? 4 : 2) : 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int BC = kWarps * 16;    // key rows per CTA
   static constexpr int BR = kF32 ? 32 : 64;  // query rows per iteration
   static constexpr int QC = 32;              // query columns per S^T chunk
-  static constexpr int NSPLIT = D > 128 ? 2 : 1;
-  static constexpr int DV = D / NSPLIT;  // dK/dV/dQ columns handled by one CTA
+  static constexpr int NSPLIT = kDMax > 128 ? 2 : 1;
+  static constexpr int SK = D / NSPLIT;   // dK/dQ columns handled by one CTA
+  static constexpr int SV = DV / NSPLIT;  // dV columns handled by one CTA
   static constexpr int kPad = 16 / static_cast<int>(sizeof(T));
-  static constexpr int LD = D + kPad;    // row stride of the K, V, Q, dO tiles
+  static constexpr int LD = D + kPad;    // row stride of the K and Q tiles
+  static constexpr int LDV = DV + kPad;  // row stride of the V and dO tiles
   static constexpr int LDS = BR + kPad;  // row stride of the dS^T tile [BC][BR]
   // dQ GEMM warp layout: RG row groups of 16 query rows x CG column groups.
   static constexpr int RG = BR / 16;
@@ -111,10 +115,11 @@ struct BwdConfig {
   // 16-column dQ tiles accumulated per pass (fewer for large D: register pressure).
   static constexpr int kDqPass = NSPLIT > 1 ? 2 : 4;
   static constexpr size_t kSmem =
-      static_cast<size_t>(2 * BC + 2 * BR) * LD * sizeof(T) + static_cast<size_t>(BC) * LDS * sizeof(T) +
+      static_cast<size_t>(BC + BR) * (LD + LDV) * sizeof(T) + static_cast<size_t>(BC) * LDS * sizeof(T) +
       2 * BR * sizeof(float);
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
-  static_assert(DV % 16 == 0, "head-dim slice must be a multiple of 16");
+  static_assert(DV % 32 == 0 && DV >= 32 && DV <= 256, "value head dim must be a multiple of 32 in [32, 256]");
+  static_assert(SK % 16 == 0 && SV % 16 == 0, "head-dim slices must be multiples of 16");
   static_assert(BR % QC == 0 && QC % 16 == 0, "bad query chunk");
   static_assert(kWarps % RG == 0, "warps must cover the dQ rows");
   static_assert(kSmem <= 166912, "exceeds the 163 KiB opt-in shared memory of sm_80");
@@ -183,31 +188,51 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_kernel(const float* __r
   if (blockIdx.x == 0 && threadIdx.x < n - 4 * n4) dst[4 * n4 + threadIdx.x] = from_float<T>(src[4 * n4 + threadIdx.x]);
 }
 
+// A warp's 16 staged rows of `COLS` elements (shared, stride ld) to global rows row0.. (stride
+// gstride) with 16-byte stores; rows >= nrows are skipped.
+template <class T, int COLS>
+FG_DEV void store_warp_rows(T* g, int64_t gstride, const T* s, int ld, int row0, int nrows, int lane) {
+  constexpr int kEpc = 16 / sizeof(T);
+  constexpr int kCpr = COLS / kEpc;
+#pragma unroll
+  for (int idx = lane; idx < 16 * kCpr; idx += 32) {
+    const int r = idx / kCpr, c = idx % kCpr;
+    if (row0 + r < nrows)
+      *reinterpret_cast<uint4*>(g + (row0 + r) * gstride + c * kEpc) =
+          *reinterpret_cast<const uint4*>(s + r * ld + c * kEpc);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // 2. main backward kernel
 // ---------------------------------------------------------------------------
-template <class T, int D, bool CAUSAL, int MODE = kBwdDense>
-__global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel(const BwdParamsT<MODE> p) {
-  using Cfg = BwdConfig<T, D>;
+// DV: the value head dim (v, do and dv's last dim); only the dense and extras modes take DV != D.
+template <class T, int D, int DV, bool CAUSAL, int MODE = kBwdDense>
+__global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_kernel(const BwdParamsT<MODE> p) {
+  using Cfg = BwdConfig<T, D, DV>;
   using Ops = typename OpsFor<T>::type;
   using FragA = typename Ops::FragA;
   using FragB = typename Ops::FragB;
-  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDS = Cfg::LDS;
+  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDV = Cfg::LDV, LDS = Cfg::LDS;
   // The extras variant keeps more values live per element: narrower S^T chunks
   // for large head dims (fewer accumulators) avoid register spills.
-  // (f16/bf16 only: for f32 at those dims it makes the existing spills worse.)
-  constexpr int QC = (MODE == kBwdExtras && !Cfg::kF32 && D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D) ? 16 : Cfg::QC;
-  constexpr int DV = Cfg::DV, NSPLIT = Cfg::NSPLIT, NT = Cfg::kThreads, KS = Ops::KS;
+  // (f16/bf16 only: for f32 at those dims it makes the existing spills worse.) So does a value
+  // head dim above the query/key one (d64v128 spilled 8 bytes at QC = 32).
+  constexpr int QC =
+      (MODE == kBwdExtras && !Cfg::kF32 && (D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D || DV > D)) ? 16 : Cfg::QC;
+  constexpr int SK = Cfg::SK, SV = Cfg::SV, NSPLIT = Cfg::NSPLIT, NT = Cfg::kThreads, KS = Ops::KS;
   constexpr int kQT = QC / 8;  // S^T accumulator tiles per chunk
-  constexpr int kVT = DV / 8;  // dK/dV accumulator tiles
+  constexpr int kKT = SK / 8;  // dK accumulator tiles
+  constexpr int kVT = SV / 8;  // dV accumulator tiles
   constexpr bool kExtras = MODE == kBwdExtras;
+  static_assert(DV == D || MODE == kBwdDense || MODE == kBwdExtras, "varlen needs DV == D");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + BC * LD;
-  T* sQ = sV + BC * LD;
+  T* sQ = sV + BC * LDV;
   T* sdO = sQ + BR * LD;
-  T* sdS = sdO + BR * LD;  // dS^T, [BC][LDS]
+  T* sdS = sdO + BR * LDV;  // dS^T, [BC][LDS]
   float* sLse = reinterpret_cast<float*>(sdS + BC * LDS);  // lse * log2(e); +inf for "no probability"
   float* sDsum = sLse + BR;
 
@@ -225,7 +250,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   }
   const int Sq = kVarlen ? rq.len : p.seqlen_q, Sk = kVarlen ? rk.len : p.seqlen_k;
   const int k0 = nblk * BC;
-  const int dcol0 = split * DV;
+  const int dcol0 = split * SK;   // first dK/dQ column of this CTA
+  const int dvcol0 = split * SV;  // first dV column
   const int wrow0 = warp * 16;  // warp's first key row inside the tile
   int band_lo = 0, band_hi = 0, band_masked = 0;
   if constexpr (kVarlen) {
@@ -236,16 +262,20 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
     band_masked = bd.masked;
   }
 
+  // Rows of q / dq (D), do (DV), k / dk (D), v / dv (DV): strides and this CTA's first element.
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+  const int64_t do_stride = static_cast<int64_t>(p.heads_q) * DV;
   const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
-  const int64_t q_off = kVarlen ? (static_cast<int64_t>(rq.start) * p.heads_q + h) * D
-                                : (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
-  const int64_t kv_off = kVarlen ? (static_cast<int64_t>(rk.start) * p.heads_kv + hk) * D
-                                 : (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+  const int64_t v_stride = static_cast<int64_t>(p.heads_kv) * DV;
+  const int64_t q_row = kVarlen ? static_cast<int64_t>(rq.start) * p.heads_q + h
+                                : static_cast<int64_t>(b) * Sq * p.heads_q + h;
+  const int64_t kv_row = kVarlen ? static_cast<int64_t>(rk.start) * p.heads_kv + hk
+                                 : static_cast<int64_t>(b) * Sk * p.heads_kv + hk;
+  const int64_t q_off = q_row * D, kv_off = kv_row * D, v_off = kv_row * DV;
   const T* qg = static_cast<const T*>(p.q) + q_off;
-  const T* dog = static_cast<const T*>(p.dout) + q_off;
+  const T* dog = static_cast<const T*>(p.dout) + q_row * DV;
   const T* kg = static_cast<const T*>(p.k) + kv_off;
-  const T* vg = static_cast<const T*>(p.v) + kv_off;
+  const T* vg = static_cast<const T*>(p.v) + v_off;
   // lse / dsum: [B, Hq, Sq], or [Hq, Tq] for varlen
   const float* lseg = p.lse + (kVarlen ? static_cast<int64_t>(h) * p.seqlen_q + rq.start
                                        : (static_cast<int64_t>(b) * p.heads_q + h) * Sq);
@@ -271,11 +301,15 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
   const bool capped = p.softcap > 0.f;
 
-  float acc_dk[kVT][4], acc_dv[kVT][4];
+  float acc_dk[kKT][4], acc_dv[kVT][4];
+#pragma unroll
+  for (int i = 0; i < kKT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[i][e] = 0.f;
 #pragma unroll
   for (int i = 0; i < kVT; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc_dv[i][e] = 0.f;
 
   // lse / Dsum of a query block go through registers (loaded early, stored
   // to shared memory late) so that their latency hides behind the dQ GEMM.
@@ -295,9 +329,9 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
 
   if (m_begin < m_end) {
     load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, k0, Sk);
-    load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);
+    load_tile_async<T, BC, DV, NT>(sV, LDV, vg, v_stride, k0, Sk);
     load_tile_async<T, BR, D, NT>(sQ, LD, qg, q_stride, m_begin * BR, Sq);
-    load_tile_async<T, BR, D, NT>(sdO, LD, dog, q_stride, m_begin * BR, Sq);
+    load_tile_async<T, BR, DV, NT>(sdO, LDV, dog, do_stride, m_begin * BR, Sq);
     cp_async_commit();
     {
       float l, d;
@@ -367,14 +401,14 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
             }
         }
         // ---- dV += P^T dO
-        warp_gemm_pb<Ops, QC, DV>(acc_dv, s, sdO, LD, c0, dcol0);
+        warp_gemm_pb<Ops, QC, SV>(acc_dv, s, sdO, LDV, c0, dvcol0);
         // ---- dP^T = V dO^T
         float dpt[kQT][4];
 #pragma unroll
         for (int i = 0; i < kQT; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
-        warp_gemm_abt<Ops, D, QC>(dpt, sV, LD, wrow0, sdO, LD, c0);
+        warp_gemm_abt<Ops, DV, QC>(dpt, sV, LDV, wrow0, sdO, LDV, c0);
         // ---- dS^T = P^T * (dP^T - Dsum)   (in place of P^T)
         // Softcap: times 1 - u^2 with u = tanh(x / c), recovered from P instead of
         // kept in registers: log2(P) = c*u*log2(e) - lse*log2(e). P = 0 gives dS = 0
@@ -416,7 +450,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
             s[j][e] = ds;
           }
         // ---- dK += dS^T Q   (scale applied at the end)
-        warp_gemm_pb<Ops, QC, DV>(acc_dk, s, sQ, LD, c0, dcol0);
+        warp_gemm_pb<Ops, QC, SK>(acc_dk, s, sQ, LD, c0, dcol0);
         // ---- dS^T -> shared (element type, as the A operand of the dQ GEMM)
 #pragma unroll
         for (int j = 0; j < kQT; ++j) {
@@ -430,14 +464,14 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
       float next_l = INFINITY, next_d = 0.f;
       if (m + 1 < m_end) {
         load_tile_async<T, BR, D, NT>(sQ, LD, qg, q_stride, q0 + BR, Sq);
-        load_tile_async<T, BR, D, NT>(sdO, LD, dog, q_stride, q0 + BR, Sq);
+        load_tile_async<T, BR, DV, NT>(sdO, LDV, dog, do_stride, q0 + BR, Sq);
         cp_async_commit();
         fetch_row_stats(m + 1, next_l, next_d);
       }
 
-      // ---- dQ[q0 : q0+BR, dcol0 : dcol0+DV] += scale * dS K
+      // ---- dQ[q0 : q0+BR, dcol0 : dcol0+SK] += scale * dS K
       {
-        constexpr int kTiles = DV / 16;  // 16-column tiles of the slice
+        constexpr int kTiles = SK / 16;  // 16-column tiles of the slice
         constexpr int kPass = Cfg::kDqPass;  // 16-column tiles per pass
         const int rg = warp % Cfg::RG, cg = warp / Cfg::RG;
 #pragma unroll 1
@@ -501,46 +535,41 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kThreads, 1) flash_bwd_kernel
   // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + wrow0 + [0, 16)
   if (p.atomic_kv) {
 #pragma unroll
-    for (int i = 0; i < kVT; ++i)
+    for (int r = 0; r < 2; ++r) {
+      const int row = k0 + wrow0 + g + 8 * r;
+      if (row < Sk) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = k0 + wrow0 + g + 8 * r;
-        if (row < Sk) {
+        for (int i = 0; i < kKT; ++i) {
           const int64_t off = kv_off + row * kv_stride + dcol0 + i * 8 + 2 * t;
           atomicAdd(p.dk_acc + off, acc_dk[i][2 * r] * p.scale);
           atomicAdd(p.dk_acc + off + 1, acc_dk[i][2 * r + 1] * p.scale);
+        }
+#pragma unroll
+        for (int i = 0; i < kVT; ++i) {
+          const int64_t off = v_off + row * v_stride + dvcol0 + i * 8 + 2 * t;
           atomicAdd(p.dv_acc + off, acc_dv[i][2 * r]);
           atomicAdd(p.dv_acc + off + 1, acc_dv[i][2 * r + 1]);
         }
       }
+    }
   } else {
     // Stage through the warp's own rows of the K / V tiles (all reads of them
     // ended at the loop's final barrier), then 16-byte stores.
     T* stK = sK + wrow0 * LD;
-    T* stV = sV + wrow0 * LD;
+    T* stV = sV + wrow0 * LDV;
 #pragma unroll
-    for (int i = 0; i < kVT; ++i) {
+    for (int i = 0; i < kKT; ++i) {
       Ops::store2(stK + g * LD + i * 8 + 2 * t, acc_dk[i][0] * p.scale, acc_dk[i][1] * p.scale);
       Ops::store2(stK + (g + 8) * LD + i * 8 + 2 * t, acc_dk[i][2] * p.scale, acc_dk[i][3] * p.scale);
-      Ops::store2(stV + g * LD + i * 8 + 2 * t, acc_dv[i][0], acc_dv[i][1]);
-      Ops::store2(stV + (g + 8) * LD + i * 8 + 2 * t, acc_dv[i][2], acc_dv[i][3]);
+    }
+#pragma unroll
+    for (int i = 0; i < kVT; ++i) {
+      Ops::store2(stV + g * LDV + i * 8 + 2 * t, acc_dv[i][0], acc_dv[i][1]);
+      Ops::store2(stV + (g + 8) * LDV + i * 8 + 2 * t, acc_dv[i][2], acc_dv[i][3]);
     }
     __syncwarp();
-    constexpr int kEpc = 16 / sizeof(T);
-    constexpr int kCpr = DV / kEpc;
-    T* dkg = static_cast<T*>(p.dk) + kv_off + dcol0;
-    T* dvg = static_cast<T*>(p.dv) + kv_off + dcol0;
-#pragma unroll
-    for (int idx = lane; idx < 16 * kCpr; idx += 32) {
-      const int r = idx / kCpr, c = idx % kCpr;
-      const int row = k0 + wrow0 + r;
-      if (row < Sk) {
-        *reinterpret_cast<uint4*>(dkg + row * kv_stride + c * kEpc) =
-            *reinterpret_cast<const uint4*>(stK + r * LD + c * kEpc);
-        *reinterpret_cast<uint4*>(dvg + row * kv_stride + c * kEpc) =
-            *reinterpret_cast<const uint4*>(stV + r * LD + c * kEpc);
-      }
-    }
+    store_warp_rows<T, SK>(static_cast<T*>(p.dk) + kv_off + dcol0, kv_stride, stK, LD, k0 + wrow0, Sk, lane);
+    store_warp_rows<T, SV>(static_cast<T*>(p.dv) + v_off + dvcol0, v_stride, stV, LDV, k0 + wrow0, Sk, lane);
   }
 #undef FG_BAND_LO
 #undef FG_BAND_HI

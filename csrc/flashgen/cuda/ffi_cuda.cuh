@@ -215,12 +215,12 @@ inline void fill_fwd_params(FwdVarParams& p, const AttentionShape& s, const Atte
   p.nsplit = 1;
 }
 
-template <class T, int D, bool CAUSAL, int MODE>
+template <class T, int D, bool CAUSAL, int MODE, int DV = D>
 ffi::Error launch_fwd(const char* target, cudaStream_t stream, const FwdVarParams& vp, dim3 grid) {
   const FwdParamsT<MODE>& p = vp;  // the dense kernel takes the base part only
-  using Cfg = FwdConfig<T, D>;
-  constexpr size_t kSmem = fwd_smem_bytes<T, D, MODE>();
-  auto kernel = flash_fwd_kernel<T, D, CAUSAL, MODE>;
+  using Cfg = FwdConfig<T, D, DV>;
+  constexpr size_t kSmem = fwd_smem_bytes<T, D, DV, MODE>();
+  auto kernel = flash_fwd_kernel<T, D, DV, CAUSAL, MODE>;
   if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return check_launch(target, "flash_fwd_kernel");
@@ -243,10 +243,10 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const FwdP
 // ---------------------------------------------------------------------------
 // forward
 // ---------------------------------------------------------------------------
-template <ffi::DataType DT, int D, bool CAUSAL>
+template <ffi::DataType DT, int D, int DV, bool CAUSAL>
 ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator&, const FwdCall& c) {
   using T = typename ElemOf<DT>::type;
-  using Cfg = FwdConfig<T, D>;
+  using Cfg = FwdConfig<T, D, DV>;
   const AttentionShape& s = c.s;
 
   // Nothing to write when o / lse are empty. (seqlen_k == 0 with rows present
@@ -259,13 +259,13 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
   const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
 #ifdef FLASHGEN_WGMMA_KERNELS
-  if constexpr (kHopperFwdCompiles<T, D>) {
+  if constexpr (kHopperFwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
     if (hopper_fwd_supports(c)) return launch_hopper_fwd<T, D, CAUSAL>(target, stream, p, s);
   }
 #endif
-  if (!c.x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense>(target, stream, p, grid);
+  if (!c.x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense, DV>(target, stream, p, grid);
   p.x = extras_params(c.x, s, c.attrs.bottom_right);
-  return launch_fwd<T, D, CAUSAL, kFwdExtras>(target, stream, p, grid);
+  return launch_fwd<T, D, CAUSAL, kFwdExtras, DV>(target, stream, p, grid);
 }
 
 // ---------------------------------------------------------------------------
@@ -387,19 +387,21 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
 
 // s: the dense shape, or for varlen {B, Tq, Tk, Hq, Hkv, D} (then `varlen` is set
 // and lse / dsum are [Hq, Tq]). x: extras (dense; varlen: alibi only, or null);
-// dbias / dbias_elems: the dbias result when x has a bias (dense only).
-template <class T, int D, bool CAUSAL>
+// dbias / dbias_elems: the dbias result when x has a bias (dense only). DV: v, o, do and dv's
+// last dim (dense only may differ from D).
+template <class T, int D, int DV, bool CAUSAL>
 ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdBuffers& buf,
                    const AttentionShape& s, const AttentionAttrs& attrs, const ScoreExtras* x, void* dbias,
                    size_t dbias_elems, const VarlenArgs* varlen) {
-  using Cfg = BwdConfig<T, D>;
+  using Cfg = BwdConfig<T, D, DV>;
   constexpr bool kF32 = std::is_same<T, float>::value;
   const bool is_varlen = varlen != nullptr;
   // Rows of q (all batches): dense B*Sq, varlen Tq.
   const int64_t q_rows = is_varlen ? s.seqlen_q : s.batch * s.seqlen_q;
   const int64_t k_rows = is_varlen ? s.seqlen_k : s.batch * s.seqlen_k;
   const size_t q_elems = static_cast<size_t>(q_rows * s.heads_q * s.head_dim);
-  const size_t kv_elems = static_cast<size_t>(k_rows * s.heads_kv * s.head_dim);
+  const size_t kv_elems = static_cast<size_t>(k_rows * s.heads_kv * D);  // of k / dk
+  const size_t v_elems = static_cast<size_t>(k_rows * s.heads_kv * DV);  // of v / dv
   const bool has_dbias = dbias != nullptr;
   const bool dbias_f32 = has_dbias && x->bias_type == ElemType::F32;
 
@@ -409,7 +411,7 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   if (no_work) {
     if (auto e = memset_async(target, "dq", buf.dq.data, q_elems * sizeof(T), stream); e.failure()) return e;
     if (auto e = memset_async(target, "dk", buf.dk.data, kv_elems * sizeof(T), stream); e.failure()) return e;
-    if (auto e = memset_async(target, "dv", buf.dv.data, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dv", buf.dv.data, v_elems * sizeof(T), stream); e.failure()) return e;
     if (has_dbias)
       return memset_async(target, "dbias", dbias, dbias_elems * (dbias_f32 ? 4 : sizeof(T)), stream);
     return ffi::Error::Success();
@@ -432,9 +434,10 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   const size_t dsum_bytes = round_up256(rows_q * sizeof(float));
   const size_t dq_ws_bytes = kF32 ? 0 : round_up256(q_elems * sizeof(float));
   const size_t kv_ws_bytes = (kF32 || !atomic_kv) ? 0 : round_up256(kv_elems * sizeof(float));
+  const size_t v_ws_bytes = (kF32 || !atomic_kv) ? 0 : round_up256(v_elems * sizeof(float));
   const size_t db_ws_bytes = (has_dbias && !dbias_f32) ? round_up256(dbias_elems * sizeof(float)) : 0;
   char* wsp = nullptr;
-  if (auto e = alloc_scratch(target, scratch, dsum_bytes + dq_ws_bytes + 2 * kv_ws_bytes + db_ws_bytes,
+  if (auto e = alloc_scratch(target, scratch, dsum_bytes + dq_ws_bytes + kv_ws_bytes + v_ws_bytes + db_ws_bytes,
                              "the backward workspace", &wsp);
       e.failure())
     return e;
@@ -450,19 +453,19 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   float* dbias_acc = nullptr;
   if (has_dbias)
     dbias_acc = dbias_f32 ? static_cast<float*>(dbias)
-                          : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes + 2 * kv_ws_bytes);
+                          : reinterpret_cast<float*>(wsp + dsum_bytes + dq_ws_bytes + kv_ws_bytes + v_ws_bytes);
 
   if (auto e = memset_async(target, "dq accumulator", dq_acc, q_elems * sizeof(float), stream); e.failure())
     return e;
   if (atomic_kv) {
     if (auto e = memset_async(target, "dk accumulator", dk_acc, kv_elems * sizeof(float), stream); e.failure())
       return e;
-    if (auto e = memset_async(target, "dv accumulator", dv_acc, kv_elems * sizeof(float), stream); e.failure())
+    if (auto e = memset_async(target, "dv accumulator", dv_acc, v_elems * sizeof(float), stream); e.failure())
       return e;
   } else if (is_varlen) {
     // Key rows no sequence covers are never visited: they read 0.
     if (auto e = memset_async(target, "dk", buf.dk.data, kv_elems * sizeof(T), stream); e.failure()) return e;
-    if (auto e = memset_async(target, "dv", buf.dv.data, kv_elems * sizeof(T), stream); e.failure()) return e;
+    if (auto e = memset_async(target, "dv", buf.dv.data, v_elems * sizeof(T), stream); e.failure()) return e;
   }
   if (has_dbias) {
     if (auto e = memset_async(target, "dbias accumulator", dbias_acc, dbias_elems * sizeof(float), stream);
@@ -474,10 +477,10 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   //    (varlen: one "batch" of Tq rows -> dsum [Hq, Tq], like lse).
   {
     const int64_t rows = static_cast<int64_t>(rows_q);
-    constexpr int kCpr = D * static_cast<int>(sizeof(T)) / 16;
+    constexpr int kCpr = DV * static_cast<int>(sizeof(T)) / 16;
     constexpr int kLanes = kCpr >= 32 ? 32 : (kCpr >= 16 ? 16 : (kCpr >= 8 ? 8 : 4));
     const int rows_per_block = 256 / kLanes;
-    flash_bwd_pre_kernel<T, D><<<grid_for(rows, rows_per_block), 256, 0, stream>>>(
+    flash_bwd_pre_kernel<T, DV><<<grid_for(rows, rows_per_block), 256, 0, stream>>>(
         static_cast<const T*>(buf.o), static_cast<const T*>(buf.dout), dsum, rows,
         static_cast<int>(s.seqlen_q), static_cast<int>(s.heads_q));
     if (auto e = check_launch(target, "flash_bwd_pre_kernel"); e.failure()) return e;
@@ -529,16 +532,16 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     if (is_varlen) {
       if (x != nullptr && x->alibi != nullptr) {
         p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
-        err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdVarlenAlibi>, p);
+        err = launch(flash_bwd_kernel<T, D, D, CAUSAL, kBwdVarlenAlibi>, p);
       } else {
-        err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdVarlen>, p);
+        err = launch(flash_bwd_kernel<T, D, D, CAUSAL, kBwdVarlen>, p);
       }
     } else if (x != nullptr && x->any()) {
       p.x = extras_params(*x, s, attrs.bottom_right);
       p.x.dbias_acc = dbias_acc;
-      err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdExtras>, p);
+      err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdExtras>, p);
     } else {
-      err = launch(flash_bwd_kernel<T, D, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
+      err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
     }
     if (err.failure()) return err;
   }
@@ -553,7 +556,7 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     if (auto e = convert(dq_acc, buf.dq.data, q_elems, "flash_bwd_convert_kernel(dq)"); e.failure()) return e;
     if (atomic_kv) {
       if (auto e = convert(dk_acc, buf.dk.data, kv_elems, "flash_bwd_convert_kernel(dk)"); e.failure()) return e;
-      if (auto e = convert(dv_acc, buf.dv.data, kv_elems, "flash_bwd_convert_kernel(dv)"); e.failure()) return e;
+      if (auto e = convert(dv_acc, buf.dv.data, v_elems, "flash_bwd_convert_kernel(dv)"); e.failure()) return e;
     }
     if (has_dbias && !dbias_f32) {
       if (auto e = convert(dbias_acc, dbias, dbias_elems, "flash_bwd_convert_kernel(dbias)"); e.failure())
@@ -563,36 +566,46 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   return ffi::Error::Success();
 }
 
-template <ffi::DataType DT, int D, bool CAUSAL>
+template <ffi::DataType DT, int D, int DV, bool CAUSAL>
 ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdCall& c) {
   using T = typename ElemOf<DT>::type;
   if (auto e = poison_async(target, stream, c.results()); e.failure()) return e;
   const size_t dbias_elems = c.dbias.bytes / (c.x.bias_type == ElemType::F32 ? sizeof(float) : sizeof(T));
-  return bwd_run<T, D, CAUSAL>(target, stream, scratch, c, c.s, c.attrs, &c.x, c.x.dbias, dbias_elems, nullptr);
+  return bwd_run<T, D, DV, CAUSAL>(target, stream, scratch, c, c.s, c.attrs, &c.x, c.x.dbias, dbias_elems, nullptr);
 }
 
 template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdVarlenCall& c) {
   using T = typename ElemOf<DT>::type;
   if (auto e = poison_async(target, stream, c.results()); e.failure()) return e;
-  return bwd_run<T, D, CAUSAL>(target, stream, scratch, c, c.s, c.attrs, c.x.alibi != nullptr ? &c.x : nullptr,
+  return bwd_run<T, D, D, CAUSAL>(target, stream, scratch, c, c.s, c.attrs, c.x.alibi != nullptr ? &c.x : nullptr,
                                nullptr, 0, &c.varlen);
 }
 
 // The handler of one call (templates/cuda/spec.cu.j2 binds it): Call (call.h) decodes and
 // validates the FFI's arguments -- shapes only: the operands live in device memory -- then
-// launch enqueues the kernels on the stream.
-template <ffi::DataType DT, int D, bool CAUSAL, class Call>
-struct Handler {
+// launch enqueues the kernels on the stream. SplitHandler: a spec whose value head dim DV
+// differs from its query/key head dim D (dense fwd / bwd only: decode refuses the others).
+template <ffi::DataType DT, int D, int DV, bool CAUSAL, class Call>
+struct SplitHandler {
   const char* target;
 
   template <class... Args>
   ffi::Error operator()(cudaStream_t stream, ffi::ScratchAllocator scratch, Args... args) const {
-    auto call = Call::decode(Callee{target, D, D, CAUSAL, /*host_operands=*/false}, std::move(args)...);
+    const Callee callee{target, D, DV, CAUSAL, /*host_operands=*/false};
+    auto call = Call::decode(callee, std::move(args)...);
     if (call.has_error()) return call.error();
-    return launch<DT, D, CAUSAL>(target, stream, scratch, call.value());
+    if constexpr (std::is_same_v<Call, FwdCall> || std::is_same_v<Call, BwdCall>)
+      return launch<DT, D, DV, CAUSAL>(target, stream, scratch, call.value());
+    else if constexpr (DV == D)
+      return launch<DT, D, CAUSAL>(target, stream, scratch, call.value());
+    else
+      return split_head_dims_refused(callee);
   }
 };
+
+template <ffi::DataType DT, int D, bool CAUSAL, class Call>
+using Handler = SplitHandler<DT, D, D, CAUSAL, Call>;
 
 }  // namespace
 }  // namespace cuda

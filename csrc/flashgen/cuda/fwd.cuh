@@ -95,20 +95,26 @@ __host__ __device__ constexpr bool fwd_is_paged(int mode) { return mode == kFwdP
 template <int MODE>
 using FwdParamsT = typename std::conditional<MODE == kFwdDense, FwdParams, FwdVarParams>::type;
 
-// Tile shapes per (element type, head dim). f16/bf16: 8 warps x 16 rows.
-// Shared memory = (BR + 2*BC) * (D + pad) * sizeof(T); pad = 16 bytes per row
-// (keeps ldmatrix and the fragment stores bank-conflict free).
-template <class T, int D>
+// Tile shapes per (element type, q/k head dim D, v/o head dim DV). f16/bf16: 8 warps x 16 rows.
+// Shared memory = BR * (max(D, DV) + pad) [Q, then the O staging] + BC * (D + pad) [K]
+// + BC * (DV + pad) [V]; pad = 16 bytes per row (keeps ldmatrix and the fragment stores
+// bank-conflict free).
+template <class T, int D, int DV = D>
 struct FwdConfig {
   static constexpr bool kF32 = std::is_same<T, float>::value;
+  static constexpr int kDMax = D > DV ? D : DV;
   static constexpr int kWarps = kF32 ? 4 : 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int BR = kWarps * 16;
-  static constexpr int BC = kF32 ? (D <= 128 ? 64 : 32) : 64;
-  static constexpr int LD = D + 16 / static_cast<int>(sizeof(T));
-  static constexpr size_t kSmem = static_cast<size_t>(BR + 2 * BC) * LD * sizeof(T);
-  static constexpr int kMinBlocks = (!kF32 && D <= 64) ? 2 : 1;  // 2 CTAs/SM needs <= 128 regs
+  static constexpr int BC = kF32 ? (kDMax <= 128 ? 64 : 32) : 64;
+  static constexpr int kPad = 16 / static_cast<int>(sizeof(T));
+  static constexpr int LD = D + kPad;    // row stride of the Q and K tiles
+  static constexpr int LDV = DV + kPad;  // row stride of the V tile and the O staging
+  static constexpr int kQRows = BR * (LD > LDV ? LD : LDV);  // elements of the Q / O staging region
+  static constexpr size_t kSmem = (static_cast<size_t>(kQRows) + BC * LD + BC * LDV) * sizeof(T);
+  static constexpr int kMinBlocks = (!kF32 && kDMax <= 64) ? 2 : 1;  // 2 CTAs/SM needs <= 128 regs
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
+  static_assert(DV % 32 == 0 && DV >= 32 && DV <= 256, "value head dim must be a multiple of 32 in [32, 256]");
   static_assert(BC % 16 == 0 && D % 16 == 0, "tiles must be multiples of 16");
   static_assert(kSmem <= 166912, "exceeds the 163 KiB opt-in shared memory of sm_80");
 };
@@ -154,22 +160,23 @@ FG_DEV void load_tile_rows(T* s, int ld, const T* cache, int64_t row_stride, con
 }
 
 // Dynamic shared memory of one variant (the paged one adds the per-key flags).
-template <class T, int D, int MODE>
+template <class T, int D, int DV, int MODE>
 constexpr size_t fwd_smem_bytes() {
-  return FwdConfig<T, D>::kSmem + (fwd_is_paged(MODE) ? 2 * FwdConfig<T, D>::BC * sizeof(int) : 0);
+  return FwdConfig<T, D, DV>::kSmem + (fwd_is_paged(MODE) ? 2 * FwdConfig<T, D, DV>::BC * sizeof(int) : 0);
 }
 
-template <class T, int D, bool CAUSAL, int MODE = kFwdDense>
-__global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kMinBlocks)
+// DV: the value head dim (v and o's last dim); only the dense and extras modes take DV != D.
+template <class T, int D, int DV, bool CAUSAL, int MODE = kFwdDense>
+__global__ void __launch_bounds__(FwdConfig<T, D, DV>::kThreads, FwdConfig<T, D, DV>::kMinBlocks)
     flash_fwd_kernel(const FwdParamsT<MODE> p) {
-  using Cfg = FwdConfig<T, D>;
+  using Cfg = FwdConfig<T, D, DV>;
   using Ops = typename OpsFor<T>::type;
   using FragA = typename Ops::FragA;
   using FragB = typename Ops::FragB;
-  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, NT = Cfg::kThreads;
+  constexpr int BR = Cfg::BR, BC = Cfg::BC, LD = Cfg::LD, LDV = Cfg::LDV, NT = Cfg::kThreads;
   constexpr int KS = Ops::KS;
   constexpr int kNT = BC / 8;  // S accumulator tiles (8 keys each) per warp
-  constexpr int kDT = D / 8;   // O accumulator tiles (8 dims each) per warp
+  constexpr int kDT = DV / 8;  // O accumulator tiles (8 dims each) per warp
   constexpr bool kExtras = MODE == kFwdExtras;
   constexpr bool kPaged = fwd_is_paged(MODE);
   constexpr bool kVarlen = fwd_is_varlen(MODE);
@@ -177,13 +184,14 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
   // Scores in log2 units before the online softmax (multiplier 1).
   constexpr bool kLog2Units = kExtras || kAlibi;
   static_assert(!kPaged || NT >= BC, "paged_tile_rows needs a thread per key of the tile");
+  static_assert(DV == D || MODE == kFwdDense || MODE == kFwdExtras, "varlen / paged need DV == D");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BR * LD;
+  T* sK = sQ + Cfg::kQRows;
   T* sV = sK + BC * LD;
   // kFwdPaged: physical cache rows of the keys of tile n in sRows + (n & 1) * BC (-1: no key)
-  int* sRows = reinterpret_cast<int*>(sV + BC * LD);
+  int* sRows = reinterpret_cast<int*>(sV + BC * LDV);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -197,8 +205,10 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
     split = static_cast<int>(blockIdx.z) - b * p.nsplit;
   }
 
-  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;   // between consecutive rows of q/o
-  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;  // between consecutive rows of k/v
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;    // between consecutive rows of q
+  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;   // ... of o
+  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;  // ... of k
+  const int64_t v_stride = static_cast<int64_t>(p.heads_kv) * DV;  // ... of v
   int Sq, Sk, band_lo, band_hi, band_masked;
   const T* qg;
   const T* kg;
@@ -242,9 +252,9 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       vg = static_cast<const T*>(p.v) + static_cast<int64_t>(hk) * D;
     } else {
       kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
-      vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+      vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * DV;
     }
-    og = static_cast<T*>(p.o) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+    og = static_cast<T*>(p.o) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * DV;
     lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
   }
   const int* table_row = nullptr;
@@ -308,9 +318,9 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
     for (int n = n_blocks - 1; n >= n_first; --n) {
       const int k0 = n * BC;
       if constexpr (kPaged)
-        load_tile_rows<T, BC, D, NT>(sV, LD, vg, kv_stride, sRows + (n & 1) * BC);
+        load_tile_rows<T, BC, DV, NT>(sV, LDV, vg, v_stride, sRows + (n & 1) * BC);
       else
-        load_tile_async<T, BC, D, NT>(sV, LD, vg, kv_stride, k0, Sk);
+        load_tile_async<T, BC, DV, NT>(sV, LDV, vg, v_stride, k0, Sk);
       cp_async_commit();
       // Rows of tile n-1 into the other buffer (its last readers finished before
       // the previous iteration's final barrier; the barrier below publishes it).
@@ -421,7 +431,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       }
 
       // ---- O += P V (P from registers)
-      warp_gemm_pb<Ops, BC, D>(acc_o, s, sV, LD, 0, 0);
+      warp_gemm_pb<Ops, BC, DV>(acc_o, s, sV, LDV, 0, 0);
 
       // K[n-1] has landed; every warp is done with V[n].
       cp_async_wait<0>();
@@ -467,25 +477,27 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kThreads, FwdConfig<T, D>::kM
       return;
     }
   }
-  // The warp reads only its own 16 rows of sQ, so it may reuse them as the
-  // staging buffer for O without a CTA barrier.
+  // O is staged in the Q region. With DV == D the warp reads only its own 16 rows of sQ,
+  // so it may reuse them without a CTA barrier; with DV != D its staging rows (stride LDV)
+  // overlap other warps' Q rows, which every warp finished reading at the key loop's final
+  // barrier (and which nobody reads when the loop did not run).
   __syncwarp();
-  T* sO = sQ + wrow0 * LD;
+  T* sO = sQ + wrow0 * LDV;
 #pragma unroll
   for (int i = 0; i < kDT; ++i) {
-    Ops::store2(sO + g * LD + i * 8 + 2 * t, acc_o[i][0] * inv[0], acc_o[i][1] * inv[0]);
-    Ops::store2(sO + (g + 8) * LD + i * 8 + 2 * t, acc_o[i][2] * inv[1], acc_o[i][3] * inv[1]);
+    Ops::store2(sO + g * LDV + i * 8 + 2 * t, acc_o[i][0] * inv[0], acc_o[i][1] * inv[0]);
+    Ops::store2(sO + (g + 8) * LDV + i * 8 + 2 * t, acc_o[i][2] * inv[1], acc_o[i][3] * inv[1]);
   }
   __syncwarp();
   constexpr int kEpc = 16 / sizeof(T);
-  constexpr int kCpr = D / kEpc;
+  constexpr int kCpr = DV / kEpc;
 #pragma unroll
   for (int idx = lane; idx < 16 * kCpr; idx += 32) {
     const int r = idx / kCpr, c = idx % kCpr;
     const int row = q0 + wrow0 + r;
     if (row < Sq)
-      *reinterpret_cast<uint4*>(og + row * q_stride + c * kEpc) =
-          *reinterpret_cast<const uint4*>(sO + r * LD + c * kEpc);
+      *reinterpret_cast<uint4*>(og + row * o_stride + c * kEpc) =
+          *reinterpret_cast<const uint4*>(sO + r * LDV + c * kEpc);
   }
   if (t == 0) {
 #pragma unroll
