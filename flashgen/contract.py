@@ -257,14 +257,14 @@ class CallAttributes:
         """name -> Python value of every attribute of CALLS[direction], in contract order."""
         call = _call(direction)
         call.extra_operands(self.extras)
-        by_name = {"causal": self.causal, "scale": self.scale, "bottom_right": self.bottom_right,
-                   "window_left": self.window[0], "window_right": self.window[1],
-                   "softcap": self.softcap, "extras": ",".join(self.extras)}
-        if "max_seqlen_q" in call.attributes:
-            if self.max_seqlen is None:
-                raise ValueError("varlen calls need max_seqlen=(max_seqlen_q, max_seqlen_k)")
-            by_name["max_seqlen_q"], by_name["max_seqlen_k"] = self.max_seqlen
-        return {n: by_name[n] for n in call.attributes}
+        if "max_seqlen_q" in call.attributes and self.max_seqlen is None:
+            raise ValueError("varlen calls need max_seqlen=(max_seqlen_q, max_seqlen_k)")
+
+        def value(name):
+            field, index = _FIELD_OF[name]
+            x = getattr(self, field)
+            return ",".join(x) if field == "extras" else x if index is None else x[index]
+        return {n: value(n) for n in call.attributes}
 
     def to_mlir(self, direction: str):
         """The typed ir.DictAttr of a `direction` call (inside an MLIR context)."""
@@ -319,12 +319,23 @@ class CallAttributes:
         unexpected = sorted(set(given) - set(call.attributes))
         if unexpected:
             raise ValueError(f"unexpected attribute {unexpected[0]}")
-        v = {n: given[n].value for n in call.attributes}
-        attrs = cls(v["causal"], v["scale"], v["bottom_right"], (v["window_left"], v["window_right"]),
-                    v["softcap"], v["extras"],
-                    (v["max_seqlen_q"], v["max_seqlen_k"]) if "max_seqlen_q" in v else None)
+        fields: dict = {}
+        for name in call.attributes:
+            field, index = _FIELD_OF[name]
+            if index is None:
+                fields[field] = given[name].value
+            else:
+                fields.setdefault(field, [None, None])[index] = given[name].value
+        attrs = cls(**{f: tuple(x) if isinstance(x, list) else x for f, x in fields.items()})
         attrs.values(call.direction)  # the extras this call takes
         return attrs
+
+
+# attribute name -> (the CallAttributes field that holds it, its index in that field's pair or
+# None): values() reads attributes through it, _from_dict fills fields through it.
+_FIELD_OF = {"causal": ("causal", None), "scale": ("scale", None), "bottom_right": ("bottom_right", None),
+             "window_left": ("window", 0), "window_right": ("window", 1), "softcap": ("softcap", None),
+             "extras": ("extras", None), "max_seqlen_q": ("max_seqlen", 0), "max_seqlen_k": ("max_seqlen", 1)}
 
 
 def _call(direction: str) -> Call:

@@ -36,6 +36,14 @@ def test_to_mlir_and_parse_round_trip(direction):
     assert isinstance(kwargs["causal"], bool) and isinstance(kwargs["extras"], str)
 
 
+def test_every_attribute_has_one_call_attributes_field():
+    """A new contract attribute needs its place in CallAttributes (contract._FIELD_OF)."""
+    import dataclasses
+    from flashgen.contract import ATTRIBUTES, _FIELD_OF
+    assert set(_FIELD_OF) == set(ATTRIBUTES)
+    assert {f for f, _ in _FIELD_OF.values()} == {f.name for f in dataclasses.fields(CallAttributes)}
+
+
 GOOD = ('{bottom_right = false, causal = true, extras = "", scale = 2.500000e-01 : f32, '
         'softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}')
 
