@@ -763,6 +763,7 @@ static void run_variant(const VCase& c, int nt, std::mt19937_64& rng, std::vecto
                     : std::is_same<T, fc::bf16>::value ? flashgen::ElemType::BF16
                                                        : flashgen::ElemType::F16;
     }
+    x.bias_stride_q = Sk;  // one row per query (0 would be a key-only bias: attention.h)
     x.bias_stride_h = c.bias_h ? Sq * Sk : 0;
     x.bias_stride_b = c.bias_b ? Hd * Sq * Sk : 0;
     p.bias_sb = x.bias_stride_b;
