@@ -81,6 +81,22 @@ class Case:
     def heads(self) -> tuple[int, int]:
         return HEADS_Q, KV_HEADS[self.gqa]
 
+    def bias_dims(self, batch: int) -> tuple[int, ...] | None:
+        """The bias's broadcast dims: (1 or batch, 1 or Hq), then 1 for a key-only bias."""
+        if self.bias is None:
+            return None
+        pattern = self.bias.split()[0]
+        return (batch if "B" in pattern else 1, HEADS_Q if "H" in pattern else 1) + ((1,) if "k" in pattern else ())
+
+    @property
+    def bias_f32(self) -> bool:
+        """A full [B, H, Sq, Sk] bias comes in the inputs' dtype, a broadcast one in f32: both are tested."""
+        return self.bias is not None and self.bias.split()[0] != "BH"
+
+    @property
+    def bias_differentiated(self) -> bool:
+        return self.bias is not None and not self.bias.endswith("fixed")
+
     def __str__(self):
         return "-".join(f"{k}={v}" for k, v in self.values
                         if v != DIMENSIONS.get(k, (None,))[0] or k in ("head_dim", "dtype", "layout"))

@@ -41,10 +41,9 @@ class Inputs:
     def dense_extras(self, b, sq, sk):
         c, kw = self.case, self.alibi(b)
         if c.bias is not None:
-            pattern = c.bias.split()[0]
-            shape = (b if "B" in pattern else 1, self.hq if "H" in pattern else 1, 1 if "k" in pattern else sq, sk)
-            kw["bias"] = jnp.asarray(self.rng.standard_normal(shape),
-                                     self.dt if pattern == "BH" else jnp.float32)
+            dims = c.bias_dims(b)
+            shape = (*dims, sk) if len(dims) == 3 else (*dims, sq, sk)
+            kw["bias"] = jnp.asarray(self.rng.standard_normal(shape), jnp.float32 if c.bias_f32 else self.dt)
         if c.mask:
             m = self.rng.random((b, 1, sq, sk)) < 0.75
             m[-1, :, sq // 2] = False  # a row that sees no key
@@ -84,7 +83,7 @@ def _dense(case, inputs):
         o, lse = f(q, k, v, bias)
         ro, rlse = reference.attention(q, k, v, bias=ref_bias, **kw)
         return {"o": _rel(o, ro), "lse": _rel(lse, rlse)}
-    differentiated = bias is not None and not case.bias.endswith("fixed")
+    differentiated = case.bias_differentiated
     args = (q, k, v, bias) if differentiated else (q, k, v)
     (o, lse), vjp = jax.vjp(lambda *a: f(*a, *([] if differentiated else [bias])), *args)
     grads = vjp((do, jnp.zeros_like(lse)))

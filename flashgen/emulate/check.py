@@ -257,12 +257,8 @@ def covering_case(c: Checker, case) -> CaseResult:
     common = dict(heads_q=hq, heads_kv=hkv, bottom_right=case.bottom_right, window=case.window_sizes,
                   softcap=case.softcap, alibi=case.alibi)
     if case.layout == "dense":
-        bias = None
-        if case.bias is not None:
-            pattern = case.bias.split()[0]
-            bias = (2 if "B" in pattern else 1, hq if "H" in pattern else 1) + ((1,) if "k" in pattern else ())
-        return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=bias, bias_f32=bias is not None and bias != (2, hq),
-                       bias_grad=not (case.bias or "").endswith("fixed"),
+        return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=case.bias_dims(2), bias_f32=case.bias_f32,
+                       bias_grad=case.bias_differentiated,
                        mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
                        backward=case.direction == "bwd", **common)
     if case.layout == "varlen":
