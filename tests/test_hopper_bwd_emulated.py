@@ -52,7 +52,8 @@ def test_hopper_backward_matches_float64(rng, head_dim, dtype, causal, case):
     assert ran(r, HOPPER_BWD) == 1 and ran(r, SM80_BWD) == 0, r.kernels
 
 
-@pytest.mark.parametrize("case", [dict(softcap=3.0), dict(alibi="H")], ids=["softcap", "alibi"])
+@pytest.mark.parametrize("case", [dict(softcap=3.0), dict(alibi="H"), dict(bias=(1, 2))],
+                         ids=["softcap", "alibi", "bias-with-dbias"])
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
     r = backward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
     assert ran(r, HOPPER_BWD) == 0 and ran(r, SM80_BWD) == 1, r.kernels

@@ -80,14 +80,20 @@ def test_unmutated_kernel_passes(rng):
 
 @pytest.mark.parametrize("name,header,old,new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_mutation_is_caught(tmp_path, rng, name, header, old, new):
+    _assert_caught(tmp_path, name, header, old, new, lambda csrc: _errors(_module(csrc), rng))
+
+
+def _assert_caught(tmp_path, name, header, old, new, errors_of):
+    """Plants the mutation in a copy of csrc/; errors_of(that copy) -> the max errors of the outputs
+    must raise an EmulationError or exceed TOLERANCE."""
     csrc = tmp_path / "csrc"
     shutil.copytree(resources.csrc_dir(), csrc)
     path = csrc / "flashgen" / "cuda" / "hopper" / header
     text = path.read_text()
-    assert old in text, f"mutation {name}: the line to mutate is gone from {header}; update MUTATIONS"
+    assert old in text, f"mutation {name}: the line to mutate is gone from {header}; update its list"
     path.write_text(text.replace(old, new, 1))
     try:
-        errors = _errors(_module(csrc), rng)
+        errors = errors_of(csrc)
     except EmulationError as e:
         print(f"{name}: caught by the emulator: {e}")
         return
@@ -141,16 +147,4 @@ def test_unmutated_backward_passes(rng):
 
 @pytest.mark.parametrize("name,header,old,new", BWD_MUTATIONS, ids=[m[0] for m in BWD_MUTATIONS])
 def test_backward_mutation_is_caught(tmp_path, rng, name, header, old, new):
-    csrc = tmp_path / "csrc"
-    shutil.copytree(resources.csrc_dir(), csrc)
-    path = csrc / "flashgen" / "cuda" / "hopper" / header
-    text = path.read_text()
-    assert old in text, f"mutation {name}: the line to mutate is gone from {header}; update BWD_MUTATIONS"
-    path.write_text(text.replace(old, new, 1))
-    try:
-        errors = _bwd_errors(csrc, rng)
-    except EmulationError as e:
-        print(f"{name}: caught by the emulator: {e}")
-        return
-    print(f"{name}: max errors {errors}")
-    assert max(errors) > TOLERANCE, f"mutation {name} survived: errors {errors}"
+    _assert_caught(tmp_path, name, header, old, new, lambda csrc: _bwd_errors(csrc, rng))

@@ -11,7 +11,7 @@
 //   dS^T = P^T (dP^T - Dsum)
 //   dV  += P^T dO, dK += dS^T Q       (wgmma, P^T / dS^T from registers as the A operand)
 //   dQ  += scale * dS K               (dS stored transposed to shared memory as the K-major A
-//                                      operand, K^T as the K-major B; red.global.add.f32)
+//                                      operand, K^T as the K-major B; f32 atomicAdd of pairs)
 // Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared by the
 // warpgroup itself (no producer warp, no TMA yet), so nothing overlaps the loads: v0 is about
 // correctness. Query blocks outside the band (causal, window) are never visited.
@@ -19,18 +19,18 @@
 
 #include "flashgen/call.h"
 #include "flashgen/cuda/bwd.cuh"
+#include "flashgen/cuda/hopper/fwd.cuh"
 #include "flashgen/cuda/hopper/sm90.cuh"
 
 namespace flashgen {
 namespace cuda {
 namespace {
 
-// Compiled for f16 / bf16 at head dims that are multiples of 64 up to 256 (the swizzled
-// panels); at run time the dense calls without extras or softcap (bwd_run sends the others,
-// varlen and head_dim_v != head_dim to the sm80 family's kernels).
+// Compiled for the forward's element types and head dims (the same swizzled panels); at run
+// time the dense calls without extras or softcap (bwd_run sends the others, varlen and
+// head_dim_v != head_dim to the sm80 family's kernels).
 template <class T, int D>
-constexpr bool kHopperBwdCompiles =
-    D % sm90::kPanelCols == 0 && D <= 256 && (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value);
+constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
 
 inline bool hopper_bwd_supports(const AttentionAttrs& attrs) { return attrs.softcap == 0.f; }
 
@@ -64,6 +64,17 @@ FG_DEV void load_kt_sw128(uint8_t* tile, const T* kg, int64_t stride, int k0, in
       const int col = c * 8 + x;
       *reinterpret_cast<uint16_t*>(tile + col * 128 + (((r / 8) ^ (col % 8)) << 4) + (r % 8) * 2) = e[x];
     }
+  }
+}
+
+// Issues d (64 x 64, f32) += A B^T over K = KDIM: A and B are 64-row K-major swizzled tiles at
+// shared addresses a and b (KDIM / 64 panels each; sm90.cuh).
+template <class T, int KDIM>
+FG_DEV void issue_abt(float (&d)[32], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < KDIM / 16; ++kk) {
+    const int off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+    sm90::wgmma_ss<T>(d, sm90::sw128_desc(a + off), sm90::sw128_desc(b + off));
   }
 }
 
@@ -147,16 +158,8 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     sm90::fence_operands(acc_s);
     sm90::fence_operands(acc_dp);
     sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int off = (kk / 4) * kPanelBytes + (kk % 4) * 32;
-      sm90::wgmma_ss<T>(acc_s, sm90::sw128_desc(smem_addr(sK) + off), sm90::sw128_desc(smem_addr(sQ) + off));
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int off = (kk / 4) * kPanelBytes + (kk % 4) * 32;
-      sm90::wgmma_ss<T>(acc_dp, sm90::sw128_desc(smem_addr(sV) + off), sm90::sw128_desc(smem_addr(sdO) + off));
-    }
+    issue_abt<T, D>(acc_s, smem_addr(sK), smem_addr(sQ));
+    issue_abt<T, D>(acc_dp, smem_addr(sV), smem_addr(sdO));
     sm90::wgmma_commit();
     sm90::wgmma_wait_all();
     sm90::fence_operands(acc_s);
@@ -228,10 +231,7 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
       for (int j = 0; j < 32; ++j) acc_dq[j] = 0.f;
       sm90::fence_operands(acc_dq);
       sm90::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        sm90::wgmma_ss<T>(acc_dq, sm90::sw128_desc(smem_addr(sdS) + kk * 32),
-                          sm90::sw128_desc(smem_addr(sKt) + pn * kPanelBytes + kk * 32));
+      issue_abt<T, BC>(acc_dq, smem_addr(sdS), smem_addr(sKt) + pn * kPanelBytes);
       sm90::wgmma_commit();
       sm90::wgmma_wait_all();
       sm90::fence_operands(acc_dq);
