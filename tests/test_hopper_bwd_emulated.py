@@ -38,14 +38,15 @@ def backward(rng, head_dim, dtype, causal, **case):
     # GQA (dK / dV added over the group's q heads in f32), ragged Sq < Sk: causal skips query
     # blocks and masks the diagonal and tail ones
     (64, "bf16", True, dict(batch=2, seqlen_q=77, seqlen_k=130, heads_q=4, heads_kv=2)),
-    # bottom-right, Sq > Sk: the first 53 rows see no key (lse = -inf, their dq 0)
-    (64, "bf16", True, dict(seqlen_q=130, seqlen_k=77, bottom_right=True)),
+    # bottom-right, Sq > Sk: the first 53 rows see no key (lse = -inf, their dq 0); no GQA: dK / dV
+    # stored straight in the output type
+    (64, "bf16", True, dict(seqlen_q=130, seqlen_k=77, heads_q=2, heads_kv=2, bottom_right=True)),
     (128, "f16", False, dict(seqlen_q=65, seqlen_k=100, heads_q=2, heads_kv=1)),
     pytest.param(64, "f16", False, dict(seqlen_q=70, seqlen_k=150, heads_q=3, heads_kv=1), marks=pytest.mark.slow),
     pytest.param(128, "bf16", True, dict(seqlen_q=100, seqlen_k=70, heads_q=2, heads_kv=2), marks=pytest.mark.slow),
     pytest.param(256, "bf16", True, dict(seqlen_q=70, seqlen_k=90, heads_q=2, heads_kv=1), marks=pytest.mark.slow),
     pytest.param(128, "f16", False, dict(seqlen_q=70, seqlen_k=90, window=(8, 5)), marks=pytest.mark.slow),
-], ids=["d64-bf16-causal-gqa", "d64-bf16-bottom-right-sq>sk", "d128-f16-mqa", "d64-f16-mqa",
+], ids=["d64-bf16-causal-gqa", "d64-bf16-bottom-right-sq>sk-mha", "d128-f16-mqa", "d64-f16-mqa",
         "d128-bf16-causal", "d256-bf16-causal", "d128-f16-window"])
 def test_hopper_backward_matches_float64(rng, head_dim, dtype, causal, case):
     r = backward(rng, head_dim, dtype, causal, **case)
