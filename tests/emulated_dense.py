@@ -101,11 +101,13 @@ def bwd_config(dtype: str, head_dim: int):
 
 
 def run_dense_backward(module: PtxModule, q, k, v, do, *, causal: bool, dtype: str, arch: str = "sm80",
-                       seed: int | None = None):
+                       seed: int | None = None, main=None):
     """dq, dk, dv (float64) from the pre / main / convert kernels (bf16/f16, heads_q == heads_kv).
 
     o and lse come from the float64 reference (rounded like the forward's outputs), so the
-    backward is checked on its own.
+    backward is checked on its own. main: (entry, threads, keys per CTA, column splits, smem
+    bytes) of another main kernel taking BwdParams (the sm90a hopper_bwd_kernel); default the
+    dense flash_bwd_kernel.
     """
     from flashgen import reference
     b, sq, h, d = q.shape
@@ -137,11 +139,10 @@ def run_dense_backward(module: PtxModule, q, k, v, do, *, causal: bool, dtype: s
     params = struct.pack("<11Q9i5fi", q.ctypes.data, k.ctypes.data, v.ctypes.data, do.ctypes.data, lse.ctypes.data,
                          dsum.ctypes.data, dq_acc.ctypes.data, 0, 0, dk.ctypes.data, dv.ctypes.data,
                          b, sq, sk, h, h, 1, lo, hi, int(causal), scale, np.float32(scale * _LOG2E), 0.0, 0.0, 0.0, 0)
-    name = kernel_name(module, "flash_bwd_kernel", 0)
+    name, threads, bc, nsplit, smem = main or (kernel_name(module, "flash_bwd_kernel", 0), *bwd_config(dtype, d))
     size = module.kernels[name].params[0].size
     params = params.ljust(size, b"\0")
     assert len(params) == size == 152, "BwdParams changed: update emulated_dense.py"
-    threads, bc, nsplit, smem = bwd_config(dtype, d)
     total.append(launch(module, name, (-(-sk // bc) * nsplit, h, b), (threads, 1, 1), smem, [params], mem,
                         arch=arch, seed=seed))
     n = dq_acc.size

@@ -80,16 +80,71 @@ def test_unmutated_kernel_passes(rng):
 
 @pytest.mark.parametrize("name,header,old,new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_mutation_is_caught(tmp_path, rng, name, header, old, new):
+    _assert_caught(tmp_path, name, header, old, new, lambda csrc: _errors(_module(csrc), rng))
+
+
+def _assert_caught(tmp_path, name, header, old, new, errors_of):
+    """Plants the mutation in a copy of csrc/; errors_of(that copy) -> the max errors of the outputs
+    must raise an EmulationError or exceed TOLERANCE."""
     csrc = tmp_path / "csrc"
     shutil.copytree(resources.csrc_dir(), csrc)
     path = csrc / "flashgen" / "cuda" / "hopper" / header
     text = path.read_text()
-    assert old in text, f"mutation {name}: the line to mutate is gone from {header}; update MUTATIONS"
+    assert old in text, f"mutation {name}: the line to mutate is gone from {header}; update its list"
     path.write_text(text.replace(old, new, 1))
     try:
-        errors = _errors(_module(csrc), rng)
+        errors = errors_of(csrc)
     except EmulationError as e:
         print(f"{name}: caught by the emulator: {e}")
         return
     print(f"{name}: max errors {errors}")
     assert max(errors) > TOLERANCE, f"mutation {name} survived: errors {errors}"
+
+
+# ---- the Hopper backward's main kernel (hopper/bwd.cuh), between bwd.cuh's pre / convert kernels
+BWD_KERNEL = """
+#include "flashgen/cuda/hopper/bwd.cuh"
+void* flashgen_emulated_kernels[] = {
+    (void*)&flashgen::cuda::flash_bwd_pre_kernel<__nv_bfloat16, 64>,
+    (void*)&flashgen::cuda::hopper_bwd_kernel<__nv_bfloat16, 64>,
+    (void*)&flashgen::cuda::flash_bwd_convert_kernel<__nv_bfloat16>,
+};
+"""
+BWD_SMEM = 6 * 64 * 64 * 2 + 1024   # HopperBwdConfig::smem_bytes(64): K, V, Q, dO, K^T, dS, alignment
+
+BWD_MUTATIONS = [
+    ("missing_wgmma_wait_before_ds", "bwd.cuh",
+     "    sm90::wgmma_commit();\n    sm90::wgmma_wait_all();\n    sm90::fence_operands(acc_s);",
+     "    sm90::wgmma_commit();\n    sm90::fence_operands(acc_s);"),
+    ("lse_not_in_log2_units", "bwd.cuh",
+     "l == -INFINITY ? INFINITY : l * kLog2e;", "l == -INFINITY ? INFINITY : l;"),
+    ("missing_proxy_fence_after_ds_store", "bwd.cuh",
+     "static_cast<uint16_t>(j % 2 ? pair >> 16 : pair & 0xFFFF);\n    }\n    sm90::fence_proxy_async();",
+     "static_cast<uint16_t>(j % 2 ? pair >> 16 : pair & 0xFFFF);\n    }"),
+    ("ds_stored_unswizzled", "bwd.cuh",
+     "sdS + c * 128 + (((r / 8) ^ (c % 8)) << 4)", "sdS + c * 128 + ((r / 8) << 4)"),
+]
+
+
+def _bwd_errors(csrc, rng):
+    """Max errors of dq, dk, dv against float64 (NaN counts as infinitely wrong)."""
+    from emulated_dense import NP_DTYPES, run_dense_backward
+    module = PtxModule.parse(compile_ptx(BWD_KERNEL, "sm90a", include_first=str(csrc) if csrc else None,
+                                         name="hopper_bwd.cu"))
+    bf16 = NP_DTYPES["bf16"]
+    # causal, 150 rows and keys: key block 0 walks 3 query blocks (masked diagonal, full, tail)
+    q, k, v, do = (rng.standard_normal((1, 150, 1, 64)).astype(bf16) for _ in range(4))
+    (main,) = (n for n in module.kernels if "hopper_bwd_kernel" in n)
+    grads, _ = run_dense_backward(module, q, k, v, do, causal=True, dtype="bf16", arch="sm90a",
+                                  main=(main, 128, 64, 1, BWD_SMEM))
+    refs = reference.attention(q, k, v, causal=True, do=do)[2]
+    return [float(np.nan_to_num(np.abs(g - w) / (1 + np.abs(w)), nan=np.inf).max()) for g, w in zip(grads, refs)]
+
+
+def test_unmutated_backward_passes(rng):
+    assert max(_bwd_errors(None, rng)) < TOLERANCE
+
+
+@pytest.mark.parametrize("name,header,old,new", BWD_MUTATIONS, ids=[m[0] for m in BWD_MUTATIONS])
+def test_backward_mutation_is_caught(tmp_path, rng, name, header, old, new):
+    _assert_caught(tmp_path, name, header, old, new, lambda csrc: _bwd_errors(csrc, rng))

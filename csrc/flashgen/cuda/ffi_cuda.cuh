@@ -21,6 +21,7 @@
 #include "flashgen/cuda/bwd.cuh"
 #include "flashgen/cuda/fwd.cuh"
 #ifdef FLASHGEN_WGMMA_KERNELS
+#include "flashgen/cuda/hopper/bwd.cuh"
 #include "flashgen/cuda/hopper/fwd.cuh"
 #endif
 #include "flashgen/call.h"
@@ -237,6 +238,18 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const FwdP
   if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return check_launch(target, "hopper_fwd_kernel");
+}
+
+template <class T, int D>
+ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const BwdParams& p, const AttentionShape& s) {
+  using Cfg = HopperBwdConfig;
+  constexpr size_t kSmem = Cfg::smem_bytes(D);
+  const dim3 grid(static_cast<unsigned>((s.seqlen_k + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
+                  static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+  auto kernel = hopper_bwd_kernel<T, D>;
+  if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return check_launch(target, "hopper_bwd_kernel");
 }
 #endif
 
@@ -541,7 +554,14 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
       p.x.dbias_acc = dbias_acc;
       err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdExtras>, p);
     } else {
-      err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
+      bool served = false;
+#ifdef FLASHGEN_WGMMA_KERNELS
+      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
+        served = hopper_bwd_supports(attrs);
+        if (served) err = launch_hopper_bwd<T, D>(target, stream, p, s);
+      }
+#endif
+      if (!served) err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
     }
     if (err.failure()) return err;
   }

@@ -1,0 +1,275 @@
+// Hopper (sm_90a) dense backward, v0: the main kernel of the backward on wgmma tensor cores;
+// bwd.cuh's preprocess (Dsum = rowsum(dO * O)) and convert (f32 -> output type) kernels run
+// around it unchanged, and dQ (and dK / dV under GQA) go through the same f32 accumulators.
+//
+// One CTA = one warpgroup (128 threads) = 64 keys of one (batch, q head), and with head dims
+// above 128 one of 2 column halves of dK / dV / dQ (S and dP are recomputed on the full head
+// dim by both halves: dK + dV of 64 keys x 256 columns would not fit in registers). K, V and
+// K^T are loaded once; then per block of 64 queries that can see the keys:
+//   S^T  = K Q^T, dP^T = V dO^T       (wgmma, both operands from shared memory, 1 group)
+//   P^T  = exp2(S^T * scale * log2e - lse * log2e), masked on tail / band-edge blocks
+//   dS^T = P^T (dP^T - Dsum)
+//   dV  += P^T dO, dK += dS^T Q       (wgmma, P^T / dS^T from registers as the A operand)
+//   dQ  += scale * dS K               (dS stored transposed to shared memory as the K-major A
+//                                      operand, K^T as the K-major B; f32 atomicAdd of pairs)
+// Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared by the
+// warpgroup itself (no producer warp, no TMA yet), so nothing overlaps the loads: v0 is about
+// correctness. Query blocks outside the band (causal, window) are never visited.
+#pragma once
+
+#include "flashgen/call.h"
+#include "flashgen/cuda/bwd.cuh"
+#include "flashgen/cuda/hopper/fwd.cuh"
+#include "flashgen/cuda/hopper/sm90.cuh"
+
+namespace flashgen {
+namespace cuda {
+namespace {
+
+// Compiled for the forward's element types and head dims (the same swizzled panels); at run
+// time the dense calls without extras or softcap (bwd_run sends the others, varlen and
+// head_dim_v != head_dim to the sm80 family's kernels).
+template <class T, int D>
+constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
+
+inline bool hopper_bwd_supports(const AttentionAttrs& attrs) { return attrs.softcap == 0.f; }
+
+struct HopperBwdConfig {
+  static constexpr int BC = 64;  // keys per CTA (one warpgroup's wgmma M)
+  static constexpr int BR = 64;  // queries per block
+  static constexpr int kThreads = 128;
+  // Column halves of dK / dV / dQ (separate CTAs) above head dim 128.
+  __host__ __device__ static constexpr int nsplit(int head_dim) { return head_dim > 128 ? 2 : 1; }
+  __host__ __device__ static constexpr int tile_bytes(int head_dim) { return 64 * head_dim * 2; }
+  // K, V, Q, dO (64 x D each), K^T (this CTA's columns x 64 keys), dS (64 x 64); +1024 to
+  // align the base to the swizzle atom.
+  __host__ __device__ static constexpr size_t smem_bytes(int head_dim) {
+    return 4 * tile_bytes(head_dim) + tile_bytes(head_dim / nsplit(head_dim)) + BR * BC * 2 + sm90::kSwizzleAtom;
+  }
+};
+
+// Rows `col0 + [0, COLS)` of K^T (COLS columns of keys k0 .. k0 + 63 of K, transposed) into the
+// swizzled K-major layout at `tile`: K^T row c is 64 keys = one 128-byte swizzle row; keys at
+// or past Sk read 0.
+template <class T, int COLS, int NT>
+FG_DEV void load_kt_sw128(uint8_t* tile, const T* kg, int64_t stride, int k0, int Sk, int col0, int tid) {
+  constexpr int kChunks = COLS / 8;  // 16-byte chunks per key row
+  for (int i = tid; i < 64 * kChunks; i += NT) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (k0 + r < Sk) v = *reinterpret_cast<const uint4*>(kg + static_cast<int64_t>(k0 + r) * stride + col0 + c * 8);
+    const uint16_t* e = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      const int col = c * 8 + x;
+      *reinterpret_cast<uint16_t*>(tile + col * 128 + (((r / 8) ^ (col % 8)) << 4) + (r % 8) * 2) = e[x];
+    }
+  }
+}
+
+// Issues d (64 x 64, f32) += A B^T over K = KDIM: A and B are 64-row K-major swizzled tiles at
+// shared addresses a and b (KDIM / 64 panels each; sm90.cuh).
+template <class T, int KDIM>
+FG_DEV void issue_abt(float (&d)[32], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < KDIM / 16; ++kk) {
+    const int off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+    sm90::wgmma_ss<T>(d, sm90::sw128_desc(a + off), sm90::sw128_desc(b + off));
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kernel(const BwdParams p) {
+  using Cfg = HopperBwdConfig;
+  constexpr int BR = Cfg::BR, BC = Cfg::BC, NT = Cfg::kThreads;
+  constexpr int kTile = Cfg::tile_bytes(D);
+  constexpr int kSplit = Cfg::nsplit(D);
+  constexpr int kOwn = D / sm90::kPanelCols / kSplit;  // 64-column panels of dK / dV / dQ per CTA
+  constexpr int kPanelBytes = 64 * 128;
+  static_assert(BR == 64 && BC == 64, "one swizzle panel of keys / queries per k-extent");
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ float sLse[BR], sDsum[BR];  // lse * log2(e) (+inf: no probability), Dsum
+  const uint32_t raw = smem_addr(smem_raw);
+  uint8_t* smem = smem_raw + ((raw + sm90::kSwizzleAtom - 1) / sm90::kSwizzleAtom * sm90::kSwizzleAtom - raw);
+  uint8_t* sK = smem;
+  uint8_t* sV = sK + kTile;
+  uint8_t* sQ = sV + kTile;
+  uint8_t* sdO = sQ + kTile;
+  uint8_t* sKt = sdO + kTile;
+  uint8_t* sdS = sKt + kOwn * kPanelBytes;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int nblk = blockIdx.x / kSplit, split = blockIdx.x % kSplit;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int k0 = nblk * BC;
+  const int pn0 = split * kOwn;  // first own panel
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  const int64_t q_off = (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+  const int64_t kv_off = (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+  const T* qg = static_cast<const T*>(p.q) + q_off;
+  const T* dog = static_cast<const T*>(p.dout) + q_off;
+  const T* kg = static_cast<const T*>(p.k) + kv_off;
+  const T* vg = static_cast<const T*>(p.v) + kv_off;
+  const float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  const float* dsumg = p.dsum + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  float* dqg = p.dq_acc + q_off;
+
+  // Query blocks that can see a key of this block: rows k0 - hi <= i <= k0 + BC - 1 - lo.
+  const long long first_q = max(0LL, static_cast<long long>(k0) - p.band_hi);
+  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - p.band_lo);
+  const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
+  const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
+
+  // Accumulator register j of a 64-column tile holds row (key) 16 warp + g + 8 ((j / 2) % 2),
+  // column 8 (j / 4) + 2 t + j % 2 (PTX ISA "wgmma .m64nNk16 accumulator D").
+  float acc_dk[kOwn][32], acc_dv[kOwn][32];
+#pragma unroll
+  for (int pn = 0; pn < kOwn; ++pn)
+#pragma unroll
+    for (int j = 0; j < 32; ++j) acc_dk[pn][j] = acc_dv[pn][j] = 0.f;
+
+  if (m_begin < m_end) {
+    sm90::load_tile_sw128<T, BC, D, NT>(sK, kg, kv_stride, k0, Sk, tid);
+    sm90::load_tile_sw128<T, BC, D, NT>(sV, vg, kv_stride, k0, Sk, tid);
+    load_kt_sw128<T, kOwn * sm90::kPanelCols, NT>(sKt, kg, kv_stride, k0, Sk, pn0 * sm90::kPanelCols, tid);
+  }
+
+  for (int m = m_begin; m < m_end; ++m) {
+    const int q0 = m * BR;
+    sm90::load_tile_sw128<T, BR, D, NT>(sQ, qg, q_stride, q0, Sq, tid);
+    sm90::load_tile_sw128<T, BR, D, NT>(sdO, dog, q_stride, q0, Sq, tid);
+    if (tid < BR) {
+      const int row = q0 + tid;
+      const float l = row < Sq ? lseg[row] : -INFINITY;
+      sLse[tid] = l == -INFINITY ? INFINITY : l * kLog2e;  // lse = -inf: the row sees no key
+      sDsum[tid] = row < Sq ? dsumg[row] : 0.f;
+    }
+    sm90::fence_proxy_async();
+    __syncthreads();
+
+    // ---- S^T = K Q^T and dP^T = V dO^T
+    float acc_s[32], acc_dp[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) acc_s[j] = acc_dp[j] = 0.f;
+    sm90::fence_operands(acc_s);
+    sm90::fence_operands(acc_dp);
+    sm90::wgmma_fence();
+    issue_abt<T, D>(acc_s, smem_addr(sK), smem_addr(sQ));
+    issue_abt<T, D>(acc_dp, smem_addr(sV), smem_addr(sdO));
+    sm90::wgmma_commit();
+    sm90::wgmma_wait_all();
+    sm90::fence_operands(acc_s);
+    sm90::fence_operands(acc_dp);
+
+    // ---- P^T and dS^T (in place of S^T and dP^T); masked pairs get P = dS = 0 even where dP
+    // is NaN (a NaN V or dO must not reach pairs the row does not see).
+    const bool need_mask =
+        k0 + BC > Sk || (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int key = k0 + 16 * warp + g + 8 * ((j / 2) % 2), qi = 8 * (j / 4) + 2 * t + j % 2;
+      const float pv = fast_exp2(fmaf(acc_s[j], p.scale_log2, -sLse[qi]));
+      const int rel = key - (q0 + qi);
+      const bool masked = need_mask && (key >= Sk || rel < p.band_lo || rel > p.band_hi);
+      acc_s[j] = masked ? 0.f : pv;
+      acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - sDsum[qi]);
+    }
+    // k16 step kk's A fragment (rows = keys, k = queries 16 kk ..) is accumulator tiles 2 kk and
+    // 2 kk + 1, rounded to T.
+    uint32_t a_p[4][4], a_ds[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a_p[kk][i] = HalfOps<T>::pack(acc_s[8 * kk + 2 * i], acc_s[8 * kk + 2 * i + 1]);
+        a_ds[kk][i] = HalfOps<T>::pack(acc_dp[8 * kk + 2 * i], acc_dp[8 * kk + 2 * i + 1]);
+      }
+    // dS (rows = queries, k = keys: K-major) for dQ: element (key r, query c) at row c, column r.
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int r = 16 * warp + g + 8 * ((j / 2) % 2), c = 8 * (j / 4) + 2 * t + j % 2;
+      const uint32_t pair = a_ds[j / 8][(j % 8) / 2];
+      *reinterpret_cast<uint16_t*>(sdS + c * 128 + (((r / 8) ^ (c % 8)) << 4) + (r % 8) * 2) =
+          static_cast<uint16_t>(j % 2 ? pair >> 16 : pair & 0xFFFF);
+    }
+    sm90::fence_proxy_async();
+
+    // ---- dV += P^T dO, dK += dS^T Q (this CTA's panels; dO and Q MN-major: 16 queries per
+    // k16 step = 2048 bytes)
+#pragma unroll
+    for (int pn = 0; pn < kOwn; ++pn) {
+      sm90::fence_operands(acc_dv[pn]);
+      sm90::fence_operands(acc_dk[pn]);
+    }
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int pn = 0; pn < kOwn; ++pn) {
+        const int off = (pn0 + pn) * kPanelBytes + kk * 2048;
+        sm90::wgmma_rs<T>(acc_dv[pn], a_p[kk], sm90::sw128_desc(smem_addr(sdO) + off));
+        sm90::wgmma_rs<T>(acc_dk[pn], a_ds[kk], sm90::sw128_desc(smem_addr(sQ) + off));
+      }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait_all();
+#pragma unroll
+    for (int pn = 0; pn < kOwn; ++pn) {
+      sm90::fence_operands(acc_dv[pn]);
+      sm90::fence_operands(acc_dk[pn]);
+    }
+    __syncthreads();  // every warp's dS rows are in shared memory
+
+    // ---- dQ[q0 .., own columns] += scale * dS K, one 64-column panel at a time
+#pragma unroll 1
+    for (int pn = 0; pn < kOwn; ++pn) {
+      float acc_dq[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc_dq[j] = 0.f;
+      sm90::fence_operands(acc_dq);
+      sm90::wgmma_fence();
+      issue_abt<T, BC>(acc_dq, smem_addr(sdS), smem_addr(sKt) + pn * kPanelBytes);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait_all();
+      sm90::fence_operands(acc_dq);
+#pragma unroll
+      for (int j = 0; j < 32; j += 2) {
+        const int row = q0 + 16 * warp + g + 8 * ((j / 2) % 2);
+        const int col = (pn0 + pn) * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
+        if (row < Sq)
+          atomicAdd(reinterpret_cast<float2*>(dqg + row * q_stride + col),
+                    make_float2(acc_dq[j] * p.scale, acc_dq[j + 1] * p.scale));
+      }
+    }
+    __syncthreads();  // Q, dO, dS and the row stats are free for the next block
+  }
+
+  // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + 16 warp + g (+ 8)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = k0 + 16 * warp + g + 8 * r;
+    if (key >= Sk) continue;
+#pragma unroll
+    for (int pn = 0; pn < kOwn; ++pn)
+#pragma unroll
+      for (int j = 2 * r; j < 32; j += 4) {
+        const int64_t off = kv_off + key * kv_stride + (pn0 + pn) * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
+        const float2 dk = make_float2(acc_dk[pn][j] * p.scale, acc_dk[pn][j + 1] * p.scale);
+        const float2 dv = make_float2(acc_dv[pn][j], acc_dv[pn][j + 1]);
+        if (p.atomic_kv) {  // GQA: the group's q heads add into the f32 accumulators
+          atomicAdd(reinterpret_cast<float2*>(p.dk_acc + off), dk);
+          atomicAdd(reinterpret_cast<float2*>(p.dv_acc + off), dv);
+        } else {
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk) + off) = HalfOps<T>::pack(dk.x, dk.y);
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv) + off) = HalfOps<T>::pack(dv.x, dv.y);
+        }
+      }
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace flashgen
