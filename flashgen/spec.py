@@ -58,6 +58,15 @@ FP8_HEAD_DIMS = (64, 128, 192, 256)
 FFI_DTYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32", "e4m3": "F8E4M3FN"}
 
 
+# flashgen dtype -> numpy's (ml_dtypes') name of it.
+_NUMPY_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "e4m3": "float8_e4m3fn"}
+
+
+def numpy_name(dtype: str) -> str:
+    """numpy's name ("bfloat16") of a flashgen dtype ("bf16")."""
+    return _NUMPY_NAMES[normalize_dtype(dtype)]
+
+
 def normalize_dtype(dtype) -> str:
     """Map a dtype (a string, numpy or jax dtype) to 'f16' | 'bf16' | 'f32' | 'e4m3'."""
     name = getattr(dtype, "name", None) or str(dtype)
