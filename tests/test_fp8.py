@@ -210,3 +210,18 @@ def test_jax_api(monkeypatch):
     assert "tensor<1xf32>, tensor<1xf32>, tensor<1xf32>) -> (tensor<1x8x2x64xbf16>, tensor<1x2x8xf32>)" in text
     with pytest.raises(NotImplementedError, match="forward-only"):
         jax.jit(jax.grad(lambda q: f(q, 1.0).astype(jnp.float32).sum())).lower(q)
+
+
+def test_emulated_fp8_a_fragment_is_cutes():
+    # The kernel's P fragment relies on the emulator's e4m3 A-register layout; it must be CuTe's
+    # ALayout_64x32 (cute/atom/mma_traits_sm90_gmma.hpp, nvidia-cutlass 4.2.0.0):
+    # (thread, value) -> m + 64 k, Shape ((4, 8, 4), (4, 2, 2)), Stride ((256, 1, 16), (64, 8, 1024));
+    # value v is byte v % 4 of register v // 4.
+    from flashgen.emulate.semantics.wgmma import a_register_table
+    row, col = a_register_table("e4m3")  # [lane, register, byte] -> (row within the warp's 16, k)
+    for tid in range(128):
+        for v in range(16):
+            idx = (256 * (tid % 4) + (tid // 4) % 8 + 16 * (tid // 32)
+                   + 64 * (v % 4) + 8 * ((v // 4) % 2) + 1024 * (v // 8))
+            lane, reg, byte = tid % 32, v // 4, v % 4
+            assert (16 * (tid // 32) + row[lane, reg, byte], col[lane, reg, byte]) == (idx % 64, idx // 64)

@@ -107,8 +107,6 @@ FG_DEV void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
                  : FG_WGMMA_D32_OUTS(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
-#undef FG_WGMMA_D32
-#undef FG_WGMMA_D32_OUTS
 
 // Keeps the compiler from moving accumulator reads/writes across the wgmma.fence / wait
 // (CUTLASS's warpgroup_fence_operand).
@@ -151,15 +149,7 @@ FG_DEV uint64_t sw64_desc(uint32_t addr) {
   return (uint64_t{2} << 62) | (uint64_t{kSw64Atom >> 4} << 32) | (uint64_t{1} << 16) | ((addr & 0x3FFFF) >> 4);
 }
 
-#define FG_WGMMA_D32                                                                                          \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define FG_WGMMA_D32_OUTS(d)                                                                                    \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),    \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-
+// (FG_WGMMA_D32 / _OUTS: the 16-bit wgmma helpers' operand lists above, undefined below.)
 // d (64 x 64, f32) += A B^T over k32 of e4m3, A and B K-major in shared memory (8-bit wgmma takes
 // no transpose immediates: both operands are always K-major).
 FG_DEV void wgmma_ss_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
