@@ -231,3 +231,21 @@ def test_emulated_fp8_a_fragment_is_cutes():
                    + 64 * (v % 4) + 8 * ((v // 4) % 2) + 1024 * (v // 8))
             lane, reg, byte = tid % 32, v // 4, v % 4
             assert (16 * (tid // 32) + row[lane, reg, byte], col[lane, reg, byte]) == (idx % 64, idx // 64)
+
+
+def test_rendered_handler_binds_the_fp8_call():
+    # The one handler of an e4m3 spec binds contract.FP8_CALLS["fwd"] in order, decoded by call.h's FwdFp8Call.
+    import re
+    from flashgen import codegen, contract
+    from flashgen.spec import FFI_DTYPES
+    spec = KernelSpec(128, "e4m3", True, "sm90a")
+    text = codegen.render_spec(spec).text
+    (symbol, call_type, body), = re.findall(
+        r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+), \(.*?flashgen::(\w+)>\{\"\w+\"\}\),(.*?)\);", text, re.S)
+    ffi = lambda o: FFI_DTYPES[spec.dtype] if o.dtype == "T" else {"f32": "F32", "bf16": "BF16"}[o.dtype]  # noqa: E731
+    call = contract.FP8_CALLS["fwd"]
+    assert (symbol, call_type) == ("flashgen_fwd_d128_e4m3_causal", "FwdFp8Call")
+    assert re.findall(r"\.Arg<ffi::Buffer<ffi::DataType::(\w+)>>\(\)\s*// (\w+)", body) == \
+        [(ffi(o), o.name) for o in call.operands]
+    assert re.findall(r"\.Ret<ffi::Buffer<ffi::DataType::(\w+)>>\(\)\s*// (\w+)", body) == \
+        [(ffi(o), o.name) for o in call.results]
