@@ -249,3 +249,65 @@ def test_rendered_handler_binds_the_fp8_call():
         [(ffi(o), o.name) for o in call.operands]
     assert re.findall(r"\.Ret<ffi::Buffer<ffi::DataType::(\w+)>>\(\)\s*// (\w+)", body) == \
         [(ffi(o), o.name) for o in call.results]
+
+
+# The two instructions the FP8 kernel brought to the emulator, against their PTX ISA definitions:
+# cvt.rn.satfinite.e4m3x2.f32 (through the kernel's own sm90::pack_e4m3x4) and prmt.b32 (what
+# nvcc makes of the V transpose's byte shuffles).
+FP8_MICRO = r"""
+#include "flashgen/cuda/hopper/sm90.cuh"
+extern "C" __global__ void pack_e4m3(const float* x, unsigned* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = flashgen::cuda::sm90::pack_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+}
+extern "C" __global__ void permute_bytes(const unsigned* a, const unsigned* b, const unsigned* s, unsigned* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  unsigned d;
+  if (i < n) {
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a[i]), "r"(b[i]), "r"(s[i]));
+    out[i] = d;
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_emulated_e4m3_pack_and_prmt(rng):
+    from flashgen.emulate import GlobalMemory, PtxModule, launch
+    from flashgen.emulate.nvcc import compile_ptx
+    import struct
+    module = PtxModule.parse(compile_ptx(FP8_MICRO, "sm90a"))
+
+    def call(name, arrays, n):
+        mem, params = GlobalMemory(), []
+        for i, a in enumerate(arrays):
+            mem.add(a.ctypes.data, a.nbytes, f"arg{i}")
+            params.append(struct.pack("<Q", a.ctypes.data))
+        launch(module, name, (-(-n // 64), 1, 1), (64, 1, 1), 0, params + [struct.pack("<i", n)], mem, arch="sm90a")
+
+    # round to nearest even (ties included), subnormals, saturation of finite and infinite values
+    # to +-448, NaN kept, -0
+    edge = np.array([0.0, -0.0, 1.0, 1.0625, 1.1875, 0.3, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -11,
+                     448.0, 464.0, 480.0, 1e9, -1e9, np.inf, -np.inf, np.nan, -1.5, 300.0], np.float32)
+    x = np.concatenate([edge, (rng.standard_normal(236) * rng.choice([1e-3, 1.0, 100.0, 1e3], 236)).astype(np.float32)])
+    out = np.full(x.size // 4, 0xDEADBEEF, np.uint32)
+    call("pack_e4m3", [x, out], out.size)
+    got = out.view(np.uint8).view(E4M3).astype(np.float32)  # byte i of word w: element 4 w + i
+    want = np.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3).astype(np.float32)
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all()  # -0 stays -0
+
+    n = 256
+    a, b = (rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    s = rng.integers(0, 2 ** 16, n, dtype=np.uint64).astype(np.uint32)  # selector nibbles 0-15 (bit 3: sign)
+    out = np.zeros(n, np.uint32)
+    call("permute_bytes", [a, b, s, out], n)
+    source = np.stack([a, b], 1).view(np.uint8)  # bytes 0-3 of a, then 4-7 of b
+    want = np.zeros(n, np.uint32)
+    for i in range(4):
+        nib = (s >> (4 * i)) & 0xF
+        byte = source[np.arange(n), nib & 7].astype(np.uint32)
+        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        want |= byte.astype(np.uint32) << np.uint32(8 * i)
+    assert (out == want).all()
