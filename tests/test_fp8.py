@@ -55,16 +55,16 @@ def run(spec, q, k, v, descales, **attrs):
     return o.astype(np.float64), lse.astype(np.float64), scale
 
 
-def o_bound(q, k, v, descales, scale, causal, bottom_right=False):
+def o_bound(q, k, v, descales, scale, causal, bottom_right=False, window=(-1, -1)):
     """The elementwise bound of the module docstring on |o - o_ref|."""
     qd, kd, vd = (np.asarray(q, np.float64) * descales[0][0], np.asarray(k, np.float64) * descales[1][0],
                   np.asarray(v, np.float64) * descales[2][0])
     group = q.shape[2] // k.shape[2]
     kr, vr = np.repeat(kd, group, axis=2), np.repeat(vd, group, axis=2)
     s = np.einsum("bqhd,bkhd->bhqk", qd, kr) * scale
-    visible = reference.mask(q.shape[1], k.shape[1], causal, bottom_right)[None, None]
+    visible = reference.mask(q.shape[1], k.shape[1], causal, bottom_right, window)[None, None]
     s = np.where(visible, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
     l = p.sum(-1, keepdims=True)
     weight = np.where(visible, 2.0 ** -4 * p + 2.0 ** -10, 0.0) / np.where(l > 0, l, 1)
@@ -93,27 +93,34 @@ LSE_TOL = 1e-5
     # bottom-right, Sq > Sk: the first 85 rows see no key (o = 0, lse = -inf)
     (SPECS[0], dict(b=1, sq=130, sk=45, hq=2, hkv=1, bottom_right=True)),
     (SPECS[1], dict(b=1, sq=65, sk=100, hq=2, hkv=1)),
+    (SPECS[1], dict(b=1, sq=70, sk=90, hq=2, hkv=1, window=(8, 5))),  # sliding window: blocks skipped, edges masked
+    (SPECS[0], dict(b=1, sq=40, sk=0, hq=2, hkv=1)),  # no keys: o = 0, lse = -inf everywhere
     # a build each (about a minute on 2 cores): not in CI
     pytest.param(KernelSpec(128, "e4m3", True, "sm90a"), dict(b=1, sq=100, sk=70, hq=2, hkv=2),
                  marks=pytest.mark.slow),
     pytest.param(KernelSpec(256, "e4m3", True, "sm90a"), dict(b=1, sq=70, sk=90, hq=2, hkv=1, bottom_right=True),
                  marks=pytest.mark.slow),
-], ids=["d64-causal-gqa-sq<sk", "d64-causal-bottom-right-sq>sk", "d128-full", "d128-causal-sq>sk",
+], ids=["d64-causal-gqa-sq<sk", "d64-causal-bottom-right-sq>sk", "d128-full", "d128-window", "d64-no-keys",
+        "d128-causal-sq>sk",
         "d256-causal-bottom-right"])
 def test_fp8_forward_matches_float64(rng, spec, case):
     b, sq, sk, hq, hkv, d = case["b"], case["sq"], case["sk"], case["hq"], case["hkv"], spec.head_dim
-    bottom_right = case.get("bottom_right", False)
+    bottom_right, window = case.get("bottom_right", False), case.get("window", (-1, -1))
     q, qs = quantize(rng, (b, sq, hq, d), 1.5)
-    k, ks = quantize(rng, (b, sk, hkv, d), 1.5)
-    v, vs = quantize(rng, (b, sk, hkv, d), 3.0)
+    k, ks = quantize(rng, (b, max(sk, 1), hkv, d), 1.5)
+    v, vs = quantize(rng, (b, max(sk, 1), hkv, d), 3.0)
+    k, v = k[:, :sk], v[:, :sk]
     descales = (qs, ks, vs)
-    o, lse, scale = run(spec, q, k, v, descales, bottom_right=bottom_right)
-    ref = reference.attention_fp8(q, k, v, *descales, causal=spec.causal, scale=scale, bottom_right=bottom_right)
-    o_err, lse_err = errors(o, lse, ref, o_bound(q, k, v, descales, scale, spec.causal, bottom_right))
+    o, lse, scale = run(spec, q, k, v, descales, bottom_right=bottom_right, window=window)
+    ref = reference.attention_fp8(q, k, v, *descales, causal=spec.causal, scale=scale, bottom_right=bottom_right,
+                                  window=window)
+    o_err, lse_err = errors(o, lse, ref, o_bound(q, k, v, descales, scale, spec.causal, bottom_right, window))
     print(f"{spec.stem} {case}: o error {o_err:.3f} of the bound, lse error {lse_err:.2e}")
     assert o_err <= 1 and lse_err <= LSE_TOL
-    # the P rounding shows (the check is not vacuous): o is not bf16-exact
-    assert np.abs(o - ref[0]).max() > 2.0 ** -8 * np.abs(ref[0]).max()
+    if sk:  # the P rounding shows (the check is not vacuous): o is not bf16-exact
+        assert np.abs(o - ref[0]).max() > 2.0 ** -8 * np.abs(ref[0]).max()
+    else:
+        assert (o == 0).all() and (lse == -np.inf).all()
 
 
 @needs_nvcc
