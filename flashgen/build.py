@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 from flashgen import cache, codegen, resources, targets, toolchain
 from flashgen.cache import MANIFEST
-from flashgen.contract import ATTRIBUTE_TYPES, DIRECTIONS, signature
+from flashgen.contract import ATTRIBUTE_TYPES, DIRECTIONS, FP8_CALLS, FP8_DTYPES, signature
 from flashgen.spec import KernelSpec
 from flashgen.errors import BuildError
 
@@ -285,6 +285,8 @@ def build(specs: Iterable[KernelSpec] | KernelSpec, target: str | None = None, *
                 **info,
                 "platform": specs[0].platform,
                 "signatures": {d: signature(d) for d in DIRECTIONS},
+                **({"fp8_signatures": {d: signature(d, t) for t in FP8_DTYPES for d in FP8_CALLS}}
+                   if any(s.dtype in FP8_DTYPES for s in specs) else {}),
                 "host": host,
                 "python_face": host == "python",
                 "python": toolchain.python_identity() if host == "python" else None,

@@ -12,7 +12,7 @@ import sys
 
 from flashgen.cli_args import add_spec_args, positive_int
 from flashgen.errors import FlashgenError, UsageError
-from flashgen.spec import DIRECTIONS, KernelSpec
+from flashgen.spec import KernelSpec
 from flashgen.targets import TARGETS
 
 
@@ -40,7 +40,7 @@ def cmd_build(args) -> int:
     print(lib.path)
     print(f"manifest: {lib.manifest_path}", file=sys.stderr)
     for s in specs:
-        print("  " + ", ".join(s.target_name(d) for d in DIRECTIONS), file=sys.stderr)
+        print("  " + ", ".join(s.target_name(d) for d in s.directions), file=sys.stderr)
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from flashgen.spec import DTYPES, HEAD_DIMS
+from flashgen.spec import DTYPES, FP8_DTYPES, HEAD_DIMS
 
 
 def csv_ints(text: str) -> list[int]:
@@ -33,4 +33,5 @@ def add_spec_args(p: argparse.ArgumentParser, multi: bool) -> None:
     p.add_argument("--hdim-v", type=int, default=None,
                    help="the value head dim (KernelSpec.head_dim_v), if it differs from --hdim (cpu only)")
     p.add_argument("--dtype", type=csv if multi else str, default=["bf16"] if multi else "bf16",
-                   help=f"element type{'s (comma-separated)' if multi else ''}: {', '.join(DTYPES)}")
+                   help=f"element type{'s (comma-separated)' if multi else ''}: {', '.join(DTYPES)}; "
+                        f"{', '.join(FP8_DTYPES)} (FP8 forward only, sm90a)")

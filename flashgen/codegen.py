@@ -12,7 +12,7 @@ import json
 import jinja2
 
 from flashgen import contract, resources, targets
-from flashgen.spec import DIRECTIONS, FFI_DTYPES, KernelSpec
+from flashgen.spec import FFI_DTYPES, KernelSpec
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
@@ -31,7 +31,7 @@ class Source:
 
 
 # contract's fixed element types as XLA FFI data types ("T" is the spec's dtype).
-_FFI_TYPES = {"i1": "PRED", "i32": "S32", "f32": "F32"}
+_FFI_TYPES = {"i1": "PRED", "i32": "S32", "f32": "F32", "bf16": "BF16"}
 # csrc/flashgen/call.h's decoded attributes: the struct each attribute list decodes into.
 _ATTRS_TYPES = {contract.CALLS["fwd"].attributes: "DenseAttrs", contract.CALLS["fwd_varlen"].attributes: "VarlenAttrs"}
 
@@ -45,10 +45,11 @@ def _shaped(ops) -> str:
 
 
 def call_bindings(spec: KernelSpec) -> list[dict]:
-    """Each call of `spec` as its handler binds it: contract.CALLS' operands and results in order,
-    the call.h types its attributes and buffers decode into."""
+    """Each call of `spec` as its handler binds it: contract.calls(spec.dtype)'s operands and results
+    in order, the call.h types its attributes and buffers decode into (an FP8 spec's: <Direction>Fp8Call)."""
     out, ffi_dtype = [], FFI_DTYPES[spec.dtype]
-    for direction, call in contract.CALLS.items():
+    fp8 = "Fp8" if spec.dtype in contract.FP8_DTYPES else ""
+    for direction, call in contract.calls(spec.dtype).items():
         if call.attributes not in _ATTRS_TYPES:
             raise ValueError(f"no struct in csrc/flashgen/call.h decodes {direction}'s attributes {call.attributes}")
         extras = f" (+ {', '.join(call.extras)})" if call.extras else ""
@@ -59,7 +60,7 @@ def call_bindings(spec: KernelSpec) -> list[dict]:
             "operands": [_buffer(o, ffi_dtype) for o in call.operands],
             "results": [_buffer(o, ffi_dtype) for o in call.results],
             "dbias": call.dbias,
-            "call_type": "".join(w.capitalize() for w in direction.split("_")) + "Call",
+            "call_type": "".join(w.capitalize() for w in direction.split("_")) + fp8 + "Call",
             "attrs_type": _ATTRS_TYPES[call.attributes],
         })
     return out
@@ -87,7 +88,7 @@ def render_spec(spec: KernelSpec) -> Source:
 def _handlers(specs: list[KernelSpec]) -> list[dict]:
     return [{"symbol": s.target_name(d), "platform": s.platform,
              "xla_platform": targets.lookup(s.target).xla_platform}
-            for s in specs for d in DIRECTIONS]
+            for s in specs for d in s.directions]
 
 
 def render_library(specs: list[KernelSpec], info: dict) -> list[Source]:

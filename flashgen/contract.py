@@ -140,15 +140,32 @@ CALLS = {c.direction: c for c in (
          (Operand("o", _Q.shape), _LSE), _DENSE, _PACKED_EXTRAS),
 )}
 DIRECTIONS = tuple(CALLS)
+
+# The FP8 spec (dtype e4m3) has one call, the dense forward: q, k, v hold e4m3 values whose real
+# values are stored · descale, one f32 factor per tensor (a [1] operand each, in device memory: an
+# amax-based scale computed on the device needs no host round trip). o is bf16: a dequantized
+# result of any magnitude, with f32's range and more than e4m3's 3 mantissa bits for the next
+# layer (FlashAttention-3's FP8 forward returns bf16 too). No extras and no softcap (the kernel
+# has neither); window and causal alignment as every forward.
+_DESCALES = tuple(Operand(f"{t}_descale", ("1",), "f32") for t in "qkv")
+FP8_CALLS = {"fwd": Call("fwd", (_Q, _K, _V, *_DESCALES), (Operand("o", _O.shape, "bf16"), _LSE), _DENSE, ())}
+FP8_DTYPES = ("e4m3",)
+
+
+def calls(dtype: str) -> dict[str, Call]:
+    """The calls of a spec of element type `dtype`: every direction, or the FP8 forward alone."""
+    return FP8_CALLS if dtype in FP8_DTYPES else CALLS
+
 # name -> MLIR type of every attribute a direction's call carries (the build manifest's schema).
 ATTRIBUTE_TYPES = {d: {n: ATTRIBUTES[n].mlir for n in c.attributes} for d, c in CALLS.items()}
 
 
-def signature(direction: str) -> dict[str, list[str]]:
-    """A direction's operands and results as text, e.g. "lse[B,Hq,Sq]:f32" (the build manifest's)."""
+def signature(direction: str, dtype: str = "bf16") -> dict[str, list[str]]:
+    """A direction's operands and results as text, e.g. "lse[B,Hq,Sq]:f32" (the build manifest's),
+    for a spec of element type `dtype`."""
     def text(o: Operand) -> str:
         return f"{o.name}[{','.join(o.shape)}]" + ("" if o.dtype == "T" else f":{o.dtype}")
-    call = CALLS[direction]
+    call = calls(dtype)[direction]
     results = [text(o) for o in call.results]
     if call.dbias:
         results.append("dbias (optional, only with extras bias)")

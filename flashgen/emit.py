@@ -15,10 +15,10 @@ from jaxlib.mlir.dialects import func, stablehlo
 
 from flashgen.mlir_context import new_context
 from flashgen.sharding_rule import context_has_sdy, sharding_rule_attr
-from flashgen.contract import CALLS, CallAttributes, normalize_extras
+from flashgen.contract import CALLS, FP8_DTYPES, CallAttributes, calls, normalize_extras
 from flashgen.spec import KernelSpec, normalize_dtype
 
-_MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
+_MLIR_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "e4m3": "f8E4M3FN"}
 
 
 def element_dtype(t: ir.Type) -> str:
@@ -89,8 +89,9 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     if spec.head_dim_v != spec.head_dim and direction not in ("fwd", "bwd"):
         raise ValueError(f"{call_name}: only the dense fwd and bwd calls take a value head dim "
                          f"({spec.head_dim_v}) other than the query/key one ({spec.head_dim})")
-    CALLS[direction].extra_operands(extras, call_name)
-    names = CALLS[direction].operand_names(extras)
+    call = calls(spec.dtype)[direction]
+    call.extra_operands(extras, call_name)
+    names = call.operand_names(extras)
     if len(operands) != len(names):
         raise ValueError(f"{call_name} takes {len(names)} operands "
                          f"({', '.join(names)}), got {len(operands)}")
@@ -114,6 +115,10 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
                                                                           q.element_type)
     if hkv == 0 or hq % hkv:
         raise ValueError(f"kv heads ({hkv}) must divide q heads ({hq})")
+    if spec.dtype in FP8_DTYPES:  # the descale operands after q, k, v; o in the call's own type
+        for x, want in zip(operands[3:], call.operands[3:]):
+            _expect(x, want.name, want.shapes({}), want.dtypes(spec.dtype))
+        o = ir.RankedTensorType.get(list(o.shape), ir.Type.parse(call.results[0].full_dtype(spec.dtype)))
     f32 = ir.F32Type.get()
     i32 = ["i32"]
     if rank == 3:  # varlen
@@ -141,7 +146,7 @@ def result_types(spec: KernelSpec, direction: str, operands: list[ir.Value],
     if k.shape[0] != b:
         raise ValueError(f"mismatched shapes: q {q}, k {k}, v {v}")
     sk = k.shape[1]
-    nfixed = 3 if direction == "fwd" else 6
+    nfixed = len(call.operands)
     dbias_type = _check_extras(direction, extras, operands[nfixed:], {"B": b, "Sq": sq, "Sk": sk, "Hq": hq},
                                str(q.element_type), dynamic)
     if direction == "fwd":
@@ -230,7 +235,7 @@ def emit_call(spec: KernelSpec, direction: str, operands: list[ir.Value], attrs:
         # that shape refinement at call time reads, then drops with this attribute
         op.attributes["indices_of_shape_operands"] = ir.DenseIntElementsAttr.get(
             np.arange(len(operands), len(operands) + len(types), dtype=np.int64))
-    if sharding_rule:
+    if sharding_rule and spec.dtype not in FP8_DTYPES:  # (no rule for the descale operands yet)
         if context_has_sdy(op.context):
             op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
                 direction, [list(x.type.shape) for x in operands], attrs.extras, dbias)
@@ -253,11 +258,14 @@ def attention_module(spec: KernelSpec, *, batch: int, seq_q: int, seq_k: int, he
         q_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim], elt)
         k_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim], elt)
         v_t = ir.RankedTensorType.get([batch, seq_k, kv_heads, spec.head_dim_v], elt)
-        o_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim_v], elt)
+        fwd = calls(spec.dtype)["fwd"]
+        o_t = ir.RankedTensorType.get([batch, seq_q, heads, spec.head_dim_v],
+                                      ir.Type.parse(_MLIR_DTYPES[fwd.results[0].full_dtype(spec.dtype)]))
         lse_t = ir.RankedTensorType.get([batch, heads, seq_q], ir.F32Type.get())
-        dims = {"B": batch, "Sq": seq_q, "Sk": seq_k, "Hq": heads}
+        dims = {"B": batch, "Sq": seq_q, "Sk": seq_k, "Hq": heads, "1": 1}
+        # operands after q, k, v: an FP8 call's descales, then the extras
         extra_t = [ir.RankedTensorType.get(o.full_shape(dims), ir.Type.parse(o.full_dtype(spec.dtype)))
-                   for o in CALLS["fwd"].extra_operands(extras)]
+                   for o in fwd.operands[3:] + fwd.extra_operands(extras)]
         with ir.InsertionPoint(module.body):
             main = func.FuncOp("main", ir.FunctionType.get([q_t, k_t, v_t, *extra_t], [o_t, lse_t]))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")

@@ -170,3 +170,11 @@ def attention_paged(q, k_cache, v_cache, block_table, seqused_k, **kw):
         ob, lb = attention(q[b:b + 1], k[None], v[None], **_per_sequence(kw, b))
         o[b], lse[b] = ob[0], lb[0]
     return o, lse
+
+
+def attention_fp8(q, k, v, q_descale, k_descale, v_descale, **kwargs):
+    """The FP8 forward's reference: attention (forward only) of the dequantized inputs, each
+    e4m3 tensor times its descale factor in float64 (contract.FP8_CALLS)."""
+    dequantized = (np.asarray(x, np.float64) * float(np.asarray(s, np.float64).reshape(()))
+                   for x, s in ((q, q_descale), (k, k_descale), (v, v_descale)))
+    return attention(*dequantized, **kwargs)

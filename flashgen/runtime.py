@@ -16,7 +16,7 @@ from flashgen import cache, targets, toolchain
 from flashgen.build import build
 from flashgen.cache import MANIFEST
 from flashgen.errors import LoadError
-from flashgen.spec import DIRECTIONS, KernelSpec
+from flashgen.spec import KernelSpec
 
 _lock = threading.Lock()
 _registered: dict[tuple[str, str], str] = {}  # (target name, platform) -> library path
@@ -101,7 +101,7 @@ def library_platform(path: str | pathlib.Path) -> str:
 def ensure(specs: list[KernelSpec]) -> None:
     """Build (through the cache) and register whatever of `specs` is not registered yet."""
     missing = [s for s in specs
-               if any((s.target_name(d), s.platform) not in _registered for d in DIRECTIONS)]
+               if any((s.target_name(d), s.platform) not in _registered for d in s.directions)]
     if missing:
         load(build(missing).path)
 

@@ -40,26 +40,41 @@ def kernel_head_dims(head_dim: int, head_dim_v: int, target: str) -> tuple[int, 
 DTYPES = ("f16", "bf16", "f32")
 # Kernel entry points of one spec: dense BSHD forward/backward, packed variable-length
 # forward/backward, and the paged-KV forward (decode). README "Variants" has their operands.
-from flashgen.contract import DIRECTIONS  # noqa: E402
+# FP8_DTYPES: element types with the FP8 forward alone (contract.FP8_CALLS), on the targets
+# whose family has it (targets.fp8_targets).
+from flashgen.contract import DIRECTIONS, FP8_DTYPES, calls  # noqa: E402
 
 # numpy / jax dtype names that map onto flashgen dtypes.
 _DTYPE_ALIASES = {
     "f16": "f16", "float16": "f16", "half": "f16",
     "bf16": "bf16", "bfloat16": "bf16",
     "f32": "f32", "float32": "f32", "float": "f32",
+    "e4m3": "e4m3", "float8_e4m3fn": "e4m3", "f8e4m3fn": "e4m3",
 }
 
-FFI_DTYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
+# The FP8 kernel's head dims: whole 64-byte swizzle panels of e4m3 (cuda/hopper/fwd_fp8.cuh).
+FP8_HEAD_DIMS = (64, 128, 192, 256)
+
+FFI_DTYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32", "e4m3": "F8E4M3FN"}
+
+
+# flashgen dtype -> numpy's (ml_dtypes') name of it.
+_NUMPY_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "e4m3": "float8_e4m3fn"}
+
+
+def numpy_name(dtype: str) -> str:
+    """numpy's name ("bfloat16") of a flashgen dtype ("bf16")."""
+    return _NUMPY_NAMES[normalize_dtype(dtype)]
 
 
 def normalize_dtype(dtype) -> str:
-    """Map a dtype (a string, numpy or jax dtype) to 'f16' | 'bf16' | 'f32'."""
+    """Map a dtype (a string, numpy or jax dtype) to 'f16' | 'bf16' | 'f32' | 'e4m3'."""
     name = getattr(dtype, "name", None) or str(dtype)
     try:
         return _DTYPE_ALIASES[name.lower()]
     except KeyError:
         raise ValueError(
-            f"unsupported dtype {name!r}: flashgen supports {', '.join(DTYPES)}") from None
+            f"unsupported dtype {name!r}: flashgen supports {', '.join(DTYPES + FP8_DTYPES)}") from None
 
 
 def _dims_name(head_dim: int, head_dim_v: int | None) -> str:
@@ -77,7 +92,7 @@ def target_name(direction: str, head_dim: int, dtype: str, causal: bool, head_di
 
 
 _TARGET_NAME = re.compile(
-    r"^flashgen_(fwd|bwd|fwd_varlen|bwd_varlen|fwd_paged)_d(\d+)(?:v(\d+))?_(f16|bf16|f32)(_causal)?$")
+    r"^flashgen_(fwd|bwd|fwd_varlen|bwd_varlen|fwd_paged)_d(\d+)(?:v(\d+))?_(f16|bf16|f32|e4m3)(_causal)?$")
 
 
 class ParsedTarget(NamedTuple):
@@ -95,6 +110,8 @@ def parse_target_name(name: str) -> ParsedTarget | None:
         return None
     d, dv = int(m.group(2)), int(m.group(3) or m.group(2))
     if d not in HEAD_DIMS or dv not in HEAD_DIMS or (m.group(3) and dv == d):
+        return None
+    if m.group(1) not in calls(m.group(4)):
         return None
     return ParsedTarget(m.group(1), d, m.group(4), bool(m.group(5)), dv)
 
@@ -131,6 +148,18 @@ class KernelSpec:
             raise ValueError(f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}: target {self.target} "
                              f"has no kernels for a value head dim other than the query/key one "
                              f"(targets with them: {', '.join(targets.split_head_dim_targets())})")
+        if self.dtype in FP8_DTYPES and not family.fp8_forward:
+            raise ValueError(f"dtype {self.dtype} (FP8) has kernels only for target(s) "
+                             f"{', '.join(targets.fp8_targets())}, not {self.target}: upcast the inputs "
+                             f"(q.astype(f32) * q_descale, ...) to run them on {self.target}")
+        if self.dtype in FP8_DTYPES and (self.head_dim_v != self.head_dim or self.head_dim not in FP8_HEAD_DIMS):
+            raise ValueError(f"dtype {self.dtype} (FP8) has kernels for head dims {', '.join(map(str, FP8_HEAD_DIMS))} "
+                             f"with head_dim_v == head_dim, got {self.head_dim} / {self.head_dim_v}")
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """The calls this spec has (contract.calls): every direction, or the FP8 forward alone."""
+        return tuple(calls(self.dtype))
 
     @property
     def platform(self) -> str:
@@ -138,8 +167,8 @@ class KernelSpec:
         return targets.lookup(self.target).platform
 
     def target_name(self, direction: str) -> str:
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if direction not in self.directions:
+            raise ValueError(f"direction must be one of {self.directions} for dtype {self.dtype}, got {direction!r}")
         return target_name(direction, self.head_dim, self.dtype, self.causal, self.head_dim_v)
 
     @property
@@ -149,7 +178,7 @@ class KernelSpec:
 
     def to_json(self) -> dict:
         out = {"head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal, "target": self.target,
-               "targets": {d: self.target_name(d) for d in DIRECTIONS}}
+               "targets": {d: self.target_name(d) for d in self.directions}}
         if self.head_dim_v != self.head_dim:  # equal dims: the manifest of before, byte for byte
             out["head_dim_v"] = self.head_dim_v
         return out

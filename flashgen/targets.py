@@ -24,6 +24,8 @@ class KernelFamily:
     # Whether its dense fwd / bwd kernels take a value head dim other than the query/key one
     # (KernelSpec.head_dim_v: any pair of spec.HEAD_DIMS); its varlen and paged calls refuse one.
     split_head_dims: bool = False
+    # Whether it has the FP8 (e4m3) forward (contract.FP8_CALLS): KernelSpec refuses dtype e4m3 elsewhere.
+    fp8_forward: bool = False
 
 
 CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dims=True)
@@ -31,8 +33,8 @@ CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dim
 MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True)
 # Hopper: the mma.sync family plus the wgmma kernels of csrc/flashgen/cuda/hopper/ for the calls
 # they serve (hopper_fwd_supports there says which; the rest, a split head dim included, keep the
-# mma.sync kernels).
-WGMMA_KERNELS = KernelFamily("wgmma", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True)
+# mma.sync kernels), and the FP8 forward (cuda/hopper/fwd_fp8.cuh).
+WGMMA_KERNELS = KernelFamily("wgmma", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True, fp8_forward=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +123,11 @@ def emulated() -> tuple[str, ...]:
 def split_head_dim_targets() -> tuple[str, ...]:
     """The targets whose kernels take a value head dim other than the query/key one."""
     return tuple(name for name, t in TARGETS.items() if t.family.split_head_dims)
+
+
+def fp8_targets() -> tuple[str, ...]:
+    """The targets with the FP8 (e4m3) forward."""
+    return tuple(name for name, t in TARGETS.items() if t.family.fp8_forward)
 
 
 def is_host(platform: str) -> bool:

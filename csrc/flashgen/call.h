@@ -16,6 +16,15 @@
 
 #include "flashgen/ffi_common.h"
 
+// XLA's FFI headers map no FP8 element type to a C++ one, so Buffer<F8E4M3FN> (the FP8 forward's
+// q, k, v) would not compile: its elements are bytes.
+namespace xla::ffi::internal {
+template <>
+struct DataTypeToNative<DataType::F8E4M3FN> {
+  using type = uint8_t;
+};
+}  // namespace xla::ffi::internal
+
 namespace flashgen {
 
 // The attributes of fwd, bwd and fwd_paged, in contract.CALLS order with ATTRIBUTES' C++ types.
@@ -95,9 +104,9 @@ struct FwdBuffers {
   Out o, lse;
   std::array<Out, 2> results() const { return {o, lse}; }
 
-  template <ffi::DataType T>
+  template <ffi::DataType T, ffi::DataType TO = T>  // TO: o's type (an FP8 call's is bf16)
   ffi::Error take(const Callee& c, const AttentionShape& s, bool packed, ffi::Buffer<T>& q_in, ffi::Buffer<T>& k_in,
-                  ffi::Buffer<T>& v_in, ffi::ResultBuffer<T>& o_out, ffi::ResultBuffer<ffi::F32>& lse_out) {
+                  ffi::Buffer<T>& v_in, ffi::ResultBuffer<TO>& o_out, ffi::ResultBuffer<ffi::F32>& lse_out) {
     if (auto e = packed ? expect_dims(c.target, "o", o_out->dimensions(), {s.seqlen_q, s.heads_q, c.head_dim_v})
                         : expect_dims(c.target, "o", o_out->dimensions(), {s.batch, s.seqlen_q, s.heads_q, c.head_dim_v});
         e.failure())
@@ -155,6 +164,36 @@ struct FwdCall : Decoded, FwdBuffers {
     call.s = shape.value();
     FLASHGEN_RETURN_IF_ERROR(decode_scores(c, a, extra_args, T, false, nullptr, &call));
     FLASHGEN_RETURN_IF_ERROR(call.take(c, call.s, false, q, k, v, o, lse));
+    return call;
+  }
+};
+
+// fwd of an FP8 spec: q, k, v [B, S, H, D] e4m3, q_descale, k_descale, v_descale f32 [1] -> o
+// [B, Sq, Hq, D] bf16, lse [B, Hq, Sq]; no extras, no softcap (contract.FP8_CALLS).
+struct FwdFp8Call : Decoded, FwdBuffers {
+  const float *q_descale, *k_descale, *v_descale;  // device (or host) memory, one value each
+
+  template <ffi::DataType T>
+  static ffi::ErrorOr<FwdFp8Call> decode(const Callee& c, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
+                                         ffi::Buffer<ffi::F32> q_descale, ffi::Buffer<ffi::F32> k_descale,
+                                         ffi::Buffer<ffi::F32> v_descale, ffi::RemainingArgs extra_args,
+                                         ffi::ResultBuffer<ffi::BF16> o, ffi::ResultBuffer<ffi::F32> lse, DenseAttrs a) {
+    FwdFp8Call call;
+    auto shape = shape_from_qkv(c.target, c.head_dim, c.head_dim_v, q.dimensions(), k.dimensions(), v.dimensions());
+    if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
+    call.s = shape.value();
+    if (!a.extras.empty())
+      return ffi::Unexpected<ffi::Error>(invalid(c.target, "the FP8 forward takes no extras, got \"" +
+                                                               std::string(a.extras) + "\""));
+    if (a.softcap != 0.f)
+      return ffi::Unexpected<ffi::Error>(invalid(c.target, "the FP8 forward has no softcap (softcap must be 0)"));
+    FLASHGEN_RETURN_IF_ERROR(expect_dims(c.target, "q_descale", q_descale.dimensions(), {1}));
+    FLASHGEN_RETURN_IF_ERROR(expect_dims(c.target, "k_descale", k_descale.dimensions(), {1}));
+    FLASHGEN_RETURN_IF_ERROR(expect_dims(c.target, "v_descale", v_descale.dimensions(), {1}));
+    FLASHGEN_RETURN_IF_ERROR(decode_scores(c, a, extra_args, T, false, nullptr, &call));
+    FLASHGEN_RETURN_IF_ERROR(call.take(c, call.s, false, q, k, v, o, lse));
+    call.q_descale = q_descale.typed_data(), call.k_descale = k_descale.typed_data();
+    call.v_descale = v_descale.typed_data();
     return call;
   }
 };

@@ -320,6 +320,9 @@ def cmd_check(args) -> int:
     causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
     specs = [KernelSpec(d, t, c, target) for target in args.target for d in args.hdim for t in args.dtype
              for c in causal]
+    if any(s.dtype not in NP_DTYPES for s in specs):
+        raise UsageError(f"flashgen check has no cases for dtype(s) {', '.join(sorted(set(args.dtype) - set(NP_DTYPES)))} "
+                         f"(the FP8 forward is checked by tests/test_fp8.py)")
     out = json_output(args.json) if args.json else None  # a bad location is refused before any work
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     seed = np.random.SeedSequence().entropy if args.seed is None else args.seed

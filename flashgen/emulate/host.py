@@ -36,7 +36,8 @@ from flashgen.spec import parse_target_name
 
 # XLA_FFI_DataType codes (xla/ffi/api/c_api.h).
 _FFI_DTYPES = {np.dtype(np.bool_): 1, np.dtype(np.int32): 4, np.dtype(np.float16): 10,
-               np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(ml_dtypes.bfloat16): 16}
+               np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(ml_dtypes.bfloat16): 16,
+               np.dtype(ml_dtypes.float8_e4m3fn): 20}
 _ATTR_KINDS = {"i1": 0, "i32": 1, "f32": 2, "string": 3}  # FlashgenEmuAttrKind
 _XLA_CODES = {3: "INVALID_ARGUMENT", 8: "RESOURCE_EXHAUSTED", 12: "UNIMPLEMENTED", 13: "INTERNAL"}
 _ALIGN = 256  # what XLA guarantees (and more than the handlers' 16-byte check)

@@ -18,7 +18,7 @@ DTYPES = {
     "pred": np.bool_, "b8": np.uint8, "u8": np.uint8, "s8": np.int8,
     "b16": np.uint16, "u16": np.uint16, "s16": np.int16, "f16": np.uint16, "bf16": np.uint16,
     "b32": np.uint32, "u32": np.uint32, "s32": np.int32, "f32": np.float32,
-    "f16x2": np.uint32, "bf16x2": np.uint32, "tf32": np.uint32,
+    "f16x2": np.uint32, "bf16x2": np.uint32, "tf32": np.uint32, "e4m3x2": np.uint16,
     "b64": np.uint64, "u64": np.uint64, "s64": np.int64, "f64": np.float64,
 }
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

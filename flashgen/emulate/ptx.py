@@ -16,7 +16,7 @@ from flashgen.emulate.heap import collector_paused
 # Widths in bytes of the PTX fundamental types the kernels use.
 TYPE_SIZES = {
     "pred": 1, "b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
-    "b32": 4, "u32": 4, "s32": 4, "f32": 4, "f16x2": 4, "bf16x2": 4, "tf32": 4,
+    "b32": 4, "u32": 4, "s32": 4, "f32": 4, "f16x2": 4, "bf16x2": 4, "tf32": 4, "e4m3x2": 2,
     "b64": 8, "u64": 8, "s64": 8, "f64": 8,
 }
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashgen import runtime, targets
-from flashgen.contract import EXTRAS, CallAttributes, extra_operand_index, normalize_scale, normalize_window
+from flashgen.contract import EXTRAS, FP8_DTYPES, CallAttributes, extra_operand_index, normalize_scale, normalize_window
 from flashgen.jax import primitive, sharding
-from flashgen.spec import KernelSpec, kernel_head_dims, normalize_dtype
+from flashgen.spec import KernelSpec, kernel_head_dims, normalize_dtype, numpy_name
 
 
 def local_target() -> str:
@@ -68,7 +68,9 @@ def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1
     def bwd(q, k, v, o, lse, do, *extra):
         return primitive.kernel_call(spec, "bwd", (q, k, v, o, lse, do, *extra), attrs, dbias=dbias)
 
-    return primitive.fold_vmap(fwd, not extras), primitive.fold_vmap(bwd, not extras)
+    # (an FP8 call's [1] descale operands do not fold into the batch: map)
+    fold = not extras and spec.dtype not in FP8_DTYPES
+    return primitive.fold_vmap(fwd, fold), primitive.fold_vmap(bwd, fold)
 
 
 # `mask` = (bottom_right, window, softcap, extras): the runtime attributes besides scale;
@@ -127,11 +129,52 @@ def _attention_bwd(spec, scale, mask, res, cts):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
+# The FP8 forward (q, k, v float8_e4m3fn with per-tensor descales; o bf16): forward only.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention_fp8(q, k, v, descales, spec, scale, mask):
+    return _kernel_calls(spec, scale, *mask)[0](q, k, v, *descales)
+
+
+def _attention_fp8_fwd(*args):
+    return _attention_fp8(*args), None
+
+
+def _attention_fp8_bwd(spec, scale, mask, res, cts):
+    raise NotImplementedError("flash_attention with float8_e4m3fn inputs is forward-only (no FP8 backward); "
+                              "differentiate it with bf16 / f16 inputs")
+
+
+_attention_fp8.defvjp(_attention_fp8_fwd, _attention_fp8_bwd)
+
+
+def _fp8_descales(dtype: str, descales: dict, extras, softcap):
+    """The descale operands of an FP8 call (f32 [1] each; None: 1), or () for other inputs;
+    ValueError / TypeError for what the FP8 forward does not take."""
+    given = [n for n, x in descales.items() if x is not None]
+    if dtype not in FP8_DTYPES:
+        if given:
+            raise ValueError(f"descale factors ({', '.join(given)}) apply to float8_e4m3fn inputs only, "
+                             f"got {numpy_name(dtype)} q, k, v")
+        return ()
+    if extras or softcap:
+        raise ValueError("flash_attention with float8_e4m3fn inputs takes no bias, mask, ALiBi, segment ids "
+                         f"or softcap (the FP8 forward has none), got {', '.join(extras) or 'softcap'}")
+    out = []
+    for name, x in descales.items():
+        x = jnp.asarray(1.0 if x is None else x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float (scalar or shape [1]), got {x.dtype}")
+        if x.ndim > 1 or x.size != 1:
+            raise ValueError(f"{name} must be a scalar or shape [1] (one factor per tensor), got shape {x.shape}")
+        out.append(x.astype(jnp.float32).reshape(1))
+    return tuple(out)
+
+
 def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
                     is_causal: bool = False, causal: bool | None = None, bottom_right: bool = False,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, q_descale=None, k_descale=None, v_descale=None):
     """softmax(scale · q kᵀ [+ bias] [+ ALiBi] [masked]) v with FlashAttention kernels.
 
     A drop-in for jax.nn.dot_product_attention where the two overlap (query, key,
@@ -162,13 +205,26 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
     return_lse=True returns (o, lse) with lse [batch, heads, seq_q] f32 (natural log,
     -inf for a row that sees no key); both are differentiable (an lse cotangent costs
     one more backward kernel call).
+
+    FP8: query, key, value of dtype float8_e4m3fn hold values whose real values are stored ·
+    q_descale / k_descale / v_descale (f32 scalars or shape [1], may be traced; None = 1). The
+    result is bf16; forward only (differentiating it raises), no bias, masks, ALiBi, segment ids
+    or softcap; kernels on sm90a only (elsewhere a ValueError says so).
     """
     if causal is not None and bool(causal) != bool(is_causal) and is_causal:
         raise ValueError(f"causal={causal} contradicts is_causal={is_causal}")
     causal = bool(is_causal if causal is None else causal)
     q, k, v = query, key, value
-    _check(q, k, v, scale)
+    dtype, _ = _check(q, k, v, scale)
     extras, ex = _extra_operands(q, k, bias, mask, alibi_slopes, q_segment_ids, kv_segment_ids)
+    descales = _fp8_descales(dtype, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale),
+                             extras, softcap)
+    if descales:
+        spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window)
+        q, k, v, *descales = primitive.match_varying(q, k, v, *descales)
+        o, lse = _attention_fp8(*_pad_qkv(spec, q, k, v), tuple(descales), spec, scale, attrs)
+        o = o[..., :value.shape[3]]
+        return (o, lse) if return_lse else o
     fold = not extras and _foldable_decode(q, k.shape[2], causal, bottom_right, window)
     if fold:
         q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False

@@ -16,10 +16,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir as jax_mlir
 from jax.sharding import PartitionSpec as P
 
-from flashgen.contract import CALLS, CallAttributes, extra_operand_index
+from flashgen.contract import CALLS, FP8_DTYPES, CallAttributes, calls, extra_operand_index
 from flashgen.jax.sharding import BATCH, HEADS, register_partitioners
 from flashgen.sharding_rule import sharding_rule_attr
-from flashgen.spec import KernelSpec
+from flashgen.spec import KernelSpec, normalize_dtype, numpy_name
 
 _kernel_p = Primitive("flashgen_kernel")
 _kernel_p.multiple_results = True
@@ -34,7 +34,9 @@ def _abstract_eval(*avals, target, direction, attrs: CallAttributes, dbias):
     if direction == "fwd_varlen":
         lse = q.update(shape=(q.shape[1], q.shape[0]), dtype=jnp.float32, weak_type=False)
         return [q.update(weak_type=False), lse]
-    o = q.update(shape=(*q.shape[:-1], avals[2].shape[-1]), weak_type=False)  # v's head dim
+    o_dtype = calls(normalize_dtype(q.dtype))[direction].results[0].full_dtype(normalize_dtype(q.dtype))
+    o = q.update(shape=(*q.shape[:-1], avals[2].shape[-1]), dtype=jnp.dtype(numpy_name(o_dtype)),
+                 weak_type=False)  # v's head dim; an FP8 call's o is bf16
     b, sq, hq, _ = q.shape
     sharding = q.sharding
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
@@ -52,7 +54,8 @@ def _fully_manual(ctx) -> bool:
 
 def _lowering(ctx, *args, target, direction, attrs: CallAttributes, dbias):
     extra = {}
-    if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx):
+    fp8 = normalize_dtype(ctx.avals_in[0].dtype) in FP8_DTYPES  # (no rule for its descale operands yet)
+    if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx) and not fp8:
         extra["sdy.sharding_rule"] = sharding_rule_attr(
             direction, [a.shape for a in ctx.avals_in], attrs.extras, dbias)
     rule = jax.ffi.ffi_lowering(target, extra_attributes=extra or None)

@@ -11,6 +11,7 @@
 // cudaGetErrorString.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #ifdef FLASHGEN_WGMMA_KERNELS
 #include "flashgen/cuda/hopper/bwd.cuh"
 #include "flashgen/cuda/hopper/fwd.cuh"
+#include "flashgen/cuda/hopper/fwd_fp8.cuh"
 #endif
 #include "flashgen/call.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,6 +48,10 @@ struct ElemOf<ffi::DataType::BF16> {
 template <>
 struct ElemOf<ffi::DataType::F32> {
   using type = float;
+};
+template <>
+struct ElemOf<ffi::DataType::F8E4M3FN> {
+  using type = __nv_fp8_e4m3;
 };
 
 inline ffi::Error cuda_failure(const char* target, const std::string& what, cudaError_t err) {
@@ -279,6 +285,36 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
   if (!c.x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense, DV>(target, stream, p, grid);
   p.x = extras_params(c.x, s, c.attrs.bottom_right);
   return launch_fwd<T, D, CAUSAL, kFwdExtras, DV>(target, stream, p, grid);
+}
+
+// ---------------------------------------------------------------------------
+// forward, FP8 (e4m3 q, k, v; bf16 o): the Hopper kernel (hopper/fwd_fp8.cuh) alone
+// ---------------------------------------------------------------------------
+template <ffi::DataType DT, int D, bool CAUSAL>
+ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator&, const FwdFp8Call& c) {
+  const AttentionShape& s = c.s;
+  if (s.batch == 0 || s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
+  if (auto e = check_fwd_buffers(target, stream, s, c.q, c.k, c.v, s.seqlen_k > 0, c.o, c.lse); e.failure()) return e;
+#ifdef FLASHGEN_WGMMA_KERNELS
+  if constexpr (kHopperFp8FwdCompiles<D>) {
+    using Cfg = HopperFp8FwdConfig;
+    Fp8FwdParams p{};
+    FwdVarParams vp;
+    fill_fwd_params<__nv_fp8_e4m3, D>(vp, s, c.attrs, c.q, c.k, c.v, c.o.data, static_cast<float*>(c.lse.data));
+    static_cast<FwdParams&>(p) = vp;
+    p.q_descale = c.q_descale, p.k_descale = c.k_descale, p.v_descale = c.v_descale;
+    constexpr size_t kSmem = Cfg::smem_bytes(D);
+    const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
+                    static_cast<unsigned>(s.batch));
+    auto kernel = hopper_fwd_fp8_kernel<D, CAUSAL>;
+    if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+    return check_launch(target, "hopper_fwd_fp8_kernel");
+  }
+#endif
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    std::string(target) + ": no FP8 kernel for this target and head dim (sm90a, head dims 64-256 "
+                                          "in steps of 64)");
 }
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Data movement inside registers: mov (incl. vector pack/unpack and symbol addresses), cvt, cvta."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from flashgen.emulate import numerics
@@ -43,6 +44,29 @@ def mov(ins, ops):
     return lambda w, m: wd(w, rs(w), m)
 
 
+@handles("prmt")
+def prmt(ins, ops):
+    """prmt.b32 d, a, b, c (default mode): byte i of d is byte (c >> 4i) & 7 of the 8 bytes
+    {b, a} (a's bytes 0-3, b's 4-7); with bit 3 of that nibble set, the byte's sign bit
+    replicated instead (PTX ISA, prmt)."""
+    if ins.mods != ("b32",):
+        raise unsupported(ins, "only the default mode of prmt.b32")
+    d, a, b, c = ins.operands
+    ra, rb, rc, wd = ops.read(a, "b32"), ops.read(b, "b32"), ops.read(c, "b32"), ops.write(d, "b32")
+
+    def run(w, m):
+        src = np.stack([ra(w), rb(w)], axis=1).astype(np.uint32).view(np.uint8).reshape(-1, 8)
+        sel = np.asarray(rc(w), np.uint32)
+        out = np.zeros(src.shape[0], np.uint32)
+        for i in range(4):
+            nib = (sel >> np.uint32(4 * i)) & np.uint32(0xF)
+            byte = src[np.arange(src.shape[0]), nib & np.uint32(7)].astype(np.uint32)
+            byte = np.where(nib & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
+            out |= byte << np.uint32(8 * i)
+        wd(w, out, m)
+    return run
+
+
 @handles("cvta")
 def cvta(ins, ops):
     # Only global<->generic and param->generic: our global and parameter-window addresses are the
@@ -78,11 +102,26 @@ def cvt(ins, ops):
     rounding = next((q for q in quals if q in ("rn", "rna", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi")), None)
     sat = "sat" in quals
     ftz = "ftz" in quals
-    unknown = [q for q in quals if q not in ("rn", "rna", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi", "sat", "ftz", "relu")]
-    if unknown or "relu" in quals:
+    unknown = [q for q in quals if q not in ("rn", "rna", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi", "sat", "ftz", "relu",
+                                             "satfinite")]
+    if unknown or "relu" in quals or ("satfinite" in quals) != (dty == "e4m3x2"):
         raise unsupported(ins)
     ops_ = ins.operands
     wd = ops.write(ops_[0], dty)
+
+    # two f32 -> packed e4m3 pair, the first source in the upper byte; .satfinite (required)
+    # clamps finite results beyond e4m3's largest, 448, to it; NaN stays NaN.
+    if dty == "e4m3x2" and sty == "f32":
+        if quals != ["rn", "satfinite"]:
+            raise unsupported(ins)
+        ra, rb = ops.read(ops_[1], "f32"), ops.read(ops_[2], "f32")
+
+        def e4m3(x):
+            return np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint16)
+
+        def pack_e4m3(w, m):
+            wd(w, (e4m3(ra(w)) << np.uint16(8)) | e4m3(rb(w)), m)
+        return pack_e4m3
 
     # two f32 -> packed pair: the first source goes to the upper half (PTX ISA, cvt).
     if dty in ("bf16x2", "f16x2") and sty == "f32":

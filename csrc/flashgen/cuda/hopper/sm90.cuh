@@ -107,8 +107,6 @@ FG_DEV void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
                  : FG_WGMMA_D32_OUTS(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
-#undef FG_WGMMA_D32
-#undef FG_WGMMA_D32_OUTS
 
 // Keeps the compiler from moving accumulator reads/writes across the wgmma.fence / wait
 // (CUTLASS's warpgroup_fence_operand).
@@ -132,6 +130,73 @@ FG_DEV void load_tile_sw128(uint8_t* tile, const T* src, int64_t stride, int row
     uint4 v = make_uint4(0, 0, 0, 0);
     if (row < rows_valid) v = *reinterpret_cast<const uint4*>(src + row * stride + c * 8);
     *reinterpret_cast<uint4*>(tile + (c / 8) * kPanelBytes + r * 128 + (((c % 8) ^ (r % 8)) << 4)) = v;
+  }
+}
+
+
+// ---- FP8 (e4m3) operands: 64-byte swizzle panels (cuda/hopper/fwd_fp8.cuh) ----
+// A K-major e4m3 tile stores rows of 64 one-byte elements (one 64-byte row per panel row);
+// CuTe's SW64 K-major atom: 8 rows x 64 bytes = 512 bytes, 16-byte chunk c of row r at chunk
+// c ^ ((r / 2) % 4) (Swizzle<2,4,3>: address bits [4,6) ^= bits [7,9); panels 512-byte aligned).
+constexpr int kFp8PanelCols = 64;  // e4m3 columns per 64-byte swizzle row
+constexpr int kSw64Atom = 512;     // 8 rows x 64 bytes
+
+FG_DEV uint32_t sw64(uint32_t offset) { return offset ^ ((offset >> 3) & 0x30); }
+
+// 64B-swizzled K-major descriptor (layout type 2) of the operand at shared address `addr`: 8-row
+// atoms 512 bytes apart (SBO); the leading byte offset is unused (K within one 64-byte row).
+FG_DEV uint64_t sw64_desc(uint32_t addr) {
+  return (uint64_t{2} << 62) | (uint64_t{kSw64Atom >> 4} << 32) | (uint64_t{1} << 16) | ((addr & 0x3FFFF) >> 4);
+}
+
+// (FG_WGMMA_D32 / _OUTS: the 16-bit wgmma helpers' operand lists above, undefined below.)
+// d (64 x 64, f32) += A B^T over k32 of e4m3, A and B K-major in shared memory (8-bit wgmma takes
+// no transpose immediates: both operands are always K-major).
+FG_DEV void wgmma_ss_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FG_WGMMA_D32 ", %32, %33, p, 1, 1;\n}"
+               : FG_WGMMA_D32_OUTS(d)
+               : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d (64 x 64) += A B over k32 with A (64 x 32 e4m3) in registers -- per warp, register r holds
+// row g + 8 (r % 2), k 4 t + 16 (r / 2) .. + 3, lowest byte first (g = lane / 4, t = lane % 4;
+// CuTe's ALayout_64x32 for 8-bit GMMA) -- and B K-major in shared memory.
+FG_DEV void wgmma_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FG_WGMMA_D32
+               ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}"
+               : FG_WGMMA_D32_OUTS(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+#undef FG_WGMMA_D32
+#undef FG_WGMMA_D32_OUTS
+
+// Four f32 -> four e4m3 (round to nearest even, saturated to +-448), x0 in the lowest byte.
+FG_DEV uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
+  uint32_t out;
+  asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      " mov.b32 %0, {lo, hi};\n}"
+      : "=r"(out)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  return out;
+}
+
+// Rows [0, ROWS) of a [ROWS][D] e4m3 tile into the 64B-swizzled K-major layout at `tile`
+// (512-byte aligned; D / 64 panels of ROWS x 64 bytes), by NT threads, 16 bytes each: row r is
+// global row `row0 + r` at `src + (row0 + r) * stride` bytes; rows at or past `rows_valid` are
+// zero-filled.
+template <int ROWS, int D, int NT>
+FG_DEV void load_tile_sw64_e4m3(uint8_t* tile, const uint8_t* src, int64_t stride, int row0, int rows_valid,
+                                int tid) {
+  constexpr int kChunks = D / 16;  // per row
+#pragma unroll 4
+  for (int i = tid; i < ROWS * kChunks; i += NT) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int row = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < rows_valid) v = *reinterpret_cast<const uint4*>(src + row * stride + c * 16);
+    *reinterpret_cast<uint4*>(tile + (c / 4) * (ROWS * 64) + sw64(r * 64 + (c % 4) * 16)) = v;
   }
 }
 
