@@ -22,35 +22,67 @@ void* flashgen_emulated_kernels[] = {
     (void*)&flashgen::cuda::hopper_fwd_kernel<__nv_bfloat16, 64, true>,
 };
 """
-SMEM = 5 * 64 * 64 * 2 + 1024   # HopperFwdConfig::smem_bytes(64): Q, 2 stages of K and V, alignment
-# The correct launch takes 0.4-0.5M warp instructions (most of them the producer spinning on its
-# empty barrier while the consumer computes): a deadlocked mutant (a wait on a phase that never
-# completes) spins into this budget in under a minute instead of the default's hours.
+ROWS, THREADS = 128, 384                 # HopperFwdConfig::BR, kThreads
+SMEM = 6 * 64 * 64 * 2 + 1024            # HopperFwdConfig::smem_bytes(64): Q x 2, 2 stages of K and V, alignment
+BF16, SWIZZLE_128B = 9, 3                # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_SWIZZLE_128B
+# The correct launch takes well under 1M warp instructions (many of them warps spinning on
+# mbarriers): a deadlocked mutant (a wait on a phase that never completes) spins into this budget
+# in about a minute instead of the default's hours.
 WARP_INSTRUCTION_BUDGET = 3_000_000
 
 # (name, header under cuda/hopper/, old, new): the first occurrence of `old` becomes `new`.
 MUTATIONS = [
-    ("missing_wgmma_wait_after_qk", "fwd.cuh",
-     "    sm90::wgmma_commit();\n    sm90::wgmma_wait_all();\n    sm90::fence_operands(acc_s);",
-     "    sm90::wgmma_commit();\n    sm90::fence_operands(acc_s);"),
+    ("missing_wgmma_wait_before_softmax", "fwd.cuh",
+     "      if (has_pv) sm90::wgmma_wait<1>();  // QK^T(it) done, PV(it - 1) may still run\n"
+     "      else sm90::wgmma_wait<0>();\n",
+     "      if (!has_pv) sm90::wgmma_wait<0>();\n"),
     ("full_barrier_wrong_parity", "fwd.cuh",
      "sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);",
      "sm90::mbar_wait(smem_addr(&full[s]), ((it / kStages) & 1) ^ 1);"),
     ("producer_stage_off_by_one", "fwd.cuh",
-     "const int it = n - n_first, s = it % kStages;\n      sm90::mbar_wait(smem_addr(&empty[s])",
-     "const int it = n - n_first, s = (it + 1) % kStages;\n      sm90::mbar_wait(smem_addr(&empty[s])"),
+     "const int s = it % kStages, row = (n_first + it) * BC;",
+     "const int s = (it + 1) % kStages, row = (n_first + it) * BC;"),
+    ("consumer_stage_off_by_one", "fwd.cuh",
+     "const int s = it % kStages, prev = (it + kStages - 1) % kStages;",
+     "const int s = it % kStages, prev = it % kStages;"),
     ("stage_released_before_pv_wait", "fwd.cuh",
-     "    sm90::wgmma_commit();\n    sm90::wgmma_wait_all();\n#pragma unroll\n    for (int pn = 0; pn < kPanels; ++pn) "
-     "sm90::fence_operands(acc_o[pn]);\n    // The wgmmas that read stage s retired: hand it back to the producer.\n"
-     "    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));",
-     "    sm90::wgmma_commit();\n    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));\n    sm90::wgmma_wait_all();\n"
-     "#pragma unroll\n    for (int pn = 0; pn < kPanels; ++pn) sm90::fence_operands(acc_o[pn]);"),
-    ("missing_producer_proxy_fence", "fwd.cuh",
-     "      sm90::fence_proxy_async();\n      sm90::mbar_arrive(smem_addr(&full[s]));",
-     "      sm90::mbar_arrive(smem_addr(&full[s]));"),
-    ("tile_stored_unswizzled", "sm90.cuh",
-     "r * 128 + (((c % 8) ^ (r % 8)) << 4)", "r * 128 + ((c % 8) << 4)"),
+     "      sm90::wgmma_wait<0>();\n#pragma unroll\n      for (int pn = 0; pn < kPanels; ++pn) "
+     "sm90::fence_operands(acc_o[pn]);\n      // The wgmmas that read stage prev retired: hand it back to the producer.\n"
+     "      if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[prev]));",
+     "      if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[prev]));\n      sm90::wgmma_wait<0>();\n"
+     "#pragma unroll\n      for (int pn = 0; pn < kPanels; ++pn) sm90::fence_operands(acc_o[pn]);"),
+    ("expect_tx_bytes_short", "fwd.cuh",
+     "sm90::mbar_arrive_expect_tx(fb, 2 * kTile);", "sm90::mbar_arrive_expect_tx(fb, kTile);"),
+    ("expect_tx_bytes_long", "fwd.cuh",
+     "sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile);", "sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile + 16);"),
+    ("pingpong_barrier_ids_swapped", "fwd.cuh",
+     "my_turn = Cfg::kPingPongBar + w, their_turn = Cfg::kPingPongBar + 1 - w;",
+     "my_turn = Cfg::kPingPongBar + 1 - w, their_turn = Cfg::kPingPongBar + w;"),
+    ("setmaxnreg_consumer_budget_too_small", "fwd.cuh",
+     "kProducerRegs = 24, kConsumerRegs = 240;", "kProducerRegs = 24, kConsumerRegs = 160;"),
+    ("missing_proxy_fence_before_o_store", "fwd.cuh",
+     "  sm90::fence_proxy_async();  // the tile's generic writes, before the TMA store reads them\n", ""),
+    ("descriptor_swizzle_64b", "sm90.cuh",
+     "return (uint64_t{1} << 62) | (uint64_t{kSwizzleAtom >> 4} << 32)",
+     "return (uint64_t{2} << 62) | (uint64_t{kSwizzleAtom >> 4} << 32)"),
 ]
+# The launcher's side (ffi_cuda.cuh's encode_rows_map) is not in the compiled kernel: its swizzle
+# mode is mutated in the maps this harness encodes the same way.
+MAP_SWIZZLE_MUTATIONS = {"tensor_map_swizzle_none": 0, "tensor_map_swizzle_64b": 2}
+
+
+def _maps(swizzle):
+    """more_params for run_forward_kernel: encode_rows_map's maps of q, k, v, o (box 64 x 64)."""
+    from flashgen.emulate.tensormap import encode_tiled
+
+    def encode(*arrays):
+        maps = []
+        for a in arrays:
+            b, s, h, d = a.shape
+            maps.append(encode_tiled(BF16, 4, a.ctypes.data, [d, h, s, b], [2 * d, 2 * h * d, 2 * s * h * d],
+                                     [64, 1, 64, 1], [1, 1, 1, 1], swizzle=swizzle, l2_promotion=2))
+        return maps
+    return encode
 
 
 def _module(csrc) -> PtxModule:
@@ -58,15 +90,16 @@ def _module(csrc) -> PtxModule:
                                        name="hopper_fwd.cu"))
 
 
-def _errors(module, rng):
+def _errors(module, rng, swizzle=SWIZZLE_128B):
     """Max errors of o and lse against float64 (NaN counts as infinitely wrong)."""
     from emulated_dense import NP_DTYPES, run_forward_kernel
     bf16 = NP_DTYPES["bf16"]
     # causal, 150 rows and keys: the last CTA walks 3 key blocks, so the 2-stage ring wraps
     q, k, v = (rng.standard_normal((1, 150, 1, 64)).astype(bf16) for _ in range(3))
     (name,) = module.kernels
-    o, lse, _ = run_forward_kernel(module, name, 64, 256, SMEM, q, k, v, causal=True, dtype="bf16", arch="sm90a",
-                                   max_warp_instructions=WARP_INSTRUCTION_BUDGET)
+    o, lse, _ = run_forward_kernel(module, name, ROWS, THREADS, SMEM, q, k, v, causal=True, dtype="bf16",
+                                   arch="sm90a", max_warp_instructions=WARP_INSTRUCTION_BUDGET,
+                                   more_params=_maps(swizzle))
     ro, rlse = reference.attention(q, k, v, causal=True)[:2]
     return [float(np.nan_to_num(np.abs(g - w) / (1 + np.abs(w)), nan=np.inf).max()) for g, w in ((o, ro), (lse, rlse))]
 
@@ -88,6 +121,17 @@ def test_mutation_is_caught(tmp_path, rng, name, header, old, new):
     path.write_text(text.replace(old, new, 1))
     try:
         errors = _errors(_module(csrc), rng)
+    except EmulationError as e:
+        print(f"{name}: caught by the emulator: {e}")
+        return
+    print(f"{name}: max errors {errors}")
+    assert max(errors) > TOLERANCE, f"mutation {name} survived: errors {errors}"
+
+
+@pytest.mark.parametrize("name", MAP_SWIZZLE_MUTATIONS)
+def test_tensor_map_swizzle_mutation_is_caught(rng, name):
+    try:
+        errors = _errors(_module(None), rng, MAP_SWIZZLE_MUTATIONS[name])
     except EmulationError as e:
         print(f"{name}: caught by the emulator: {e}")
         return

@@ -243,8 +243,9 @@ inline ffi::Error tensor_map_encoder(const char* target, PFN_cuTensorMapEncodeTi
   return ffi::Error::Success();
 }
 
-// The TMA map of a [batch][seq][heads][D] tensor of T read in boxes of 64 columns x `box_rows`
-// rows of one head (hopper/fwd.cuh's swizzled panels); rows past `seq` load as zeros.
+// The TMA map of a [batch][seq][heads][D] tensor of T moved in boxes of 64 columns x `box_rows`
+// rows of one head (hopper/fwd.cuh's swizzled panels); rows past `seq` load as zeros and are
+// not stored.
 template <class T, int D>
 ffi::Error encode_rows_map(const char* target, PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map,
                            const char* name, const void* data, int64_t batch, int64_t seq, int64_t heads,
@@ -271,23 +272,20 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const FwdP
   constexpr size_t kSmem = Cfg::smem_bytes(D);
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (auto e = tensor_map_encoder(target, &encode); e.failure()) return e;
-  CUtensorMap map_q{}, map_k{}, map_v{};  // Sk == 0: no CTA loads a key block, k / v get no map
-  if (auto e = encode_rows_map<T, D>(target, encode, &map_q, "q", p.q, s.batch, s.seqlen_q, s.heads_q, Cfg::BM);
-      e.failure())
-    return e;
-  if (s.seqlen_k > 0) {
-    if (auto e = encode_rows_map<T, D>(target, encode, &map_k, "k", p.k, s.batch, s.seqlen_k, s.heads_kv, Cfg::BC);
-        e.failure())
-      return e;
-    if (auto e = encode_rows_map<T, D>(target, encode, &map_v, "v", p.v, s.batch, s.seqlen_k, s.heads_kv, Cfg::BC);
-        e.failure())
-      return e;
-  }
+  CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};  // Sk == 0: no CTA loads a key block, k / v get no map
+  auto rows_map = [&](CUtensorMap* map, const char* name, const void* data, int64_t seq, int64_t heads) {
+    return encode_rows_map<T, D>(target, encode, map, name, data, s.batch, seq, heads, Cfg::BC);  // BC == BM
+  };
+  ffi::Error e = rows_map(&map_q, "q", p.q, s.seqlen_q, s.heads_q);
+  if (!e.failure()) e = rows_map(&map_o, "o", p.o, s.seqlen_q, s.heads_q);
+  if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_k, "k", p.k, s.seqlen_k, s.heads_kv);
+  if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_v, "v", p.v, s.seqlen_k, s.heads_kv);
+  if (e.failure()) return e;
   const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
   auto kernel = hopper_fwd_kernel<T, D, CAUSAL>;
-  if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p, map_q, map_k, map_v);
+  if (e = set_smem(target, kernel, kSmem); e.failure()) return e;
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p, map_q, map_k, map_v, map_o);
   return check_launch(target, "hopper_fwd_kernel");
 }
 #endif

@@ -15,8 +15,10 @@
 //     and runs softmax(j) while PV(j-1) is still on the tensor cores; the two consumers take turns
 //     issuing (named barriers kPingPongBar + w, FA3's ping-pong), so one's softmax overlaps the
 //     other's GEMMs.
-// Blocks outside the CTA's visible band (causal, window) are never loaded. Epilogue straight from
-// registers: o = O / l, lse = m * scale + ln(l), or o = 0, lse = -inf for a row that sees no key.
+// Blocks outside the CTA's visible band (causal, window) are never loaded. Epilogue: o = O / l
+// written into the consumer's (spent) Q tile in the same swizzled layout and TMA-stored (rows past
+// Sq skipped); lse = m * scale + ln(l) straight from registers; o = 0, lse = -inf for a row that
+// sees no key.
 #pragma once
 
 #include "flashgen/call.h"
@@ -49,6 +51,7 @@ struct HopperFwdConfig {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "setmaxnreg budget over 64K registers");
   static constexpr int kPingPongBar = 1;           // named barriers 1, 2: consumer w's turn to issue
+  static constexpr int kEpilogueBar = 3;           // named barriers 3, 4: consumer w's O tile written
   // A [64][head_dim] tile of 16-bit elements (one consumer's Q, or one block's K or V).
   __host__ __device__ static constexpr int tile_bytes(int head_dim) { return BC * head_dim * 2; }
   // Q per consumer, then per stage K and V; +1024 to align the base to the swizzle atom.
@@ -58,12 +61,13 @@ struct HopperFwdConfig {
 };
 static_assert(HopperFwdConfig::BM == HopperFwdConfig::BC, "Q, K and V tiles share one TMA box shape");
 
-// Tensor maps: q, k, v as 4-D [batch][seq][heads][head_dim] tensors, box {64 columns, 1 head,
+// Tensor maps: q, k, v, o as 4-D [batch][seq][heads][head_dim] tensors, box {64 columns, 1 head,
 // 64 rows, 1 batch} (one 128-byte swizzled panel of a tile); ffi_cuda.cuh encodes them.
 template <class T, int D, bool CAUSAL>
 __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
     hopper_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap map_q,
-                      const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v) {
+                      const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
+                      const __grid_constant__ CUtensorMap map_o) {
   using Cfg = HopperFwdConfig;
   constexpr int BM = Cfg::BM, BR = Cfg::BR, BC = Cfg::BC, kStages = Cfg::kStages, kConsumers = Cfg::kConsumers;
   constexpr int kTile = Cfg::tile_bytes(D);
@@ -251,29 +255,34 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
     }
   }
 
-  // ---- epilogue
-  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
-  T* og = static_cast<T*>(p.o) + (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
+  // ---- epilogue: the wgmmas that read Q retired, so its tile takes O
   float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row_base + 8 * r;
+    const int row = row_base + 8 * r, tile_row = 16 * warp + g + 8 * r;
     const float l = quad_sum(row_sum[r]);
     // l == 0 with visible keys: every score overflowed to -inf: NaN, as IEEE softmax.
     const bool sees_keys =
         max(0LL, static_cast<long long>(row) + p.band_lo) < min(static_cast<long long>(Sk), static_cast<long long>(row) + p.band_hi + 1);
     const float inv = l != 0.f ? 1.f / l : (sees_keys ? NAN : 0.f);
-    if (row >= Sq) continue;
 #pragma unroll
     for (int pn = 0; pn < kPanels; ++pn)
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         if ((j / 2) % 2 == r && j % 2 == 0) {
-          const int col = pn * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
-          *reinterpret_cast<uint32_t*>(og + static_cast<int64_t>(row) * q_stride + col) =
-              HalfOps<T>::pack(acc_o[pn][j] * inv, acc_o[pn][j + 1] * inv);
+          const uint32_t at = sQ(w) + pn * kPanelBytes + tile_row * 128 + (((j / 4) ^ (tile_row % 8)) << 4) + 4 * t;
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(HalfOps<T>::pack(acc_o[pn][j] * inv, acc_o[pn][j + 1] * inv))
+                       : "memory");
         }
-    if (t == 0) lseg[row] = l != 0.f ? row_max[r] * lse_mul + logf(l) : (sees_keys ? NAN : -INFINITY);
+    if (t == 0 && row < Sq) lseg[row] = l != 0.f ? row_max[r] * lse_mul + logf(l) : (sees_keys ? NAN : -INFINITY);
+  }
+  sm90::fence_proxy_async();  // the tile's generic writes, before the TMA store reads them
+  sm90::named_sync(Cfg::kEpilogueBar + w, 128);
+  if (tid == 0) {
+    for (int pn = 0; pn < kPanels; ++pn)
+      sm90::tma_store_4d(&map_o, pn * sm90::kPanelCols, h, qw, b, sQ(w) + pn * kPanelBytes);
+    sm90::bulk_commit();
+    sm90::bulk_wait_read();  // shared memory must outlive the store's reads
   }
 }
 

@@ -92,6 +92,17 @@ FG_DEV void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, in
       : "memory");
 }
 
+// TMA: the box of `map` at (c0 .. c3) from shared memory at `src` (generic writes to it fenced
+// with fence_proxy_async first); elements outside the tensor are skipped. Completes with
+// bulk_commit / bulk_wait_read (the source may be reused after the latter).
+FG_DEV void tma_store_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(map),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
+FG_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+FG_DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
 FG_DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 FG_DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 FG_DEV void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
