@@ -109,7 +109,8 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // ---- producer
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x < 32 && sm90::elect_one()) {
+    // A CTA that sees no key loads nothing (its consumers write o = 0, lse = -inf).
+    if (threadIdx.x < 32 && n_blocks > 0 && sm90::elect_one()) {
       const uint32_t qb = smem_addr(&q_full);
       sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile);
       for (int w = 0; w < kConsumers; ++w)
@@ -153,11 +154,13 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
   float row_sum[2] = {0.f, 0.f};              // this thread's partial sum of exp
   const int row_base = qw + 16 * warp + g;
 
-  if (w == 1 && n_blocks > 0) sm90::named_arrive(Cfg::kPingPongBar, 256);  // consumer 0 issues first
-  sm90::mbar_wait(smem_addr(&q_full), 0);
+  if (n_blocks > 0) {
+    if (w == 1) sm90::named_arrive(Cfg::kPingPongBar, 256);  // consumer 0 issues first
+    sm90::mbar_wait(smem_addr(&q_full), 0);
+  }
 
   // Iteration it issues QK^T(it) (it < n_blocks) and PV(it - 1) (it > 0) in one turn.
-  for (int it = 0; it <= n_blocks && n_blocks > 0; ++it) {
+  for (int it = 0; n_blocks > 0 && it <= n_blocks; ++it) {
     const int s = it % kStages, prev = (it + kStages - 1) % kStages;
     const bool has_qk = it < n_blocks, has_pv = it > 0;
     if (has_qk) sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);
