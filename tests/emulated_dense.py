@@ -63,9 +63,11 @@ def run_dense_forward(module: PtxModule, q, k, v, *, causal: bool, dtype: str, a
 
 def run_forward_kernel(module: PtxModule, name: str, rows_per_block: int, threads: int, smem: int, q, k, v, *,
                        causal: bool, dtype: str, arch: str, seed: int | None = None, race_check: bool = True,
-                       max_warp_instructions: int = 200_000_000):
+                       max_warp_instructions: int = 200_000_000, more_params=None):
     """o, lse (float64) and the LaunchStats of forward entry `name` (it takes FwdParams: the dense
-    kernels of fwd.cuh and hopper/fwd.cuh) on q/k/v, one CTA per `rows_per_block` query rows."""
+    kernels of fwd.cuh and hopper/fwd.cuh) on q/k/v, one CTA per `rows_per_block` query rows.
+    more_params(q, k, v, o): the raw parameters after FwdParams (hopper/fwd.cuh's tensor maps),
+    made from the arrays the kernel reads and writes."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dt = NP_DTYPES[dtype]
@@ -83,7 +85,8 @@ def run_forward_kernel(module: PtxModule, name: str, rows_per_block: int, thread
     kparam = module.kernels[name].params[0]
     params = params.ljust(kparam.size, b"\0")
     assert len(params) == kparam.size == 96, "FwdParams changed: update emulated_dense.py"
-    stats = launch(module, name, (-(-sq // rows_per_block), hq, b), (threads, 1, 1), smem, [params], mem,
+    extra = list(more_params(q, k, v, o)) if more_params else []
+    stats = launch(module, name, (-(-sq // rows_per_block), hq, b), (threads, 1, 1), smem, [params, *extra], mem,
                    arch=arch, seed=seed, race_check=race_check, max_warp_instructions=max_warp_instructions)
     return o.astype(np.float64), lse.astype(np.float64), stats
 

@@ -1,10 +1,13 @@
-"""Mutation suite of the Hopper forward (csrc/flashgen/cuda/hopper/): one-line bugs planted in a
+"""Mutation suite of the Hopper kernels (csrc/flashgen/cuda/hopper/): one-line bugs planted in a
 copy of csrc/ must make the emulated kernel fail, by an EmulationError (a misuse of wgmma,
 mbarrier or the async proxy) or by wrong numbers against float64. The unmutated headers,
 compiled the same way, must pass: so a caught mutant is caught by its bug."""
 from __future__ import annotations
 
+import pathlib
+import re
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -22,35 +25,67 @@ void* flashgen_emulated_kernels[] = {
     (void*)&flashgen::cuda::hopper_fwd_kernel<__nv_bfloat16, 64, true>,
 };
 """
-SMEM = 5 * 64 * 64 * 2 + 1024   # HopperFwdConfig::smem_bytes(64): Q, 2 stages of K and V, alignment
-# The correct launch takes 0.4-0.5M warp instructions (most of them the producer spinning on its
-# empty barrier while the consumer computes): a deadlocked mutant (a wait on a phase that never
-# completes) spins into this budget in under a minute instead of the default's hours.
+ROWS, THREADS = 128, 384                 # HopperFwdConfig::BR, kThreads
+SMEM = 6 * 64 * 64 * 2 + 1024            # HopperFwdConfig::smem_bytes(64): Q x 2, 2 stages of K and V, alignment
+BF16, SWIZZLE_128B = 9, 3                # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_SWIZZLE_128B
+# The correct launch takes well under 1M warp instructions (many of them warps spinning on
+# mbarriers): a deadlocked mutant (a wait on a phase that never completes) spins into this budget
+# in about a minute instead of the default's hours.
 WARP_INSTRUCTION_BUDGET = 3_000_000
 
 # (name, header under cuda/hopper/, old, new): the first occurrence of `old` becomes `new`.
 MUTATIONS = [
-    ("missing_wgmma_wait_after_qk", "fwd.cuh",
-     "    sm90::wgmma_commit();\n    sm90::wgmma_wait_all();\n    sm90::fence_operands(acc_s);",
-     "    sm90::wgmma_commit();\n    sm90::fence_operands(acc_s);"),
+    ("missing_wgmma_wait_before_softmax", "fwd.cuh",
+     "      if (has_pv) sm90::wgmma_wait<1>();  // QK^T(it) done, PV(it - 1) may still run\n"
+     "      else sm90::wgmma_wait<0>();\n",
+     "      if (!has_pv) sm90::wgmma_wait<0>();\n"),
     ("full_barrier_wrong_parity", "fwd.cuh",
      "sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);",
      "sm90::mbar_wait(smem_addr(&full[s]), ((it / kStages) & 1) ^ 1);"),
     ("producer_stage_off_by_one", "fwd.cuh",
-     "const int it = n - n_first, s = it % kStages;\n      sm90::mbar_wait(smem_addr(&empty[s])",
-     "const int it = n - n_first, s = (it + 1) % kStages;\n      sm90::mbar_wait(smem_addr(&empty[s])"),
+     "const int s = it % kStages, row = (n_first + it) * BC;",
+     "const int s = (it + 1) % kStages, row = (n_first + it) * BC;"),
+    ("consumer_stage_off_by_one", "fwd.cuh",
+     "const int s = it % kStages, prev = (it + kStages - 1) % kStages;",
+     "const int s = it % kStages, prev = it % kStages;"),
     ("stage_released_before_pv_wait", "fwd.cuh",
-     "    sm90::wgmma_commit();\n    sm90::wgmma_wait_all();\n#pragma unroll\n    for (int pn = 0; pn < kPanels; ++pn) "
-     "sm90::fence_operands(acc_o[pn]);\n    // The wgmmas that read stage s retired: hand it back to the producer.\n"
-     "    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));",
-     "    sm90::wgmma_commit();\n    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));\n    sm90::wgmma_wait_all();\n"
-     "#pragma unroll\n    for (int pn = 0; pn < kPanels; ++pn) sm90::fence_operands(acc_o[pn]);"),
-    ("missing_producer_proxy_fence", "fwd.cuh",
-     "      sm90::fence_proxy_async();\n      sm90::mbar_arrive(smem_addr(&full[s]));",
-     "      sm90::mbar_arrive(smem_addr(&full[s]));"),
-    ("tile_stored_unswizzled", "sm90.cuh",
-     "r * 128 + (((c % 8) ^ (r % 8)) << 4)", "r * 128 + ((c % 8) << 4)"),
+     "      sm90::wgmma_wait<0>();\n#pragma unroll\n      for (int pn = 0; pn < kPanels; ++pn) "
+     "sm90::fence_operands(acc_o[pn]);\n      // The wgmmas that read stage prev retired: hand it back to the producer.\n"
+     "      if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[prev]));",
+     "      if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[prev]));\n      sm90::wgmma_wait<0>();\n"
+     "#pragma unroll\n      for (int pn = 0; pn < kPanels; ++pn) sm90::fence_operands(acc_o[pn]);"),
+    ("expect_tx_bytes_short", "fwd.cuh",
+     "sm90::mbar_arrive_expect_tx(fb, 2 * kTile);", "sm90::mbar_arrive_expect_tx(fb, kTile);"),
+    ("expect_tx_bytes_long", "fwd.cuh",
+     "sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile);", "sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile + 16);"),
+    ("pingpong_barrier_ids_swapped", "fwd.cuh",
+     "my_turn = Cfg::kPingPongBar + w, their_turn = Cfg::kPingPongBar + 1 - w;",
+     "my_turn = Cfg::kPingPongBar + 1 - w, their_turn = Cfg::kPingPongBar + w;"),
+    ("setmaxnreg_consumer_inc_below_entry", "fwd.cuh",
+     "kProducerRegs = 24, kConsumerRegs = 240;", "kProducerRegs = 24, kConsumerRegs = 160;"),
+    ("missing_proxy_fence_before_o_store", "fwd.cuh",
+     "  sm90::fence_proxy_async();  // the tile's generic writes, before the TMA store reads them\n", ""),
+    ("descriptor_swizzle_64b", "sm90.cuh",
+     "return (uint64_t{1} << 62) | (uint64_t{kSwizzleAtom >> 4} << 32)",
+     "return (uint64_t{2} << 62) | (uint64_t{kSwizzleAtom >> 4} << 32)"),
 ]
+# The launcher's side (ffi_cuda.cuh's encode_rows_map) is not in the compiled kernel: its swizzle
+# mode is mutated in the maps this harness encodes the same way.
+MAP_SWIZZLE_MUTATIONS = {"tensor_map_swizzle_none": 0, "tensor_map_swizzle_64b": 2}
+
+
+def _maps(swizzle):
+    """more_params for run_forward_kernel: encode_rows_map's maps of q, k, v, o (box 64 x 64)."""
+    from flashgen.emulate.tensormap import encode_tiled
+
+    def encode(*arrays):
+        maps = []
+        for a in arrays:
+            b, s, h, d = a.shape
+            maps.append(encode_tiled(BF16, 4, a.ctypes.data, [d, h, s, b], [2 * d, 2 * h * d, 2 * s * h * d],
+                                     [64, 1, 64, 1], [1, 1, 1, 1], swizzle=swizzle, l2_promotion=2))
+        return maps
+    return encode
 
 
 def _module(csrc) -> PtxModule:
@@ -58,15 +93,16 @@ def _module(csrc) -> PtxModule:
                                        name="hopper_fwd.cu"))
 
 
-def _errors(module, rng):
+def _errors(module, rng, swizzle=SWIZZLE_128B):
     """Max errors of o and lse against float64 (NaN counts as infinitely wrong)."""
     from emulated_dense import NP_DTYPES, run_forward_kernel
     bf16 = NP_DTYPES["bf16"]
     # causal, 150 rows and keys: the last CTA walks 3 key blocks, so the 2-stage ring wraps
     q, k, v = (rng.standard_normal((1, 150, 1, 64)).astype(bf16) for _ in range(3))
     (name,) = module.kernels
-    o, lse, _ = run_forward_kernel(module, name, 64, 256, SMEM, q, k, v, causal=True, dtype="bf16", arch="sm90a",
-                                   max_warp_instructions=WARP_INSTRUCTION_BUDGET)
+    o, lse, _ = run_forward_kernel(module, name, ROWS, THREADS, SMEM, q, k, v, causal=True, dtype="bf16",
+                                   arch="sm90a", max_warp_instructions=WARP_INSTRUCTION_BUDGET,
+                                   more_params=_maps(swizzle))
     ro, rlse = reference.attention(q, k, v, causal=True)[:2]
     return [float(np.nan_to_num(np.abs(g - w) / (1 + np.abs(w)), nan=np.inf).max()) for g, w in ((o, ro), (lse, rlse))]
 
@@ -99,6 +135,61 @@ def _assert_caught(tmp_path, name, header, old, new, errors_of):
         return
     print(f"{name}: max errors {errors}")
     assert max(errors) > TOLERANCE, f"mutation {name} survived: errors {errors}"
+
+
+@pytest.mark.parametrize("name", MAP_SWIZZLE_MUTATIONS)
+def test_tensor_map_swizzle_mutation_is_caught(rng, name):
+    try:
+        errors = _errors(_module(None), rng, MAP_SWIZZLE_MUTATIONS[name])
+    except EmulationError as e:
+        print(f"{name}: caught by the emulator: {e}")
+        return
+    print(f"{name}: max errors {errors}")
+    assert max(errors) > TOLERANCE, f"mutation {name} survived: errors {errors}"
+
+
+# ---- static budget (ptxas): the emulator does not see ptxas's register allocation, so a consumer
+# budget above the entry count (168) but below what the code needs shows as spills here.
+STATIC_KERNELS = """
+#include "flashgen/cuda/hopper/fwd.cuh"
+void* flashgen_emulated_kernels[] = {
+    (void*)&flashgen::cuda::hopper_fwd_kernel<__nv_bfloat16, 64, true>,
+    (void*)&flashgen::cuda::hopper_fwd_kernel<__half, 128, false>,
+    (void*)&flashgen::cuda::hopper_fwd_kernel<__nv_bfloat16, 256, true>,
+};
+"""
+
+
+def _ptxas_report(csrc, tmp_path) -> str:
+    from flashgen import toolchain
+    ptx = tmp_path / "hopper_fwd.ptx"
+    ptx.write_text(compile_ptx(STATIC_KERNELS, "sm90a", include_first=str(csrc) if csrc else None,
+                               name="hopper_fwd_static.cu"))
+    ptxas = pathlib.Path(toolchain.nvcc()).parent / "ptxas"
+    out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "h.cubin")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stderr
+
+
+def test_static_budget_no_spills_no_injected_waits(tmp_path):
+    report = _ptxas_report(None, tmp_path)
+    print(report)
+    assert report.count("Compiling entry function") == 3
+    assert re.findall(r"(\d+) bytes spill stores", report) == ["0"] * 3
+    assert "is injected" not in report      # ptxas added no warpgroup.arrive / wait: the fences are ours
+
+
+def test_setmaxnreg_budget_too_small_spills(tmp_path):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(resources.csrc_dir(), csrc)
+    path = csrc / "flashgen" / "cuda" / "hopper" / "fwd.cuh"
+    old = "kProducerRegs = 24, kConsumerRegs = 240;"
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, "kProducerRegs = 24, kConsumerRegs = 184;", 1))
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", _ptxas_report(csrc, tmp_path))]
+    print(f"spill stores per kernel with 184 registers per consumer thread: {spills}")
+    assert max(spills) > 0
 
 
 # ---- the Hopper backward's main kernel (hopper/bwd.cuh), between bwd.cuh's pre / convert kernels

@@ -22,6 +22,8 @@
 #include "flashgen/cuda/bwd.cuh"
 #include "flashgen/cuda/fwd.cuh"
 #ifdef FLASHGEN_WGMMA_KERNELS
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
 #include "flashgen/cuda/hopper/bwd.cuh"
 #include "flashgen/cuda/hopper/fwd.cuh"
 #include "flashgen/cuda/hopper/fwd_fp8.cuh"
@@ -234,15 +236,63 @@ ffi::Error launch_fwd(const char* target, cudaStream_t stream, const FwdVarParam
 }
 
 #ifdef FLASHGEN_WGMMA_KERNELS
+// The driver's cuTensorMapEncodeTiled, reached through the runtime (the library links no libcuda).
+inline ffi::Error tensor_map_encoder(const char* target, PFN_cuTensorMapEncodeTiled_v12000* encode) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+  if (err != cudaSuccess) return cuda_failure(target, "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)", err);
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+    return ffi::Error::Internal(std::string(target) + ": the CUDA driver has no cuTensorMapEncodeTiled (query result " +
+                                std::to_string(static_cast<int>(found)) + "; TMA needs a 12.0+ driver)");
+  *encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  return ffi::Error::Success();
+}
+
+// The TMA map of a [batch][seq][heads][D] tensor of T moved in boxes of 64 columns x `box_rows`
+// rows of one head (hopper/fwd.cuh's swizzled panels); rows past `seq` load as zeros and are
+// not stored.
+template <class T, int D>
+ffi::Error encode_rows_map(const char* target, PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map,
+                           const char* name, const void* data, int64_t batch, int64_t seq, int64_t heads,
+                           int box_rows) {
+  constexpr CUtensorMapDataType kType =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const cuuint64_t dims[4] = {D, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(seq),
+                              static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {D * sizeof(T), heads * D * sizeof(T), seq * heads * D * sizeof(T)};
+  const cuuint32_t box[4] = {sm90::kPanelCols, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, kType, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return ffi::Error::Internal(std::string(target) + ": cuTensorMapEncodeTiled(" + name + ") failed with CUresult " +
+                                std::to_string(static_cast<int>(r)));
+  return ffi::Error::Success();
+}
+
 template <class T, int D, bool CAUSAL>
 ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const FwdParams& p, const AttentionShape& s) {
   using Cfg = HopperFwdConfig;
   constexpr size_t kSmem = Cfg::smem_bytes(D);
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (auto e = tensor_map_encoder(target, &encode); e.failure()) return e;
+  CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};  // Sk == 0: no CTA loads a key block, k / v get no map
+  auto rows_map = [&](CUtensorMap* map, const char* name, const void* data, int64_t seq, int64_t heads) {
+    return encode_rows_map<T, D>(target, encode, map, name, data, s.batch, seq, heads, Cfg::BC);  // BC == BM
+  };
+  ffi::Error e = rows_map(&map_q, "q", p.q, s.seqlen_q, s.heads_q);
+  if (!e.failure()) e = rows_map(&map_o, "o", p.o, s.seqlen_q, s.heads_q);
+  if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_k, "k", p.k, s.seqlen_k, s.heads_kv);
+  if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_v, "v", p.v, s.seqlen_k, s.heads_kv);
+  if (e.failure()) return e;
   const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
   auto kernel = hopper_fwd_kernel<T, D, CAUSAL>;
-  if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  if (e = set_smem(target, kernel, kSmem); e.failure()) return e;
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p, map_q, map_k, map_v, map_o);
   return check_launch(target, "hopper_fwd_kernel");
 }
 

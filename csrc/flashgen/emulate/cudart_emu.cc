@@ -14,6 +14,7 @@
 //
 // Device figures (multiprocessor count, opt-in shared memory per block, compute
 // capability) are set by the emulator from its own table (flashgen.emulate.machine).
+#include <cuda.h>  // cuTensorMapEncodeTiled
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -303,6 +304,19 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 cudaError_t cudaDeviceSynchronize() { return rt().sticky_error; }
+
+// The driver entry points this runtime stands in for: cuTensorMapEncodeTiled (tensormap_emu.cc).
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version,
+                                             unsigned long long flags, cudaDriverEntryPointQueryResult* status) {
+  if (symbol == nullptr || fn == nullptr || flags != cudaEnableDefault) return fail(cudaErrorInvalidValue);
+  const bool known = std::strcmp(symbol, "cuTensorMapEncodeTiled") == 0;
+  *fn = known && version >= 12000 ? reinterpret_cast<void*>(&cuTensorMapEncodeTiled) : nullptr;
+  if (status != nullptr) {
+    *status = !known ? cudaDriverEntryPointSymbolNotFound
+                     : *fn ? cudaDriverEntryPointSuccess : cudaDriverEntryPointVersionNotSufficent;
+  }
+  return cudaSuccess;
+}
 
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {

@@ -1,6 +1,8 @@
 // Hopper (sm_90a) building blocks of the cuda/hopper kernels: mbarriers, named barriers, the
-// async-proxy fence, wgmma (m64n64k16, A from shared memory or registers, B from shared memory)
-// and the 128-byte-swizzled tile layout the wgmma descriptors read.
+// async-proxy fence, TMA tile loads, elect.sync, setmaxnreg, wgmma (m64n64k16, A from shared
+// memory or registers, B from shared memory) and the 128-byte-swizzled tile layout the wgmma
+// descriptors read (which a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and a box row of 64
+// 16-bit elements writes).
 //
 // Tile layout (CuTe's canonical K-major SW128 atom, cute/atom/mma_traits_sm90_gmma.hpp): a
 // [rows][D] tile of 16-bit elements is stored as D/64 panels of 64 columns; in a panel row r
@@ -12,6 +14,7 @@
 //     k16 step kk starts 16 keys = 2048 bytes in; one wgmma per 64-column panel.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -33,6 +36,10 @@ FG_DEV void mbar_init(uint32_t bar, uint32_t count) {
 FG_DEV void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// Arrives and adds `bytes` to the phase's pending transaction count (the TMA loads it guards).
+FG_DEV void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
 FG_DEV bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -51,12 +58,59 @@ FG_DEV void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cl
 FG_DEV void named_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+FG_DEV void named_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Orders this thread's generic shared-memory stores before later async-proxy (wgmma) reads.
 FG_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// True in one lane of the (fully active) warp.
+FG_DEV bool elect_one() {
+  uint32_t leader;
+  asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(leader));
+  return leader != 0;
+}
+
+// Register budget per thread of the calling warpgroup (every warp of it calls); the kernel must
+// have __launch_bounds__(threads, 1).
+template <int kRegs>
+FG_DEV void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs) : "memory");
+}
+template <int kRegs>
+FG_DEV void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs) : "memory");
+}
+
+// TMA: the box of `map` at coordinates (c0 innermost .. c3) into shared memory at `dst`, its
+// bytes counted on mbarrier `bar`. `map` must be a __grid_constant__ parameter (or global).
+FG_DEV void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];" ::"r"(dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// TMA: the box of `map` at (c0 .. c3) from shared memory at `src` (generic writes to it fenced
+// with fence_proxy_async first); elements outside the tensor are skipped. Completes with
+// bulk_commit / bulk_wait_read (the source may be reused after the latter).
+FG_DEV void tma_store_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(map),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
+FG_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+FG_DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 FG_DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 FG_DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 FG_DEV void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are in flight.
+template <int N>
+FG_DEV void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
 
 // 128B-swizzled descriptor (layout type 1) of the operand starting at shared address `addr`,
 // 8-row (K-major) or 8-key (MN-major) atoms 1024 bytes apart; the leading byte offset is unused
