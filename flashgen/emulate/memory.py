@@ -233,12 +233,11 @@ class GlobalMemory:
             # round r applies each element's r-th update (in lane order): the elements of one
             # round are distinct, so it is one vectorized read-modify-write
             rank = _occurrence(elems)
-            with np.errstate(over="ignore"):
-                for r in range(int(rank.max()) + 1 if rank.size else 0):
-                    mine = rank == r
-                    e = elems[mine]
-                    prev[mine] = typed[e]
-                    typed[e] = prev[mine] + vals[mine]
+            for r in range(int(rank.max()) + 1 if rank.size else 0):    # (under the launch's errstate)
+                mine = rank == r
+                e = elems[mine]
+                prev[mine] = typed[e]
+                typed[e] = prev[mine] + vals[mine]
             if sel is None:
                 old[:] = prev
             else:
@@ -277,7 +276,9 @@ class SharedMemory:
         self.data = np.full(total, 0xFF, np.uint8)
         self.size = nbytes
         self.race_check = race_check
+        self.words = self.data.view(np.uint32)
         self.pending = np.zeros(total, np.int16)            # undelivered cp.async bytes
+        self.pending_words = self.pending.view(np.int64)     # nonzero: a word with such a byte
         self.in_flight = 0                                   # their number
         self.epochs = np.ones(ctas, np.int64)
         self.granule = granule
@@ -402,7 +403,29 @@ class SharedMemory:
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
     # None when the rows are read on behalf of the whole warp (ldmatrix); `slot`: the CTA's slot
     # (one per row for a gang over several CTAs).
+    def _whole_words(self, offs, nbytes, what, slot):
+        """The 4-byte words [rows, nbytes / 4] of an access of whole words where the detector
+        keeps word granules and no Hopper state watches bytes, else None; a pending byte among
+        them is left to the byte path to name. The same checks and verdicts as the byte path with
+        a quarter of the index arithmetic (ldmatrix, 16-byte cp.async and vector accesses)."""
+        if nbytes not in (4, 8, 16) or self.granule != 4 or self.hopper is not None:
+            return None
+        o = offs.astype(np.int64, copy=False)
+        if o.size == 0:
+            return None
+        if (o & (nbytes - 1)).any() or o.min() < 0 or o.max() + nbytes > self.size:
+            return None                      # the byte path raises the error
+        words = ((o + slot * self.stride) >> 2)[:, None] + np.arange(nbytes >> 2)
+        if self.in_flight and self.pending_words[words].any():
+            return None
+        return words
+
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
+        words = self._whole_words(offs, nbytes, what, slot)
+        if words is not None:
+            if self.race_check:
+                self._race_read(words, warp, lanes)
+            return self.words[words].view(np.uint8)
         idx = self._bytes(offs, nbytes, what, slot)
         self._check_pending(idx, what)
         if self.race_check:
@@ -410,6 +433,12 @@ class SharedMemory:
         return self.data[idx]
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
+        words = self._whole_words(offs, data.shape[1], what, slot) if data.dtype == np.uint8 else None
+        if words is not None:
+            if self.race_check:
+                self._race_write(words, warp, lanes)
+            self.words[words] = np.ascontiguousarray(data).view(np.uint32)
+            return
         idx = self._bytes(offs, data.shape[1], what, slot)
         self._check_pending(idx, what)
         if self.race_check:
