@@ -447,26 +447,50 @@ class SharedMemory:
             self.hopper.generic_write(idx, warp)
         self.data[idx] = data
 
+    def _word_mode(self) -> bool:
+        """cp.async copies are tracked by word (granule) indices, not byte indices."""
+        return self.granule == 4 and self.hopper is None
+
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
-        """A cp.async targets these bytes: check them like a write, then mark them in flight."""
+        """A cp.async targets these bytes: check them like a write, then mark them in flight.
+        Returns their indices for async_deliver: words in word mode, else bytes."""
+        words = self._whole_words(offs, nbytes, "cp.async destination", slot)
+        if words is not None:
+            if self.race_check:
+                self._race_write(words, warp, lanes)
+            self.pending_words[words] += _EACH_BYTE_OF_A_WORD
+            self.in_flight += 4 * words.size
+            return words
         idx = self._bytes(offs, nbytes, "cp.async destination", slot)
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
             self._race_write(self._granules(idx), warp, lanes)
         self.pending[idx] += 1
         self.in_flight += idx.size
-        return idx
+        return self._granules(idx) if self._word_mode() else idx
 
     def async_deliver(self, copies) -> None:
-        """Land issued copies, (byte indices, data, warp, lanes) each, in this order: a write of
-        the current epoch by their warps."""
+        """Land issued copies, (indices from async_issue, data, warp, lanes) each, in this order:
+        a write of the current epoch by their warps."""
         idx = np.concatenate([c[0] for c in copies])
+        data = np.concatenate([c[1] for c in copies])
+        warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
         # no two copies in flight share a byte (async_issue refuses it), so none is counted twice
+        if self._word_mode():
+            self.pending_words[idx] -= _EACH_BYTE_OF_A_WORD
+            self.in_flight -= 4 * idx.size
+            if self.race_check:
+                self._race_write(idx, warps, np.concatenate([c[3] for c in copies]))
+            self.words[idx] = np.ascontiguousarray(data).view(np.uint32)
+            return
         self.pending[idx] -= 1
         self.in_flight -= idx.size
         if self.race_check:
-            warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
             self._race_write(self._granules(idx), warps, np.concatenate([c[3] for c in copies]))
         if self.hopper is not None:
-            self.hopper.generic_write(idx, np.repeat([c[2] for c in copies], [len(c[0]) for c in copies]))
-        self.data[idx] = np.concatenate([c[1] for c in copies])
+            self.hopper.generic_write(idx, warps)
+        self.data[idx] = data
+
+
+# added to a word of SharedMemory.pending_words: one more in flight for each of its 4 bytes' counters
+_EACH_BYTE_OF_A_WORD = np.int64(0x0001_0001_0001_0001)
