@@ -336,6 +336,38 @@ def test_unimplemented_opcode_fails_before_running(micro):
     assert (out == 0).all()
 
 
+# cp-size is 4, 8 or 16 bytes (PTX ISA); nvcc emits no other, so hand-written PTX (inline asm) shows it
+ODD_CP_ASYNC = """
+.version 7.8
+.target sm_80
+.address_size 64
+
+.visible .entry odd_copy(
+	.param .u64 odd_copy_param_0
+)
+{
+	.reg .b32 	%r<2>;
+	.reg .b64 	%rd<2>;
+	.shared .align 16 .b8 buf[64];
+
+	ld.param.u64 	%rd1, [odd_copy_param_0];
+	mov.u32 	%r1, buf;
+	cp.async.ca.shared.global [%r1], [%rd1], 12;
+	cp.async.wait_all;
+	ret;
+}
+"""
+
+
+def test_cp_async_of_an_odd_size_fails_before_running():
+    src = np.arange(16, dtype=np.uint8)
+    memory = GlobalMemory()
+    memory.add(src.ctypes.data, src.nbytes, "src")
+    with pytest.raises(EmulationError, match=r"unimplemented PTX form cp\.async\.ca\.shared\.global: cp-size 12"):
+        launch(PtxModule.parse(ODD_CP_ASYNC), "odd_copy", (1, 1, 1), (32, 1, 1), 0,
+               [src.ctypes.data.to_bytes(8, "little")], memory, arch="sm80")
+
+
 @needs_nvcc
 def test_barrier_in_diverged_warp_fails(micro):
     with pytest.raises(EmulationError, match=r"bad_diverged_barrier.*bar\.sync executed by a diverged warp"):

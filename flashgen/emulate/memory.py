@@ -233,12 +233,11 @@ class GlobalMemory:
             # round r applies each element's r-th update (in lane order): the elements of one
             # round are distinct, so it is one vectorized read-modify-write
             rank = _occurrence(elems)
-            with np.errstate(over="ignore"):
-                for r in range(int(rank.max()) + 1 if rank.size else 0):
-                    mine = rank == r
-                    e = elems[mine]
-                    prev[mine] = typed[e]
-                    typed[e] = prev[mine] + vals[mine]
+            for r in range(int(rank.max()) + 1 if rank.size else 0):    # (under the launch's errstate)
+                mine = rank == r
+                e = elems[mine]
+                prev[mine] = typed[e]
+                typed[e] = prev[mine] + vals[mine]
             if sel is None:
                 old[:] = prev
             else:
@@ -277,7 +276,9 @@ class SharedMemory:
         self.data = np.full(total, 0xFF, np.uint8)
         self.size = nbytes
         self.race_check = race_check
+        self.words = self.data.view(np.uint32)
         self.pending = np.zeros(total, np.int16)            # undelivered cp.async bytes
+        self.pending_words = self.pending.view(np.int64)     # nonzero: a word with such a byte
         self.in_flight = 0                                   # their number
         self.epochs = np.ones(ctas, np.int64)
         self.granule = granule
@@ -402,7 +403,29 @@ class SharedMemory:
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
     # None when the rows are read on behalf of the whole warp (ldmatrix); `slot`: the CTA's slot
     # (one per row for a gang over several CTAs).
+    def _whole_words(self, offs, nbytes, what, slot):
+        """The 4-byte words [rows, nbytes / 4] of an access of whole words where the detector
+        keeps word granules and no Hopper state watches bytes, else None; a pending byte among
+        them is left to the byte path to name. The same checks and verdicts as the byte path with
+        a quarter of the index arithmetic (ldmatrix, 16-byte cp.async and vector accesses)."""
+        if nbytes not in (4, 8, 16) or self.granule != 4 or self.hopper is not None:
+            return None
+        o = offs.astype(np.int64, copy=False)
+        if o.size == 0:
+            return None
+        if (o & (nbytes - 1)).any() or o.min() < 0 or o.max() + nbytes > self.size:
+            return None                      # the byte path raises the error
+        words = ((o + slot * self.stride) >> 2)[:, None] + np.arange(nbytes >> 2)
+        if self.in_flight and self.pending_words[words].any():
+            return None
+        return words
+
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
+        words = self._whole_words(offs, nbytes, what, slot)
+        if words is not None:
+            if self.race_check:
+                self._race_read(words, warp, lanes)
+            return self.words[words].view(np.uint8)
         idx = self._bytes(offs, nbytes, what, slot)
         self._check_pending(idx, what)
         if self.race_check:
@@ -410,6 +433,12 @@ class SharedMemory:
         return self.data[idx]
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
+        words = self._whole_words(offs, data.shape[1], what, slot) if data.dtype == np.uint8 else None
+        if words is not None:
+            if self.race_check:
+                self._race_write(words, warp, lanes)
+            self.words[words] = np.ascontiguousarray(data).view(np.uint32)
+            return
         idx = self._bytes(offs, data.shape[1], what, slot)
         self._check_pending(idx, what)
         if self.race_check:
@@ -418,26 +447,50 @@ class SharedMemory:
             self.hopper.generic_write(idx, warp)
         self.data[idx] = data
 
+    def _word_mode(self) -> bool:
+        """cp.async copies are tracked by word (granule) indices, not byte indices."""
+        return self.granule == 4 and self.hopper is None
+
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
-        """A cp.async targets these bytes: check them like a write, then mark them in flight."""
+        """A cp.async targets these bytes: check them like a write, then mark them in flight.
+        Returns their indices for async_deliver: words in word mode, else bytes."""
+        words = self._whole_words(offs, nbytes, "cp.async destination", slot)
+        if words is not None:
+            if self.race_check:
+                self._race_write(words, warp, lanes)
+            self.pending_words[words] += _EACH_BYTE_OF_A_WORD
+            self.in_flight += 4 * words.size
+            return words
         idx = self._bytes(offs, nbytes, "cp.async destination", slot)
         self._check_pending(idx, "cp.async destination")
         if self.race_check:
             self._race_write(self._granules(idx), warp, lanes)
         self.pending[idx] += 1
         self.in_flight += idx.size
-        return idx
+        return self._granules(idx) if self._word_mode() else idx
 
     def async_deliver(self, copies) -> None:
-        """Land issued copies, (byte indices, data, warp, lanes) each, in this order: a write of
-        the current epoch by their warps."""
+        """Land issued copies, (indices from async_issue, data, warp, lanes) each, in this order:
+        a write of the current epoch by their warps."""
         idx = np.concatenate([c[0] for c in copies])
+        data = np.concatenate([c[1] for c in copies])
+        warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
         # no two copies in flight share a byte (async_issue refuses it), so none is counted twice
+        if self._word_mode():
+            self.pending_words[idx] -= _EACH_BYTE_OF_A_WORD
+            self.in_flight -= 4 * idx.size
+            if self.race_check:
+                self._race_write(idx, warps, np.concatenate([c[3] for c in copies]))
+            self.words[idx] = np.ascontiguousarray(data).view(np.uint32)
+            return
         self.pending[idx] -= 1
         self.in_flight -= idx.size
         if self.race_check:
-            warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
             self._race_write(self._granules(idx), warps, np.concatenate([c[3] for c in copies]))
         if self.hopper is not None:
-            self.hopper.generic_write(idx, np.repeat([c[2] for c in copies], [len(c[0]) for c in copies]))
-        self.data[idx] = np.concatenate([c[1] for c in copies])
+            self.hopper.generic_write(idx, warps)
+        self.data[idx] = data
+
+
+# added to a word of SharedMemory.pending_words: one more in flight for each of its 4 bytes' counters
+_EACH_BYTE_OF_A_WORD = np.int64(0x0001_0001_0001_0001)

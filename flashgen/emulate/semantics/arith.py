@@ -73,7 +73,7 @@ def binary(ins, ops):
             f = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[op]
         elif ty == "f32":
             g = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[op]
-            f = lambda x, y: numerics.round_directed(g(x.astype(np.float64), y.astype(np.float64)), mode)
+            f = lambda x, y: numerics.round_directed(g(x, y, dtype=np.float64), mode)
         else:
             raise unsupported(ins, "directed rounding of f64")
 
@@ -138,8 +138,8 @@ def fused(ins, ops):
                 raise unsupported(ins, "directed rounding of f64")
             f = lambda x, y, z: x * y + z
         else:
-            f = lambda x, y, z: numerics.round_directed(
-                x.astype(np.float64) * y.astype(np.float64) + z.astype(np.float64), mode)
+            # the f64 product of two f32 is exact (np.multiply casts its inputs itself)
+            f = lambda x, y, z: numerics.round_directed(np.multiply(x, y, dtype=np.float64) + z, mode)
 
         def run(w, m):
             r = f(ra(w), rb(w), rc(w))

@@ -192,6 +192,8 @@ def cp_async(ins, ops):
         raise unsupported(ins)
     dst, src, size = ins.operands[:3]
     n = int(size.text)
+    if n not in (4, 8, 16):
+        raise unsupported(ins, f"cp-size {n} (4, 8 or 16)")
     extra = ins.operands[3] if len(ins.operands) > 3 else None
     if isinstance(extra, Reg) and ops.reg_type(extra) == "pred":
         ignore = ops.read(extra, "pred")

@@ -65,7 +65,7 @@ def ldmatrix_table(trans: bool):
 def _to_float64(atype):
     """Gathered fragment elements (u16 halves, or u32 for tf32) -> float64 values."""
     if atype == "bf16":       # a bf16 is the top half of an f32
-        return lambda e: (e.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+        return lambda e: np.left_shift(e, 16, dtype=np.uint32).view(np.float32).astype(np.float64)
     if atype == "f16":
         return lambda e: e.view(np.float16).astype(np.float64)
     # tf32: the tensor core reads the top 19 bits of the f32 pattern
@@ -90,8 +90,9 @@ def _mma_layout(k: int, atype: str):
 @functools.lru_cache(maxsize=None)
 def _mma_gather(k: int, atype: str, g: int):
     """For a gang of g warps, flat indices into the registers as read ([reg, warp, lane(, half)])
-    giving each warp's A, B and C matrices, and into D ([warp, row*8+col]) giving the rows written
-    back ([reg, warp, lane]): one gather per operand and step, no transposes. Shared by every mma
+    giving each warp's A and B matrices (A's elements, then B's: one gather from the stack of A's
+    4 and B's 2 registers) and C, and into D ([warp, row*8+col]) giving the rows written back
+    ([reg, warp, lane]): one gather per operand and step, no transposes. Shared by every mma
     of this shape (gang sizes vary from step to step)."""
     a_perm, b_perm, c_perm, c_flat = _mma_layout(k, atype)
     per_reg = 64 if atype != "tf32" else 32          # fragment elements per register row of a warp
@@ -99,8 +100,9 @@ def _mma_gather(k: int, atype: str, g: int):
 
     def rows(perm, width):
         return perm // width * (g * width) + warp * width + perm % width
-    return (rows(a_perm, per_reg), rows(b_perm, per_reg), rows(c_perm, 32),
-            (warp * 128 + c_flat.reshape(4, 1, 32)).reshape(4, -1))
+    # A's 4 registers and B's 2 are read as one stack: B's rows follow A's
+    ab = np.concatenate([rows(a_perm, per_reg).reshape(-1), rows(b_perm, per_reg).reshape(-1) + 4 * g * per_reg])
+    return ab, rows(c_perm, 32), (warp * 128 + c_flat.reshape(4, 1, 32)).reshape(4, -1)
 
 
 @handles("mma", per_warp=True)
@@ -118,8 +120,9 @@ def mma(ins, ops):
     D, A, B, C = (ops.vector(x) for x in ins.operands)
     _mma_layout(k, atype)                # refuses a table that does not cover the matrix, at compile time
     elem = np.uint16 if atype != "tf32" else np.uint32
-    ra = [ops.read(x, "b32") for x in A]
-    rb = [ops.read(x, "b32") for x in B]
+    if len(A) != 4 or len(B) != 2 or len(C) != 4 or len(D) != 4:
+        raise unsupported(ins, "operand counts (4 A, 2 B, 4 C, 4 D registers)")
+    rab = [ops.read(x, "b32") for x in A + B]
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
     dec = _to_float64(atype)
@@ -127,9 +130,9 @@ def mma(ins, ops):
     def run(w, m):
         require_full_warp(w, m, ins)
         g = w.nlanes // 32                                   # warps executing together
-        ai, bi, ci, di = _mma_gather(k, atype, g)
-        a = dec(np.stack([r(w) for r in ra]).view(elem).reshape(-1)[ai]).reshape(g, 16, k)
-        b = dec(np.stack([r(w) for r in rb]).view(elem).reshape(-1)[bi]).reshape(g, k, 8)
+        abi, ci, di = _mma_gather(k, atype, g)
+        ab = dec(np.stack([r(w) for r in rab]).view(elem).reshape(-1)[abi])
+        a, b = ab[:16 * k * g].reshape(g, 16, k), ab[16 * k * g:].reshape(g, k, 8)
         # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
         d = (a @ b).reshape(g, 128) + np.stack([r(w) for r in rc]).reshape(-1)[ci]
         out = d.reshape(-1)[di].astype(np.float32)
