@@ -44,8 +44,8 @@ def register(sub) -> None:
     p.add_argument("--kv-heads", type=int, help="GQA: kv heads (default: heads)")
     p.add_argument("--bwd", action="store_true", help="GPU: also time forward+backward (always on CPU)")
     p.add_argument("--no-bwd", action="store_true", help="CPU: forward only")
-    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: subset of "
-                                              + ",".join(bench_cpu.CPU_ALL_IMPLS))
+    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: peers of xla,flashgen "
+                                              "(always timed) among " + ",".join(bench_cpu.CPU_ALL_IMPLS))
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement "
                                                                "(CPU: per impl and case)")
     p.add_argument("--repeats", type=int, default=7, help="CPU: interleaved rounds per case (median)")

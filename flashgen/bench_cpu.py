@@ -437,8 +437,11 @@ def run_cpu(args) -> int:
     if args.impls and "torch" in args.impls and not has_torch:
         raise ValueError("--impls torch: torch is not installed (pip install torch)")
     peers = lambda impls: tuple(i for i in impls if i != "torch" or has_torch)
-    fwd_impls = tuple(i for i in (args.impls or peers(CPU_FWD_IMPLS)) if i in CPU_ALL_IMPLS)
-    bwd_impls = tuple(i for i in (args.impls or peers(CPU_BWD_IMPLS)) if i in CPU_BWD_IMPLS)
+    # flashgen is every ratio's denominator and XLA the reference every output is checked against:
+    # both are timed whatever --impls names (`--impls torch` is torch next to them).
+    asked = args.impls and tuple(dict.fromkeys(("xla", "flashgen", *args.impls)))
+    fwd_impls = tuple(i for i in (asked or peers(CPU_FWD_IMPLS)) if i in CPU_ALL_IMPLS)
+    bwd_impls = tuple(i for i in (asked or peers(CPU_BWD_IMPLS)) if i in CPU_BWD_IMPLS)
     directions = ("fwd",) if args.no_bwd else ("fwd", "fwd_bwd")
     threads = _cpu_count()
     peak = {} if args.no_peak else fma_peak(sorted({1, threads}))
