@@ -55,7 +55,8 @@ def register(sub) -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="CPU: time with the process's CPU time instead of the wall clock (a loaded machine "
                         "then slows no impl by descheduling it; meant for runs pinned to one CPU, where "
-                        "every impl computes on one thread and spinning idle threads cannot count)")
+                        "every impl computes on one thread and spinning idle threads cannot count; the FMA probe "
+                        "is timed by its threads' CPU time too)")
     p.add_argument("--markdown", action="store_true", help="CPU: also print the table as Markdown")
     p.add_argument("--scaling", action="store_true",
                    help="CPU: also time S=2048 pinned to 1 CPU and to all CPUs (child processes)")

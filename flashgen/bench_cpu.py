@@ -198,17 +198,20 @@ def _fma_peak_binary() -> str | None:
     return str(out)
 
 
-def fma_peak(threads: list[int]) -> dict:
-    """f32 FMA peak GFLOP/s of this machine per thread count ({} when it cannot be measured)."""
+def fma_peak(threads: list[int], cpu_time: bool = False) -> dict:
+    """f32 FMA peak GFLOP/s of this machine per thread count ({} when it cannot be measured); with
+    cpu_time, each probe thread is timed by its own CPU time (the clock of a --cpu-time bench)."""
     try:
         exe = _fma_peak_binary()
         if exe is None:
             return {}
-        out = subprocess.run([exe, *map(str, threads)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([exe, *(["--cpu-time"] if cpu_time else []), *map(str, threads)],
+                             capture_output=True, text=True, timeout=120)
         peaks = {}
         for line in out.stdout.splitlines():
             rec = json.loads(line)
-            peaks[str(rec["threads"])] = {"gflops": rec["gflops"], "vector_bits": rec["vector_bits"]}
+            peaks[str(rec["threads"])] = {"gflops": rec["gflops"], "vector_bits": rec["vector_bits"],
+                                          "clock": "thread CPU time" if cpu_time else "wall"}
         return peaks
     except Exception as e:  # noqa: BLE001 - the peak is informative, never fatal
         return {"error": str(e).splitlines()[0][:200] if str(e) else type(e).__name__}
@@ -444,7 +447,8 @@ def run_cpu(args) -> int:
     bwd_impls = tuple(i for i in (asked or peers(CPU_BWD_IMPLS)) if i in CPU_BWD_IMPLS)
     directions = ("fwd",) if args.no_bwd else ("fwd", "fwd_bwd")
     threads = _cpu_count()
-    peak = {} if args.no_peak else fma_peak(sorted({1, threads}))
+    cpu_time = getattr(args, "cpu_time", False)
+    peak = {} if args.no_peak else fma_peak(sorted({1, threads}), cpu_time)
     if peak and "error" not in peak:
         print("f32 FMA peak: " + ", ".join(f"{t} thread{'s' if t != '1' else ''} {p['gflops']:.0f} GFLOP/s"
                                            for t, p in peak.items()), file=sys.stderr)
@@ -459,7 +463,7 @@ def run_cpu(args) -> int:
             recs = measure_cpu_case(impls, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
                                     min_time=args.min_time, repeats=args.repeats,
                                     latency_max=args.latency_max, threads=threads, peak=peak,
-                                    cpu_time=getattr(args, "cpu_time", False))
+                                    cpu_time=cpu_time)
             results.extend(recs)
             for rec in recs:
                 status = (f"{_fmt_time(rec)}  {rec['gflops']:.1f} GFLOP/s  temp "
@@ -470,7 +474,7 @@ def run_cpu(args) -> int:
     table = summarize_cpu(results)
     print("\n".join(table))
     env = environment("cpu")
-    env.update({"fma_peak": peak, "fma_peak_after": {} if args.no_peak else fma_peak(sorted({1, threads})),
+    env.update({"fma_peak": peak, "fma_peak_after": {} if args.no_peak else fma_peak(sorted({1, threads}), cpu_time),
                 "threads": threads,
                 "loadavg_before": load_before,
                 "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,

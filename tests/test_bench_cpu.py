@@ -86,10 +86,13 @@ def test_torch_asked_for_but_missing(monkeypatch, capsys):
                                                "(pip install torch)")
 
 
-def test_fma_peak_probe():
-    peak = bench_cpu.fma_peak([1])
+@pytest.mark.parametrize("cpu_time", [False, True])
+def test_fma_peak_probe(cpu_time):
+    # --cpu-time benches give GFLOP/s of CPU time: their peak is timed the same way.
+    peak = bench_cpu.fma_peak([1], cpu_time)
     assert "error" not in peak, peak
     assert peak["1"]["gflops"] > 1.0 and peak["1"]["vector_bits"] in (128, 256, 512)
+    assert peak["1"]["clock"] == ("thread CPU time" if cpu_time else "wall")
 
 
 def test_kernel_scratch_is_small():
