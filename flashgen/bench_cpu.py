@@ -509,6 +509,7 @@ def markdown_cpu(doc: dict) -> list[str]:
                     f"{pk} | {_ratio(by.get('einsum'), er, '×')} |")
     p = peak.get(threads, {}).get("gflops")
     rows.append("")
-    rows.append(f"Peak: f32 FMA, {threads} threads, measured by the bench's probe at the start of the run; bf16 "
+    rows.append(f"Peak: f32 FMA, {threads} thread{'s' if threads != '1' else ''}, measured by the bench's probe at the "
+                f"start of the run ({peak.get(threads, {}).get('clock', 'wall')} clock); bf16 "
                 f"runs vdpbf16ps, whose peak is twice that." if p else "Peak: not measured.")
     return rows
