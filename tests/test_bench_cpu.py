@@ -64,8 +64,8 @@ TINY = ["bench", "--platform", "cpu", "--hdim", "32", "--dtype", "f32", "--causa
 def test_impls_torch_is_timed_next_to_flashgen_and_xla(tmp_path, monkeypatch, capsys):
     # `--impls torch` is the one-command comparison: flashgen and XLA are timed with it, forward and
     # forward+backward, and every row has both ratios and flashgen's share of the probe's peak.
-    monkeypatch.setattr(bench_cpu, "fma_peak", lambda threads: {str(t): {"gflops": 1.0, "vector_bits": 512}
-                                                                for t in threads})
+    monkeypatch.setattr(bench_cpu, "fma_peak", lambda threads, cpu_time=False: {
+        str(t): {"gflops": 1.0, "vector_bits": 512} for t in threads})
     out = tmp_path / "cpu.json"
     assert main(TINY + ["--impls", "torch", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
