@@ -44,8 +44,8 @@ def register(sub) -> None:
     p.add_argument("--kv-heads", type=int, help="GQA: kv heads (default: heads)")
     p.add_argument("--bwd", action="store_true", help="GPU: also time forward+backward (always on CPU)")
     p.add_argument("--no-bwd", action="store_true", help="CPU: forward only")
-    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: subset of "
-                                              + ",".join(bench_cpu.CPU_ALL_IMPLS))
+    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: peers of xla,flashgen "
+                                              "(always timed) among " + ",".join(bench_cpu.CPU_ALL_IMPLS))
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement "
                                                                "(CPU: per impl and case)")
     p.add_argument("--repeats", type=int, default=7, help="CPU: interleaved rounds per case (median)")
@@ -55,7 +55,8 @@ def register(sub) -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="CPU: time with the process's CPU time instead of the wall clock (a loaded machine "
                         "then slows no impl by descheduling it; meant for runs pinned to one CPU, where "
-                        "every impl computes on one thread and spinning idle threads cannot count)")
+                        "every impl computes on one thread and spinning idle threads cannot count; the FMA probe "
+                        "is timed by its threads' CPU time too)")
     p.add_argument("--markdown", action="store_true", help="CPU: also print the table as Markdown")
     p.add_argument("--scaling", action="store_true",
                    help="CPU: also time S=2048 pinned to 1 CPU and to all CPUs (child processes)")

@@ -198,17 +198,20 @@ def _fma_peak_binary() -> str | None:
     return str(out)
 
 
-def fma_peak(threads: list[int]) -> dict:
-    """f32 FMA peak GFLOP/s of this machine per thread count ({} when it cannot be measured)."""
+def fma_peak(threads: list[int], cpu_time: bool = False) -> dict:
+    """f32 FMA peak GFLOP/s of this machine per thread count ({} when it cannot be measured); with
+    cpu_time, each probe thread is timed by its own CPU time (the clock of a --cpu-time bench)."""
     try:
         exe = _fma_peak_binary()
         if exe is None:
             return {}
-        out = subprocess.run([exe, *map(str, threads)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([exe, *(["--cpu-time"] if cpu_time else []), *map(str, threads)],
+                             capture_output=True, text=True, timeout=120)
         peaks = {}
         for line in out.stdout.splitlines():
             rec = json.loads(line)
-            peaks[str(rec["threads"])] = {"gflops": rec["gflops"], "vector_bits": rec["vector_bits"]}
+            peaks[str(rec["threads"])] = {"gflops": rec["gflops"], "vector_bits": rec["vector_bits"],
+                                          "clock": "thread CPU time" if cpu_time else "wall"}
         return peaks
     except Exception as e:  # noqa: BLE001 - the peak is informative, never fatal
         return {"error": str(e).splitlines()[0][:200] if str(e) else type(e).__name__}
@@ -437,11 +440,15 @@ def run_cpu(args) -> int:
     if args.impls and "torch" in args.impls and not has_torch:
         raise ValueError("--impls torch: torch is not installed (pip install torch)")
     peers = lambda impls: tuple(i for i in impls if i != "torch" or has_torch)
-    fwd_impls = tuple(i for i in (args.impls or peers(CPU_FWD_IMPLS)) if i in CPU_ALL_IMPLS)
-    bwd_impls = tuple(i for i in (args.impls or peers(CPU_BWD_IMPLS)) if i in CPU_BWD_IMPLS)
+    # flashgen is every ratio's denominator and XLA the reference every output is checked against:
+    # both are timed whatever --impls names (`--impls torch` is torch next to them).
+    asked = args.impls and tuple(dict.fromkeys(("xla", "flashgen", *args.impls)))
+    fwd_impls = tuple(i for i in (asked or peers(CPU_FWD_IMPLS)) if i in CPU_ALL_IMPLS)
+    bwd_impls = tuple(i for i in (asked or peers(CPU_BWD_IMPLS)) if i in CPU_BWD_IMPLS)
     directions = ("fwd",) if args.no_bwd else ("fwd", "fwd_bwd")
     threads = _cpu_count()
-    peak = {} if args.no_peak else fma_peak(sorted({1, threads}))
+    cpu_time = getattr(args, "cpu_time", False)
+    peak = {} if args.no_peak else fma_peak(sorted({1, threads}), cpu_time)
     if peak and "error" not in peak:
         print("f32 FMA peak: " + ", ".join(f"{t} thread{'s' if t != '1' else ''} {p['gflops']:.0f} GFLOP/s"
                                            for t, p in peak.items()), file=sys.stderr)
@@ -456,7 +463,7 @@ def run_cpu(args) -> int:
             recs = measure_cpu_case(impls, direction, d, dtype, causal, batch, heads, kv, s, s, rng,
                                     min_time=args.min_time, repeats=args.repeats,
                                     latency_max=args.latency_max, threads=threads, peak=peak,
-                                    cpu_time=getattr(args, "cpu_time", False))
+                                    cpu_time=cpu_time)
             results.extend(recs)
             for rec in recs:
                 status = (f"{_fmt_time(rec)}  {rec['gflops']:.1f} GFLOP/s  temp "
@@ -467,7 +474,7 @@ def run_cpu(args) -> int:
     table = summarize_cpu(results)
     print("\n".join(table))
     env = environment("cpu")
-    env.update({"fma_peak": peak, "fma_peak_after": {} if args.no_peak else fma_peak(sorted({1, threads})),
+    env.update({"fma_peak": peak, "fma_peak_after": {} if args.no_peak else fma_peak(sorted({1, threads}), cpu_time),
                 "threads": threads,
                 "loadavg_before": load_before,
                 "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -502,6 +509,7 @@ def markdown_cpu(doc: dict) -> list[str]:
                     f"{pk} | {_ratio(by.get('einsum'), er, '×')} |")
     p = peak.get(threads, {}).get("gflops")
     rows.append("")
-    rows.append(f"Peak: f32 FMA, {threads} threads, measured by the bench's probe at the start of the run; bf16 "
+    rows.append(f"Peak: f32 FMA, {threads} thread{'s' if threads != '1' else ''}, measured by the bench's probe at the "
+                f"start of the run ({peak.get(threads, {}).get('clock', 'wall')} clock); bf16 "
                 f"runs vdpbf16ps, whose peak is twice that." if p else "Peak: not measured.")
     return rows

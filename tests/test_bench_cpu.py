@@ -57,16 +57,42 @@ def test_tables_give_torch_ratio_and_peak_share():
     assert md == "| fwd f32 D=64 GQA 8/2 full S=512 | 3.00× | 1.50× | 87% | - |"
 
 
-def test_torch_asked_for_but_missing(monkeypatch):
+TINY = ["bench", "--platform", "cpu", "--hdim", "32", "--dtype", "f32", "--causal", "false", "--seqlens", "16",
+        "--batch", "1", "--heads", "2", "--min-time", "0.01", "--repeats", "2"]
+
+
+def test_impls_torch_is_timed_next_to_flashgen_and_xla(tmp_path, monkeypatch, capsys):
+    # `--impls torch` is the one-command comparison: flashgen and XLA are timed with it, forward and
+    # forward+backward, and every row has both ratios and flashgen's share of the probe's peak.
+    monkeypatch.setattr(bench_cpu, "fma_peak", lambda threads, cpu_time=False: {
+        str(t): {"gflops": 1.0, "vector_bits": 512} for t in threads})
+    out = tmp_path / "cpu.json"
+    assert main(TINY + ["--impls", "torch", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    got = {(r["impl"], r["direction"]): r for r in doc["results"]}
+    assert sorted(got) == sorted((i, d) for i in ("xla", "flashgen", "torch") for d in ("fwd", "fwd_bwd"))
+    assert all(r.get("error") is None and r["ms"] > 0 for r in got.values())
+    assert got[("flashgen", "fwd")]["peak_fraction"] > 0 and got[("flashgen", "fwd_bwd")]["peak_fraction"] > 0
+    rows = [l.split("|")[1].split() for l in capsys.readouterr().out.splitlines() if l.startswith(("fwd ", "fwd+bwd "))]
+    assert len(rows) == 2
+    for cols in rows:  # xla, flashgen, torch times (value + unit each), x/fg, t/fg, GFLOP/s, %peak
+        assert float(cols[6]) > 0 and float(cols[7]) > 0 and cols[9].endswith("%")
+
+
+def test_torch_asked_for_but_missing(monkeypatch, capsys):
     monkeypatch.setattr(bench_cpu, "_torch_available", lambda: False)
-    with pytest.raises(ValueError, match="torch is not installed"):
-        bench_cpu.run_cpu(type("A", (), dict(impls=["torch"], **{k: 1 for k in bench_cpu.CPU_DEFAULTS}))())
+    assert main(TINY + ["--impls", "torch"]) == 2
+    assert capsys.readouterr().err.strip() == ("flashgen: error: --impls torch: torch is not installed "
+                                               "(pip install torch)")
 
 
-def test_fma_peak_probe():
-    peak = bench_cpu.fma_peak([1])
+@pytest.mark.parametrize("cpu_time", [False, True])
+def test_fma_peak_probe(cpu_time):
+    # --cpu-time benches give GFLOP/s of CPU time: their peak is timed the same way.
+    peak = bench_cpu.fma_peak([1], cpu_time)
     assert "error" not in peak, peak
     assert peak["1"]["gflops"] > 1.0 and peak["1"]["vector_bits"] in (128, 256, 512)
+    assert peak["1"]["clock"] == ("thread CPU time" if cpu_time else "wall")
 
 
 def test_kernel_scratch_is_small():
@@ -88,5 +114,6 @@ def test_cpu_time_clock(tmp_path):
                "--seqlens", "16", "--batch", "1", "--heads", "2", "--impls", "flashgen", "--no-bwd",
                "--min-time", "0.01", "--repeats", "2", "--no-peak", "--cpu-time", "--json", str(out)])
     assert rc == 0
-    (rec,) = json.loads(out.read_text())["results"]
-    assert rec["clock"] == "process CPU time" and rec["ms"] > 0
+    recs = json.loads(out.read_text())["results"]
+    assert [r["impl"] for r in recs] == ["xla", "flashgen"]
+    assert all(r["clock"] == "process CPU time" and r["ms"] > 0 for r in recs)
