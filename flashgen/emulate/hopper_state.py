@@ -7,9 +7,15 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
  - MBarrier: the PTX ISA's mbarrier object (pending arrival count, expected arrival count,
    transaction count, phase). A phase completes when the pending arrivals and the transaction
    count both reach zero; then the next phase starts with the expected count. TMA loads count
-   their bytes (and land their data) when a thread next waits on the barrier. try_wait.parity
-   only asks whether a phase completed, so a wait on the wrong parity spins until the
-   instruction budget stops the launch: hang_note() then says which warp waits on what.
+   their bytes (and land their data) when a thread next waits on the barrier.
+   Parking: a converged warp whose try_wait fails on one barrier stops (machine.py's _WAIT kind:
+   park()) until that barrier's phase completes or a TMA load is issued to it (which may
+   complete it when a thread next waits), instead of spinning in its wait loop; it then goes on
+   from the instruction after the failed try_wait, as if it had been slow. When no warp of the
+   wave can run, retry_parked() wakes every parked warp once; if they all park again where they
+   were, with no barrier changed, no warp will ever complete them: a deadlock, which
+   hang_note() describes (which warp waits on what). A warp diverged at its try_wait spins as
+   before, so the instruction budget stops a hang there.
  - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
    (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. Only a
    barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
@@ -51,6 +57,11 @@ def blocking(ins) -> bool:
         (ins.opcode in ("bar", "barrier") and named_barrier(ins))
 
 
+def parks(ins) -> bool:
+    """An instruction after which its warp may park (machine.py's _WAIT kind: AsyncState.park)."""
+    return ins.opcode == "mbarrier" and ins.mods[:1] in (("try_wait",), ("test_wait",))
+
+
 def named_barrier(ins) -> bool:
     """A barrier instruction the machine's CTA barrier does not cover: an arrive, or a sync on
     an id other than the literal 0 (or an id in a register)."""
@@ -75,6 +86,7 @@ class MBarrier:
         self.carry = None               # WgmmaReads knowledge the arrivals so far passed on
         self.published = None           # ... as of the last phase completion
         self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
+        self.parked = []                # warps parked on a failed try_wait (AsyncState.park)
 
     def describe(self) -> str:
         return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
@@ -108,6 +120,20 @@ class MBarrier:
             self.pending = self.expected
             for fn in done:
                 fn()
+            self.wake()
+
+    def issue(self, nbytes: int, deliver) -> None:
+        """A TMA load that counts `nbytes` toward this barrier, its data landed by `deliver`."""
+        self.in_flight.append((nbytes, deliver))
+        self.wake()                     # its waiters' next try_wait lands it
+
+    def wake(self) -> None:
+        for w in self.parked:
+            w.at_barrier, w.named_wait = False, None
+        self.parked = []
+
+    def state(self) -> tuple:
+        return self.phase, self.pending, self.tx, len(self.in_flight)
 
     def land(self) -> None:
         """The issued TMA loads complete their bytes. Done when a thread waits on the barrier
@@ -170,6 +196,8 @@ class AsyncState:
         self.mbarriers: dict = {}       # (slot, offset) -> MBarrier
         self.named: dict = {}           # (slot, id) -> NamedBarrier
         self.spinning: dict = {}        # warp -> (what it waits for, the mbarrier)
+        self.park_requests: dict = {}   # warp -> the mbarrier its failed try_wait may park it on
+        self.last_stall = None          # what retry_parked saw last
         self.warp_state: dict = {}      # warp -> per-warp dict (wgmma groups, register locks, ...)
         # generic-proxy writer (warp + 1) of each shared byte not yet fenced; 0: none
         self.unfenced = np.zeros(smem.data.size, np.int16)
@@ -200,14 +228,42 @@ class AsyncState:
         self.mbarrier(slot, offset)
         del self.mbarriers[(slot, offset)]
 
-    def spin(self, warp, what: str, barrier: MBarrier | None) -> None:
+    def spin(self, warp, what: str, barrier: MBarrier | None, park: bool) -> None:
+        """A failed wait; `park`: the warp may park until `barrier` changes (machine.py asks
+        park() next, once the instruction is done)."""
         self.spinning[warp] = (what, barrier)
+        if park:
+            self.park_requests[warp] = barrier
 
     def stop_spinning(self, warp) -> None:
         self.spinning.pop(warp, None)
 
+    def park(self, warp, converged: bool) -> bool:
+        """machine.py's hook after a _WAIT instruction: whether `warp` parks (the machine then
+        resumes it at the next instruction once woken). Only a converged warp parks: the machine
+        keeps one pc for a waiting warp."""
+        b = self.park_requests.pop(warp, None)
+        if b is None or not converged:
+            return False
+        warp.at_barrier, warp.named_wait = True, "mbarrier"
+        b.parked.append(warp)
+        return True
+
+    def retry_parked(self, parked) -> bool:
+        """No warp of the wave can run and `parked` (machine's warps) are parked: wake them all
+        (True) unless they already parked at the same pcs with every barrier as it is now, the
+        last time no warp could run (False: a deadlock)."""
+        seen = (tuple((id(w), w.pc) for w in parked), tuple(b.state() for b in self.mbarriers.values()),
+                tuple((k, b.arrived) for k, b in self.named.items()))
+        if seen == self.last_stall:
+            return False
+        self.last_stall = seen
+        for b in {id(w): self.spinning[w][1] for w in parked}.values():
+            b.wake()
+        return True
+
     def hang_note(self) -> str:
-        """What the warps that last failed a wait are waiting for (for the budget's error)."""
+        """What the warps that last failed a wait are waiting for (for a hang's error)."""
         notes = []
         for warp, (what, b) in list(self.spinning.items())[:4]:
             notes.append(f"warp {warp.wid} of block {warp.cta.ctaid} spins on {what}" +
@@ -245,7 +301,7 @@ class AsyncState:
             self.smem.barrier(warp.cta.slot)
 
     def deadlock(self) -> str:
-        return "; ".join([f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
+        return "; ".join(([self.hang_note()] if self.spinning else []) + [f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
                           f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
                           for (slot, bid), b in self.named.items()] +
                          [f"wgmma.mma_async at PTX line {key[0]}: warps {[w.wid for w in warps]} of warpgroup {wg} "
@@ -383,7 +439,7 @@ class AsyncState:
             self.unfenced[idx] = 0              # written by the async proxy: nothing to fence
             self.smem.forget(idx)
             self.smem.data[idx] = data
-        barrier.in_flight.append((nbytes, deliver))
+        barrier.issue(nbytes, deliver)
 
     def pending_note(self, byte: int) -> str | None:
         """Why an undelivered byte is undelivered, if a TMA load holds it (for memory.py's error)."""

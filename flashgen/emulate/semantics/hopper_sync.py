@@ -97,7 +97,8 @@ def mbarrier(ins, ops):
             done = np.zeros(w.nlanes, bool)
             for warp, sl, lanes, offs in barriers(w, m):
                 h = warp.smem.hopper
-                for off in np.unique(offs[offs >= 0]):
+                targets = np.unique(offs[offs >= 0])
+                for off in targets:
                     mine = offs == off
                     b = h.mbarrier(warp.smem_slot, int(off))
                     b.land()
@@ -107,7 +108,7 @@ def mbarrier(ins, ops):
                     if not all(ok):
                         what = (f"mbarrier.{action}.parity {int(want[0]) & 1}" if parity else
                                 f"mbarrier.{action} for the phase of state token {int(want[0])}")
-                        h.spin(warp, what, b)
+                        h.spin(warp, what, b, park=targets.size == 1 and not any(ok))
                     else:
                         h.stop_spinning(warp)
                     if any(ok):
