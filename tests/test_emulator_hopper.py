@@ -85,6 +85,48 @@ def test_mbarrier_state_machine():
         MBarrier(0, 0)
 
 
+def _ring(hopper, rng, tma, misuse, seed):
+    rounds = 6
+    a = rng.standard_normal((rounds, 64)).astype(np.float32)
+    out = np.full((rounds, 64), np.nan, np.float32)
+    run(hopper, "mbarrier_ring", [a, out, rounds, tma, misuse], block=(96, 1, 1), seed=seed)
+    return a, out
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tma", [0, 1], ids=["st.shared", "tma"])
+def test_mbarrier_and_named_barrier_order_shared_memory(hopper, rng, tma):
+    """A producer/consumer ring in generic loads and stores, ordered by its mbarriers (and, with
+    `tma`, a TMA load's complete_tx) and a 64-thread named barrier: no race reported (before
+    ordering.py, the race detector saw only bar.sync 0 and flagged the consumer's first read)."""
+    for seed in range(3):
+        a, out = _ring(hopper, rng, tma, 0, seed)
+        assert (out == a + 2 * np.roll(a, 32, axis=1)).all()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tma", [0, 1], ids=["st.shared", "tma"])
+@pytest.mark.parametrize("misuse,message", [
+    # consumer warp 2 reads the stage without waiting on its full barrier: the producer's write
+    # (or, with tma, the TMA load warp 1's wait landed) is unordered with its read -- or, in a
+    # schedule where it reads first, the producer's next write of the stage is unordered with it
+    (1, r"shared-memory race: warp \d (reads|writes) offset \d+|has not delivered yet"),
+    # the producer refills a stage without waiting on its empty barrier: its write is unordered
+    # with a consumer's read -- or, where it runs ahead of both consumers, their waits miss phases
+    # (a deadlock), or its expect_tx arrivals overrun the full barrier's phase
+    (2, r"shared-memory race: warp \d (reads|writes) offset \d+|TMA load: shared-memory race|"
+        r"overlaps an asynchronous copy not yet delivered|has not delivered yet|deadlock: no warp can run|"
+        r"more arrivals than the phase expects"),
+    # the consumers swap halves without the named barrier
+    (3, r"shared-memory race: warp [12] (reads|writes) offset \d+"),
+], ids=["no-full-wait", "no-empty-wait", "no-named-barrier"])
+def test_unordered_ring_accesses_are_races(hopper, rng, tma, misuse, message):
+    for seed in range(3):
+        with pytest.raises(EmulationError, match=message) as caught:
+            _ring(hopper, rng, tma, misuse, seed)
+        print(f"seed {seed}: {str(caught.value).split(']: ')[-1][:160]}")
+
+
 # ---------------------------------------------------------------------------------------------
 # named barriers
 # ---------------------------------------------------------------------------------------------

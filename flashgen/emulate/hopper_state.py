@@ -17,10 +17,10 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
    hang_note() describes (which warp waits on what). A warp diverged at its try_wait spins as
    before, so the instruction budget stops a hang there.
  - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
-   (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. Only a
+   (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. A
    barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
-   detector: shared-memory traffic ordered by a partial barrier (or an mbarrier) alone is
-   reported as a race (a false alarm, never a missed one).
+   detector; a partial one (and an mbarrier) orders the warps it releases after the arrivals
+   (ordering.py: the happens-before the detector consults).
  - The proxy fence: shared-memory bytes written through the generic proxy (st.shared, cp.async,
    stmatrix) are marked with their writer warp until that warp executes fence.proxy.async; an
    async-proxy read (wgmma from a descriptor, a TMA store) of a marked byte is an error.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashgen.emulate import ordering
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.ptx import Imm
 
@@ -83,7 +84,7 @@ class MBarrier:
             raise EmulationError(f"mbarrier.init at offset {offset} with count {count} (must be in [1, 2^20))")
         self.offset, self.expected, self.pending, self.tx, self.phase = offset, count, count, 0, 0
         self.on_complete = []           # callbacks of the current phase (TMA deliveries)
-        self.carry = None               # WgmmaReads knowledge the arrivals so far passed on
+        self.carry = None               # knowledge the arrivals so far passed on (AsyncState.release)
         self.published = None           # ... as of the last phase completion
         self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
         self.parked = []                # warps parked on a failed try_wait (AsyncState.park)
@@ -115,11 +116,11 @@ class MBarrier:
     def _maybe_complete(self):
         if self.pending == 0 and self.tx == 0:
             done, self.on_complete = self.on_complete, []
-            self.published = None if self.carry is None else self.carry.copy()
+            for fn in done:             # TMA deliveries: their release joins the phase's
+                fn()
+            self.published = self.carry             # (release makes new arrays: never changed in place)
             self.phase += 1
             self.pending = self.expected
-            for fn in done:
-                fn()
             self.wake()
 
     def issue(self, nbytes: int, deliver) -> None:
@@ -152,7 +153,7 @@ class MBarrier:
 class NamedBarrier:
     def __init__(self, count: int):
         self.count, self.arrived, self.waiting = count, 0, []
-        self.carry = None               # WgmmaReads knowledge of the arriving warps
+        self.carry = None               # knowledge of the arriving warps (AsyncState.release)
 
 
 class WgmmaReads:
@@ -193,6 +194,9 @@ class WgmmaReads:
 class AsyncState:
     def __init__(self, smem):
         self.smem = smem
+        # happens-before for the shared-memory race detector (memory.py asks it)
+        self.order = ordering.Ordering(smem.data.size, smem.stride, smem.granule, smem.epochs.size) \
+            if smem.race_check else None
         self.mbarriers: dict = {}       # (slot, offset) -> MBarrier
         self.named: dict = {}           # (slot, id) -> NamedBarrier
         self.spinning: dict = {}        # warp -> (what it waits for, the mbarrier)
@@ -331,23 +335,36 @@ class AsyncState:
             r = self.wgmma_reads[warp.smem_slot] = WgmmaReads(self.smem.size, len(warp.cta.warps))
         return r
 
-    def release(self, warp, carry):
-        """A warp's arrival passes on what it knows: -> the barrier's knowledge with it."""
-        r = self.wgmma_reads.get(warp.smem_slot)
-        if r is None:
-            return carry
-        return r.known[warp.wid].copy() if carry is None else np.maximum(carry, r.known[warp.wid])
+    def release(self, warp, carry, agent=None):
+        """A warp's arrival (or, `agent` ASYNC, a TMA load's complete_tx) passes on what it
+        knows: -> the barrier's knowledge with it, (the wgmmas known completed, the happens-before
+        vector), either None where not tracked."""
+        wg, hb = carry or (None, None)
+        r = self.wgmma_reads.get(warp.smem_slot) if agent is None else None
+        if r is not None:
+            wg = r.known[warp.wid].copy() if wg is None else np.maximum(wg, r.known[warp.wid])
+        if self.order is not None:
+            mine = self.order.release(warp.smem_slot, warp.wid if agent is None else agent)
+            hb = mine if hb is None else np.maximum(hb, mine)
+        return wg, hb
 
     def acquire(self, warp, carry) -> None:
-        if carry is not None:
+        if carry is None:
+            return
+        wg, hb = carry
+        if wg is not None:
             known = self.reads_of(warp).known
-            np.maximum(known[warp.wid], carry, out=known[warp.wid])
+            np.maximum(known[warp.wid], wg, out=known[warp.wid])
+        if hb is not None:
+            self.order.acquire(warp.smem_slot, warp.wid, hb)
 
     def cta_barrier(self, slot: int) -> None:
         """bar.sync 0: every warp of the CTA learns what any knew."""
         r = self.wgmma_reads.get(slot)
         if r is not None:
             r.known[:] = r.known.max(0)
+        if self.order is not None:
+            self.order.cta_barrier(slot)
 
     def fence_proxy_async(self, slot: int, wid: int) -> None:
         lo, hi = slot * self.smem.stride, slot * self.smem.stride + self.smem.size
@@ -428,6 +445,7 @@ class AsyncState:
         if warp.smem_slot in self.wgmma_reads:
             self.wgmma_reads[warp.smem_slot].check_write(warp.wid, idx - warp.smem_slot * self.smem.stride,
                                                          "TMA load")
+        self.smem.claim(idx, warp.wid, "TMA load")    # a write by the issuing warp, as far as it knows
         self.smem.pending[idx] += 1
         self.tma_pending[idx] += 1
         self.smem.in_flight += idx.size
@@ -437,8 +455,9 @@ class AsyncState:
             self.tma_pending[idx] -= 1
             self.smem.in_flight -= idx.size
             self.unfenced[idx] = 0              # written by the async proxy: nothing to fence
-            self.smem.forget(idx)
+            self.smem.async_written(idx, ordering.ASYNC)
             self.smem.data[idx] = data
+            barrier.carry = self.release(warp, barrier.carry, ordering.ASYNC)
         barrier.issue(nbytes, deliver)
 
     def pending_note(self, byte: int) -> str | None:

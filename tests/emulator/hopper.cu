@@ -476,3 +476,49 @@ extern "C" __global__ void bulk_copy_roundtrip(const float* in, float* out, int 
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
 }
+
+// A 2-stage ring through shared memory read and written by generic loads and stores: producer
+// warp 0 fills stage i % 2 with row i of `a` (64 floats; with `tma`, by a bulk copy that the
+// full barrier counts in transaction bytes), consumer warps 1 and 2 each read their half after
+// waiting on the stage's full barrier, swap halves through `x` ordered by named barrier 1 (64
+// threads, fewer than the block's 96), and free the stage on its empty barrier:
+// out[i] = a[i] + 2 * (a[i] with its halves swapped). `misuse` 1: consumer warp 2 skips its
+// full-barrier wait; 2: the producer skips its empty-barrier wait; 3: the consumers skip the
+// named barriers around the swap.
+extern "C" __global__ void mbarrier_ring(const float* a, float* out, int rounds, int tma, int misuse) {
+  __shared__ __align__(128) float stage[2][64];
+  __shared__ float x[64];
+  __shared__ __align__(8) uint64_t full[2], empty[2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(smem_u32(&full[s]), tma ? 1 : 32);
+      mbar_init(smem_u32(&empty[s]), 64);
+    }
+  }
+  __syncthreads();
+  for (int i = 0; i < rounds; ++i) {
+    const int s = i % 2, parity = (i / 2) & 1;
+    if (warp == 0) {
+      if (misuse != 2) mbar_wait(smem_u32(&empty[s]), parity ^ 1);
+      if (!tma) {
+        stage[s][lane] = a[i * 64 + lane];
+        stage[s][lane + 32] = a[i * 64 + lane + 32];
+        mbar_arrive(smem_u32(&full[s]));
+      } else if (lane == 0) {
+        mbar_arrive_expect_tx(smem_u32(&full[s]), 256);
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_u32(stage[s])), "l"(a + i * 64), "r"(256), "r"(smem_u32(&full[s])) : "memory");
+      }
+    } else {
+      const int c = warp - 1;
+      if (!(misuse == 1 && c == 1)) mbar_wait(smem_u32(&full[s]), parity);
+      const float mine = stage[s][32 * c + lane];
+      x[32 * c + lane] = 2.0f * mine;
+      if (misuse != 3) named_sync(1, 64);
+      out[i * 64 + 32 * c + lane] = mine + x[32 * (1 - c) + lane];
+      if (misuse != 3) named_sync(1, 64);   // both halves read before the next round rewrites x
+      mbar_arrive(smem_u32(&empty[s]));
+    }
+  }
+}
