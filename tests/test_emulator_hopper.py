@@ -67,6 +67,16 @@ def test_mbarrier_phase_needs_arrivals_and_transaction_bytes(hopper):
         run(hopper, "mbarrier_tx", [np.zeros(3, np.int32), 256, 384])
 
 
+@needs_nvcc
+@pytest.mark.parametrize("in_register", [0, 1], ids=["immediate-offset", "register"])
+def test_mbarrier_address_wraps_at_32_bits_and_is_refused(hopper, in_register):
+    # before: a negative address from the immediate offset counted as an inactive lane, and the
+    # init silently did nothing
+    with pytest.raises(EmulationError, match=r"mbarrier at shared offset 42949672\d\d: not an aligned 8-byte "
+                                             r"object inside the CTA's \d+ bytes"):
+        run(hopper, "mbarrier_below", [in_register])
+
+
 def test_mbarrier_state_machine():
     """The PTX ISA's rules, unit by unit: the phase flips only when both counts reach 0; the
     transaction count may go below 0 while arrivals are pending (complete_tx before expect_tx)."""

@@ -522,3 +522,16 @@ extern "C" __global__ void mbarrier_ring(const float* a, float* out, int rounds,
     }
   }
 }
+
+// An mbarrier addressed 64 bytes below its 32-bit shared address, through the address's
+// immediate offset (`below`) or the register itself: the address wraps at 2^32, outside the
+// CTA's shared memory, and the init must be refused (on a GPU: an illegal address).
+extern "C" __global__ void mbarrier_below(int below_in_register) {
+  __shared__ __align__(8) uint64_t bar[2];
+  const uint32_t b = smem_u32(&bar[0]);
+  if (below_in_register) {
+    mbar_init(b - 64, 1);
+  } else {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0+-64], %1;" ::"r"(b), "r"(1) : "memory");
+  }
+}
