@@ -376,6 +376,24 @@ def test_wgmma_misuse_fails(hopper, rng, flag, message):
 
 
 @needs_nvcc
+def test_wgmma_reading_another_warpgroups_stores_without_a_barrier_fails(hopper, rng):
+    """Two warpgroups store the image (each thread its words) and each issues the wgmma with no
+    barrier in between: a wgmma reads words the other warpgroup stored, unordered (ordering.py),
+    or, where it reads first, the other warpgroup's store lands on bytes it read."""
+    a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 64)
+    c2 = np.concatenate([_as_registers(c)] * 2)
+    for seed in range(3):
+        run(hopper, "wgmma_ss_bf16_kk", [img, img.size, da, db, c2, np.zeros((256, 32), np.float32), 0],
+            block=(256, 1, 1), smem=img.nbytes, seed=seed)
+        with pytest.raises(EmulationError, match=r"wgmma\.mma_async \([AB]\) by warp \d reads shared offset \d+, "
+                                                 r"written by warp [4-7] with nothing ordering the write|shared write "
+                                                 r"by warp \d at shared offset \d+: it was read by a wgmma") as caught:
+            run(hopper, "wgmma_ss_bf16_kk", [img, img.size, da, db, c2, np.zeros((256, 32), np.float32), 128],
+                block=(256, 1, 1), smem=img.nbytes, seed=seed)
+        print(f"seed {seed}: {str(caught.value).split(']: ')[-1][:150]}")
+
+
+@needs_nvcc
 def test_wgmma_a_registers_written_after_the_fence_fail(hopper, rng):
     """nvcc places the loads of the asm's A inputs after the wgmma.fence: the PTX ISA leaves that
     undefined (CUTLASS pins them with warpgroup_fence_operand), and so does the emulator."""

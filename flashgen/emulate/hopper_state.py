@@ -305,7 +305,8 @@ class AsyncState:
             self.smem.barrier(warp.cta.slot)
 
     def deadlock(self) -> str:
-        return "; ".join(([self.hang_note()] if self.spinning else []) + [f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
+        parked = [self.hang_note()] if self.spinning else []
+        return "; ".join(parked + [f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
                           f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
                           for (slot, bid), b in self.named.items()] +
                          [f"wgmma.mma_async at PTX line {key[0]}: warps {[w.wid for w in warps]} of warpgroup {wg} "
@@ -388,16 +389,26 @@ class AsyncState:
                                  f"(bad descriptor?)")
         return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
 
-    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None) -> np.ndarray:
         """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
-        [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), and
-        fenced after generic writes."""
+        [*addrs.shape, elem]) on behalf of warps `readers` (default: `warp`; a wgmma: its
+        warpgroup): in bounds, delivered (no cp.async / TMA still writing them), fenced after
+        generic writes, and ordered after the last write of each byte (ordering.py)."""
         idx = self._indices(warp, addrs, elem, what)
         if self.smem.in_flight and self.smem.pending[idx].any():
             x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
             raise EmulationError(f"{what} reads shared offset {x}, which an asynchronous copy has not delivered yet "
                                  f"(missing wait before this access?)")
         self.async_read(idx, what)
+        if self.order is not None:
+            g = np.unique(idx.reshape(-1) // self.smem.granule)
+            bad = self.order.unordered_async_read(g, warp.smem_slot, [warp.wid] if readers is None else readers)
+            if bad is not None:
+                x, writer = bad
+                who = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
+                x = x * self.smem.granule % self.smem.stride
+                raise EmulationError(f"{what} by warp {warp.wid} reads shared offset {x}, written by {who} with "
+                                     f"nothing ordering the write before the read (missing mbarrier wait or barrier?)")
         return self.smem.data[idx]
 
     def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:

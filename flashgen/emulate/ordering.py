@@ -10,7 +10,9 @@ a release (an mbarrier arrival, a warp's arrival at a named barrier) passes on, 
 barrier carries, the releaser's time and all it knew; an acquire (a try_wait that sees the phase
 complete, a warp a named barrier releases) takes the barrier's vector in. An access that
 memory.py finds conflicting with an earlier one (same epoch, another agent) is a race unless the
-accessing warp knows a time of that agent no earlier than the earlier access.
+accessing warp knows a time of that agent no earlier than the earlier access. An async-proxy
+read (a wgmma's shared-memory operands, a TMA store's source) must likewise be ordered after
+each byte's last write, by what its warps know together (a wgmma's: its warpgroup's).
 
 Agents: the warps of the CTA, and the async proxy (ASYNC: a TMA load's write, stamped when it
 lands and released by its complete_tx to the warps that wait on the phase).
@@ -65,6 +67,17 @@ class Ordering:
         for a, r in self.r_time.items():
             bad |= (agents != a) & (r[g] > self.known[slots, agents, a])
         return bad
+
+    def unordered_async_read(self, g: np.ndarray, slot: int, readers: list):
+        """An async-proxy read of granules g (flat) for warps `readers`, which know together
+        what any of them knows: -> (granule, writer) of a write they do not know of, or None."""
+        writer = self.w_agent[g]
+        known = self.known[slot, readers].max(0)
+        bad = (writer >= 0) & ~np.isin(writer, readers) & (self.w_time[g] > known[np.maximum(writer, 0)])
+        if not bad.any():
+            return None
+        i = int(np.argmax(bad))
+        return int(g[i]), int(writer[i])
 
     def release(self, slot: int, agent: int) -> np.ndarray:
         """`agent` releases: -> the vector it passes on (what it knows, and its time now)."""

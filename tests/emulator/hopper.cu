@@ -154,7 +154,8 @@ extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask)
 // are the accumulator registers per (thread, register). `flags` switches misuses on:
 enum {
   ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16, WARP_3_EXITS = 32,
-  WARP_3_OTHER_B = 64                       // warp 3 names another B tile than its warpgroup
+  WARP_3_OTHER_B = 64,                      // warp 3 names another B tile than its warpgroup
+  NO_SYNC = 128                             // no barrier between the image's stores and the wgmma
 };
 #define D_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define D_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
@@ -163,7 +164,7 @@ __device__ __forceinline__ void load_image(const uint32_t* img, int words, int f
   extern __shared__ __align__(1024) uint32_t smem_img[];
   for (int i = threadIdx.x; i < words; i += blockDim.x) smem_img[i] = img[i];
   if (!(flags & NO_PROXY_FENCE)) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
+  if (!(flags & NO_SYNC)) __syncthreads();
 }
 __device__ __forceinline__ uint64_t image_base() {
   extern __shared__ __align__(1024) uint32_t smem_img[];
