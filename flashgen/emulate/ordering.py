@@ -31,8 +31,10 @@ class Ordering:
         self.clock = np.ones(ctas, np.int64)
         self.known = np.zeros((ctas, ASYNC + 1, ASYNC + 1), np.int64)   # [slot, agent, of agent]
         n = -(-total // granule)
-        self.w_time = np.zeros(n, np.int64)
-        self.w_agent = np.full(n, -1, np.int64)
+        # int32 times (a launch releases fewer than 2^31 times): a reading agent's array costs 4
+        # bytes per granule of the wave
+        self.w_time = np.zeros(n, np.int32)
+        self.w_agent = np.full(n, -1, np.int8)
         self.r_time: dict = {}          # agent -> its last read time of each granule
 
     def _where(self, g, agent):
@@ -50,7 +52,7 @@ class Ordering:
             rows = (agents == a).reshape(-1) if agents.size > 1 else slice(None)
             r = self.r_time.get(int(a))
             if r is None:
-                r = self.r_time[int(a)] = np.zeros(self.w_time.size, np.int64)
+                r = self.r_time[int(a)] = np.zeros(self.w_time.size, np.int32)
             r[g[rows]] = times[rows]
 
     def unordered_write(self, g: np.ndarray, agent) -> np.ndarray:
