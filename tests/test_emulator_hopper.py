@@ -45,10 +45,13 @@ def test_mbarrier_wait_on_the_wrong_parity_hangs_with_a_clear_message(hopper):
     out = np.zeros(32, np.int32)
     run(hopper, "mbarrier_wait_parity", [out, 1])           # the phase before the first is complete
     assert (out == 1).all()
-    with pytest.raises(EmulationError, match=r"more than 20000 warp-instructions.*warp 0 of block \(0, 0, 0\) "
-                                             r"spins on mbarrier\.try_wait\.parity 0; the mbarrier at shared "
-                                             r"offset \d+ in phase 0 \(parity 0\): 1 of 1 arrivals"):
-        run(hopper, "mbarrier_wait_parity", [np.zeros(32, np.int32), 0], max_warp_instructions=20000)
+    # the waiting warp parks: with no warp left to run, the deadlock is seen at once (the default
+    # budget of 2e8 instructions would take hours to spin through)
+    with pytest.raises(EmulationError, match=r"PTX line \d+: mbarrier\.try_wait\.parity.*deadlock: no warp can run; "
+                                             r"warp 0 of block \(0, 0, 0\) spins on mbarrier\.try_wait\.parity 0; "
+                                             r"the mbarrier at shared offset \d+ in phase 0 \(parity 0\): 1 of 1 "
+                                             r"arrivals"):
+        run(hopper, "mbarrier_wait_parity", [np.zeros(32, np.int32), 0])
 
 
 @needs_nvcc
@@ -62,6 +65,16 @@ def test_mbarrier_phase_needs_arrivals_and_transaction_bytes(hopper):
     with pytest.raises(EmulationError, match=r"complete_tx of 384 bytes .*more transaction bytes arrived than "
                                              r"expect_tx announced"):
         run(hopper, "mbarrier_tx", [np.zeros(3, np.int32), 256, 384])
+
+
+@needs_nvcc
+@pytest.mark.parametrize("in_register", [0, 1], ids=["immediate-offset", "register"])
+def test_mbarrier_address_wraps_at_32_bits_and_is_refused(hopper, in_register):
+    # before: a negative address from the immediate offset counted as an inactive lane, and the
+    # init silently did nothing
+    with pytest.raises(EmulationError, match=r"mbarrier at shared offset 42949672\d\d: not an aligned 8-byte "
+                                             r"object inside the CTA's \d+ bytes"):
+        run(hopper, "mbarrier_below", [in_register])
 
 
 def test_mbarrier_state_machine():
@@ -80,6 +93,48 @@ def test_mbarrier_state_machine():
         b.arrive(3)
     with pytest.raises(EmulationError, match=r"count 0 \(must be in \[1, 2\^20\)\)"):
         MBarrier(0, 0)
+
+
+def _ring(hopper, rng, tma, misuse, seed):
+    rounds = 6
+    a = rng.standard_normal((rounds, 64)).astype(np.float32)
+    out = np.full((rounds, 64), np.nan, np.float32)
+    run(hopper, "mbarrier_ring", [a, out, rounds, tma, misuse], block=(96, 1, 1), seed=seed)
+    return a, out
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tma", [0, 1], ids=["st.shared", "tma"])
+def test_mbarrier_and_named_barrier_order_shared_memory(hopper, rng, tma):
+    """A producer/consumer ring in generic loads and stores, ordered by its mbarriers (and, with
+    `tma`, a TMA load's complete_tx) and a 64-thread named barrier: no race reported (before
+    ordering.py, the race detector saw only bar.sync 0 and flagged the consumer's first read)."""
+    for seed in range(3):
+        a, out = _ring(hopper, rng, tma, 0, seed)
+        assert (out == a + 2 * np.roll(a, 32, axis=1)).all()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tma", [0, 1], ids=["st.shared", "tma"])
+@pytest.mark.parametrize("misuse,message", [
+    # consumer warp 2 reads the stage without waiting on its full barrier: the producer's write
+    # (or, with tma, the TMA load warp 1's wait landed) is unordered with its read -- or, in a
+    # schedule where it reads first, the producer's next write of the stage is unordered with it
+    (1, r"shared-memory race: warp \d (reads|writes) offset \d+|has not delivered yet"),
+    # the producer refills a stage without waiting on its empty barrier: its write is unordered
+    # with a consumer's read -- or, where it runs ahead of both consumers, their waits miss phases
+    # (a deadlock), or its expect_tx arrivals overrun the full barrier's phase
+    (2, r"shared-memory race: warp \d (reads|writes) offset \d+|TMA load: shared-memory race|"
+        r"overlaps an asynchronous copy not yet delivered|has not delivered yet|deadlock: no warp can run|"
+        r"more arrivals than the phase expects"),
+    # the consumers swap halves without the named barrier
+    (3, r"shared-memory race: warp [12] (reads|writes) offset \d+"),
+], ids=["no-full-wait", "no-empty-wait", "no-named-barrier"])
+def test_unordered_ring_accesses_are_races(hopper, rng, tma, misuse, message):
+    for seed in range(3):
+        with pytest.raises(EmulationError, match=message) as caught:
+            _ring(hopper, rng, tma, misuse, seed)
+        print(f"seed {seed}: {str(caught.value).split(']: ')[-1][:160]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +373,24 @@ def test_wgmma_misuse_fails(hopper, rng, flag, message):
     with pytest.raises(EmulationError, match=message):
         run(hopper, "wgmma_ss_bf16_kk", [img, img.size, da, db, _as_registers(c), np.zeros((128, 32), np.float32),
                                          1 | flag], block=(128, 1, 1), smem=img.nbytes)
+
+
+@needs_nvcc
+def test_wgmma_reading_another_warpgroups_stores_without_a_barrier_fails(hopper, rng):
+    """Two warpgroups store the image (each thread its words) and each issues the wgmma with no
+    barrier in between: a wgmma reads words the other warpgroup stored, unordered (ordering.py),
+    or, where it reads first, the other warpgroup's store lands on bytes it read."""
+    a, b, c, img, da, db = _wgmma_case(rng, "bf16", (False, False), 64)
+    c2 = np.concatenate([_as_registers(c)] * 2)
+    for seed in range(3):
+        run(hopper, "wgmma_ss_bf16_kk", [img, img.size, da, db, c2, np.zeros((256, 32), np.float32), 0],
+            block=(256, 1, 1), smem=img.nbytes, seed=seed)
+        with pytest.raises(EmulationError, match=r"wgmma\.mma_async \([AB]\) by warp \d reads shared offset \d+, "
+                                                 r"written by warp [4-7] with nothing ordering the write|shared write "
+                                                 r"by warp \d at shared offset \d+: it was read by a wgmma") as caught:
+            run(hopper, "wgmma_ss_bf16_kk", [img, img.size, da, db, c2, np.zeros((256, 32), np.float32), 128],
+                block=(256, 1, 1), smem=img.nbytes, seed=seed)
+        print(f"seed {seed}: {str(caught.value).split(']: ')[-1][:150]}")
 
 
 @needs_nvcc

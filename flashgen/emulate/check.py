@@ -19,6 +19,7 @@ import numpy as np
 
 from flashgen import reference, targets
 from flashgen.contract import CallAttributes, normalize_extras
+from flashgen.emulate.machine import short_name
 from flashgen.spec import KernelSpec
 
 NP_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
@@ -47,6 +48,7 @@ class Row:
     seconds: float      # of the handler call that produced the output
     warp_instructions: int  # executed by that call's launches (the emulator's work)
     call: int           # which of the Checker's handler calls produced it (rows share calls)
+    kernels: str        # the kernels that call launched ("+"-joined): which family served it
 
     @property
     def ok(self) -> bool:
@@ -89,9 +91,10 @@ class Checker:
 
     def _rows(self, family, case, record, pairs):
         instructions = sum(l.stats.warp_instructions for l in record.launches)
+        kernels = "+".join(dict.fromkeys(short_name(l.entry).split("[")[0] for l in record.launches))
         self.calls += 1
         return [Row(family, self.spec.stem, case, name, relative_error(got, ref), tolerance(self.spec.dtype, name),
-                    record.seconds, instructions, self.calls) for name, got, ref in pairs]
+                    record.seconds, instructions, self.calls, kernels) for name, got, ref in pairs]
 
     def _run(self, family, case, target, operands, results, attrs, pairs_of, kernels):
         """Call `target`; pairs_of(outputs) -> [(name, got, ref)]; returns (outputs, rows)."""
@@ -278,9 +281,9 @@ def covering_cases(specs: list[KernelSpec], seed: int) -> list[tuple[KernelSpec,
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ("family", "spec", "case", "output", "rel. error", "tolerance", "seconds", "")
+    head = ("family", "spec", "case", "output", "rel. error", "tolerance", "seconds", "kernels", "")
     body = [(r.family, r.spec, r.case, r.output, f"{r.error:.2e}", f"{r.tolerance:g}", f"{r.seconds:.1f}",
-             "ok" if r.ok else "FAIL") for r in rows]
+             r.kernels, "ok" if r.ok else "FAIL") for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
 

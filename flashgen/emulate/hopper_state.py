@@ -7,14 +7,20 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
  - MBarrier: the PTX ISA's mbarrier object (pending arrival count, expected arrival count,
    transaction count, phase). A phase completes when the pending arrivals and the transaction
    count both reach zero; then the next phase starts with the expected count. TMA loads count
-   their bytes (and land their data) when a thread next waits on the barrier. try_wait.parity
-   only asks whether a phase completed, so a wait on the wrong parity spins until the
-   instruction budget stops the launch: hang_note() then says which warp waits on what.
+   their bytes (and land their data) when a thread next waits on the barrier.
+   Parking: a converged warp whose try_wait fails on one barrier stops (machine.py's _WAIT kind:
+   park()) until that barrier's phase completes or a TMA load is issued to it (which may
+   complete it when a thread next waits), instead of spinning in its wait loop; it then goes on
+   from the instruction after the failed try_wait, as if it had been slow. When no warp of the
+   wave can run, retry_parked() wakes every parked warp once; if they all park again where they
+   were, with no barrier changed, no warp will ever complete them: a deadlock, which
+   hang_note() describes (which warp waits on what). A warp diverged at its try_wait spins as
+   before, so the instruction budget stops a hang there.
  - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
-   (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. Only a
+   (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. A
    barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
-   detector: shared-memory traffic ordered by a partial barrier (or an mbarrier) alone is
-   reported as a race (a false alarm, never a missed one).
+   detector; a partial one (and an mbarrier) orders the warps it releases after the arrivals
+   (ordering.py: the happens-before the detector consults).
  - The proxy fence: shared-memory bytes written through the generic proxy (st.shared, cp.async,
    stmatrix) are marked with their writer warp until that warp executes fence.proxy.async; an
    async-proxy read (wgmma from a descriptor, a TMA store) of a marked byte is an error.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashgen.emulate import ordering
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.ptx import Imm
 
@@ -49,6 +56,11 @@ def blocking(ins) -> bool:
     _NAMED kind): wgmma.mma_async, or a named barrier."""
     return (ins.opcode == "wgmma" and ins.mods[:1] == ("mma_async",)) or \
         (ins.opcode in ("bar", "barrier") and named_barrier(ins))
+
+
+def parks(ins) -> bool:
+    """An instruction after which its warp may park (machine.py's _WAIT kind: AsyncState.park)."""
+    return ins.opcode == "mbarrier" and ins.mods[:1] in (("try_wait",), ("test_wait",))
 
 
 def named_barrier(ins) -> bool:
@@ -72,9 +84,10 @@ class MBarrier:
             raise EmulationError(f"mbarrier.init at offset {offset} with count {count} (must be in [1, 2^20))")
         self.offset, self.expected, self.pending, self.tx, self.phase = offset, count, count, 0, 0
         self.on_complete = []           # callbacks of the current phase (TMA deliveries)
-        self.carry = None               # WgmmaReads knowledge the arrivals so far passed on
+        self.carry = None               # knowledge the arrivals so far passed on (AsyncState.release)
         self.published = None           # ... as of the last phase completion
         self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
+        self.parked = []                # warps parked on a failed try_wait (AsyncState.park)
 
     def describe(self) -> str:
         return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
@@ -103,11 +116,25 @@ class MBarrier:
     def _maybe_complete(self):
         if self.pending == 0 and self.tx == 0:
             done, self.on_complete = self.on_complete, []
-            self.published = None if self.carry is None else self.carry.copy()
+            for fn in done:             # TMA deliveries: their release joins the phase's
+                fn()
+            self.published = self.carry             # (release makes new arrays: never changed in place)
             self.phase += 1
             self.pending = self.expected
-            for fn in done:
-                fn()
+            self.wake()
+
+    def issue(self, nbytes: int, deliver) -> None:
+        """A TMA load that counts `nbytes` toward this barrier, its data landed by `deliver`."""
+        self.in_flight.append((nbytes, deliver))
+        self.wake()                     # its waiters' next try_wait lands it
+
+    def wake(self) -> None:
+        for w in self.parked:
+            w.at_barrier, w.named_wait = False, None
+        self.parked = []
+
+    def state(self) -> tuple:
+        return self.phase, self.pending, self.tx, len(self.in_flight)
 
     def land(self) -> None:
         """The issued TMA loads complete their bytes. Done when a thread waits on the barrier
@@ -126,7 +153,7 @@ class MBarrier:
 class NamedBarrier:
     def __init__(self, count: int):
         self.count, self.arrived, self.waiting = count, 0, []
-        self.carry = None               # WgmmaReads knowledge of the arriving warps
+        self.carry = None               # knowledge of the arriving warps (AsyncState.release)
 
 
 class WgmmaReads:
@@ -167,9 +194,14 @@ class WgmmaReads:
 class AsyncState:
     def __init__(self, smem):
         self.smem = smem
+        # happens-before for the shared-memory race detector (memory.py asks it)
+        self.order = ordering.Ordering(smem.data.size, smem.stride, smem.granule, smem.epochs.size) \
+            if smem.race_check else None
         self.mbarriers: dict = {}       # (slot, offset) -> MBarrier
         self.named: dict = {}           # (slot, id) -> NamedBarrier
         self.spinning: dict = {}        # warp -> (what it waits for, the mbarrier)
+        self.park_requests: dict = {}   # warp -> the mbarrier its failed try_wait may park it on
+        self.last_stall = None          # what retry_parked saw last
         self.warp_state: dict = {}      # warp -> per-warp dict (wgmma groups, register locks, ...)
         # generic-proxy writer (warp + 1) of each shared byte not yet fenced; 0: none
         self.unfenced = np.zeros(smem.data.size, np.int16)
@@ -200,14 +232,42 @@ class AsyncState:
         self.mbarrier(slot, offset)
         del self.mbarriers[(slot, offset)]
 
-    def spin(self, warp, what: str, barrier: MBarrier | None) -> None:
+    def spin(self, warp, what: str, barrier: MBarrier | None, park: bool) -> None:
+        """A failed wait; `park`: the warp may park until `barrier` changes (machine.py asks
+        park() next, once the instruction is done)."""
         self.spinning[warp] = (what, barrier)
+        if park:
+            self.park_requests[warp] = barrier
 
     def stop_spinning(self, warp) -> None:
         self.spinning.pop(warp, None)
 
+    def park(self, warp, converged: bool) -> bool:
+        """machine.py's hook after a _WAIT instruction: whether `warp` parks (the machine then
+        resumes it at the next instruction once woken). Only a converged warp parks: the machine
+        keeps one pc for a waiting warp."""
+        b = self.park_requests.pop(warp, None)
+        if b is None or not converged:
+            return False
+        warp.at_barrier, warp.named_wait = True, "mbarrier"
+        b.parked.append(warp)
+        return True
+
+    def retry_parked(self, parked) -> bool:
+        """No warp of the wave can run and `parked` (machine's warps) are parked: wake them all
+        (True) unless they already parked at the same pcs with every barrier as it is now, the
+        last time no warp could run (False: a deadlock)."""
+        seen = (tuple((id(w), w.pc) for w in parked), tuple(b.state() for b in self.mbarriers.values()),
+                tuple((k, b.arrived) for k, b in self.named.items()))
+        if seen == self.last_stall:
+            return False
+        self.last_stall = seen
+        for b in {id(w): self.spinning[w][1] for w in parked}.values():
+            b.wake()
+        return True
+
     def hang_note(self) -> str:
-        """What the warps that last failed a wait are waiting for (for the budget's error)."""
+        """What the warps that last failed a wait are waiting for (for a hang's error)."""
         notes = []
         for warp, (what, b) in list(self.spinning.items())[:4]:
             notes.append(f"warp {warp.wid} of block {warp.cta.ctaid} spins on {what}" +
@@ -245,7 +305,8 @@ class AsyncState:
             self.smem.barrier(warp.cta.slot)
 
     def deadlock(self) -> str:
-        return "; ".join([f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
+        parked = [self.hang_note()] if self.spinning else []
+        return "; ".join(parked + [f"barrier {bid} of block slot {slot}: {b.arrived} of {b.count} threads arrived "
                           f"(waiting: warps {', '.join(str(w.wid) for w in b.waiting)})"
                           for (slot, bid), b in self.named.items()] +
                          [f"wgmma.mma_async at PTX line {key[0]}: warps {[w.wid for w in warps]} of warpgroup {wg} "
@@ -275,23 +336,36 @@ class AsyncState:
             r = self.wgmma_reads[warp.smem_slot] = WgmmaReads(self.smem.size, len(warp.cta.warps))
         return r
 
-    def release(self, warp, carry):
-        """A warp's arrival passes on what it knows: -> the barrier's knowledge with it."""
-        r = self.wgmma_reads.get(warp.smem_slot)
-        if r is None:
-            return carry
-        return r.known[warp.wid].copy() if carry is None else np.maximum(carry, r.known[warp.wid])
+    def release(self, warp, carry, agent=None):
+        """A warp's arrival (or, `agent` ASYNC, a TMA load's complete_tx) passes on what it
+        knows: -> the barrier's knowledge with it, (the wgmmas known completed, the happens-before
+        vector), either None where not tracked."""
+        wg, hb = carry or (None, None)
+        r = self.wgmma_reads.get(warp.smem_slot) if agent is None else None
+        if r is not None:
+            wg = r.known[warp.wid].copy() if wg is None else np.maximum(wg, r.known[warp.wid])
+        if self.order is not None:
+            mine = self.order.release(warp.smem_slot, warp.wid if agent is None else agent)
+            hb = mine if hb is None else np.maximum(hb, mine)
+        return wg, hb
 
     def acquire(self, warp, carry) -> None:
-        if carry is not None:
+        if carry is None:
+            return
+        wg, hb = carry
+        if wg is not None:
             known = self.reads_of(warp).known
-            np.maximum(known[warp.wid], carry, out=known[warp.wid])
+            np.maximum(known[warp.wid], wg, out=known[warp.wid])
+        if hb is not None:
+            self.order.acquire(warp.smem_slot, warp.wid, hb)
 
     def cta_barrier(self, slot: int) -> None:
         """bar.sync 0: every warp of the CTA learns what any knew."""
         r = self.wgmma_reads.get(slot)
         if r is not None:
             r.known[:] = r.known.max(0)
+        if self.order is not None:
+            self.order.cta_barrier(slot)
 
     def fence_proxy_async(self, slot: int, wid: int) -> None:
         lo, hi = slot * self.smem.stride, slot * self.smem.stride + self.smem.size
@@ -315,16 +389,26 @@ class AsyncState:
                                  f"(bad descriptor?)")
         return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
 
-    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str) -> np.ndarray:
+    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None) -> np.ndarray:
         """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
-        [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), and
-        fenced after generic writes."""
+        [*addrs.shape, elem]) on behalf of warps `readers` (default: `warp`; a wgmma: its
+        warpgroup): in bounds, delivered (no cp.async / TMA still writing them), fenced after
+        generic writes, and ordered after the last write of each byte (ordering.py)."""
         idx = self._indices(warp, addrs, elem, what)
         if self.smem.in_flight and self.smem.pending[idx].any():
             x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
             raise EmulationError(f"{what} reads shared offset {x}, which an asynchronous copy has not delivered yet "
                                  f"(missing wait before this access?)")
         self.async_read(idx, what)
+        if self.order is not None:
+            g = np.unique(idx.reshape(-1) // self.smem.granule)
+            bad = self.order.unordered_async_read(g, warp.smem_slot, [warp.wid] if readers is None else readers)
+            if bad is not None:
+                x, writer = bad
+                who = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
+                x = x * self.smem.granule % self.smem.stride
+                raise EmulationError(f"{what} by warp {warp.wid} reads shared offset {x}, written by {who} with "
+                                     f"nothing ordering the write before the read (missing mbarrier wait or barrier?)")
         return self.smem.data[idx]
 
     def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:
@@ -372,6 +456,7 @@ class AsyncState:
         if warp.smem_slot in self.wgmma_reads:
             self.wgmma_reads[warp.smem_slot].check_write(warp.wid, idx - warp.smem_slot * self.smem.stride,
                                                          "TMA load")
+        self.smem.claim(idx, warp.wid, "TMA load")    # a write by the issuing warp, as far as it knows
         self.smem.pending[idx] += 1
         self.tma_pending[idx] += 1
         self.smem.in_flight += idx.size
@@ -381,9 +466,10 @@ class AsyncState:
             self.tma_pending[idx] -= 1
             self.smem.in_flight -= idx.size
             self.unfenced[idx] = 0              # written by the async proxy: nothing to fence
-            self.smem.forget(idx)
+            self.smem.async_written(idx, ordering.ASYNC)
             self.smem.data[idx] = data
-        barrier.in_flight.append((nbytes, deliver))
+            barrier.carry = self.release(warp, barrier.carry, ordering.ASYNC)
+        barrier.issue(nbytes, deliver)
 
     def pending_note(self, byte: int) -> str | None:
         """Why an undelivered byte is undelivered, if a TMA load holds it (for memory.py's error)."""

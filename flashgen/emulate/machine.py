@@ -47,6 +47,7 @@ MAX_THREADS_PER_BLOCK = 1024
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR, _NAMED = range(5)     # _NAMED: may make a warp wait (hopper_state.blocking)
+_WAIT = 5       # an _ALU after which its warp may park (hopper_state.parks): hopper's park hook decides
 _DIVERGED_BARRIER = "bar.sync executed by a diverged warp (.aligned requires the whole warp to reach it together)"
 
 
@@ -274,6 +275,8 @@ class _Compiled:
             return (_RET, None, *guard, None)
         if hopper_state.blocking(ins):
             return (_NAMED, compile_blocking(ins, ops), *guard, None)
+        if hopper_state.parks(ins):
+            return (_WAIT, compile_instruction(ins, ops), *guard, None)
         if ins.opcode in ("bar", "barrier") and ins.mods in (("sync",), ("cta", "sync"), ("sync", "aligned"),
                                                               ("cta", "sync", "aligned")):
             if ins.pred is not None:
@@ -347,6 +350,9 @@ class _Launch:
     def _release_barriers(self, waiting, nthreads):
         """No warp can run: every live warp waits at a barrier. Release each CTA's."""
         stuck = [w for w in waiting if getattr(w, "named_wait", None) is not None]
+        parked = [w for w in stuck if w.named_wait == "mbarrier"]
+        if parked and parked[0].smem.hopper.retry_parked(parked):
+            return
         if stuck:
             raise EmulationError(f"{self.context(stuck[0], stuck[0].pc - 1)}: deadlock: no warp can run; "
                                  f"{stuck[0].smem.hopper.deadlock()}")
@@ -437,6 +443,14 @@ class _Launch:
                         m.alive_mask = None if m.alive.all() else m.alive.copy()
                     lp[act & ~exe] = pc + 1
                     lp[exe] = _DEAD
+                elif kind == _WAIT:                      # run per warp (PER_WARP); converged warps may park
+                    self._per_warp(g, fn, exe, pc)
+                    lp[act] = pc + 1
+                    for j in np.flatnonzero(act.reshape(-1, 32).any(1)):
+                        m = members[j]
+                        if m.smem.hopper.park(m, bool((exe[32 * j:32 * j + 32] == m.alive).all())):
+                            m.pc = pc + 1
+                            lp[32 * j:32 * j + 32] = _DEAD
                 elif kind == _NAMED:
                     waiting = [m.at_barrier for m in members]
                     arriving = act.reshape(-1, 32).any(1)
@@ -469,7 +483,7 @@ class _Launch:
         low = rows.min(1)
         converged = ((rows == low[:, None]) | (rows == _DEAD)).all(1)
         for j, (m, first, together) in enumerate(zip(members, low.tolist(), converged.tolist())):
-            if not (m.done or m.at_barrier):
+            if not (m.done or m.at_barrier or first == _DEAD):      # _DEAD: parked, maybe woken since
                 m.pc, m.lane_pc = first, None if together else rows[j].copy()
 
     def run_warp(self, w, quantum, nthreads):
@@ -507,6 +521,18 @@ class _Launch:
                     self._exit(w, pc, active, exe)
                     if w.done:
                         return
+                    pc = w.pc
+                elif kind == _WAIT:
+                    if exe is None or exe.any():
+                        fn(w, exe)
+                    if w.smem.hopper.park(w, w.lane_pc is None and (exe is None or (exe == w.alive).all())):
+                        w.pc = pc + 1
+                        return
+                    if w.lane_pc is None:
+                        w.pc = pc + 1
+                    else:
+                        w.lane_pc[active] = pc + 1
+                        _reconverge(w)
                     pc = w.pc
                 elif kind == _NAMED:
                     if w.lane_pc is not None or (exe is not None and not (exe == w.alive).all()):

@@ -16,7 +16,8 @@ not do for us:
    read or written;
  - a race detector: within one barrier epoch (between two bar.sync), a byte written by one warp
    must not be read or written by another warp, and a byte read by one warp must not be written
-   by another. The verdict does not depend on the warp schedule;
+   by another. The verdict does not depend on the warp schedule. In Hopper kernels, mbarriers
+   and named barriers of fewer threads order accesses too (hopper_state's ordering.py);
  - within a warp, a lane must not read a byte another lane of the warp wrote since the warp's last
    __syncwarp (bar.warp.sync) or barrier: lanes of a warp are not ordered either (sm_70+).
 """
@@ -296,13 +297,24 @@ class SharedMemory:
         if self.hopper is not None:
             self.hopper.cta_barrier(slot)
 
-    def forget(self, idx: np.ndarray) -> None:
-        """Bytes a TMA load replaced (flat byte indices): the generic accesses before it are
-        ordered with the ones after by its mbarrier, which the detector does not see."""
+    # -- Hopper: the async proxy's writes, and the happens-before of hopper_state's ordering ------
+    def claim(self, idx: np.ndarray, warp: int, what: str) -> None:
+        """An asynchronous write (a TMA load) of flat byte indices `idx` [rows, nbytes] issued
+        by `warp`: checked as its write when issued."""
+        if self.race_check:
+            try:
+                self._race_write(self._granules(idx), warp, None)
+            except EmulationError as e:
+                raise EmulationError(f"{what}: {e}") from None
+
+    def async_written(self, idx: np.ndarray, agent: int) -> None:
+        """The async proxy (`agent`) wrote these bytes (a TMA load landed; checked by claim)."""
         if self.race_check:
             g = self._granules(idx)
-            self.w_stamp[g] = 0
+            self.w_stamp[g] = (self.epochs[g * self.granule // self.stride] << 8) | agent
             self.r_stamp[g] = 0
+            self.w_lane[g] = -1
+            self.hopper.order.stamp(g, agent, write=True)
 
     def warp_sync(self, warps) -> None:
         """bar.warp.sync by these warps: their lanes' earlier writes are visible to each other."""
@@ -357,6 +369,8 @@ class SharedMemory:
         base, mine, slots, rows = self._stamps(idx, warp)
         ws = self.w_stamp[idx]
         bad = (ws >= base) & (ws != mine)
+        if bad.any() and self.hopper is not None:      # an mbarrier or a partial barrier may order it
+            bad &= self.hopper.order.unordered_write(idx, rows)
         if bad.any():
             pos = tuple(np.argwhere(bad)[0])
             raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
@@ -380,6 +394,8 @@ class SharedMemory:
         # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
         again = self.r_stamp[idx] != stamp
         self.r_stamp[idx[again]] = many[again]
+        if self.hopper is not None:
+            self.hopper.order.stamp(idx, rows, write=False)
 
     def _race_write(self, idx, warp, lanes):
         base, mine, slots, rows = self._stamps(idx, warp)
@@ -387,6 +403,9 @@ class SharedMemory:
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
         ww = (ws >= base) & (ws != mine)
         rw = (rs >= base) & (rs != mine)
+        if (ww.any() or rw.any()) and self.hopper is not None:
+            ww &= self.hopper.order.unordered_write(idx, rows)
+            rw &= self.hopper.order.unordered_reads(idx, rows)
         if ww.any() or rw.any():
             pos = tuple(np.argwhere(ww | rw)[0])
             stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
@@ -399,6 +418,8 @@ class SharedMemory:
                              "written")
         self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
         self.w_wsync[idx] = self.warp_syncs[slots, rows]
+        if self.hopper is not None:
+            self.hopper.order.stamp(idx, rows, write=True)
 
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
     # None when the rows are read on behalf of the whole warp (ldmatrix); `slot`: the CTA's slot

@@ -154,7 +154,8 @@ extern "C" __global__ void elect_one(int* leader, int* is_leader, unsigned mask)
 // are the accumulator registers per (thread, register). `flags` switches misuses on:
 enum {
   ACCUMULATE = 1, NO_PROXY_FENCE = 2, NO_WGMMA_FENCE = 4, NO_WAIT = 8, WRITE_IN_FLIGHT = 16, WARP_3_EXITS = 32,
-  WARP_3_OTHER_B = 64                       // warp 3 names another B tile than its warpgroup
+  WARP_3_OTHER_B = 64,                      // warp 3 names another B tile than its warpgroup
+  NO_SYNC = 128                             // no barrier between the image's stores and the wgmma
 };
 #define D_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define D_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
@@ -163,7 +164,7 @@ __device__ __forceinline__ void load_image(const uint32_t* img, int words, int f
   extern __shared__ __align__(1024) uint32_t smem_img[];
   for (int i = threadIdx.x; i < words; i += blockDim.x) smem_img[i] = img[i];
   if (!(flags & NO_PROXY_FENCE)) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
+  if (!(flags & NO_SYNC)) __syncthreads();
 }
 __device__ __forceinline__ uint64_t image_base() {
   extern __shared__ __align__(1024) uint32_t smem_img[];
@@ -474,5 +475,64 @@ extern "C" __global__ void bulk_copy_roundtrip(const float* in, float* out, int 
                  "r"(nbytes) : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}
+
+// A 2-stage ring through shared memory read and written by generic loads and stores: producer
+// warp 0 fills stage i % 2 with row i of `a` (64 floats; with `tma`, by a bulk copy that the
+// full barrier counts in transaction bytes), consumer warps 1 and 2 each read their half after
+// waiting on the stage's full barrier, swap halves through `x` ordered by named barrier 1 (64
+// threads, fewer than the block's 96), and free the stage on its empty barrier:
+// out[i] = a[i] + 2 * (a[i] with its halves swapped). `misuse` 1: consumer warp 2 skips its
+// full-barrier wait; 2: the producer skips its empty-barrier wait; 3: the consumers skip the
+// named barriers around the swap.
+extern "C" __global__ void mbarrier_ring(const float* a, float* out, int rounds, int tma, int misuse) {
+  __shared__ __align__(128) float stage[2][64];
+  __shared__ float x[64];
+  __shared__ __align__(8) uint64_t full[2], empty[2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(smem_u32(&full[s]), tma ? 1 : 32);
+      mbar_init(smem_u32(&empty[s]), 64);
+    }
+  }
+  __syncthreads();
+  for (int i = 0; i < rounds; ++i) {
+    const int s = i % 2, parity = (i / 2) & 1;
+    if (warp == 0) {
+      if (misuse != 2) mbar_wait(smem_u32(&empty[s]), parity ^ 1);
+      if (!tma) {
+        stage[s][lane] = a[i * 64 + lane];
+        stage[s][lane + 32] = a[i * 64 + lane + 32];
+        mbar_arrive(smem_u32(&full[s]));
+      } else if (lane == 0) {
+        mbar_arrive_expect_tx(smem_u32(&full[s]), 256);
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_u32(stage[s])), "l"(a + i * 64), "r"(256), "r"(smem_u32(&full[s])) : "memory");
+      }
+    } else {
+      const int c = warp - 1;
+      if (!(misuse == 1 && c == 1)) mbar_wait(smem_u32(&full[s]), parity);
+      const float mine = stage[s][32 * c + lane];
+      x[32 * c + lane] = 2.0f * mine;
+      if (misuse != 3) named_sync(1, 64);
+      out[i * 64 + 32 * c + lane] = mine + x[32 * (1 - c) + lane];
+      if (misuse != 3) named_sync(1, 64);   // both halves read before the next round rewrites x
+      mbar_arrive(smem_u32(&empty[s]));
+    }
+  }
+}
+
+// An mbarrier addressed 64 bytes below its 32-bit shared address, through the address's
+// immediate offset (`below`) or the register itself: the address wraps at 2^32, outside the
+// CTA's shared memory, and the init must be refused (on a GPU: an illegal address).
+extern "C" __global__ void mbarrier_below(int below_in_register) {
+  __shared__ __align__(8) uint64_t bar[2];
+  const uint32_t b = smem_u32(&bar[0]);
+  if (below_in_register) {
+    mbar_init(b - 64, 1);
+  } else {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0+-64], %1;" ::"r"(b), "r"(1) : "memory");
   }
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.ptx import Addr, Sym
+from flashgen.emulate.ptx import TYPE_SIZES, Addr, Reg, Sym
 from flashgen.emulate.semantics.registry import executing_warps, handles, require_full_warp, unsupported
 from flashgen.emulate.semantics.warpops import _member_lanes
 
@@ -39,21 +39,25 @@ def mbarrier(ins, ops):
     addr_op = next(x for x in ins.operands if isinstance(x, Addr))
     addr = ops.address(addr_op)
     pos = ins.operands.index(addr_op)
+    # a 32-bit register's shared address plus an offset wraps at 2^32, as the hardware's does
+    wrap = 0xFFFFFFFF if isinstance(addr_op.base, Reg) and TYPE_SIZES.get(ops.reg_type(addr_op.base)) == 4 else -1
 
     def barriers(w, m):
-        """(warp, lanes slice, executing lanes, per-lane offsets) with the warp's AsyncState."""
+        """(warp, lanes slice, [(shared offset, its executing lanes of the warp)]) per executing
+        warp. Every offset counts, a wrapped or negative one too: the AsyncState refuses it."""
         for warp, sl, lanes in warp_lanes(w, m):
-            offs = addr(w)[sl]
-            yield warp, sl, lanes, (offs if lanes is None else np.where(lanes, offs, -1))
+            offs = addr(w)[sl] & wrap
+            live = np.ones(32, bool) if lanes is None else lanes
+            yield warp, sl, [(off, live & (offs == off)) for off in np.unique(offs[live])]
 
     if action == "init" and not rest:
         rcount = ops.read(ins.operands[1], "u32")
 
         def init(w, m):
             counts = rcount(w)
-            for warp, sl, lanes, offs in barriers(w, m):
-                for off in np.unique(offs[offs >= 0]):
-                    c = np.unique(counts[sl][offs == off])
+            for warp, sl, groups in barriers(w, m):
+                for off, mine in groups:
+                    c = np.unique(counts[sl][mine])
                     if c.size != 1:
                         raise EmulationError(f"mbarrier.init at offset {off} with different counts {c.tolist()}")
                     warp.smem.hopper.mbarrier(warp.smem_slot, int(off), int(c[0]))
@@ -69,10 +73,9 @@ def mbarrier(ins, ops):
         def act(w, m):
             n = rextra(w) if rextra is not None else None
             tokens = np.zeros(w.nlanes, np.uint64)
-            for warp, sl, lanes, offs in barriers(w, m):
+            for warp, sl, groups in barriers(w, m):
                 h = warp.smem.hopper
-                for off in np.unique(offs[offs >= 0]):
-                    mine = offs == off
+                for off, mine in groups:
                     b = h.mbarrier(warp.smem_slot, int(off))
                     amounts = n[sl][mine].astype(np.int64) if n is not None else None
                     if action == "expect_tx" or tx_arrive:
@@ -95,10 +98,9 @@ def mbarrier(ins, ops):
         def wait(w, m):
             arg = rarg(w).astype(np.int64)
             done = np.zeros(w.nlanes, bool)
-            for warp, sl, lanes, offs in barriers(w, m):
+            for warp, sl, groups in barriers(w, m):
                 h = warp.smem.hopper
-                for off in np.unique(offs[offs >= 0]):
-                    mine = offs == off
+                for off, mine in groups:
                     b = h.mbarrier(warp.smem_slot, int(off))
                     b.land()
                     want = np.unique(arg[sl][mine])
@@ -107,7 +109,7 @@ def mbarrier(ins, ops):
                     if not all(ok):
                         what = (f"mbarrier.{action}.parity {int(want[0]) & 1}" if parity else
                                 f"mbarrier.{action} for the phase of state token {int(want[0])}")
-                        h.spin(warp, what, b)
+                        h.spin(warp, what, b, park=len(groups) == 1 and not any(ok))
                     else:
                         h.stop_spinning(warp)
                     if any(ok):
@@ -117,8 +119,8 @@ def mbarrier(ins, ops):
 
     if action == "inval" and not rest:
         def inval(w, m):
-            for warp, sl, lanes, offs in barriers(w, m):
-                for off in np.unique(offs[offs >= 0]):
+            for warp, sl, groups in barriers(w, m):
+                for off, _ in groups:
                     warp.smem.hopper.invalidate(warp.smem_slot, int(off))
         return inval
     raise unsupported(ins)
