@@ -106,7 +106,7 @@ BWD_KERNEL = """
 #include "flashgen/cuda/hopper/bwd.cuh"
 void* flashgen_emulated_kernels[] = {
     (void*)&flashgen::cuda::flash_bwd_pre_kernel<__nv_bfloat16, 64>,
-    (void*)&flashgen::cuda::hopper_bwd_kernel<__nv_bfloat16, 64>,
+    (void*)&flashgen::cuda::hopper_bwd_kernel<__nv_bfloat16, 64, false>,
     (void*)&flashgen::cuda::flash_bwd_convert_kernel<__nv_bfloat16>,
 };
 """

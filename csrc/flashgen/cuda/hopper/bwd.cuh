@@ -8,7 +8,8 @@
 // K^T are loaded once; then per block of 64 queries that can see the keys:
 //   S^T  = K Q^T, dP^T = V dO^T       (wgmma, both operands from shared memory, 1 group)
 //   P^T  = exp2(S^T * scale * log2e - lse * log2e), masked on tail / band-edge blocks
-//   dS^T = P^T (dP^T - Dsum)
+//          [softcap c: u = tanh(S^T * scale / c), P^T = exp2(c u log2e - lse log2e)]
+//   dS^T = P^T (dP^T - Dsum)              [softcap: * (1 - u^2)]
 //   dV  += P^T dO, dK += dS^T Q       (wgmma, P^T / dS^T from registers as the A operand)
 //   dQ  += scale * dS K               (dS stored transposed to shared memory as the K-major A
 //                                      operand, K^T as the K-major B; f32 atomicAdd of pairs)
@@ -27,12 +28,10 @@ namespace cuda {
 namespace {
 
 // Compiled for the forward's element types and head dims (the same swizzled panels); at run
-// time the dense calls without extras or softcap (bwd_run sends the others, varlen and
-// head_dim_v != head_dim to the sm80 family's kernels).
+// time every dense call without extras (any band, softcap or not): bwd_run sends the others,
+// varlen and head_dim_v != head_dim to the sm80 family's kernels.
 template <class T, int D>
 constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
-
-inline bool hopper_bwd_supports(const AttentionAttrs& attrs) { return attrs.softcap == 0.f; }
 
 struct HopperBwdConfig {
   static constexpr int BC = 64;  // keys per CTA (one warpgroup's wgmma M)
@@ -78,7 +77,8 @@ FG_DEV void issue_abt(float (&d)[32], uint32_t a, uint32_t b) {
   }
 }
 
-template <class T, int D>
+// CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256).
+template <class T, int D, bool CAPPED>
 __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kernel(const BwdParams p) {
   using Cfg = HopperBwdConfig;
   constexpr int BR = Cfg::BR, BC = Cfg::BC, NT = Cfg::kThreads;
@@ -169,14 +169,23 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     // is NaN (a NaN V or dO must not reach pairs the row does not see).
     const bool need_mask =
         k0 + BC > Sk || (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
+    // Softcap c: the score is c u with u = tanh(scale s / c) (S^T becomes u in place), and dS
+    // gains the factor 1 - u^2. A score of +-inf gives u = +-1, factor 0: dS 0 unless dP is NaN,
+    // as float64 has it.
+    if constexpr (CAPPED) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc_s[j] = tanhf(acc_s[j] * p.cap_in);
+    }
+    const float score_log2 = CAPPED ? p.softcap * kLog2e : p.scale_log2;  // per unit of S^T
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int key = k0 + 16 * warp + g + 8 * ((j / 2) % 2), qi = 8 * (j / 4) + 2 * t + j % 2;
-      const float pv = fast_exp2(fmaf(acc_s[j], p.scale_log2, -sLse[qi]));
+      const float pv = fast_exp2(fmaf(acc_s[j], score_log2, -sLse[qi]));
+      const float cap_grad = CAPPED ? 1.f - acc_s[j] * acc_s[j] : 1.f;
       const int rel = key - (q0 + qi);
       const bool masked = need_mask && (key >= Sk || rel < p.band_lo || rel > p.band_hi);
       acc_s[j] = masked ? 0.f : pv;
-      acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - sDsum[qi]);
+      acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - sDsum[qi]) * cap_grad;
     }
     // k16 step kk's A fragment (rows = keys, k = queries 16 kk ..) is accumulator tiles 2 kk and
     // 2 kk + 1, rounded to T.
