@@ -11,8 +11,9 @@
 //     arrival once the wgmmas that read the stage retired);
 //   warpgroup 1 (consumer) loads K, V and K^T once; each of its warps keeps its own copy of
 //     the block's lse and Dsum (256 bytes each, fetched during the previous block's dQ GEMM,
-//     ordered by __syncwarp alone: the emulator on main orders generic shared-memory accesses
-//     by neither mbarriers nor 128-thread named barriers yet); then per query block of 64:
+//     ordered by __syncwarp alone: only wgmma reads what another warp wrote, as the race
+//     detector of this emulator orders generic accesses by neither mbarriers nor named barriers
+//     of 128 threads); then per query block of 64:
 //   S^T  = K Q^T, dP^T = V dO^T       (wgmma, both operands from shared memory, 1 group)
 //   P^T  = exp2(S^T * scale * log2e - lse * log2e), masked on tail / band-edge blocks
 //          [softcap c: u = tanh(S^T * scale / c), P^T = exp2(c u log2e - lse log2e)]
@@ -98,7 +99,8 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
   static_assert(BR == 64 && BC == 64, "one swizzle panel of keys / queries per k-extent");
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ float sLse[NT / 32][BR], sDsum[NT / 32][BR];  // per consumer warp: lse * log2(e) (+inf: no probability), Dsum
+  // Per consumer warp: lse * log2(e) (+inf: no probability), Dsum.
+  __shared__ float sLse[NT / 32][BR], sDsum[NT / 32][BR];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((raw + sm90::kSwizzleAtom - 1) / sm90::kSwizzleAtom * sm90::kSwizzleAtom - raw);
