@@ -1,6 +1,6 @@
 """The sm90a dense backward's Hopper main kernel (csrc/flashgen/cuda/hopper/bwd.cuh: wgmma for
-S^T, dP^T, dV, dK and dQ; one warpgroup per 64 keys) run on the CPU through its FFI handler,
-against float64.
+S^T, dP^T, dV, dK and dQ; a producer and a consumer warpgroup per 64 keys) run on the CPU
+through its FFI handler, against float64.
 
 Each case builds the sm90a spec as it ships (build(host="emulate")), runs the forward and then
 the backward handler under the emulator with fresh random inputs and poisoned outputs, compares
