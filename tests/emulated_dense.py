@@ -104,13 +104,14 @@ def bwd_config(dtype: str, head_dim: int):
 
 
 def run_dense_backward(module: PtxModule, q, k, v, do, *, causal: bool, dtype: str, arch: str = "sm80",
-                       seed: int | None = None, main=None):
+                       seed: int | None = None, main=None, max_warp_instructions: int = 200_000_000):
     """dq, dk, dv (float64) from the pre / main / convert kernels (bf16/f16, heads_q == heads_kv).
 
     o and lse come from the float64 reference (rounded like the forward's outputs), so the
     backward is checked on its own. main: (entry, threads, keys per CTA, column splits, smem
     bytes) of another main kernel taking BwdParams (the sm90a hopper_bwd_kernel); default the
-    dense flash_bwd_kernel.
+    dense flash_bwd_kernel. max_warp_instructions: the main kernel's budget (a deadlocked
+    mutant spins into it).
     """
     from flashgen import reference
     b, sq, h, d = q.shape
@@ -147,7 +148,7 @@ def run_dense_backward(module: PtxModule, q, k, v, do, *, causal: bool, dtype: s
     params = params.ljust(size, b"\0")
     assert len(params) == size == 152, "BwdParams changed: update emulated_dense.py"
     total.append(launch(module, name, (-(-sk // bc) * nsplit, h, b), (threads, 1, 1), smem, [params], mem,
-                        arch=arch, seed=seed))
+                        arch=arch, seed=seed, max_warp_instructions=max_warp_instructions))
     n = dq_acc.size
     conv = kernel_name(module, "flash_bwd_convert_kernel")
     total.append(launch(module, conv, (max(1, -(-(n // 4) // 256)), 1, 1), (256, 1, 1), 0,

@@ -1,11 +1,11 @@
 """The sm90a dense backward's Hopper main kernel (csrc/flashgen/cuda/hopper/bwd.cuh: wgmma for
-S^T, dP^T, dV, dK and dQ; one warpgroup per 64 keys) run on the CPU through its FFI handler,
-against float64.
+S^T, dP^T, dV, dK and dQ; a producer and a consumer warpgroup per 64 keys) run on the CPU
+through its FFI handler, against float64.
 
 Each case builds the sm90a spec as it ships (build(host="emulate")), runs the forward and then
 the backward handler under the emulator with fresh random inputs and poisoned outputs, compares
 dq, dk and dv with flashgen.reference, and asserts which main kernel ran: the Hopper one for the
-calls it serves (hopper_bwd_supports), the sm80 family's for the others. The preprocess and
+dense calls without extras (softcap included), the sm80 family's for the others. The preprocess and
 convert kernels of the sm80 family run around either.
 """
 import pytest
@@ -42,19 +42,21 @@ def backward(rng, head_dim, dtype, causal, **case):
     # stored straight in the output type
     (64, "bf16", True, dict(seqlen_q=130, seqlen_k=77, heads_q=2, heads_kv=2, bottom_right=True)),
     (128, "f16", False, dict(seqlen_q=65, seqlen_k=100, heads_q=2, heads_kv=1)),
+    # softcap (dS times 1 - tanh^2) inside a causal sliding window: key blocks see both band edges
+    (64, "bf16", True, dict(seqlen_q=100, seqlen_k=130, heads_q=2, heads_kv=1, window=(40, -1), softcap=2.0)),
     pytest.param(64, "f16", False, dict(seqlen_q=70, seqlen_k=150, heads_q=3, heads_kv=1), marks=pytest.mark.slow),
     pytest.param(128, "bf16", True, dict(seqlen_q=100, seqlen_k=70, heads_q=2, heads_kv=2), marks=pytest.mark.slow),
     pytest.param(256, "bf16", True, dict(seqlen_q=70, seqlen_k=90, heads_q=2, heads_kv=1), marks=pytest.mark.slow),
     pytest.param(128, "f16", False, dict(seqlen_q=70, seqlen_k=90, window=(8, 5)), marks=pytest.mark.slow),
-], ids=["d64-bf16-causal-gqa", "d64-bf16-bottom-right-sq>sk-mha", "d128-f16-mqa", "d64-f16-mqa",
-        "d128-bf16-causal", "d256-bf16-causal", "d128-f16-window"])
+    pytest.param(128, "f16", False, dict(seqlen_q=70, seqlen_k=90, window=(8, 5), softcap=1.5), marks=pytest.mark.slow),
+], ids=["d64-bf16-causal-gqa", "d64-bf16-bottom-right-sq>sk-mha", "d128-f16-mqa", "d64-bf16-causal-window-softcap",
+        "d64-f16-mqa", "d128-bf16-causal", "d256-bf16-causal", "d128-f16-window", "d128-f16-window-softcap"])
 def test_hopper_backward_matches_float64(rng, head_dim, dtype, causal, case):
     r = backward(rng, head_dim, dtype, causal, **case)
     assert ran(r, HOPPER_BWD) == 1 and ran(r, SM80_BWD) == 0, r.kernels
 
 
-@pytest.mark.parametrize("case", [dict(softcap=3.0), dict(alibi="H"), dict(bias=(1, 2))],
-                         ids=["softcap", "alibi", "bias-with-dbias"])
+@pytest.mark.parametrize("case", [dict(alibi="H"), dict(bias=(1, 2))], ids=["alibi", "bias-with-dbias"])
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
     r = backward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
     assert ran(r, HOPPER_BWD) == 0 and ran(r, SM80_BWD) == 1, r.kernels

@@ -197,11 +197,11 @@ BWD_KERNEL = """
 #include "flashgen/cuda/hopper/bwd.cuh"
 void* flashgen_emulated_kernels[] = {
     (void*)&flashgen::cuda::flash_bwd_pre_kernel<__nv_bfloat16, 64>,
-    (void*)&flashgen::cuda::hopper_bwd_kernel<__nv_bfloat16, 64>,
+    (void*)&flashgen::cuda::hopper_bwd_kernel<__nv_bfloat16, 64, false>,
     (void*)&flashgen::cuda::flash_bwd_convert_kernel<__nv_bfloat16>,
 };
 """
-BWD_SMEM = 6 * 64 * 64 * 2 + 1024   # HopperBwdConfig::smem_bytes(64): K, V, Q, dO, K^T, dS, alignment
+BWD_SMEM = 8 * 64 * 64 * 2 + 1024   # HopperBwdConfig::smem_bytes(64): K, V, 2 stages of Q and dO, K^T, dS, alignment
 
 BWD_MUTATIONS = [
     ("missing_wgmma_wait_before_ds", "bwd.cuh",
@@ -214,7 +214,26 @@ BWD_MUTATIONS = [
      "static_cast<uint16_t>(j % 2 ? pair >> 16 : pair & 0xFFFF);\n    }"),
     ("ds_stored_unswizzled", "bwd.cuh",
      "sdS + c * 128 + (((r / 8) ^ (c % 8)) << 4)", "sdS + c * 128 + ((r / 8) << 4)"),
+    # the Q / dO ring (producer warpgroup, full / empty mbarriers)
+    ("bwd_consumer_stage_off_by_one", "bwd.cuh",
+     "s = it % kStages, q0 = m * BR;\n    sm90::mbar_wait(smem_addr(&full[s])",
+     "s = (it + 1) % kStages, q0 = m * BR;\n    sm90::mbar_wait(smem_addr(&full[s])"),
+    ("bwd_producer_stage_off_by_one", "bwd.cuh",
+     "s = it % kStages, q0 = m * BR;\n      sm90::mbar_wait(smem_addr(&empty[s])",
+     "s = (it + 1) % kStages, q0 = m * BR;\n      sm90::mbar_wait(smem_addr(&empty[s])"),
+    ("bwd_full_barrier_wrong_parity", "bwd.cuh",
+     "sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);",
+     "sm90::mbar_wait(smem_addr(&full[s]), ((it / kStages) & 1) ^ 1);"),
+    ("bwd_empty_barrier_wrong_parity", "bwd.cuh",
+     "sm90::mbar_wait(smem_addr(&empty[s]), ((it / kStages) & 1) ^ 1);",
+     "sm90::mbar_wait(smem_addr(&empty[s]), (it / kStages) & 1);"),
+    ("bwd_missing_producer_proxy_fence", "bwd.cuh",
+     "      sm90::fence_proxy_async();\n      sm90::mbar_arrive(smem_addr(&full[s]));",
+     "      sm90::mbar_arrive(smem_addr(&full[s]));"),
 ]
+# The correct main kernel takes about 0.25M warp instructions here (the producer spinning on its
+# empty barrier included); a deadlocked mutant spins into this budget.
+BWD_WARP_INSTRUCTION_BUDGET = 3_000_000
 
 
 def _bwd_errors(csrc, rng):
@@ -227,7 +246,7 @@ def _bwd_errors(csrc, rng):
     q, k, v, do = (rng.standard_normal((1, 150, 1, 64)).astype(bf16) for _ in range(4))
     (main,) = (n for n in module.kernels if "hopper_bwd_kernel" in n)
     grads, _ = run_dense_backward(module, q, k, v, do, causal=True, dtype="bf16", arch="sm90a",
-                                  main=(main, 128, 64, 1, BWD_SMEM))
+                                  main=(main, 256, 64, 1, BWD_SMEM), max_warp_instructions=BWD_WARP_INSTRUCTION_BUDGET)
     refs = reference.attention(q, k, v, causal=True, do=do)[2]
     return [float(np.nan_to_num(np.abs(g - w) / (1 + np.abs(w)), nan=np.inf).max()) for g, w in zip(grads, refs)]
 

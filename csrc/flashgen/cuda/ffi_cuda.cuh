@@ -302,7 +302,7 @@ ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const BwdP
   constexpr size_t kSmem = Cfg::smem_bytes(D);
   const dim3 grid(static_cast<unsigned>((s.seqlen_k + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  auto kernel = hopper_bwd_kernel<T, D>;
+  auto kernel = p.softcap > 0.f ? hopper_bwd_kernel<T, D, true> : hopper_bwd_kernel<T, D, false>;
   if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return check_launch(target, "hopper_bwd_kernel");
@@ -643,8 +643,8 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
       bool served = false;
 #ifdef FLASHGEN_WGMMA_KERNELS
       if constexpr (kHopperBwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
-        served = hopper_bwd_supports(attrs);
-        if (served) err = launch_hopper_bwd<T, D>(target, stream, p, s);
+        served = true;
+        err = launch_hopper_bwd<T, D>(target, stream, p, s);
       }
 #endif
       if (!served) err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));

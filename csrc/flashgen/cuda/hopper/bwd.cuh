@@ -1,20 +1,29 @@
-// Hopper (sm_90a) dense backward, v0: the main kernel of the backward on wgmma tensor cores;
+// Hopper (sm_90a) dense backward: the main kernel of the backward on wgmma tensor cores;
 // bwd.cuh's preprocess (Dsum = rowsum(dO * O)) and convert (f32 -> output type) kernels run
 // around it unchanged, and dQ (and dK / dV under GQA) go through the same f32 accumulators.
 //
-// One CTA = one warpgroup (128 threads) = 64 keys of one (batch, q head), and with head dims
-// above 128 one of 2 column halves of dK / dV / dQ (S and dP are recomputed on the full head
-// dim by both halves: dK + dV of 64 keys x 256 columns would not fit in registers). K, V and
-// K^T are loaded once; then per block of 64 queries that can see the keys:
+// One CTA = 64 keys of one (batch, q head), and with head dims above 128 one of 2 column halves
+// of dK / dV / dQ (S and dP are recomputed on the full head dim by both halves: dK + dV of 64
+// keys x 256 columns would not fit in registers); 256 threads:
+//   warpgroup 0 (producer) loads Q and dO of the query blocks that can see the keys into a
+//     2-stage shared-memory ring, each stage guarded by a `full` mbarrier (128 producer
+//     arrivals after their stores and fence.proxy.async) and an `empty` one (one consumer
+//     arrival once the wgmmas that read the stage retired);
+//   warpgroup 1 (consumer) loads K, V and K^T once; each of its warps keeps its own copy of
+//     the block's lse and Dsum (256 bytes each, fetched during the previous block's dQ GEMM,
+//     ordered by __syncwarp alone: only wgmma reads what another warp wrote, as the race
+//     detector of this emulator orders generic accesses by neither mbarriers nor named barriers
+//     of 128 threads); then per query block of 64:
 //   S^T  = K Q^T, dP^T = V dO^T       (wgmma, both operands from shared memory, 1 group)
 //   P^T  = exp2(S^T * scale * log2e - lse * log2e), masked on tail / band-edge blocks
-//   dS^T = P^T (dP^T - Dsum)
+//          [softcap c: u = tanh(S^T * scale / c), P^T = exp2(c u log2e - lse log2e)]
+//   dS^T = P^T (dP^T - Dsum)              [softcap: * (1 - u^2)]
 //   dV  += P^T dO, dK += dS^T Q       (wgmma, P^T / dS^T from registers as the A operand)
 //   dQ  += scale * dS K               (dS stored transposed to shared memory as the K-major A
 //                                      operand, K^T as the K-major B; f32 atomicAdd of pairs)
-// Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared by the
-// warpgroup itself (no producer warp, no TMA yet), so nothing overlaps the loads: v0 is about
-// correctness. Query blocks outside the band (causal, window) are never visited.
+// Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared (no TMA:
+// main has no tensor-map helper yet), so the overlap of the next block's loads with this
+// block's math is the ring alone. Query blocks outside the band (causal, window) are never visited.
 #pragma once
 
 #include "flashgen/call.h"
@@ -27,24 +36,24 @@ namespace cuda {
 namespace {
 
 // Compiled for the forward's element types and head dims (the same swizzled panels); at run
-// time the dense calls without extras or softcap (bwd_run sends the others, varlen and
-// head_dim_v != head_dim to the sm80 family's kernels).
+// time every dense call without extras (any band, softcap or not): bwd_run sends the others,
+// varlen and head_dim_v != head_dim to the sm80 family's kernels.
 template <class T, int D>
 constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
-
-inline bool hopper_bwd_supports(const AttentionAttrs& attrs) { return attrs.softcap == 0.f; }
 
 struct HopperBwdConfig {
   static constexpr int BC = 64;  // keys per CTA (one warpgroup's wgmma M)
   static constexpr int BR = 64;  // queries per block
-  static constexpr int kThreads = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 256;  // producer warpgroup + consumer warpgroup
   // Column halves of dK / dV / dQ (separate CTAs) above head dim 128.
   __host__ __device__ static constexpr int nsplit(int head_dim) { return head_dim > 128 ? 2 : 1; }
   __host__ __device__ static constexpr int tile_bytes(int head_dim) { return 64 * head_dim * 2; }
-  // K, V, Q, dO (64 x D each), K^T (this CTA's columns x 64 keys), dS (64 x 64); +1024 to
-  // align the base to the swizzle atom.
+  // K, V, per stage Q and dO (64 x D each), K^T (this CTA's columns x 64 keys), dS (64 x 64);
+  // +1024 to align the base to the swizzle atom.
   __host__ __device__ static constexpr size_t smem_bytes(int head_dim) {
-    return 4 * tile_bytes(head_dim) + tile_bytes(head_dim / nsplit(head_dim)) + BR * BC * 2 + sm90::kSwizzleAtom;
+    return (2 + 2 * kStages) * tile_bytes(head_dim) + tile_bytes(head_dim / nsplit(head_dim)) + BR * BC * 2 +
+           sm90::kSwizzleAtom;
   }
 };
 
@@ -78,10 +87,11 @@ FG_DEV void issue_abt(float (&d)[32], uint32_t a, uint32_t b) {
   }
 }
 
-template <class T, int D>
+// CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256).
+template <class T, int D, bool CAPPED>
 __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kernel(const BwdParams p) {
   using Cfg = HopperBwdConfig;
-  constexpr int BR = Cfg::BR, BC = Cfg::BC, NT = Cfg::kThreads;
+  constexpr int BR = Cfg::BR, BC = Cfg::BC, kStages = Cfg::kStages, NT = 128;  // threads per role
   constexpr int kTile = Cfg::tile_bytes(D);
   constexpr int kSplit = Cfg::nsplit(D);
   constexpr int kOwn = D / sm90::kPanelCols / kSplit;  // 64-column panels of dK / dV / dQ per CTA
@@ -89,18 +99,18 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
   static_assert(BR == 64 && BC == 64, "one swizzle panel of keys / queries per k-extent");
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ float sLse[BR], sDsum[BR];  // lse * log2(e) (+inf: no probability), Dsum
+  // Per consumer warp: lse * log2(e) (+inf: no probability), Dsum.
+  __shared__ float sLse[NT / 32][BR], sDsum[NT / 32][BR];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((raw + sm90::kSwizzleAtom - 1) / sm90::kSwizzleAtom * sm90::kSwizzleAtom - raw);
   uint8_t* sK = smem;
   uint8_t* sV = sK + kTile;
-  uint8_t* sQ = sV + kTile;
-  uint8_t* sdO = sQ + kTile;
-  uint8_t* sKt = sdO + kTile;
+  auto sQ = [&](int s) { return sV + (1 + 2 * s) * kTile; };
+  auto sdO = [&](int s) { return sV + (2 + 2 * s) * kTile; };
+  uint8_t* sKt = sV + (1 + 2 * kStages) * kTile;
   uint8_t* sdS = sKt + kOwn * kPanelBytes;
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
   const int nblk = blockIdx.x / kSplit, split = blockIdx.x % kSplit;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
@@ -124,6 +134,32 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
   const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
 
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(smem_addr(&full[s]), NT);
+      sm90::mbar_init(smem_addr(&empty[s]), 1);
+    }
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < NT) {  // ---- producer warpgroup
+    const int tid = threadIdx.x;
+    for (int m = m_begin; m < m_end; ++m) {
+      const int it = m - m_begin, s = it % kStages, q0 = m * BR;
+      sm90::mbar_wait(smem_addr(&empty[s]), ((it / kStages) & 1) ^ 1);  // a fresh barrier's phase -1 is done
+      sm90::load_tile_sw128<T, BR, D, NT>(sQ(s), qg, q_stride, q0, Sq, tid);
+      sm90::load_tile_sw128<T, BR, D, NT>(sdO(s), dog, q_stride, q0, Sq, tid);
+      sm90::fence_proxy_async();
+      sm90::mbar_arrive(smem_addr(&full[s]));
+    }
+    return;
+  }
+
+  // ---- consumer warpgroup
+  const int tid = threadIdx.x - NT, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
   // Accumulator register j of a 64-column tile holds row (key) 16 warp + g + 8 ((j / 2) % 2),
   // column 8 (j / 4) + 2 t + j % 2 (PTX ISA "wgmma .m64nNk16 accumulator D").
   float acc_dk[kOwn][32], acc_dv[kOwn][32];
@@ -132,24 +168,42 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
 #pragma unroll
     for (int j = 0; j < 32; ++j) acc_dk[pn][j] = acc_dv[pn][j] = 0.f;
 
+  // lse (log2 units) and Dsum of query rows q0 + lane + 32 i, i = 0, 1.
+  float* wLse = sLse[warp];
+  float* wDsum = sDsum[warp];
+  auto fetch_row_stats = [&](int q0, float (&l2)[2], float (&dsum)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = q0 + lane + 32 * i;
+      const float l = row < Sq ? lseg[row] : -INFINITY;
+      l2[i] = l == -INFINITY ? INFINITY : l * kLog2e;  // lse = -inf: the row sees no key
+      dsum[i] = row < Sq ? dsumg[row] : 0.f;
+    }
+  };
+  auto store_row_stats = [&](const float (&l2)[2], const float (&dsum)[2]) {
+    __syncwarp();  // the warp's lanes are done reading the previous block's
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      wLse[lane + 32 * i] = l2[i];
+      wDsum[lane + 32 * i] = dsum[i];
+    }
+    __syncwarp();
+  };
+
   if (m_begin < m_end) {
+    float l2[2], dsum[2];
+    fetch_row_stats(m_begin * BR, l2, dsum);
+    store_row_stats(l2, dsum);
     sm90::load_tile_sw128<T, BC, D, NT>(sK, kg, kv_stride, k0, Sk, tid);
     sm90::load_tile_sw128<T, BC, D, NT>(sV, vg, kv_stride, k0, Sk, tid);
     load_kt_sw128<T, kOwn * sm90::kPanelCols, NT>(sKt, kg, kv_stride, k0, Sk, pn0 * sm90::kPanelCols, tid);
+    sm90::fence_proxy_async();
+    sm90::named_sync(1, NT);
   }
 
   for (int m = m_begin; m < m_end; ++m) {
-    const int q0 = m * BR;
-    sm90::load_tile_sw128<T, BR, D, NT>(sQ, qg, q_stride, q0, Sq, tid);
-    sm90::load_tile_sw128<T, BR, D, NT>(sdO, dog, q_stride, q0, Sq, tid);
-    if (tid < BR) {
-      const int row = q0 + tid;
-      const float l = row < Sq ? lseg[row] : -INFINITY;
-      sLse[tid] = l == -INFINITY ? INFINITY : l * kLog2e;  // lse = -inf: the row sees no key
-      sDsum[tid] = row < Sq ? dsumg[row] : 0.f;
-    }
-    sm90::fence_proxy_async();
-    __syncthreads();
+    const int it = m - m_begin, s = it % kStages, q0 = m * BR;
+    sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);
 
     // ---- S^T = K Q^T and dP^T = V dO^T
     float acc_s[32], acc_dp[32];
@@ -158,8 +212,8 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     sm90::fence_operands(acc_s);
     sm90::fence_operands(acc_dp);
     sm90::wgmma_fence();
-    issue_abt<T, D>(acc_s, smem_addr(sK), smem_addr(sQ));
-    issue_abt<T, D>(acc_dp, smem_addr(sV), smem_addr(sdO));
+    issue_abt<T, D>(acc_s, smem_addr(sK), smem_addr(sQ(s)));
+    issue_abt<T, D>(acc_dp, smem_addr(sV), smem_addr(sdO(s)));
     sm90::wgmma_commit();
     sm90::wgmma_wait_all();
     sm90::fence_operands(acc_s);
@@ -169,14 +223,23 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     // is NaN (a NaN V or dO must not reach pairs the row does not see).
     const bool need_mask =
         k0 + BC > Sk || (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
+    // Softcap c: the score is c u with u = tanh(scale s / c) (S^T becomes u in place), and dS
+    // gains the factor 1 - u^2. A score of +-inf gives u = +-1, factor 0: dS 0 unless dP is NaN,
+    // as float64 has it.
+    if constexpr (CAPPED) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc_s[j] = tanhf(acc_s[j] * p.cap_in);
+    }
+    const float score_log2 = CAPPED ? p.softcap * kLog2e : p.scale_log2;  // per unit of S^T
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int key = k0 + 16 * warp + g + 8 * ((j / 2) % 2), qi = 8 * (j / 4) + 2 * t + j % 2;
-      const float pv = fast_exp2(fmaf(acc_s[j], p.scale_log2, -sLse[qi]));
+      const float pv = fast_exp2(fmaf(acc_s[j], score_log2, -wLse[qi]));
+      const float cap_grad = CAPPED ? 1.f - acc_s[j] * acc_s[j] : 1.f;
       const int rel = key - (q0 + qi);
       const bool masked = need_mask && (key >= Sk || rel < p.band_lo || rel > p.band_hi);
       acc_s[j] = masked ? 0.f : pv;
-      acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - sDsum[qi]);
+      acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - wDsum[qi]) * cap_grad;
     }
     // k16 step kk's A fragment (rows = keys, k = queries 16 kk ..) is accumulator tiles 2 kk and
     // 2 kk + 1, rounded to T.
@@ -211,8 +274,8 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
 #pragma unroll
       for (int pn = 0; pn < kOwn; ++pn) {
         const int off = (pn0 + pn) * kPanelBytes + kk * 2048;
-        sm90::wgmma_rs<T>(acc_dv[pn], a_p[kk], sm90::sw128_desc(smem_addr(sdO) + off));
-        sm90::wgmma_rs<T>(acc_dk[pn], a_ds[kk], sm90::sw128_desc(smem_addr(sQ) + off));
+        sm90::wgmma_rs<T>(acc_dv[pn], a_p[kk], sm90::sw128_desc(smem_addr(sdO(s)) + off));
+        sm90::wgmma_rs<T>(acc_dk[pn], a_ds[kk], sm90::sw128_desc(smem_addr(sQ(s)) + off));
       }
     sm90::wgmma_commit();
     sm90::wgmma_wait_all();
@@ -221,7 +284,12 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
       sm90::fence_operands(acc_dv[pn]);
       sm90::fence_operands(acc_dk[pn]);
     }
-    __syncthreads();  // every warp's dS rows are in shared memory
+    // Every warp's dS rows are in shared memory, every warp's wgmmas that read stage s retired
+    // (hand it back to the producer).
+    sm90::named_sync(1, NT);
+    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));
+    float next_l2[2], next_dsum[2];
+    if (m + 1 < m_end) fetch_row_stats(q0 + BR, next_l2, next_dsum);
 
     // ---- dQ[q0 .., own columns] += scale * dS K, one 64-column panel at a time
 #pragma unroll 1
@@ -244,7 +312,8 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
                     make_float2(acc_dq[j] * p.scale, acc_dq[j + 1] * p.scale));
       }
     }
-    __syncthreads();  // Q, dO, dS and the row stats are free for the next block
+    if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
+    sm90::named_sync(1, NT);  // dS is free for the next block
   }
 
   // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + 16 warp + g (+ 8)
