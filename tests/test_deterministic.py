@@ -1,0 +1,187 @@
+"""deterministic=True: the backward's accumulations in a fixed order, the same bits on every run.
+
+sm80 CUDA under the emulator: its scheduler is seeded (the `seed` of EmulatedLibrary.call picks
+the order in which CTAs run, warps interleave and atomics land), so two seeds are two schedules.
+The default backward's dQ is summed with f32 atomics as key blocks finish and differs between
+two schedules; the deterministic kernels (bwd.cuh, kBwdDeterministic) give the same bits under
+both and match float64. CPU: the same bits on every run and for every thread count. JAX: the
+attribute reaches the call, and the gradients equal the default's within rounding.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import needs_nvcc
+from flashgen import reference
+from flashgen.contract import CallAttributes
+from flashgen.emulate.check import relative_error, tolerance
+from flashgen.spec import KernelSpec
+
+# Two schedules under which the default backward's dQ sums land in different orders.
+SEEDS = (3, 4)
+
+
+@functools.cache
+def _library(spec: KernelSpec):
+    from flashgen.build import build
+    from flashgen.emulate.host import EmulatedLibrary
+    return EmulatedLibrary(build(spec, host="emulate"))
+
+
+def _inputs(rng, spec, *, sq, sk, hq, hkv, bias=None):
+    import ml_dtypes
+    dt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[spec.dtype]
+    d = spec.head_dim
+    q, k, v, do = (rng.standard_normal(s).astype(dt) for s in
+                   ((1, sq, hq, d), (1, sk, hkv, d), (1, sk, hkv, d), (1, sq, hq, d)))
+    extras = {} if bias is None else {"bias": rng.standard_normal((*bias, sk)).astype(np.float32)}
+    return q, k, v, do, extras
+
+
+def _backward(spec, inputs, *, seed, deterministic):
+    """(dq, dk, dv[, dbias]) and the backward's CallRecord, on the emulated forward's o, lse."""
+    q, k, v, do, extras = inputs
+    lib = _library(spec)
+    names = tuple(extras)
+    ops = list(extras.values())
+    attrs = CallAttributes(spec.causal, 1 / np.sqrt(spec.head_dim), extras=names, deterministic=deterministic)
+    b, sq, hq, d = q.shape
+    (o, lse), _ = lib.call(spec.target_name("fwd"), [q, k, v, *ops], [((b, sq, hq, d), q.dtype),
+                                                                     ((b, hq, sq), np.float32)],
+                           seed=0, **attrs.values("fwd"))
+    results = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)] + [(x.shape, x.dtype) for x in ops]
+    outs, record = lib.call(spec.target_name("bwd"), [q, k, v, o, lse, do, *ops], results, seed=seed,
+                            **attrs.values("bwd"))
+    return outs, record
+
+
+def _reference(spec, inputs):
+    q, k, v, do, extras = inputs
+    return reference.attention(q, k, v, causal=spec.causal, scale=float(np.float32(1 / np.sqrt(spec.head_dim))),
+                               do=do, **extras)[2]
+
+
+# (spec, shape): dense MHA, GQA (dK/dV summed over the group), causal, a bias broadcast over the
+# heads and a key-only bias (dbias summed over heads and queries); ragged blocks. The specs are
+# the ones tests/test_cuda_emulated.py builds: f32 (its outputs are the f32 accumulators, so the
+# order of the sums shows in every bit) and bf16 causal.
+F32, BF16_CAUSAL = KernelSpec(64, "f32", False, "sm80"), KernelSpec(64, "bf16", True, "sm80")
+# (Three addends at least: with two, 0 + a + b == 0 + b + a in any rounding.)
+CASES = {
+    "mha": (F32, dict(sq=40, sk=150, hq=2, hkv=2)),
+    "gqa": (F32, dict(sq=40, sk=150, hq=3, hkv=1)),
+    "gqa_causal": (BF16_CAUSAL, dict(sq=150, sk=150, hq=3, hkv=1)),
+    "dbias_over_heads": (F32, dict(sq=40, sk=100, hq=2, hkv=2, bias=(1, 1, 40))),
+    "dbias_key_only": (BF16_CAUSAL, dict(sq=70, sk=70, hq=2, hkv=2, bias=(1, 1, 1))),
+}
+
+
+# In CI: gqa and gqa_causal (dQ across key blocks, dK/dV across the group, causal's partial
+# rows); each spinning wait costs the emulator more than the GPU, so the rest are `slow`.
+SLOW = {"mha", "dbias_over_heads", "dbias_key_only"}
+
+
+def _kernel_modes(record) -> list[str]:
+    """The BwdMode of each flash_bwd_kernel launch: its last template argument (Li<mode>E)."""
+    import re
+    return [re.search(r"Li(\d+)EEEv", l.entry).group(1) for l in record.launches if "flash_bwd_kernel" in l.entry]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+def test_emulated_deterministic_backward_is_the_same_bits_under_two_schedules(case, rng):
+    spec, shape = CASES[case]
+    inputs = _inputs(rng, spec, **shape)
+    runs, records = zip(*(_backward(spec, inputs, seed=s, deterministic=True) for s in SEEDS))
+    assert all(int(m) & 4 for r in records for m in _kernel_modes(r))  # kBwdDeterministic
+    names = ("dq", "dk", "dv", "dbias")
+    for name, a, b in zip(names, *runs):
+        assert a.tobytes() == b.tobytes(), f"{case}: {name} differs between schedules {SEEDS}"
+    for name, got, ref in zip(names, runs[0], _reference(spec, inputs)):
+        assert np.isfinite(got).all(), f"{case}: {name} has unwritten (poisoned) elements"
+        assert relative_error(got, ref) <= tolerance(spec.dtype, name), (case, name, relative_error(got, ref))
+
+
+@needs_nvcc
+def test_emulated_default_backward_dq_depends_on_the_schedule(rng):
+    """What deterministic=True fixes: the default kernels' atomically summed dQ (and, under GQA,
+    dK/dV) under the two schedules of the test above are different bits (each correct)."""
+    spec, shape = CASES["gqa"]
+    inputs = _inputs(rng, spec, **shape)
+    runs, records = zip(*(_backward(spec, inputs, seed=s, deterministic=False) for s in SEEDS))
+    assert [_kernel_modes(r) for r in records] == [["0"], ["0"]]  # today's kBwdDense kernel
+    ref = _reference(spec, inputs)
+    for name, a, b, r in zip(("dq", "dk"), *runs, ref):
+        assert a.tobytes() != b.tobytes(), f"{name}: the same bits under schedules {SEEDS}"
+        assert max(relative_error(a, r), relative_error(b, r)) <= tolerance(spec.dtype, name)
+
+
+# ---- CPU -------------------------------------------------------------------------------------
+_CPU_RUN = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from flashgen.jax import flash_attention
+rng = np.random.default_rng(7)
+q = jnp.asarray(rng.standard_normal((1, 512, 1, 64)), jnp.float32)
+kv = [jnp.asarray(rng.standard_normal((1, 512, 1, 64)), jnp.float32) for _ in range(2)]
+f = jax.jit(jax.grad(lambda q, k, v: (flash_attention(q, k, v, deterministic=sys.argv[1] == "1") ** 2).sum(),
+                     (0, 1, 2)))
+sys.stdout.write(b"".join(np.asarray(g).tobytes() for g in f(q, *kv)).hex())
+"""
+
+
+def _cpu_grads(deterministic: bool, threads: int) -> str:
+    env = {**os.environ, "FLASHGEN_CPU_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", _CPU_RUN, "1" if deterministic else "0"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_cpu_deterministic_backward_is_the_same_bits_for_any_thread_count():
+    """One (batch, head) pair, 8 key blocks: the default CPU backward splits its key blocks into
+    as many dq chunks as it has threads (summed at the end), so its dq bits follow the thread
+    count; deterministic=True fixes the chunking. Same bits twice at one count, too."""
+    default = {t: _cpu_grads(False, t) for t in (1, 4)}
+    assert default[1] != default[4]
+    det = [_cpu_grads(True, t) for t in (1, 4, 4)]
+    assert det[0] == det[1] == det[2]
+
+
+# ---- JAX -------------------------------------------------------------------------------------
+def test_jax_deterministic_attribute_is_emitted_and_grads_match(rng):
+    import jax
+    import jax.numpy as jnp
+    from flashgen.jax import flash_attention, flash_attention_varlen
+    q = jnp.asarray(rng.standard_normal((1, 40, 4, 32)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 32)), jnp.float32) for _ in range(2))
+    bias = jnp.asarray(rng.standard_normal((1, 1, 40, 40)), jnp.float32)
+
+    def grads(deterministic):
+        return jax.grad(lambda q, k, v, b: (flash_attention(q, k, v, b, causal=True, deterministic=deterministic)
+                                            ** 2).sum(), (0, 1, 2, 3))
+    text = jax.jit(grads(True)).lower(q, k, v, bias).as_text()
+    assert "deterministic = true" in text and "deterministic = false" not in text
+    assert "deterministic = false" in jax.jit(grads(False)).lower(q, k, v, bias).as_text()
+    for a, b in zip(grads(True)(q, k, v, bias), grads(False)(q, k, v, bias)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    cu = jnp.asarray([0, 15, 40], jnp.int32)
+    varlen = jax.jit(jax.grad(lambda q: flash_attention_varlen(q, k[0], v[0], cu, cu, 25, 25,
+                                                               deterministic=True).sum()))
+    assert "deterministic = true" in varlen.lower(q[0]).as_text()
+
+
+def test_deterministic_must_be_a_bool():
+    with pytest.raises(ValueError, match="deterministic must be a bool, got 1"):
+        CallAttributes(False, 0.5, deterministic=1)
+    attrs = CallAttributes(False, 0.5, deterministic=True)
+    assert attrs.values("bwd")["deterministic"] is True and "deterministic" not in attrs.values("fwd")
+    with pytest.raises(ValueError, match="attribute deterministic is i32, expected i1"):
+        CallAttributes.parse('{bottom_right = false, causal = false, deterministic = 1 : i32, extras = "", '
+                             'scale = 5.0e-01 : f32, softcap = 0.0 : f32, window_left = -1 : i32, '
+                             'window_right = -1 : i32}', "bwd")
