@@ -10,9 +10,6 @@ attribute reaches the call, and the gradients equal the default's within roundin
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -123,34 +120,27 @@ def test_emulated_default_backward_dq_depends_on_the_schedule(rng):
 
 
 # ---- CPU -------------------------------------------------------------------------------------
-_CPU_RUN = """
-import sys, numpy as np, jax, jax.numpy as jnp
-from flashgen.jax import flash_attention
-rng = np.random.default_rng(7)
-q = jnp.asarray(rng.standard_normal((1, 512, 1, 64)), jnp.float32)
-kv = [jnp.asarray(rng.standard_normal((1, 512, 1, 64)), jnp.float32) for _ in range(2)]
-f = jax.jit(jax.grad(lambda q, k, v: (flash_attention(q, k, v, deterministic=sys.argv[1] == "1") ** 2).sum(),
-                     (0, 1, 2)))
-sys.stdout.write(b"".join(np.asarray(g).tobytes() for g in f(q, *kv)).hex())
-"""
-
-
-def _cpu_grads(deterministic: bool, threads: int) -> str:
-    env = {**os.environ, "FLASHGEN_CPU_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, "-c", _CPU_RUN, "1" if deterministic else "0"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
-def test_cpu_deterministic_backward_is_the_same_bits_for_any_thread_count():
+def test_cpu_deterministic_backward_is_the_same_bits_for_any_thread_count(rng, monkeypatch):
     """One (batch, head) pair, 8 key blocks: the default CPU backward splits its key blocks into
-    as many dq chunks as it has threads (summed at the end), so its dq bits follow the thread
-    count; deterministic=True fixes the chunking. Same bits twice at one count, too."""
-    default = {t: _cpu_grads(False, t) for t in (1, 4)}
-    assert default[1] != default[4]
-    det = [_cpu_grads(True, t) for t in (1, 4, 4)]
-    assert det[0] == det[1] == det[2]
+    dq chunks by its thread count (FLASHGEN_CPU_THREADS, read at each call) and sums them at the
+    end, so dq's bits follow the thread count; deterministic=True fixes the chunking. Each run
+    at one count is the same bits already (one item owns each chunk)."""
+    import jax
+    import jax.numpy as jnp
+    from flashgen.jax import flash_attention
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 512, 1, 64)), jnp.float32) for _ in range(3))
+
+    def grads(deterministic):
+        f = jax.jit(jax.grad(lambda q, k, v: (flash_attention(q, k, v, deterministic=deterministic) ** 2).sum(),
+                             (0, 1, 2)))
+
+        def run(threads):
+            monkeypatch.setenv("FLASHGEN_CPU_THREADS", str(threads))
+            return b"".join(np.asarray(g).tobytes() for g in f(q, k, v))
+        return run
+    default, det = grads(False), grads(True)
+    assert default(1) != default(4)
+    assert det(1) == det(4) == det(4)
 
 
 # ---- JAX -------------------------------------------------------------------------------------
