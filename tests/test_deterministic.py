@@ -118,6 +118,29 @@ def test_emulated_default_backward_dq_depends_on_the_schedule(rng):
         assert max(relative_error(a, r), relative_error(b, r)) <= tolerance(spec.dtype, name)
 
 
+@needs_nvcc
+@pytest.mark.slow
+def test_emulated_deterministic_varlen_backward(rng):
+    """bwd_varlen: per-sequence turns (an empty sequence, a sequence of 3 key blocks, GQA)."""
+    spec = F32
+    seq_q, seq_k, hq, hkv, d = (24, 0, 30), (40, 0, 150), 3, 1, spec.head_dim
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (seq_q, seq_k))
+    tq, tk = int(cu_q[-1]) + 2, int(cu_k[-1]) + 2
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in ((tq, hq, d), (tk, hkv, d), (tk, hkv, d),
+                                                                       (tq, hq, d)))
+    lib, scale = _library(spec), 1 / np.sqrt(d)
+    attrs = CallAttributes(False, scale, max_seqlen=(max(seq_q), max(seq_k)), deterministic=True)
+    (o, lse), _ = lib.call(spec.target_name("fwd_varlen"), [q, k, v, cu_q, cu_k],
+                           [((tq, hq, d), np.float32), ((hq, tq), np.float32)], seed=0, **attrs.values("fwd_varlen"))
+    runs = [lib.call(spec.target_name("bwd_varlen"), [q, k, v, o, lse, do, cu_q, cu_k],
+                     [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)], seed=s,
+                     **attrs.values("bwd_varlen"))[0] for s in SEEDS]
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, scale=float(np.float32(scale)), do=do)[2]
+    for name, a, b, r in zip(("dq", "dk", "dv"), *runs, ref):
+        assert a.tobytes() == b.tobytes(), name
+        assert relative_error(a, r) <= tolerance(spec.dtype, name), (name, relative_error(a, r))
+
+
 # ---- CPU -------------------------------------------------------------------------------------
 def test_cpu_deterministic_backward_is_the_same_bits_for_any_thread_count(rng, monkeypatch):
     """One (batch, head) pair, 8 key blocks: the default CPU backward splits its key blocks into

@@ -44,7 +44,7 @@
 //               every run gives the same bits: a CTA takes its work item from a ticket counter
 //               (launch order, whatever order the hardware dispatches blocks in), and waits on
 //               a counter in global memory before it adds its share: dQ of a query block after
-//               the key blocks before it (bwd_turn), GQA dK/dV of a key block after the q heads
+//               the key blocks before it (bwd_wait_turn), GQA dK/dV of a key block after the q heads
 //               before it in the group, a broadcast dbias slab after the (batch, head) before
 //               it. A CTA only ever waits on a lower ticket, i.e. a CTA that already runs, so
 //               the waits cannot deadlock. Its barriers are barrier 1 over all threads (the
