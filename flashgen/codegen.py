@@ -33,7 +33,8 @@ class Source:
 # contract's fixed element types as XLA FFI data types ("T" is the spec's dtype).
 _FFI_TYPES = {"i1": "PRED", "i32": "S32", "f32": "F32", "bf16": "BF16"}
 # csrc/flashgen/call.h's decoded attributes: the struct each attribute list decodes into.
-_ATTRS_TYPES = {contract.CALLS["fwd"].attributes: "DenseAttrs", contract.CALLS["fwd_varlen"].attributes: "VarlenAttrs"}
+_ATTRS_TYPES = {contract.CALLS[d].attributes: t for d, t in (
+    ("fwd", "DenseAttrs"), ("fwd_varlen", "VarlenAttrs"), ("bwd", "BwdAttrs"), ("bwd_varlen", "BwdVarlenAttrs"))}
 
 
 def _buffer(op: contract.Operand, ffi_dtype: str) -> dict:

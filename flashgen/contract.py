@@ -44,6 +44,8 @@ ATTRIBUTES = {a.name: a for a in (
     Attribute("max_seqlen_k", "i32", "int32_t", None, "the longest key sequence of a varlen batch"),
     Attribute("extras", "string", "std::string_view", "",
               "the optional operands after the fixed ones, by name, comma-separated, in EXTRAS order"),
+    Attribute("deterministic", "i1", "bool", False,
+              "backward: accumulate dq (and GQA dk/dv, dbias) in a fixed order, the same bits on every run"),
 )}
 
 
@@ -125,16 +127,18 @@ _CU = (Operand("cu_seqlens_q", ("B+1",), "i32"), Operand("cu_seqlens_k", ("B+1",
 _BASE = ("causal", "scale", "bottom_right", "window_left", "window_right", "softcap")
 _DENSE = _BASE + ("extras",)
 _VARLEN = _DENSE + ("max_seqlen_q", "max_seqlen_k")
+_BWD = ("deterministic",)  # what the backward calls take after their direction's attributes
 _PACKED_EXTRAS = ("alibi",)
 
 CALLS = {c.direction: c for c in (
     Call("fwd", (_Q, _K, _V), (_O, _LSE), _DENSE, tuple(EXTRAS)),
     Call("bwd", (_Q, _K, _V, _O, _LSE, _DO),
-         (Operand("dq", _Q.shape), Operand("dk", _K.shape), Operand("dv", _V.shape)), _DENSE, tuple(EXTRAS),
+         (Operand("dq", _Q.shape), Operand("dk", _K.shape), Operand("dv", _V.shape)), _DENSE + _BWD, tuple(EXTRAS),
          dbias=True),
     Call("fwd_varlen", (_PQ, _PK, _PV, *_CU), (_PO, _PLSE), _VARLEN, _PACKED_EXTRAS),
     Call("bwd_varlen", (_PQ, _PK, _PV, _PO, _PLSE, _PDO, *_CU),
-         (Operand("dq", _PQ.shape), Operand("dk", _PK.shape), Operand("dv", _PV.shape)), _VARLEN, _PACKED_EXTRAS),
+         (Operand("dq", _PQ.shape), Operand("dk", _PK.shape), Operand("dv", _PV.shape)), _VARLEN + _BWD,
+         _PACKED_EXTRAS),
     Call("fwd_paged", (_Q, Operand("k_cache", ("NB", "BS", "Hkv", "D")), Operand("v_cache", ("NB", "BS", "Hkv", "D")),
                        Operand("block_table", ("B", "MB"), "i32"), Operand("seqused_k", ("B",), "i32")),
          (Operand("o", _Q.shape), _LSE), _DENSE, _PACKED_EXTRAS),
@@ -247,7 +251,8 @@ def normalize_softcap(softcap) -> float:
 @dataclasses.dataclass(frozen=True)
 class CallAttributes:
     """The attribute values of one flashgen call, normalized (ValueError for a bad one).
-    `max_seqlen` = (max_seqlen_q, max_seqlen_k) is needed by, and only passed to, varlen calls."""
+    `max_seqlen` = (max_seqlen_q, max_seqlen_k) is needed by, and only passed to, varlen calls;
+    `deterministic` only to the backward calls."""
     causal: bool
     scale: float
     bottom_right: bool = ATTRIBUTES["bottom_right"].default
@@ -255,6 +260,7 @@ class CallAttributes:
     softcap: float = ATTRIBUTES["softcap"].default
     extras: tuple[str, ...] = ()
     max_seqlen: tuple[int, int] | None = None
+    deterministic: bool = ATTRIBUTES["deterministic"].default
 
     def __post_init__(self):
         fix = functools.partial(object.__setattr__, self)
@@ -264,6 +270,9 @@ class CallAttributes:
         fix("window", normalize_window(self.window))
         fix("softcap", normalize_softcap(self.softcap))
         fix("extras", normalize_extras(self.extras))
+        if not isinstance(self.deterministic, (bool, np.bool_)):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        fix("deterministic", bool(self.deterministic))
         if self.max_seqlen is not None:
             for name, x in zip(("max_seqlen_q", "max_seqlen_k"), self.max_seqlen):
                 if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= x < 2**31:
@@ -352,7 +361,8 @@ class CallAttributes:
 # None): values() reads attributes through it, _from_dict fills fields through it.
 _FIELD_OF = {"causal": ("causal", None), "scale": ("scale", None), "bottom_right": ("bottom_right", None),
              "window_left": ("window", 0), "window_right": ("window", 1), "softcap": ("softcap", None),
-             "extras": ("extras", None), "max_seqlen_q": ("max_seqlen", 0), "max_seqlen_k": ("max_seqlen", 1)}
+             "extras": ("extras", None), "max_seqlen_q": ("max_seqlen", 0), "max_seqlen_k": ("max_seqlen", 1),
+             "deterministic": ("deterministic", None)}
 
 
 def _call(direction: str) -> Call:

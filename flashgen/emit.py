@@ -174,7 +174,7 @@ def _row_major_layouts(types: list[ir.Type]) -> ir.ArrayAttr:
 def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value], *,
                      scale: float, bottom_right: bool = False, window=(-1, -1),
                      softcap: float = 0.0, extras=(), max_seqlen=None, dbias: bool = True,
-                     legacy_attrs: bool = False,
+                     deterministic: bool = False, legacy_attrs: bool = False,
                      sharding_rule: bool = True, result_shapes=None,
                      loc: ir.Location | None = None, ip: ir.InsertionPoint | None = None
                      ) -> list[ir.Value]:
@@ -186,7 +186,8 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     `max_seqlen=(max_seqlen_q, max_seqlen_k)`. `result_shapes` (one 1-D i32 tensor per
     result) makes a dense call shape-polymorphic: batch and sequence may be
     dynamic, and shape refinement resolves the results from these tensors. A dense backward with a bias returns dbias
-    unless `dbias=False` (then the kernel does no dbias work).
+    unless `dbias=False` (then the kernel does no dbias work); `deterministic` (backward calls
+    only) asks for the same bits on every run.
 
     Must be called inside an active MLIR context with the stablehlo dialect
     loaded; `ip`/`loc` default to the current insertion point and location.
@@ -195,7 +196,7 @@ def emit_custom_call(spec: KernelSpec, direction: str, operands: list[ir.Value],
     (flashgen/sharding_rule.py; flashgen/jax/sharding.py partitions it); it
     changes nothing on one device.
     """
-    attrs = CallAttributes(spec.causal, scale, bottom_right, window, softcap, extras, max_seqlen)
+    attrs = CallAttributes(spec.causal, scale, bottom_right, window, softcap, extras, max_seqlen, deterministic)
     return emit_call(spec, direction, operands, attrs, dbias=dbias, legacy_attrs=legacy_attrs,
                      sharding_rule=sharding_rule, result_shapes=result_shapes, loc=loc, ip=ip)
 

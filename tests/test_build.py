@@ -31,8 +31,8 @@ def test_build_writes_library_and_manifest(fresh_cache, tmp_path):
         "fwd_paged": "flashgen_fwd_paged_d32_f32"}
     base = {"causal": "i1", "scale": "f32", "bottom_right": "i1",
             "window_left": "i32", "window_right": "i32", "softcap": "f32"}
-    assert m["attributes"]["fwd"] == m["attributes"]["bwd"] == m["attributes"]["fwd_paged"] == \
-        {**base, "extras": "string"}
+    assert m["attributes"]["fwd"] == m["attributes"]["fwd_paged"] == {**base, "extras": "string"}
+    assert m["attributes"]["bwd"] == {**base, "extras": "string", "deterministic": "i1"}
     assert m["attributes"]["fwd_varlen"] == {**base, "extras": "string", "max_seqlen_q": "i32",
                                              "max_seqlen_k": "i32"}
     assert m["ffi_headers"]["api_version"] and m["ffi_headers"]["jaxlib"]

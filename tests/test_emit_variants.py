@@ -101,8 +101,10 @@ def test_attribute_schemas_are_what_the_handlers_bind():
     from flashgen.contract import ATTRIBUTE_TYPES as ATTRIBUTES, DIRECTIONS
     assert set(ATTRIBUTES) == set(DIRECTIONS)
     base = {"causal", "scale", "bottom_right", "window_left", "window_right", "softcap"}
-    assert set(ATTRIBUTES["fwd"]) == set(ATTRIBUTES["bwd"]) == base | {"extras"}
+    assert set(ATTRIBUTES["fwd"]) == base | {"extras"}
+    assert set(ATTRIBUTES["bwd"]) == base | {"extras", "deterministic"}
     assert set(ATTRIBUTES["fwd_varlen"]) == base | {"extras", "max_seqlen_q", "max_seqlen_k"}
+    assert set(ATTRIBUTES["bwd_varlen"]) == base | {"extras", "max_seqlen_q", "max_seqlen_k", "deterministic"}
     assert set(ATTRIBUTES["fwd_paged"]) == base | {"extras"}
 
 

@@ -53,7 +53,7 @@ def _check(rng, dtype, d, causal, b, sq, sk, hq, hkv, bottom_right=False):
                    ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)))
     spec = KernelSpec(d, dtype, causal, local_target())
     scale = 1.0 / np.sqrt(d)
-    fwd, bwd = _kernel_calls(spec, scale, bottom_right)
+    fwd, bwd = _kernel_calls(spec, scale, (bottom_right, (-1, -1), 0.0, (), False))
     o, lse = jax.jit(fwd)(q, k, v)
     dq, dk, dv = jax.jit(bwd)(q, k, v, o, lse, do)
     ref_o, ref_lse, ref_g = reference.attention(q, k, v, causal=causal, bottom_right=bottom_right, do=do)
@@ -174,7 +174,7 @@ def _check_variant(rng, dtype, d, causal, b, sq, sk, hq, hkv, bottom_right=False
                    enumerate(((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))))
     spec = KernelSpec(d, dtype, causal, local_target())
     scale = 1.0 / np.sqrt(d)
-    fwd, bwd = _kernel_calls(spec, scale, bottom_right, tuple(window), float(softcap))
+    fwd, bwd = _kernel_calls(spec, scale, (bottom_right, tuple(window), float(softcap), (), False))
     o, lse = jax.jit(fwd)(q, k, v)
     dq, dk, dv = jax.jit(bwd)(q, k, v, o, lse, do)
     ref_o, ref_lse, ref_g = reference.attention(q, k, v, causal=causal, bottom_right=bottom_right,

@@ -46,6 +46,9 @@ struct AttentionAttrs {
   int32_t window_left = -1;   // -1: unbounded
   int32_t window_right = -1;  // -1: unbounded
   float softcap = 0.0f;       // 0: off
+  // Backward only: accumulate in an order no schedule or thread count changes (the same bits
+  // on every run). Every backend's backward kernels honor it or are not chosen.
+  bool deterministic = false;
 };
 
 // Key j is visible to query i iff lo <= j - i <= hi. Unbounded sides are

@@ -46,6 +46,16 @@ struct VarlenAttrs : DenseAttrs {
   int32_t max_seqlen_k;
 };
 
+// The attributes of bwd: the dense ones, then whether its accumulations run in a fixed order.
+struct BwdAttrs : DenseAttrs {
+  bool deterministic;
+};
+
+// The attributes of bwd_varlen: the varlen ones, then deterministic as in bwd.
+struct BwdVarlenAttrs : VarlenAttrs {
+  bool deterministic;
+};
+
 // The handler a call reached.
 struct Callee {
   const char* target;  // its symbol, for messages
@@ -208,12 +218,13 @@ struct BwdCall : Decoded, BwdBuffers {
                                       ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout,
                                       ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> dq,
                                       ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv,
-                                      ffi::RemainingRets extra_rets, DenseAttrs a) {
+                                      ffi::RemainingRets extra_rets, BwdAttrs a) {
     BwdCall call;
     auto shape = shape_from_qkv(c.target, c.head_dim, c.head_dim_v, q.dimensions(), k.dimensions(), v.dimensions());
     if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
     call.s = shape.value();
     FLASHGEN_RETURN_IF_ERROR(decode_scores(c, a, extra_args, T, false, &extra_rets, &call));
+    call.attrs.deterministic = a.deterministic;
     FLASHGEN_RETURN_IF_ERROR(call.take(c, call.s, false, q, k, v, o, lse, dout, dq, dk, dv));
     if (call.x.dbias != nullptr) call.dbias = {call.x.dbias, (*extra_rets.get<ffi::AnyBuffer>(0).value()).size_bytes()};
     return call;
@@ -274,10 +285,11 @@ struct BwdVarlenCall : VarlenDecoded, BwdBuffers {
                                             ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> dout,
                                             ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k,
                                             ffi::RemainingArgs extra_args, ffi::ResultBuffer<T> dq,
-                                            ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, VarlenAttrs a) {
+                                            ffi::ResultBuffer<T> dk, ffi::ResultBuffer<T> dv, BwdVarlenAttrs a) {
     BwdVarlenCall call;
     FLASHGEN_RETURN_IF_ERROR(call.decode_varlen<T>(c, q.dimensions(), k.dimensions(), v.dimensions(), cu_seqlens_q,
                                                    cu_seqlens_k, extra_args, a));
+    call.attrs.deterministic = a.deterministic;
     FLASHGEN_RETURN_IF_ERROR(call.take(c, call.s, true, q, k, v, o, lse, dout, dq, dk, dv));
     return call;
   }
@@ -359,8 +371,13 @@ struct FwdPagedCall : Decoded, FwdBuffers {  // k, v: k_cache, v_cache
       ::xla::ffi::StructMember<bool>("bottom_right"), ::xla::ffi::StructMember<int32_t>("window_left"),   \
       ::xla::ffi::StructMember<int32_t>("window_right"), ::xla::ffi::StructMember<float>("softcap"),      \
       ::xla::ffi::StructMember<std::string_view>("extras")
+#define FLASHGEN_MAX_SEQLENS \
+  ::xla::ffi::StructMember<int32_t>("max_seqlen_q"), ::xla::ffi::StructMember<int32_t>("max_seqlen_k")
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flashgen::DenseAttrs, FLASHGEN_DENSE_ATTRS);
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flashgen::VarlenAttrs, FLASHGEN_DENSE_ATTRS,
-                                      ::xla::ffi::StructMember<int32_t>("max_seqlen_q"),
-                                      ::xla::ffi::StructMember<int32_t>("max_seqlen_k"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flashgen::VarlenAttrs, FLASHGEN_DENSE_ATTRS, FLASHGEN_MAX_SEQLENS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flashgen::BwdAttrs, FLASHGEN_DENSE_ATTRS,
+                                      ::xla::ffi::StructMember<bool>("deterministic"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flashgen::BwdVarlenAttrs, FLASHGEN_DENSE_ATTRS, FLASHGEN_MAX_SEQLENS,
+                                      ::xla::ffi::StructMember<bool>("deterministic"));
+#undef FLASHGEN_MAX_SEQLENS
 #undef FLASHGEN_DENSE_ATTRS

@@ -54,13 +54,18 @@ def _check(q, k, v, scale) -> tuple[str, float]:
     return dtype, normalize_scale(scale)
 
 
+def _call_attributes(spec: KernelSpec, scale: float, mask, max_seqlen=None) -> CallAttributes:
+    bottom_right, window, softcap, extras, deterministic = mask
+    return CallAttributes(spec.causal, scale, bottom_right, window, softcap, extras, max_seqlen, deterministic)
+
+
 @functools.cache
-def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1, -1), softcap=0.0,
-                  extras=(), dbias: bool = True):
+def _kernel_calls(spec: KernelSpec, scale: float, mask, dbias: bool = True):
     # The kernel calls (flashgen.jax.primitive). Extra operands (bias, masks, ...) follow the
     # fixed ones; they may broadcast over the batch, so a vmap maps the call instead of folding
     # it into the batch. With a bias, the backward returns dbias unless `dbias` is False.
-    attrs = CallAttributes(spec.causal, scale, bottom_right, window, softcap, extras)
+    attrs = _call_attributes(spec, scale, mask)
+    extras = attrs.extras
 
     def fwd(q, k, v, *extra):
         return primitive.kernel_call(spec, "fwd", (q, k, v, *extra), attrs)
@@ -73,7 +78,7 @@ def _kernel_calls(spec: KernelSpec, scale: float, bottom_right: bool, window=(-1
     return primitive.fold_vmap(fwd, fold), primitive.fold_vmap(bwd, fold)
 
 
-# `mask` = (bottom_right, window, softcap, extras): the runtime attributes besides scale;
+# `mask` = (bottom_right, window, softcap, extras, deterministic): the runtime attributes besides scale;
 # `ex` = the extra operands that `extras` names (README "Variants"). Only a bias has a
 # gradient (None: a symbolic zero); ALiBi slopes, masks and segment ids get none.
 def _extra_cotangents(mask, dbias):
@@ -93,14 +98,14 @@ def _extra_cotangents(mask, dbias):
 # cotangent is not a symbolic zero.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q, k, v, ex, spec, scale, mask):
-    return _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
+    return _kernel_calls(spec, scale, mask)[0](q, k, v, *ex)
 
 
 def _attention_fwd(q, k, v, ex, spec, scale, mask):
     with_dbias = "bias" in mask[3] and ex[extra_operand_index(mask[3], "bias")].perturbed
     q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros wraps the primals
     ex = tuple(x.value for x in ex)
-    o, lse = _kernel_calls(spec, scale, *mask)[0](q, k, v, *ex)
+    o, lse = _kernel_calls(spec, scale, mask)[0](q, k, v, *ex)
     # The flag travels as pytree structure (residual leaves must be arrays): () or None.
     return (o, lse), (q, k, v, ex, o, lse, () if with_dbias else None)
 
@@ -110,7 +115,7 @@ def _attention_bwd(spec, scale, mask, res, cts):
     with_dbias = flag is not None
     do, dlse = cts
     zero = jax.custom_derivatives.SymbolicZero
-    bwd = _kernel_calls(spec, scale, *mask, dbias=with_dbias)[1]
+    bwd = _kernel_calls(spec, scale, mask, dbias=with_dbias)[1]
     if isinstance(do, zero):
         dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
         dbias = [jnp.zeros_like(ex[extra_operand_index(mask[3], "bias")])] if with_dbias else []
@@ -132,7 +137,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 # The FP8 forward (q, k, v float8_e4m3fn with per-tensor descales; o bf16): forward only.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention_fp8(q, k, v, descales, spec, scale, mask):
-    return _kernel_calls(spec, scale, *mask)[0](q, k, v, *descales)
+    return _kernel_calls(spec, scale, mask)[0](q, k, v, *descales)
 
 
 def _attention_fp8_fwd(*args):
@@ -174,7 +179,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
                     is_causal: bool = False, causal: bool | None = None, bottom_right: bool = False,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-                    return_lse: bool = False, q_descale=None, k_descale=None, v_descale=None):
+                    return_lse: bool = False, deterministic: bool = False,
+                    q_descale=None, k_descale=None, v_descale=None):
     """softmax(scale · q kᵀ [+ bias] [+ ALiBi] [masked]) v with FlashAttention kernels.
 
     A drop-in for jax.nn.dot_product_attention where the two overlap (query, key,
@@ -210,6 +216,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
     q_descale / k_descale / v_descale (f32 scalars or shape [1], may be traced; None = 1). The
     result is bf16; forward only (differentiating it raises), no bias, masks, ALiBi, segment ids
     or softcap; kernels on sm90a only (elsewhere a ValueError says so).
+
+    deterministic=True makes the gradients the same bits on every run: the backward kernel
+    accumulates dq (and, under GQA, dk/dv, and dbias) in a fixed order instead of as its
+    blocks finish (slower; the forward is unchanged).
     """
     if causal is not None and bool(causal) != bool(is_causal) and is_causal:
         raise ValueError(f"causal={causal} contradicts is_causal={is_causal}")
@@ -228,7 +238,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: float | N
     fold = not extras and _foldable_decode(q, k.shape[2], causal, bottom_right, window)
     if fold:
         q, causal, bottom_right = _fold_group(q, k.shape[2]), False, False
-    spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras)
+    spec, scale, attrs = _prepare(q, k, v, causal, scale, bottom_right, window, softcap, extras,
+                                  deterministic=deterministic)
     q, k, v, *ex = primitive.match_varying(q, k, v, *ex)  # in shard_map: before the VJP, so grads psum
     o, lse = _attention(*_pad_qkv(spec, q, k, v), tuple(ex), spec, scale, attrs)
     o = o[..., :value.shape[3]]
@@ -339,9 +350,9 @@ def _pad_qkv(spec: KernelSpec, q, k, v, *value_rows):
 
 
 def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0, extras=(),
-             check_shardings=True):
+             check_shardings=True, deterministic=False):
     dtype, scale = _check(q, k, v, scale)
-    attrs = CallAttributes(causal, scale, bottom_right, window, softcap, extras)
+    attrs = CallAttributes(causal, scale, bottom_right, window, softcap, extras, deterministic=deterministic)
     if attrs.bottom_right and not attrs.causal and attrs.window == (-1, -1) and "alibi" not in attrs.extras:
         raise ValueError("bottom_right only applies to causal attention, a sliding window or ALiBi")
     if check_shardings:
@@ -350,7 +361,7 @@ def _prepare(q, k, v, causal, scale, bottom_right, window=(-1, -1), softcap=0.0,
     head_dim, head_dim_v = kernel_head_dims(q.shape[3], v.shape[3], target)
     spec = KernelSpec(head_dim, dtype, attrs.causal, target, head_dim_v)
     runtime.ensure([spec])
-    return spec, scale, (attrs.bottom_right, attrs.window, attrs.softcap, attrs.extras)
+    return spec, scale, (attrs.bottom_right, attrs.window, attrs.softcap, attrs.extras, attrs.deterministic)
 
 
 def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -359,19 +370,21 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     ring attention combines these and brings its own VJP; users want
     flash_attention(..., return_lse=True))."""
     spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
-    o, lse = _kernel_calls(spec, scale, *mask)[0](*_pad_qkv(spec, q, k, v))
+    o, lse = _kernel_calls(spec, scale, mask)[0](*_pad_qkv(spec, q, k, v))
     return o[..., :v.shape[3]], lse
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
-                  bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0):
+                  bottom_right: bool = False, window=(-1, -1), softcap: float = 0.0,
+                  deterministic: bool = False):
     """The backward kernel alone: (dq, dk, dv) from the saved o and lse. Given the global o
     and lse of a longer key sequence and one block of it as k, v, it returns that block's
     exact share of dq and its exact dk, dv."""
-    spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap)
+    spec, scale, mask = _prepare(q, k, v, causal, scale, bottom_right, window, softcap,
+                                 deterministic=deterministic)
     dims = q.shape[3], k.shape[3], v.shape[3]
     q, k, v, o, do = _pad_qkv(spec, q, k, v, o, do)
-    grads = _kernel_calls(spec, scale, *mask)[1](q, k, v, o, lse, do)
+    grads = _kernel_calls(spec, scale, mask)[1](q, k, v, o, lse, do)
     return tuple(g[..., :d] for g, d in zip(grads, dims))
 
 
@@ -392,7 +405,7 @@ def _check_lengths(name: str, cu, max_seqlen) -> int:
     return int(max_seqlen)
 
 
-def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap, extras):
+def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap, extras, deterministic):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if np.ndim(x) != 3:
             raise ValueError(f"{name} must be rank 3 [total_tokens, heads, head_dim] (packed), "
@@ -402,13 +415,14 @@ def _varlen_spec(q, k, v, causal, scale, bottom_right, window, softcap, extras):
                          f"({q.shape[2]}); flash_attention takes a different one")
     # Reuse the dense checks on [1, T, H, D] views (dtype, head dim, kv heads, scale).
     return _prepare(*(jax.ShapeDtypeStruct((1, *x.shape), x.dtype) for x in (q, k, v)),
-                    causal, scale, bottom_right, window, softcap, extras, check_shardings=False)
+                    causal, scale, bottom_right, window, softcap, extras, check_shardings=False,
+                    deterministic=deterministic)
 
 
-# attrs = (bottom_right, window, softcap, extras); `ex` = the extra operands (ALiBi slopes),
+# attrs = _prepare's mask; `ex` = the extra operands (ALiBi slopes),
 # constants of the backward.
 def _varlen_call(direction, operands, spec, scale, attrs, max_seqlen):
-    return primitive.kernel_call(spec, direction, operands, CallAttributes(spec.causal, scale, *attrs, max_seqlen))
+    return primitive.kernel_call(spec, direction, operands, _call_attributes(spec, scale, attrs, max_seqlen))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -441,7 +455,8 @@ _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                            max_seqlen_k: int, *, causal: bool = False, scale: float | None = None,
                            bottom_right: bool = False, window: tuple[int, int] = (-1, -1),
-                           softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False):
+                           softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False,
+                           deterministic: bool = False):
     """Attention over a packed batch of variable-length sequences (flash_attn_varlen_func).
 
     q [total_q, heads, head_dim], k, v [total_k, kv_heads, head_dim]; sequence b is q rows
@@ -452,7 +467,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     ALiBi (alibi_slopes [heads] or [batch, heads], offset as causal per sequence) act per
     sequence. Rows past cu_seqlens_q[-1] and empty sequences give o = 0.
     Returns o [total_q, heads, head_dim] (and lse [heads, total_q] with return_lse=True);
-    differentiable in q, k, v.
+    differentiable in q, k, v; deterministic as flash_attention's.
     """
     cu_q = jnp.asarray(cu_seqlens_q)
     cu_k = jnp.asarray(cu_seqlens_k)
@@ -463,7 +478,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                          f"got {cu_q.shape} and {cu_k.shape}")
     ex = () if alibi_slopes is None else (_alibi_operand(alibi_slopes, cu_q.shape[0] - 1, q.shape[1]),)
     spec, scale, attrs = _varlen_spec(q, k, v, bool(causal), scale, bottom_right, window, softcap,
-                                      ("alibi",) if ex else ())
+                                      ("alibi",) if ex else (), deterministic)
     o, lse = _attention_varlen(*_pad_head_dim(spec.head_dim, q, k, v), cu_q.astype(jnp.int32),
                                cu_k.astype(jnp.int32), ex, spec, scale, attrs, max_seqlen)
     o = o[..., :q.shape[2]]
@@ -473,7 +488,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _attention_paged(q, k_cache, v_cache, block_table, seqused_k, ex, spec, scale, attrs):
     return primitive.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k, *ex),
-                                 CallAttributes(spec.causal, scale, *attrs))
+                                 _call_attributes(spec, scale, attrs))
 
 
 def _attention_paged_fwd(*args):

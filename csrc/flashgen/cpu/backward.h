@@ -379,6 +379,10 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
 
 // Number of interleaved key-block chunks per (batch, kv head) in the backward:
 // the smallest count that keeps nt threads >= 95% busy (or the best one found).
+// The chunks' dq slabs are summed in chunk order, so the count decides dq's bits: a
+// deterministic backward (AttentionAttrs::deterministic) sizes it for this many threads,
+// whatever the threads it runs on.
+constexpr int kDeterministicChunkThreads = 16;
 inline int64_t pick_chunks(int64_t nbh, int64_t nkb, int nt) {
   if (nt <= 1 || nkb <= 1) return 1;
   int64_t best = 1;
@@ -508,7 +512,9 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   const int64_t gB = db_shared && sb != 0 ? B : 1, gH = db_shared && sh != 0 ? Hkv : 1;  // groups: gB x gH
   const int64_t pB = db_shared ? B / gB : 1, pH = db_shared ? Hkv / gH : 1;              // pairs per group
   const int64_t nbh = db_shared ? gB * gH : B * Hkv;
-  const int64_t nchunks = pick_chunks(nbh, nkb, db_shared ? threads_for(default_num_threads(), bwd_flops) : nthreads);
+  const int64_t nchunks = pick_chunks(nbh, nkb, a.deterministic ? kDeterministicChunkThreads
+                                                : db_shared ? threads_for(default_num_threads(), bwd_flops)
+                                                            : nthreads);
   const bool direct = std::is_same<T, float>::value && nchunks == 1;
   const size_t dq_elems = size_t(B * Sq * Hq * D);
   AlignedFloats dqbuf(direct ? 0 : dq_elems * nchunks);
@@ -673,7 +679,8 @@ void attention_bwd_varlen(const T* q, const T* k, const T* v, const T* o, const 
   bwd_row_terms<T, D>(o, dout, lse, 1, Tq, Hq, lse2.p, Drow.p, light_threads, workers);
 
   const int64_t nown = B * Hkv;
-  const int64_t nchunks = pick_chunks(std::max<int64_t>(nown, 1), nkb, nthreads);
+  const int64_t nchunks =
+      pick_chunks(std::max<int64_t>(nown, 1), nkb, a.deterministic ? kDeterministicChunkThreads : nthreads);
   const bool direct = std::is_same<T, float>::value && nchunks == 1;
   const size_t dq_elems = size_t(Tq * Hq * D);
   AlignedFloats dqbuf(direct ? 0 : dq_elems * nchunks);

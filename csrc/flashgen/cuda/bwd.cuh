@@ -40,6 +40,16 @@
 //               term -slope(b,h) * |i + off_b - j| (off_b from the sequence's
 //               own lengths; no slope gradient); softcap's u is recovered
 //               after subtracting it. Without ALiBi kBwdVarlen is unchanged.
+//   | kBwdDeterministic  (any of the above) the f32 accumulations happen in a fixed order, so
+//               every run gives the same bits: a CTA takes its work item from a ticket counter
+//               (launch order, whatever order the hardware dispatches blocks in), and waits on
+//               a counter in global memory before it adds its share: dQ of a query block after
+//               the key blocks before it (bwd_wait_turn), GQA dK/dV of a key block after the q heads
+//               before it in the group, a broadcast dbias slab after the (batch, head) before
+//               it. A CTA only ever waits on a lower ticket, i.e. a CTA that already runs, so
+//               the waits cannot deadlock. Its barriers are barrier 1 over all threads (the
+//               same as __syncthreads; the emulator releases it when the CTA's warps arrive,
+//               while other CTAs spin).
 #pragma once
 
 #include "flashgen/cuda/common.cuh"
@@ -86,9 +96,36 @@ struct BwdVarParams : BwdParams {
   const int* cu_q;
   const int* cu_k;
   int max_seqlen_q, max_seqlen_k;
+  // kBwdDeterministic: zeroed counters (scratch) that order the accumulations.
+  unsigned* ticket;        // the next work item (one counter)
+  unsigned* dq_turn;       // [B, Hq, q_blocks, NSPLIT]: key blocks that added their dQ share
+  unsigned* kv_turn;       // [B, Hkv, gridDim.x]: q heads that added their dK/dV share (atomic_kv)
+  unsigned* dbias_turn;    // [B, Hq, key blocks]: (batch, head)s that added to a broadcast dbias slab
+  int q_blocks;            // query blocks of the longest sequence
 };
 
-enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2, kBwdVarlenAlibi = 3 };
+// The CTA barrier; deterministic kernels use barrier 1 over all threads (see above).
+template <bool DET, int NT>
+FG_DEV void cta_sync() {
+  if constexpr (DET)
+    asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory");
+  else
+    __syncthreads();
+}
+
+// One thread waits until *turn reaches `mine` (atomic reads: other CTAs update it), or
+// publishes its CTA's writes and advances it (after a cta_sync).
+FG_DEV void bwd_wait_turn(unsigned* turn, unsigned mine) {
+  while (atomicAdd(turn, 0u) < mine) {
+  }
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+FG_DEV void bwd_pass_turn(unsigned* turn) {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  atomicAdd(turn, 1u);
+}
+
+enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2, kBwdVarlenAlibi = 3, kBwdDeterministic = 4 };
 template <int MODE>
 using BwdParamsT = typename std::conditional<MODE == kBwdDense, BwdParams, BwdVarParams>::type;
 
@@ -218,14 +255,16 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
   // for large head dims (fewer accumulators) avoid register spills.
   // (f16/bf16 only: for f32 at those dims it makes the existing spills worse.) So does a value
   // head dim above the query/key one (d64v128 spilled 8 bytes at QC = 32).
+  constexpr int kMode = MODE & ~kBwdDeterministic;
+  constexpr bool kDet = (MODE & kBwdDeterministic) != 0;
   constexpr int QC =
-      (MODE == kBwdExtras && !Cfg::kF32 && (D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D || DV > D)) ? 16 : Cfg::QC;
+      (kMode == kBwdExtras && !Cfg::kF32 && (D >= FLASHGEN_BWD_EXTRAS_QC16_MIN_D || DV > D)) ? 16 : Cfg::QC;
   constexpr int SK = Cfg::SK, SV = Cfg::SV, NSPLIT = Cfg::NSPLIT, NT = Cfg::kThreads, KS = Ops::KS;
   constexpr int kQT = QC / 8;  // S^T accumulator tiles per chunk
   constexpr int kKT = SK / 8;  // dK accumulator tiles
   constexpr int kVT = SV / 8;  // dV accumulator tiles
-  constexpr bool kExtras = MODE == kBwdExtras;
-  static_assert(DV == D || MODE == kBwdDense || MODE == kBwdExtras, "varlen needs DV == D");
+  constexpr bool kExtras = kMode == kBwdExtras;
+  static_assert(DV == D || kMode == kBwdDense || kMode == kBwdExtras, "varlen needs DV == D");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
@@ -238,10 +277,19 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int nblk = blockIdx.x / NSPLIT, split = blockIdx.x % NSPLIT;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  constexpr bool kVarlen = MODE == kBwdVarlen || MODE == kBwdVarlenAlibi;
-  constexpr bool kAlibi = MODE == kBwdVarlenAlibi;
+  unsigned item_x = blockIdx.x, item_y = blockIdx.y, item_z = blockIdx.z;
+  if constexpr (kDet) {
+    __shared__ unsigned item;
+    if (tid == 0) item = atomicAdd(p.ticket, 1u);
+    cta_sync<kDet, NT>();
+    item_x = item % gridDim.x;
+    item_y = item / gridDim.x % gridDim.y;
+    item_z = item / gridDim.x / gridDim.y;
+  }
+  const int nblk = item_x / NSPLIT, split = item_x % NSPLIT;
+  const int h = item_y, b = item_z, hk = h / p.group;
+  constexpr bool kVarlen = kMode == kBwdVarlen || kMode == kBwdVarlenAlibi;
+  constexpr bool kAlibi = kMode == kBwdVarlenAlibi;
   // Varlen: sequence b (clamped: cu_seqlens live on the device and are not trusted).
   SeqRange rq{0, 0}, rk{0, 0};
   if constexpr (kVarlen) {
@@ -327,6 +375,21 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
     }
   };
 
+  // Deterministic dbias: a slab the bias broadcasts over batch or heads takes the shares of
+  // this key block's (batch, head)s in that order (dbias_rank of them before this CTA).
+  unsigned* dbias_turn = nullptr;
+  unsigned dbias_rank = 0;
+  if constexpr (kDet && kExtras) {
+    if (xv.dbias != nullptr && split == 0) {
+      const bool over_b = p.x.dbias_stride_b == 0, over_h = p.x.dbias_stride_h == 0;
+      dbias_turn = p.dbias_turn +
+                   (static_cast<int64_t>(over_b ? 0 : b) * p.heads_q + (over_h ? 0 : h)) * (gridDim.x / NSPLIT) + nblk;
+      dbias_rank = (over_b ? b : 0) * (over_h ? p.heads_q : 1) + (over_h ? h : 0);
+      if (tid == 0) bwd_wait_turn(dbias_turn, dbias_rank);
+      cta_sync<kDet, NT>();
+    }
+  }
+
   if (m_begin < m_end) {
     load_tile_async<T, BC, D, NT>(sK, LD, kg, kv_stride, k0, Sk);
     load_tile_async<T, BC, DV, NT>(sV, LDV, vg, v_stride, k0, Sk);
@@ -342,9 +405,82 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
       }
     }
     cp_async_wait<0>();
-    __syncthreads();
+    cta_sync<kDet, NT>();
 
-    for (int m = m_begin; m < m_end; ++m) {
+    // dQ[q0 : q0+BR, dcol0 : dcol0+SK] += scale * dS K; then the next block's lse / Dsum, and its
+    // Q / dO tiles landed.
+    auto add_dq = [&](const int q0, const float next_l, const float next_d) {
+      constexpr int kTiles = SK / 16;  // 16-column tiles of the slice
+      constexpr int kPass = Cfg::kDqPass;  // 16-column tiles per pass
+      const int rg = warp % Cfg::RG, cg = warp / Cfg::RG;
+#pragma unroll 1
+      for (int base = cg; base < kTiles; base += Cfg::CG * kPass) {
+        float acc[kPass][2][4];
+#pragma unroll
+        for (int i = 0; i < kPass; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < BC / KS; ++ks) {
+          FragA a;
+          Ops::load_a_cm(sdS, LDS, rg * 16, ks * KS, a);
+#pragma unroll
+          for (int i = 0; i < kPass; ++i) {
+            const int tile = base + i * Cfg::CG;
+            if (tile < kTiles) {
+              FragB b0, b1;
+              Ops::load_b2_kn(sK, LD, dcol0 + tile * 16, ks * KS, b0, b1);
+              Ops::mma(acc[i][0], a, b0);
+              Ops::mma(acc[i][1], a, b1);
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kPass; ++i) {
+          const int tile = base + i * Cfg::CG;
+          if (tile < kTiles) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const int row = q0 + rg * 16 + g + 8 * r;
+                const int col = dcol0 + tile * 16 + half * 8 + 2 * t;
+                if (row < Sq) {
+                  float* dst = dqg + row * q_stride + col;
+                  const float x = acc[i][half][2 * r] * p.scale, y = acc[i][half][2 * r + 1] * p.scale;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+                  atomicAdd(dst, x);
+                  atomicAdd(dst + 1, y);
+#endif
+                }
+              }
+          }
+        }
+      }
+      // Every warp is done with dS^T; the next Q/dO tiles have landed.
+      if (tid < BR) {
+        sLse[tid] = next_l;
+        sDsum[tid] = next_d;
+      }
+      cp_async_wait<0>();
+      cta_sync<kDet, NT>();
+    };
+
+    // Deterministic: block m's dQ share is added once its turn came (waited for below, after its
+    // dS^T; added at the top of the next iteration, so that in code order the wait comes after
+    // the additions other CTAs make meanwhile: the emulator's warps at the lowest pc run first).
+    unsigned* dq_turn = nullptr;
+    float next_l = INFINITY, next_d = 0.f;
+    for (int m = m_begin; m < m_end + (kDet ? 1 : 0); ++m) {
+      if constexpr (kDet) {
+        if (m > m_begin) {
+          add_dq((m - 1) * BR, next_l, next_d);
+          if (tid == 0) bwd_pass_turn(dq_turn);
+        }
+        if (m == m_end) break;
+      }
       const int q0 = m * BR;
       const bool need_mask =
           (k0 + BC > Sk) ||
@@ -425,8 +561,16 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
             if constexpr (kExtras) {
               // Visible (row < Sq, key < Sk), NaN included. With NSPLIT > 1 every split
               // recomputes this dS: one of them adds it.
-              if (ds != 0.f && xv.dbias != nullptr && split == 0) {
-                const int row = q0 + qi, kj = k0 + wrow0 + g + (e >> 1) * 8;
+              const bool to_dbias = ds != 0.f && xv.dbias != nullptr && split == 0;
+              const int row = q0 + qi, kj = k0 + wrow0 + g + (e >> 1) * 8;
+              if constexpr (kDet) {
+                // The 4 lanes of a key row may share an element (a key-only bias): lane order.
+#pragma unroll
+                for (int lane_t = 0; lane_t < 4; ++lane_t) {
+                  if (to_dbias && t == lane_t) xv.add_dbias(row, kj, ds);
+                  __syncwarp();
+                }
+              } else if (to_dbias) {
                 xv.add_dbias(row, kj, ds);
               }
               if (s[j][e] > 0.f) {
@@ -459,9 +603,17 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
         }
       }
 
+      // Deterministic: this key block's dQ share of query block m follows those of the key
+      // blocks before it that see block m (from the first one, first_key_block).
+      if constexpr (kDet) {
+        dq_turn = p.dq_turn + ((static_cast<int64_t>(b) * p.heads_q + h) * p.q_blocks + m) * NSPLIT + split;
+        const long long first = static_cast<long long>(m) * BR + FG_BAND_LO - (BC - 1);  // its last row sees q0
+        const int first_key_block = first <= 0 ? 0 : static_cast<int>((first + BC - 1) / BC);
+        if (tid == 0) bwd_wait_turn(dq_turn, static_cast<unsigned>(nblk - first_key_block));
+      }
       // dS^T complete; every warp is done with Q, dO, lse and Dsum of block m.
-      __syncthreads();
-      float next_l = INFINITY, next_d = 0.f;
+      cta_sync<kDet, NT>();
+      next_l = INFINITY, next_d = 0.f;
       if (m + 1 < m_end) {
         load_tile_async<T, BR, D, NT>(sQ, LD, qg, q_stride, q0 + BR, Sq);
         load_tile_async<T, BR, DV, NT>(sdO, LDV, dog, do_stride, q0 + BR, Sq);
@@ -469,71 +621,25 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
         fetch_row_stats(m + 1, next_l, next_d);
       }
 
-      // ---- dQ[q0 : q0+BR, dcol0 : dcol0+SK] += scale * dS K
-      {
-        constexpr int kTiles = SK / 16;  // 16-column tiles of the slice
-        constexpr int kPass = Cfg::kDqPass;  // 16-column tiles per pass
-        const int rg = warp % Cfg::RG, cg = warp / Cfg::RG;
-#pragma unroll 1
-        for (int base = cg; base < kTiles; base += Cfg::CG * kPass) {
-          float acc[kPass][2][4];
-#pragma unroll
-          for (int i = 0; i < kPass; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
-#pragma unroll
-          for (int ks = 0; ks < BC / KS; ++ks) {
-            FragA a;
-            Ops::load_a_cm(sdS, LDS, rg * 16, ks * KS, a);
-#pragma unroll
-            for (int i = 0; i < kPass; ++i) {
-              const int tile = base + i * Cfg::CG;
-              if (tile < kTiles) {
-                FragB b0, b1;
-                Ops::load_b2_kn(sK, LD, dcol0 + tile * 16, ks * KS, b0, b1);
-                Ops::mma(acc[i][0], a, b0);
-                Ops::mma(acc[i][1], a, b1);
-              }
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < kPass; ++i) {
-            const int tile = base + i * Cfg::CG;
-            if (tile < kTiles) {
-#pragma unroll
-              for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                  const int row = q0 + rg * 16 + g + 8 * r;
-                  const int col = dcol0 + tile * 16 + half * 8 + 2 * t;
-                  if (row < Sq) {
-                    float* dst = dqg + row * q_stride + col;
-                    const float x = acc[i][half][2 * r] * p.scale, y = acc[i][half][2 * r + 1] * p.scale;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
-#else
-                    atomicAdd(dst, x);
-                    atomicAdd(dst + 1, y);
-#endif
-                  }
-                }
-            }
-          }
-        }
-      }
-
-      // Every warp is done with dS^T; the next Q/dO tiles have landed.
-      if (tid < BR) {
-        sLse[tid] = next_l;
-        sDsum[tid] = next_d;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
+      if constexpr (!kDet) add_dq(q0, next_l, next_d);
+    }
+  }
+  if constexpr (kDet && kExtras) {
+    if (dbias_turn != nullptr) {
+      cta_sync<kDet, NT>();
+      if (tid == 0) bwd_pass_turn(dbias_turn);
     }
   }
 
   // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + wrow0 + [0, 16)
   if (p.atomic_kv) {
+    // Deterministic: the q heads of a group add in head order.
+    unsigned* kv_turn = nullptr;
+    if constexpr (kDet) {
+      kv_turn = p.kv_turn + (static_cast<int64_t>(b) * p.heads_kv + hk) * gridDim.x + item_x;
+      if (tid == 0) bwd_wait_turn(kv_turn, static_cast<unsigned>(h % p.group));
+      cta_sync<kDet, NT>();
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = k0 + wrow0 + g + 8 * r;
@@ -551,6 +657,10 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
           atomicAdd(p.dv_acc + off + 1, acc_dv[i][2 * r + 1]);
         }
       }
+    }
+    if constexpr (kDet) {
+      cta_sync<kDet, NT>();
+      if (tid == 0) bwd_pass_turn(kv_turn);
     }
   } else {
     // Stage through the warp's own rows of the K / V tiles (all reads of them

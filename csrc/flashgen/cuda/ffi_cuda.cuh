@@ -487,11 +487,12 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
 // s: the dense shape, or for varlen {B, Tq, Tk, Hq, Hkv, D} (then `varlen` is set
 // and lse / dsum are [Hq, Tq]). x: extras (dense; varlen: alibi only, or null);
 // dbias / dbias_elems: the dbias result when x has a bias (dense only). DV: v, o, do and dv's
-// last dim (dense only may differ from D).
+// last dim (dense only may differ from D). attrs.deterministic: the kBwdDeterministic kernels.
 template <class T, int D, int DV, bool CAUSAL>
 ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocator& scratch, const BwdBuffers& buf,
                    const AttentionShape& s, const AttentionAttrs& attrs, const ScoreExtras* x, void* dbias,
                    size_t dbias_elems, const VarlenArgs* varlen) {
+  const bool deterministic = attrs.deterministic;
   using Cfg = BwdConfig<T, D, DV>;
   constexpr bool kF32 = std::is_same<T, float>::value;
   const bool is_varlen = varlen != nullptr;
@@ -535,11 +536,24 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
   const size_t kv_ws_bytes = (kF32 || !atomic_kv) ? 0 : round_up256(kv_elems * sizeof(float));
   const size_t v_ws_bytes = (kF32 || !atomic_kv) ? 0 : round_up256(v_elems * sizeof(float));
   const size_t db_ws_bytes = (has_dbias && !dbias_f32) ? round_up256(dbias_elems * sizeof(float)) : 0;
+  // Deterministic: the turn counters of the kernel (BwdVarParams), zeroed.
+  const int64_t key_rows = is_varlen ? std::min<int64_t>(varlen->max_seqlen_k, s.seqlen_k) : s.seqlen_k;
+  const int64_t q_blocks = ((is_varlen ? std::min<int64_t>(varlen->max_seqlen_q, s.seqlen_q) : s.seqlen_q) +
+                            Cfg::BR - 1) / Cfg::BR;
+  const int64_t grid_x = (key_rows + Cfg::BC - 1) / Cfg::BC * Cfg::NSPLIT;
+  const int64_t dq_turns = s.batch * s.heads_q * q_blocks * Cfg::NSPLIT;
+  const int64_t kv_turns = atomic_kv ? s.batch * s.heads_kv * grid_x : 0;
+  const int64_t dbias_turns = has_dbias ? s.batch * s.heads_q * (grid_x / Cfg::NSPLIT) : 0;
+  const size_t turn_bytes =
+      deterministic ? round_up256(static_cast<size_t>(1 + dq_turns + kv_turns + dbias_turns) * sizeof(unsigned)) : 0;
   char* wsp = nullptr;
-  if (auto e = alloc_scratch(target, scratch, dsum_bytes + dq_ws_bytes + kv_ws_bytes + v_ws_bytes + db_ws_bytes,
+  if (auto e = alloc_scratch(target, scratch,
+                             dsum_bytes + dq_ws_bytes + kv_ws_bytes + v_ws_bytes + db_ws_bytes + turn_bytes,
                              "the backward workspace", &wsp);
       e.failure())
     return e;
+  unsigned* turns = reinterpret_cast<unsigned*>(wsp + dsum_bytes + dq_ws_bytes + kv_ws_bytes + v_ws_bytes + db_ws_bytes);
+  if (auto e = memset_async(target, "turn counters", turns, turn_bytes, stream); e.failure()) return e;
   float* dsum = reinterpret_cast<float*>(wsp);
   float* dq_acc = kF32 ? reinterpret_cast<float*>(buf.dq.data) : reinterpret_cast<float*>(wsp + dsum_bytes);
   float* dk_acc = nullptr;
@@ -611,43 +625,58 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     p.scale = attrs.scale;
     p.scale_log2 = attrs.scale * kLog2e;
     p.atomic_kv = atomic_kv ? 1 : 0;
+    p.ticket = turns;
+    p.dq_turn = turns + 1;
+    p.kv_turn = p.dq_turn + dq_turns;
+    p.dbias_turn = p.kv_turn + kv_turns;
+    p.q_blocks = static_cast<int>(q_blocks);
 
-    int64_t key_rows = s.seqlen_k;
     if (is_varlen) {
       p.cu_q = varlen->cu_seqlens_q;
       p.cu_k = varlen->cu_seqlens_k;
       p.max_seqlen_q = varlen->max_seqlen_q;
       p.max_seqlen_k = varlen->max_seqlen_k;
-      key_rows = std::min<int64_t>(varlen->max_seqlen_k, s.seqlen_k);
     }
-    const dim3 grid(static_cast<unsigned>((key_rows + Cfg::BC - 1) / Cfg::BC * Cfg::NSPLIT),
-                    static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+    const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
     auto launch = [&](auto kernel, const auto& params) -> ffi::Error {
       if (auto e = set_smem(target, kernel, Cfg::kSmem); e.failure()) return e;
       kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(params);
       return check_launch(target, "flash_bwd_kernel");
     };
+    // One variant (BwdMode), or its kBwdDeterministic form.
+    auto launch_mode = [&](auto mode) -> ffi::Error {
+      constexpr int kMode = decltype(mode)::value;
+      constexpr int kDV = kMode == kBwdDense || kMode == kBwdExtras ? DV : D;  // varlen: DV == D
+      if (deterministic) return launch(flash_bwd_kernel<T, D, kDV, CAUSAL, kMode | kBwdDeterministic>, p);
+      if constexpr (kMode == kBwdDense)
+        return launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
+      else
+        return launch(flash_bwd_kernel<T, D, kDV, CAUSAL, kMode>, p);
+    };
     ffi::Error err = ffi::Error::Success();
     if (is_varlen) {
       if (x != nullptr && x->alibi != nullptr) {
         p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
-        err = launch(flash_bwd_kernel<T, D, D, CAUSAL, kBwdVarlenAlibi>, p);
+        err = launch_mode(std::integral_constant<int, kBwdVarlenAlibi>{});
       } else {
-        err = launch(flash_bwd_kernel<T, D, D, CAUSAL, kBwdVarlen>, p);
+        err = launch_mode(std::integral_constant<int, kBwdVarlen>{});
       }
     } else if (x != nullptr && x->any()) {
       p.x = extras_params(*x, s, attrs.bottom_right);
       p.x.dbias_acc = dbias_acc;
-      err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdExtras>, p);
+      err = launch_mode(std::integral_constant<int, kBwdExtras>{});
     } else {
       bool served = false;
 #ifdef FLASHGEN_WGMMA_KERNELS
-      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
-        served = true;
-        err = launch_hopper_bwd<T, D>(target, stream, p, s);
+      // the wgmma kernel has one head dim and adds dQ in any order: a deterministic call keeps mma.sync
+      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {
+        if (!attrs.deterministic) {
+          served = true;
+          err = launch_hopper_bwd<T, D>(target, stream, p, s);
+        }
       }
 #endif
-      if (!served) err = launch(flash_bwd_kernel<T, D, DV, CAUSAL, kBwdDense>, static_cast<const BwdParams&>(p));
+      if (!served) err = launch_mode(std::integral_constant<int, kBwdDense>{});
     }
     if (err.failure()) return err;
   }

@@ -51,9 +51,10 @@ defmodule FlashGen.Attention do
   @doc """
   Gradients of attention for the output cotangent `d_o` (like `q`), given the
   forward's `o` and `lse`: `{:ok, {dq, dk, dv}}` (and `dbias` last with `dbias: true`).
+  `deterministic: true` accumulates in a fixed order: the same bits on every run.
   """
   def attention_grad(q, k, v, o, lse, d_o, opts \\ []) do
-    with {:ok, call} <- prepare(:bwd, [q, k, v, o, f32(lse), d_o], opts) do
+    with {:ok, call} <- prepare(:bwd, [q, k, v, o, f32(lse), d_o], backward_opts(opts)) do
       dbias = if opts[:dbias] && tensor?(opts[:bias]), do: [{:f32, shape!(opts[:bias])}], else: []
       run(call, Enum.map([q, k, v], &{call.type, shape!(&1)}) ++ dbias)
     end
@@ -74,7 +75,8 @@ defmodule FlashGen.Attention do
   @doc "Gradients of `attention_varlen/6`: `{:ok, {dq, dk, dv}}`."
   def attention_varlen_grad(q, k, v, o, lse, d_o, cu_q, cu_k, opts \\ []) do
     with {:ok, cu} <- cu_seqlens(cu_q, cu_k),
-         {:ok, call} <- prepare(:bwd_varlen, [q, k, v, o, f32(lse), d_o | cu], opts ++ max_seqlen(cu_q, cu_k)) do
+         {:ok, call} <-
+           prepare(:bwd_varlen, [q, k, v, o, f32(lse), d_o | cu], backward_opts(opts) ++ max_seqlen(cu_q, cu_k)) do
       run(call, Enum.map([q, k, v], &{call.type, shape!(&1)}))
     end
   end
@@ -95,8 +97,11 @@ defmodule FlashGen.Attention do
       softcap: Keyword.get(opts, :softcap, 0.0),
       extras: Enum.join(extras, ",")
     }
-    |> Map.merge(Map.new(Keyword.take(opts, [:max_seqlen_q, :max_seqlen_k])))
+    |> Map.merge(Map.new(Keyword.take(opts, [:max_seqlen_q, :max_seqlen_k, :deterministic])))
   end
+
+  # The backward calls' own attribute (default false).
+  defp backward_opts(opts), do: Keyword.put_new(opts, :deterministic, false)
 
   defp prepare(direction, [q, k | _] = operands, opts) do
     type = Keyword.get(opts, :type, :f32)

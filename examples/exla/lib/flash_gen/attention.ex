@@ -245,7 +245,9 @@ defmodule FlashGen.Attention do
       {:ok,
        %EXLA.CustomCall.Spec{
          call_target_name: target,
-         attributes: Target.backend_config(tag.causal, tag.scale, tag.bottom_right)
+         attributes:
+           Target.backend_config(tag.causal, tag.scale, tag.bottom_right) ++
+             if(tag.direction == :bwd, do: [{"deterministic", "false"}], else: [])
        }}
     else
       _ -> :skip
