@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work of a session with a lent H100/H200, in few full device calls (each <= 10 min):
 #
+#   bash bench/gpu_session.sh all      # ONE call of <= 8 min, the first thing a session with a GPU
+#                                      # runs: d64/d128 bf16/f16 specs only, pytest -m gpu -x on
+#                                      # them (no sanitizer), then the dense bench below
 #   bash bench/gpu_session.sh build    # kernels for every spec of this GPU, timed (48 specs)
 #   bash bench/gpu_session.sh test     # pytest -m gpu: every spec and variant vs float64, and
 #                                      # compute-sanitizer (builds what it needs; ~1 call)
@@ -14,7 +17,7 @@
 # one call when they fit in its 10 minutes. The machine's Python has jax, jinja2, pybind11,
 # pytest and numpy; the project runs from the tree.
 set -uo pipefail
-stage=${1:?usage: bench/gpu_session.sh build|test|check|bench}
+stage=${1:?usage: bench/gpu_session.sh all|build|test|check|bench}
 OUT=${OUT:-/tmp/flashgen-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD FLASHGEN_POISON=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -23,6 +26,14 @@ date=$(date +%F)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr -cd 'A-Za-z0-9_.-')
 
 case "$stage" in
+  all)
+    nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+    FLASHGEN_GPU_HEAD_DIMS=64,128 FLASHGEN_GPU_DTYPES=bf16,f16 python3 -m pytest -m gpu -x -q -p no:cacheprovider \
+      -rs -k "not compute_sanitizer" tests/test_gpu.py > "$OUT/pytest-gpu.txt" 2>&1
+    tail -15 "$OUT/pytest-gpu.txt"
+    python3 -m flashgen bench --hdim 64,128 --dtype bf16 --causal both --bwd --seqlens 1024,2048,4096,8192,16384 \
+      --json "$OUT/$gpu-$date.json" > "$OUT/bench-dense.txt" 2>&1
+    tail -30 "$OUT/bench-dense.txt" ;;
   build)
     nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
     python3 - > "$OUT/build.txt" 2>&1 <<'EOF'
