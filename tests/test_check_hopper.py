@@ -11,15 +11,14 @@ pytestmark = needs_nvcc
 
 
 def test_check_sm90a_reports_the_kernel_of_each_call(capsys, monkeypatch):
-    # the first two standard cases on the sm90a spec CI builds: a dense call the wgmma forward
-    # serves, and a softcap call it leaves to the sm80 family (forward only: ~10 s of emulation)
+    # a dense call the wgmma forward serves (softcap and window included), and an ALiBi call it
+    # leaves to the sm80 family (forward only: ~10 s of emulation)
     monkeypatch.setattr(check, "standard_cases", lambda c: [
-        c.dense(seqlen_q=77, seqlen_k=129, heads_q=2, heads_kv=1, bottom_right=True, backward=False),
-        c.dense(seqlen_q=70, seqlen_k=90, window=(16, 0), softcap=3.0, backward=False)])
+        c.dense(seqlen_q=70, seqlen_k=90, window=(16, 0), softcap=3.0, backward=False),
+        c.dense(seqlen_q=77, seqlen_k=129, heads_q=2, heads_kv=1, bottom_right=True, alibi="H", backward=False)])
     from flashgen.cli import main
     assert main(["check", "--target", "sm90a", "--emulate", "--hdim", "64", "--dtype", "bf16", "--causal",
                  "--seed", "3"]) == 0
     out = capsys.readouterr().out
-    served = dict(re.findall(r"^dense\s+d64_bf16_causal_sm90a\s+(.*?)\s+o\s+.*?\s(\w+)\s+ok$", out, re.M))
-    assert served == {"b=1 sq=77 sk=129 hq=2 hkv=1 bottom_right": "hopper_fwd_kernel",
-                      "b=1 sq=70 sk=90 hq=2 hkv=1 window=(16, 0) softcap=3.0": "flash_fwd_kernel"}, out
+    served = re.findall(r"^(dense|extras)\s+d64_bf16_causal_sm90a\s+.*?\s+o\s+.*?\s(\w+)\s+ok$", out, re.M)
+    assert served == [("dense", "hopper_fwd_kernel"), ("extras", "flash_fwd_kernel")], out

@@ -82,9 +82,8 @@ class Checker:
         self.dt = NP_DTYPES[spec.dtype]
         self.scale = float(np.float32(1 / np.sqrt(spec.head_dim)))
 
-    def _attrs(self, bottom_right, window, softcap, extras=(), max_seqlen=None, direction="fwd"):
-        return CallAttributes(self.spec.causal, self.scale, bottom_right, window, softcap, extras,
-                              max_seqlen).values(direction)
+    def _attrs(self, bottom_right, window, softcap, extras=(), max_seqlen=None) -> CallAttributes:
+        return CallAttributes(self.spec.causal, self.scale, bottom_right, window, softcap, extras, max_seqlen)
 
     def _normal(self, *shape):
         return self.rng.standard_normal(shape).astype(self.dt)
@@ -145,14 +144,14 @@ class Checker:
                                   window=window, softcap=softcap, do=do if backward else None, **kw)
         kernels: list[str] = []
         (o, lse), rows = self._run(family, case, self.spec.target_name("fwd"), [q, k, v, *extra_ops],
-                                   [((b, sq, hq, dv), self.dt), ((b, hq, sq), np.float32)], attrs,
+                                   [((b, sq, hq, dv), self.dt), ((b, hq, sq), np.float32)], attrs.values("fwd"),
                                    lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
         if backward:
             results = [((b, sq, hq, d), self.dt), ((b, sk, hkv, d), self.dt), ((b, sk, hkv, dv), self.dt)]
             if bias is not None and bias_grad:  # dbias: the bias's shape and type
                 results.append((ops["bias"][0].shape, ops["bias"][0].dtype))
             _, more = self._run(family, case, self.spec.target_name("bwd"), [q, k, v, o, lse, do, *extra_ops],
-                                results, attrs,
+                                results, attrs.values("bwd"),
                                 lambda out: list(zip(("dq", "dk", "dv", "dbias"), out, ref[2])), kernels)
             rows += more
         return CaseResult(rows, kernels)
@@ -172,8 +171,7 @@ class Checker:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (len(seqlens_q), hq))
                          .astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "",
-                            (max(seqlens_q), max(seqlens_k)), direction="fwd_varlen")
+        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "", (max(seqlens_q), max(seqlens_k)))
         case = _describe(seqlens_q=tuple(seqlens_q), seqlens_k=tuple(seqlens_k), pad=(pad_q, pad_k), hq=hq,
                          hkv=hkv, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=self.spec.causal, scale=self.scale,
@@ -182,11 +180,13 @@ class Checker:
         kernels: list[str] = []
         (o, lse), rows = self._run("varlen", case, self.spec.target_name("fwd_varlen"),
                                    [q, k, v, cu_q, cu_k, *extra_ops], [((tq, hq, d), self.dt), ((hq, tq), np.float32)],
-                                   attrs, lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])], kernels)
+                                   attrs.values("fwd_varlen"), lambda out: [("o", out[0], ref[0]), ("lse", out[1], ref[1])],
+                                   kernels)
         if backward:
             _, more = self._run("varlen", case, self.spec.target_name("bwd_varlen"),
                                 [q, k, v, o, lse, do, cu_q, cu_k, *extra_ops],
-                                [((tq, hq, d), self.dt), ((tk, hkv, d), self.dt), ((tk, hkv, d), self.dt)], attrs,
+                                [((tq, hq, d), self.dt), ((tk, hkv, d), self.dt), ((tk, hkv, d), self.dt)],
+                                attrs.values("bwd_varlen"),
                                 lambda out: list(zip(("dq", "dk", "dv"), out, ref[2])), kernels)
             rows += more
         return CaseResult(rows, kernels)
@@ -209,7 +209,7 @@ class Checker:
         if alibi:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "", direction="fwd_paged")
+        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "").values("fwd_paged")
         case = _describe(seqused_k=tuple(seqused_k), sq=seqlen_q, block_size=bs, hq=hq, hkv=hkv,
                          bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_paged(q, kc, vc, table, used, causal=self.spec.causal, scale=self.scale,

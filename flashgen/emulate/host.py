@@ -228,9 +228,10 @@ class EmulatedLibrary:
             raise ValueError(f"{target} is not in this library (it has {', '.join(sorted(self.handlers))})")
         parsed = parse_target_name(target)
         schema = ATTRIBUTE_TYPES[parsed[0]] if parsed else {}
-        unknown = set(attrs) - set(schema)
-        if unknown:
-            raise ValueError(f"{target} takes no attribute(s) {sorted(unknown)}; its attributes: {sorted(schema)}")
+        unknown, missing = set(attrs) - set(schema), set(schema) - set(attrs)
+        if unknown or missing:
+            raise ValueError(f"{target}: attribute(s) {sorted(unknown | missing)} "
+                             f"{'not taken' if unknown else 'missing'}; its attributes: {sorted(schema)}")
 
         memory = GlobalMemory()
         ops = [device_array(a.shape, a.dtype, a) for a in map(np.ascontiguousarray, operands)]
