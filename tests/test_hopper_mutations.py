@@ -258,9 +258,12 @@ def _varlen_errors(csrc, rng, monkeypatch):
     from flashgen.emulate.check import Checker
     from flashgen.emulate.host import EmulatedLibrary
     from flashgen.spec import KernelSpec
+    spec = KernelSpec(64, "bf16", True, "sm90a")
+    # The emulation runtime of the unmutated csrc/ (its key has csrc's path): loaded first, with the
+    # Python callbacks, its symbols are the ones a mutant's library binds to.
+    EmulatedLibrary(build(spec, host="emulate"))
     if csrc is not None:
         monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
-    spec = KernelSpec(64, "bf16", True, "sm90a")
     result = Checker(EmulatedLibrary(build(spec, host="emulate")), spec, rng).varlen(
         seqlens_q=(70, 0, 23), seqlens_k=(90, 0, 17), pad_q=5, pad_k=3, bottom_right=True, backward=False)
     assert any("17hopper_fwd_kernelI" in k for k in result.kernels), result.kernels
