@@ -92,7 +92,32 @@ def test_bands(rng, head_dim, dtype, causal, case):
     assert ran(r, HOPPER_FWD) == 1 and ran(r, SM80_FWD) == 0, r.kernels
 
 
+def varlen_forward(rng, head_dim, dtype, causal, **case):
+    spec = KernelSpec(head_dim, dtype, causal, "sm90a")
+    result = Checker(_library(spec), spec, rng).varlen(backward=False, **case)
+    bad = [r for r in result.rows if not r.ok]
+    assert not bad, "\n".join(f"{r.spec} [{r.case}] {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
+    return result
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal,case", [
+    # ragged sequences around an empty one, padding rows after the last (o = 0, lse = -inf), GQA,
+    # bottom-right causal with Sq < Sk and Sq > Sk: 70 rows end inside consumer 1's tile (its O
+    # clipped), 23 rows inside consumer 0's; every Q / K box runs into the next sequence
+    (64, "bf16", True, dict(seqlens_q=(70, 0, 23), seqlens_k=(90, 0, 17), pad_q=5, pad_k=3, bottom_right=True)),
+    pytest.param(64, "bf16", True, dict(seqlens_q=(33, 80), seqlens_k=(50, 70), pad_q=2, pad_k=0, heads_q=3,
+                                        heads_kv=1), marks=SLOW),
+    pytest.param(128, "f16", False, dict(seqlens_q=(65, 0, 30), seqlens_k=(20, 0, 100), window=(20, 10), softcap=1.5,
+                                         heads_q=2, heads_kv=1), marks=SLOW),
+], ids=["d64-bf16-causal-bottom-right-empty-padding", "d64-bf16-causal-mqa", "d128-f16-window-softcap"])
+def test_varlen_matches_float64(rng, head_dim, dtype, causal, case):
+    r = varlen_forward(rng, head_dim, dtype, causal, **case)
+    assert ran(r, HOPPER_FWD) == 1 and ran(r, SM80_FWD) == 0, r.kernels
+
+
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng):
     # an extra the wgmma kernel does not port (ALiBi): the sm80 family's kernel, still correct
     r = forward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, alibi="H")
+    assert ran(r, HOPPER_FWD) == 0 and ran(r, SM80_FWD) == 1, r.kernels
+    r = varlen_forward(rng, 64, "bf16", True, seqlens_q=(30, 20), alibi="H")
     assert ran(r, HOPPER_FWD) == 0 and ran(r, SM80_FWD) == 1, r.kernels

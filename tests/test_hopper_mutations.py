@@ -43,8 +43,8 @@ MUTATIONS = [
      "sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);",
      "sm90::mbar_wait(smem_addr(&full[s]), ((it / kStages) & 1) ^ 1);"),
     ("producer_stage_off_by_one", "fwd.cuh",
-     "const int s = it % kStages, row = (n_first + it) * BC;",
-     "const int s = (it + 1) % kStages, row = (n_first + it) * BC;"),
+     "const int s = it % kStages, row = seq.k_start + (n_first + it) * BC;",
+     "const int s = (it + 1) % kStages, row = seq.k_start + (n_first + it) * BC;"),
     ("consumer_stage_off_by_one", "fwd.cuh",
      "const int s = it % kStages, prev = (it + kStages - 1) % kStages;",
      "const int s = it % kStages, prev = it % kStages;"),
@@ -258,3 +258,37 @@ def test_unmutated_backward_passes(rng):
 @pytest.mark.parametrize("name,header,old,new", BWD_MUTATIONS, ids=[m[0] for m in BWD_MUTATIONS])
 def test_backward_mutation_is_caught(tmp_path, rng, name, header, old, new):
     _assert_caught(tmp_path, name, header, old, new, lambda csrc: _bwd_errors(csrc, rng))
+
+
+# ---- the varlen forward (hopper/fwd.cuh, VARLEN): built through the FFI handler as it ships, from
+# a mutated copy of csrc/ (a cache entry of its own: csrc's digest is in the key), run on packed
+# sequences whose boxes run into the next sequence and into the padding rows.
+VARLEN_MUTATIONS = [
+    ("varlen_key_offset_off_by_one", "fwd.cuh",
+     "bd.masked, rq.start, rk.start, 0,", "bd.masked, rq.start, rk.start + 1, 0,"),
+    ("varlen_o_store_not_clipped_at_sequence_end", "fwd.cuh",
+     "const bool clip_rows = VARLEN && qw + BM > Sq;", "const bool clip_rows = false;"),
+]
+
+
+def _varlen_errors(csrc, rng, monkeypatch):
+    """Max errors of the varlen forward's o and lse (sm90a d64 bf16 causal) against float64."""
+    from flashgen.build import build
+    from flashgen.emulate.check import Checker
+    from flashgen.emulate.host import EmulatedLibrary
+    from flashgen.spec import KernelSpec
+    spec = KernelSpec(64, "bf16", True, "sm90a")
+    # The emulation runtime of the unmutated csrc/ (its key has csrc's path): loaded first, with the
+    # Python callbacks, its symbols are the ones a mutant's library binds to.
+    EmulatedLibrary(build(spec, host="emulate"))
+    if csrc is not None:
+        monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
+    result = Checker(EmulatedLibrary(build(spec, host="emulate")), spec, rng).varlen(
+        seqlens_q=(70, 0, 23), seqlens_k=(90, 0, 17), pad_q=5, pad_k=3, bottom_right=True, backward=False)
+    assert any("17hopper_fwd_kernelI" in k for k in result.kernels), result.kernels
+    return [r.error if np.isfinite(r.error) else np.inf for r in result.rows]
+
+
+@pytest.mark.parametrize("name,header,old,new", VARLEN_MUTATIONS, ids=[m[0] for m in VARLEN_MUTATIONS])
+def test_varlen_mutation_is_caught(tmp_path, rng, monkeypatch, name, header, old, new):
+    _assert_caught(tmp_path, name, header, old, new, lambda csrc: _varlen_errors(csrc, rng, monkeypatch))

@@ -273,24 +273,27 @@ ffi::Error encode_rows_map(const char* target, PFN_cuTensorMapEncodeTiled_v12000
   return ffi::Error::Success();
 }
 
-template <class T, int D, bool CAUSAL>
-ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const FwdParams& p, const AttentionShape& s) {
+// Varlen: the maps hold the packed totals as one batch; `rows` = the longest sequence's rows (the
+// grid's), blockIdx.z the sequence. Dense: rows = Sq.
+template <class T, int D, bool CAUSAL, bool VARLEN, class Params>
+ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const Params& p, const AttentionShape& s,
+                             int64_t rows) {
   using Cfg = HopperFwdConfig;
   constexpr size_t kSmem = Cfg::smem_bytes(D);
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (auto e = tensor_map_encoder(target, &encode); e.failure()) return e;
   CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};  // Sk == 0: no CTA loads a key block, k / v get no map
   auto rows_map = [&](CUtensorMap* map, const char* name, const void* data, int64_t seq, int64_t heads) {
-    return encode_rows_map<T, D>(target, encode, map, name, data, s.batch, seq, heads, Cfg::BC);  // BC == BM
+    return encode_rows_map<T, D>(target, encode, map, name, data, VARLEN ? 1 : s.batch, seq, heads, Cfg::BC);  // BC == BM
   };
   ffi::Error e = rows_map(&map_q, "q", p.q, s.seqlen_q, s.heads_q);
   if (!e.failure()) e = rows_map(&map_o, "o", p.o, s.seqlen_q, s.heads_q);
   if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_k, "k", p.k, s.seqlen_k, s.heads_kv);
   if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_v, "v", p.v, s.seqlen_k, s.heads_kv);
   if (e.failure()) return e;
-  const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
+  const dim3 grid(static_cast<unsigned>((rows + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  auto kernel = hopper_fwd_kernel<T, D, CAUSAL>;
+  auto kernel = hopper_fwd_kernel<T, D, CAUSAL, VARLEN>;
   if (e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p, map_q, map_k, map_v, map_o);
   return check_launch(target, "hopper_fwd_kernel");
@@ -329,7 +332,8 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
                   static_cast<unsigned>(s.batch));
 #ifdef FLASHGEN_WGMMA_KERNELS
   if constexpr (kHopperFwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
-    if (hopper_fwd_supports(c)) return launch_hopper_fwd<T, D, CAUSAL>(target, stream, p, s);
+    if (hopper_fwd_supports(c))
+      return launch_hopper_fwd<T, D, CAUSAL, false>(target, stream, static_cast<const FwdParams&>(p), s, s.seqlen_q);
   }
 #endif
   if (!c.x.any()) return launch_fwd<T, D, CAUSAL, kFwdDense, DV>(target, stream, p, grid);
@@ -396,6 +400,11 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
   p.cu_k = va.cu_seqlens_k;
   p.max_seqlen_q = va.max_seqlen_q;
   p.max_seqlen_k = va.max_seqlen_k;
+#ifdef FLASHGEN_WGMMA_KERNELS
+  if constexpr (kHopperFwdCompiles<T, D>) {
+    if (hopper_fwd_supports(c)) return launch_hopper_fwd<T, D, CAUSAL, true>(target, stream, p, s, rows);
+  }
+#endif
   const dim3 grid(static_cast<unsigned>((rows + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
   if (c.x.alibi == nullptr) return launch_fwd<T, D, CAUSAL, kFwdVarlen>(target, stream, p, grid);

@@ -19,6 +19,13 @@
 // written into the consumer's (spent) Q tile in the same swizzled layout and TMA-stored (rows past
 // Sq skipped); lse = m * scale + ln(l) straight from registers; o = 0, lse = -inf for a row that
 // sees no key.
+// Varlen (packed sequences, blockIdx.z = sequence): the maps span all Tq / Tk rows as one batch and
+// the CTA offsets its boxes by the sequence's cu_seqlens start, so a box may run into the next
+// sequence. Its keys there are past the sequence's Sk: the tail mask hides them. Its query rows
+// there are computed but never written: a consumer whose 64 rows cross the sequence's end stores O
+// with plain per-row stores (rows < Sq) instead of the TMA box, which would overwrite the next
+// sequence. (One map per sequence would clip in hardware but costs B encodes per call, and the
+// cu_seqlens are device data; the plain store touches one tile per sequence.)
 #pragma once
 
 #include "flashgen/call.h"
@@ -38,7 +45,8 @@ template <class T, int D>
 constexpr bool kHopperFwdCompiles =
     D % sm90::kPanelCols == 0 && D <= 256 && (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value);
 
-inline bool hopper_fwd_supports(const FwdCall& c) { return !c.x.any(); }
+// Dense and varlen calls (varlen's only extra is ALiBi).
+inline bool hopper_fwd_supports(const Decoded& c) { return !c.x.any(); }
 
 struct HopperFwdConfig {
   static constexpr int kConsumers = 2;             // consumer warpgroups
@@ -61,11 +69,33 @@ struct HopperFwdConfig {
 };
 static_assert(HopperFwdConfig::BM == HopperFwdConfig::BC, "Q, K and V tiles share one TMA box shape");
 
-// Tensor maps: q, k, v, o as 4-D [batch][seq][heads][head_dim] tensors, box {64 columns, 1 head,
-// 64 rows, 1 batch} (one 128-byte swizzled panel of a tile); ffi_cuda.cuh encodes them.
-template <class T, int D, bool CAUSAL>
+// The rows one CTA works on: its sequence's lengths and band, where the sequence starts in the
+// tensor maps' (row, batch) coordinates, and its lse row.
+struct HopperFwdSeq {
+  int Sq, Sk, band_lo, band_hi, masked;
+  int q_start, k_start, map_batch;
+  float* lse;
+};
+inline __device__ HopperFwdSeq hopper_fwd_seq(const FwdParams& p, int b, int h) {
+  return {p.seqlen_q, p.seqlen_k, p.band_lo, p.band_hi, p.masked, 0, 0, b,
+          p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q};
+}
+// Sequence b of a packed batch, clamped as the sm80 varlen kernel clamps it (seq_range); lse [Hq, Tq].
+inline __device__ HopperFwdSeq hopper_fwd_seq(const FwdVarParams& p, int b, int h) {
+  const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
+  const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
+  const IntBand bd = int_band(rq.len, rk.len, p.causal, p.bottom_right, p.window_left, p.window_right);
+  return {rq.len, rk.len, bd.lo, bd.hi, bd.masked, rq.start, rk.start, 0,
+          p.lse + static_cast<int64_t>(h) * p.seqlen_q + rq.start};
+}
+
+// Tensor maps: q, k, v, o as 4-D [batch][seq][heads][head_dim] tensors (varlen: batch 1, seq the
+// packed total), box {64 columns, 1 head, 64 rows, 1 batch} (one 128-byte swizzled panel of a
+// tile); ffi_cuda.cuh encodes them.
+template <class T, int D, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
-    hopper_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap map_q,
+    hopper_fwd_kernel(const typename std::conditional<VARLEN, FwdVarParams, FwdParams>::type p,
+                      const __grid_constant__ CUtensorMap map_q,
                       const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
                       const __grid_constant__ CUtensorMap map_o) {
   using Cfg = HopperFwdConfig;
@@ -86,12 +116,14 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
   const int mblk = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
   const int h = blockIdx.y, hk = h / p.group, b = blockIdx.z;
   const int q0 = mblk * BR;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const HopperFwdSeq seq = hopper_fwd_seq(p, b, h);
+  const int Sq = seq.Sq, Sk = seq.Sk;
+  if (q0 >= Sq) return;  // the whole CTA: past its sequence's rows (varlen; the fill kernel wrote them)
 
   // Key blocks [n_first, n_end) cover the band of rows q0 .. q_last.
   const int q_last = min(q0 + BR, Sq) - 1;
-  const long long kv_begin = max(0LL, static_cast<long long>(q0) + p.band_lo);
-  const long long kv_end = min(static_cast<long long>(Sk), static_cast<long long>(q_last) + p.band_hi + 1);
+  const long long kv_begin = max(0LL, static_cast<long long>(q0) + seq.band_lo);
+  const long long kv_end = min(static_cast<long long>(Sk), static_cast<long long>(q_last) + seq.band_hi + 1);
   const int n_first = kv_end > kv_begin ? static_cast<int>(kv_begin / BC) : 0;
   const int n_end = kv_end > kv_begin ? static_cast<int>((kv_end + BC - 1) / BC) : 0;
   const int n_blocks = n_end - n_first;
@@ -115,15 +147,16 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
       sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile);
       for (int w = 0; w < kConsumers; ++w)
         for (int pn = 0; pn < kPanels; ++pn)
-          sm90::tma_load_4d(sQ(w) + pn * kPanelBytes, &map_q, pn * sm90::kPanelCols, h, q0 + w * BM, b, qb);
+          sm90::tma_load_4d(sQ(w) + pn * kPanelBytes, &map_q, pn * sm90::kPanelCols, h, seq.q_start + q0 + w * BM,
+                            seq.map_batch, qb);
       for (int it = 0; it < n_blocks; ++it) {
-        const int s = it % kStages, row = (n_first + it) * BC;
+        const int s = it % kStages, row = seq.k_start + (n_first + it) * BC;
         sm90::mbar_wait(smem_addr(&empty[s]), ((it / kStages) & 1) ^ 1);  // a fresh barrier's phase -1 is done
         const uint32_t fb = smem_addr(&full[s]);
         sm90::mbar_arrive_expect_tx(fb, 2 * kTile);
         for (int pn = 0; pn < kPanels; ++pn) {
-          sm90::tma_load_4d(sK(s) + pn * kPanelBytes, &map_k, pn * sm90::kPanelCols, hk, row, b, fb);
-          sm90::tma_load_4d(sV(s) + pn * kPanelBytes, &map_v, pn * sm90::kPanelCols, hk, row, b, fb);
+          sm90::tma_load_4d(sK(s) + pn * kPanelBytes, &map_k, pn * sm90::kPanelCols, hk, row, seq.map_batch, fb);
+          sm90::tma_load_4d(sV(s) + pn * kPanelBytes, &map_v, pn * sm90::kPanelCols, hk, row, seq.map_batch, fb);
         }
       }
     }
@@ -205,13 +238,13 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
       // ---- mask: keys past Sk, and the band's edge (causal diagonal, window)
       const int k0 = (n_first + it) * BC;
       const bool tail = k0 + BC > Sk;
-      const bool edge = p.masked && (k0 + BC - 1 - qw > p.band_hi || k0 - (qw + BM - 1) < p.band_lo);
+      const bool edge = seq.masked && (k0 + BC - 1 - qw > seq.band_hi || k0 - (qw + BM - 1) < seq.band_lo);
       if (tail || edge) {
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
           const int row = row_base + 8 * ((j / 2) % 2), col = k0 + 8 * (j / 4) + 2 * t + j % 2;
           const int rel = col - row;
-          if (col >= Sk || rel < p.band_lo || rel > p.band_hi) acc_s[j] = -INFINITY;
+          if (col >= Sk || rel < seq.band_lo || rel > seq.band_hi) acc_s[j] = -INFINITY;
         }
       }
       // ---- online softmax (log2 domain, scale folded into the exponent)
@@ -259,31 +292,41 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
   }
 
   // ---- epilogue: the wgmmas that read Q retired, so its tile takes O
-  float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  // A box past the sequence's end would overwrite the next one (varlen); dense maps end at Sq.
+  const bool clip_rows = VARLEN && qw + BM > Sq;
+  T* og = static_cast<T*>(p.o) + (static_cast<int64_t>(seq.q_start) * p.heads_q + h) * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row_base + 8 * r, tile_row = 16 * warp + g + 8 * r;
     const float l = quad_sum(row_sum[r]);
     // l == 0 with visible keys: every score overflowed to -inf: NaN, as IEEE softmax.
     const bool sees_keys =
-        max(0LL, static_cast<long long>(row) + p.band_lo) < min(static_cast<long long>(Sk), static_cast<long long>(row) + p.band_hi + 1);
+        max(0LL, static_cast<long long>(row) + seq.band_lo) <
+        min(static_cast<long long>(Sk), static_cast<long long>(row) + seq.band_hi + 1);
     const float inv = l != 0.f ? 1.f / l : (sees_keys ? NAN : 0.f);
 #pragma unroll
     for (int pn = 0; pn < kPanels; ++pn)
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         if ((j / 2) % 2 == r && j % 2 == 0) {
+          const uint32_t pair = HalfOps<T>::pack(acc_o[pn][j] * inv, acc_o[pn][j + 1] * inv);
+          if (clip_rows) {
+            if (row < Sq)
+              *reinterpret_cast<uint32_t*>(og + static_cast<int64_t>(row) * p.heads_q * D + pn * sm90::kPanelCols +
+                                           8 * (j / 4) + 2 * t) = pair;
+            continue;
+          }
           const uint32_t at = sQ(w) + pn * kPanelBytes + tile_row * 128 + (((j / 4) ^ (tile_row % 8)) << 4) + 4 * t;
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(HalfOps<T>::pack(acc_o[pn][j] * inv, acc_o[pn][j + 1] * inv))
-                       : "memory");
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(pair) : "memory");
         }
-    if (t == 0 && row < Sq) lseg[row] = l != 0.f ? row_max[r] * lse_mul + logf(l) : (sees_keys ? NAN : -INFINITY);
+    if (t == 0 && row < Sq) seq.lse[row] = l != 0.f ? row_max[r] * lse_mul + logf(l) : (sees_keys ? NAN : -INFINITY);
   }
+  if (clip_rows) return;
   sm90::fence_proxy_async();  // the tile's generic writes, before the TMA store reads them
   sm90::named_sync(Cfg::kEpilogueBar + w, 128);
   if (tid == 0) {
     for (int pn = 0; pn < kPanels; ++pn)
-      sm90::tma_store_4d(&map_o, pn * sm90::kPanelCols, h, qw, b, sQ(w) + pn * kPanelBytes);
+      sm90::tma_store_4d(&map_o, pn * sm90::kPanelCols, h, seq.q_start + qw, seq.map_batch, sQ(w) + pn * kPanelBytes);
     sm90::bulk_commit();
     sm90::bulk_wait_read();  // shared memory must outlive the store's reads
   }
