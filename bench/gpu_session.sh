@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh test     # pytest -m gpu: every spec and variant vs float64, and
 #                                      # compute-sanitizer (builds what it needs; ~1 call)
 #   bash bench/gpu_session.sh check    # only the compute-sanitizer tests
-#   bash bench/gpu_session.sh bench    # flashgen vs cuDNN vs XLA, dense and variants (1 call)
+#   bash bench/gpu_session.sh bench    # flashgen vs cuDNN vs XLA (and flashgen@sm80), dense and variants (1 call)
 #
 # Run from the repository root on the device machine (`run` with this as the command). Logs
 # and JSON go to $OUT (what the device tool brings back; at most 8 files): commit the JSON
@@ -55,7 +55,8 @@ EOF
       > "$OUT/sanitizer.txt" 2>&1
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.txt" ;;
   bench)
-    python3 -m flashgen bench --hdim 64,128 --dtype bf16 --causal both --bwd \
+    # on sm90a, flashgen@sm80 (the mma.sync family, in a child process) next to the wgmma kernels
+    python3 -m flashgen bench --hdim 64,128 --dtype bf16 --causal both --bwd --impls flashgen,cudnn,xla,flashgen@sm80 \
       --json "$OUT/$gpu-$date.json" > "$OUT/bench-dense.txt" 2>&1
     python3 -m flashgen bench --variants --json "$OUT/$gpu-variants-$date.json" \
       > "$OUT/bench-variants.txt" 2>&1

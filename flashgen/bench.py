@@ -44,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--kv-heads", type=int, help="GQA: kv heads (default: heads)")
     p.add_argument("--bwd", action="store_true", help="GPU: also time forward+backward (always on CPU)")
     p.add_argument("--no-bwd", action="store_true", help="CPU: forward only")
-    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum; CPU: peers of xla,flashgen "
+    p.add_argument("--impls", type=csv, help="GPU: subset of flashgen,cudnn,xla,einsum, and flashgen@<target> (flashgen on that target's kernels, e.g. flashgen@sm80 on an H100); CPU: peers of xla,flashgen "
                                               "(always timed) among " + ",".join(bench_cpu.CPU_ALL_IMPLS))
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement "
                                                                "(CPU: per impl and case)")

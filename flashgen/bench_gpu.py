@@ -3,6 +3,9 @@
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +15,10 @@ from flashgen.bench_common import (cases, einsum_attention, environment, flops, 
 
 
 IMPLS = ("flashgen", "cudnn", "xla")
+# flashgen@<target>: flashgen on another target's kernels that run on this GPU (flashgen@sm80 on an
+# H100: the mma.sync family next to sm90a's), timed in a child process with FLASHGEN_TARGET set,
+# since one process serves each call name from one library.
+ELSEWHERE = "flashgen@"
 
 GPU_DEFAULTS = dict(hdim=[64, 128], dtype=["bf16"], seqlens=[512, 1024, 2048, 4096, 8192, 16384])
 
@@ -64,6 +71,17 @@ def measure(impl, direction, hdim, dtype, causal, batch, heads, kv_heads, sq, sk
     return rec
 
 
+def _measure_elsewhere(impl: str, jobs: list[dict], min_time: float) -> list[dict]:
+    from flashgen import targets
+    env = {**os.environ, targets.OVERRIDE: impl[len(ELSEWHERE):]}
+    out = subprocess.run([sys.executable, "-m", "flashgen.bench_gpu"], input=json.dumps(
+        {"jobs": jobs, "min_time": min_time}), capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:300]
+        return [dict(job, impl=impl, ms=None, tflops=None, error=why) for job in jobs]
+    return [dict(r, impl=impl) for r in json.loads(out.stdout)]
+
+
 def summarize(results: list[dict], impls: tuple[str, ...], baseline_impls: tuple[str, ...]) -> list[str]:
     """A text table: one row per case, TFLOP/s (or ms) per impl and flashgen's ratios."""
     rows = []
@@ -94,6 +112,14 @@ def summarize(results: list[dict], impls: tuple[str, ...], baseline_impls: tuple
     return rows
 
 
+def _report(rec: dict) -> dict:
+    status = (f"{rec['ms']:.3f} ms  {rec['tflops'] * 1e3:.1f} GFLOP/s"
+              if rec["ms"] is not None else f"failed: {rec.get('error')}")
+    print(f"{rec['impl']:8} {rec['direction']:7} d{rec['hdim']} {rec['dtype']} causal={rec['causal']} "
+          f"B={rec['batch']} H={rec['heads']} S={rec['seqlen_q']}: {status}", file=sys.stderr, flush=True)
+    return rec
+
+
 def run_gpu(args) -> int:
     for name, value in GPU_DEFAULTS.items():
         if getattr(args, name) is None:
@@ -102,16 +128,18 @@ def run_gpu(args) -> int:
     baselines = tuple(i for i in impls if i != "flashgen")
     directions = ("fwd", "fwd_bwd") if args.bwd else ("fwd",)
     rng = np.random.default_rng(0)
-    results = []
+    results, jobs = [], []
     for d, dtype, causal, s, batch, heads, kv in cases(args):
         for direction in directions:
+            job = dict(direction=direction, hdim=d, dtype=dtype, causal=causal, batch=batch, heads=heads,
+                       kv_heads=kv, sq=s, sk=s)
+            jobs.append(job)
             for impl in impls:
-                rec = measure(impl, direction, d, dtype, causal, batch, heads, kv, s, s, rng, args.min_time)
-                results.append(rec)
-                status = (f"{rec['ms']:.3f} ms  {rec['tflops'] * 1e3:.1f} GFLOP/s"
-                          if rec["ms"] is not None else f"failed: {rec.get('error')}")
-                print(f"{impl:8} {direction:7} d{d} {dtype} causal={causal} B={batch} H={heads} "
-                      f"S={s}: {status}", file=sys.stderr, flush=True)
+                if not impl.startswith(ELSEWHERE):
+                    results.append(_report(measure(impl, rng=rng, min_time=args.min_time, **job)))
+    for impl in impls:
+        if impl.startswith(ELSEWHERE):
+            results += [_report(r) for r in _measure_elsewhere(impl, jobs, args.min_time)]
     table = summarize(results, impls, baselines)
     print("\n".join(table))
     doc = {"environment": environment("cuda"),
@@ -120,3 +148,10 @@ def run_gpu(args) -> int:
            "max_seqlen": max_seqlen(results), "results": results, "table": table}
     write_json(args.json, doc)
     return 0
+
+
+if __name__ == "__main__":  # the child of _measure_elsewhere: jobs on stdin, records on stdout
+    request = json.load(sys.stdin)
+    child_rng = np.random.default_rng(0)
+    print(json.dumps([measure("flashgen", rng=child_rng, min_time=request["min_time"], **job)
+                      for job in request["jobs"]]))

@@ -9,6 +9,7 @@ reuses a kernel family is one new row in TARGETS; nothing else compares target n
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 
@@ -135,16 +136,31 @@ def is_host(platform: str) -> bool:
     return any(platform in t.jax_platforms and t.on_host for t in TARGETS.values())
 
 
+# Names the GPU target to use instead of the newest that runs here (FLASHGEN_TARGET=sm80 on an H100:
+# the mma.sync family, e.g. to compare it with sm90a's in `flashgen bench --impls flashgen@sm80`). GPU
+# targets only: the CPU backend runs the host's kernels whatever it says.
+OVERRIDE = "FLASHGEN_TARGET"
+
+
 def local(platform: str, compute_capability: str | None = None) -> Target | None:
     """The target whose kernels run on this machine's JAX backend `platform` ("cpu", "cuda"/"gpu");
     None when none does. A GPU target is picked by the GPU's compute capability ("8.6"):
-    `compute_capability` when the caller knows it (JAX's device does), else nvidia-smi's."""
+    `compute_capability` when the caller knows it (JAX's device does), else nvidia-smi's; the
+    newest that runs there, or the one OVERRIDE names."""
     rows = [t for t in TARGETS.values() if platform in t.jax_platforms]
     host = [t for t in rows if t.on_host]
     if host or not rows:
         return host[0] if host else None
     cc = _parse_compute_capability(compute_capability or _nvidia_smi_compute_capability())
     fits = [t for t in rows if cc and t.gpu.runs_on(cc)]
+    forced = os.environ.get(OVERRIDE)
+    if forced:
+        row = next((t for t in fits if t.name == forced), None)
+        if row is None:
+            raise ValueError(f"{OVERRIDE}={forced}: not a target whose kernels run on this GPU (compute capability "
+                             f"{'.'.join(map(str, cc)) if cc else 'unknown'}); these do: "
+                             f"{', '.join(t.name for t in fits) or 'none'}")
+        return row
     return max(fits, key=lambda t: t.gpu.compute_capability, default=None)
 
 

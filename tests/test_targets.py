@@ -154,3 +154,12 @@ def test_a_cuda_library_reports_the_jax_platform_flashgen_run_is_given():
     lib = build([KernelSpec(64, "bf16", True, "sm80"), KernelSpec(128, "f16", False, "sm80")])  # test_cuda_build's
     assert lib.manifest["platform"] == "CUDA"
     assert runtime.library_platform(lib.manifest_path) == "cuda"
+
+
+def test_flashgen_target_picks_an_older_gpu_target_and_refuses_one_that_cannot_run(monkeypatch):
+    assert targets.local("cuda", "9.0").name == "sm90a"
+    monkeypatch.setenv(targets.OVERRIDE, "sm80")
+    assert targets.local("cuda", "9.0").name == "sm80"        # mma.sync kernels run on an H100
+    monkeypatch.setenv(targets.OVERRIDE, "sm90a")
+    with pytest.raises(ValueError, match=r"FLASHGEN_TARGET=sm90a: .*compute capability 8\.0.*these do: sm80"):
+        targets.local("cuda", "8.0")
