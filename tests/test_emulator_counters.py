@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flashgen.emulate import GlobalMemory, PtxModule, launch
+from flashgen.emulate import counters
 from flashgen.emulate.counters import tensor_core
 
 # Each lane reads shared memory at buf + lane * stride (bytes, a parameter): one 4-byte load
@@ -100,6 +101,11 @@ def module():
     return PtxModule.parse(PTX)
 
 
+@pytest.fixture(autouse=True)
+def counting(monkeypatch):
+    monkeypatch.setenv(counters.ENV, "1")
+
+
 def run(module, name, stride, threads=32):
     src = np.arange(threads, dtype=np.uint32)
     memory = GlobalMemory()
@@ -153,3 +159,20 @@ def test_wgmma_flops_are_shared_by_the_warpgroup():
     # one wgmma m64n64k16 on a warpgroup: 4 warp-instructions, 2*64*64*16 = 131072 FLOPs in all
     counts = collections.Counter({"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16": 4, "add.f32": 10})
     assert tensor_core(counts) == (4, 131072)
+
+
+def test_counting_is_opt_in(module, monkeypatch):
+    monkeypatch.delenv(counters.ENV)
+    stats = run(module, "load4", 128)
+    assert stats.counters is None and counters.summary([stats]) == {}
+
+
+def test_summary_sums_launches(module):
+    stats = [run(module, "mma", 0), run(module, "load4", 128)]
+    s = counters.summary(stats)
+    # mma: 1 instruction (4096 FLOPs), 128 bytes; load4 at stride 32 words: 32 wavefronts, ideal 1, 128 bytes
+    assert (s["tensor_core_instructions"], s["tensor_core_flops"], s["smem_wavefronts"], s["smem_ideal_wavefronts"],
+            s["global_bytes_loaded"]) == (1, 4096, 32, 1, 256)
+    assert s["bytes_per_flop"] == 256 / 4096
+    assert s["warp_instructions"] == sum(x.warp_instructions for x in stats)
+    assert counters.format_line(s).startswith("tensor-core 1/")

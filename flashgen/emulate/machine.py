@@ -33,7 +33,7 @@ import numpy as np
 
 from flashgen import targets
 from flashgen.emulate import hopper_state
-from flashgen.emulate.counters import Counters
+from flashgen.emulate import counters
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.heap import collector_paused
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
@@ -59,7 +59,7 @@ class LaunchStats:
     blocks: int = 0
     seed: int = 0
     opcode_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    counters: Counters = dataclasses.field(default_factory=Counters)     # stats only, never speed
+    counters: counters.Counters | None = None     # stats only, never speed; None unless counters.enabled()
 
 
 class _Registers:
@@ -693,8 +693,8 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     smem_bytes = dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base)
     per_wave = max(1, min(WAVE_LANES // (32 * -(-nthreads // 32)), WAVE_SMEM // max(smem_bytes, 1)))
     t0 = time.perf_counter()
-    counters = Counters()
-    memory.start_launch(track_writers=race_check, counters=counters)
+    counts = counters.Counters() if counters.enabled() else None
+    memory.start_launch(track_writers=race_check, counters=counts)
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for first in range(0, len(order), per_wave):
@@ -708,7 +708,7 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
                     wave.close()
     finally:
         memory.end_launch()
-    stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed, counters=counters)
+    stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed, counters=counts)
     for pc, n in enumerate(run.counts):
         if n:
             stats.warp_instructions += n
