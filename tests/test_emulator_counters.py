@@ -13,22 +13,29 @@ from flashgen.emulate import GlobalMemory, PtxModule, launch
 from flashgen.emulate import counters
 from flashgen.emulate.counters import tensor_core
 
-# Each lane reads shared memory at buf + lane * stride (bytes, a parameter): one 4-byte load
-# (`load4`), one 8-byte load (`load8`), one ldmatrix.x4 (`ldsm`, lane i gives row i % 8 of
-# matrix i // 8); each first loads 4 bytes of global memory (`src[tid]`), and `mma` runs one
-# mma.sync m16n8k16 on zeros.
-PTX = """
-.version 7.8
-.target sm_80
-.address_size 64
+# Each lane (lane = %tid.x % 32) first loads 4 bytes of global memory (`src[tid]`), then reads
+# shared memory at buf + lane * stride (bytes, the second parameter): one 4-byte load (`load4`),
+# one 8-byte load (`load8`), one ldmatrix.x4 (`ldsm`: lane i gives row i % 8 of matrix i // 8);
+# `mma` runs one mma.sync m16n8k16 on zeros instead.
+ACCESS = {
+    "load4": "ld.shared.u32 %r6, [%r5];",
+    "load8": "ld.shared.v2.u32 {%r6, %r7}, [%r5];",
+    "ldsm": "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r8, %r9, %r10, %r11}, [%r5];",
+    "mma": "mov.b32 %r0, 0;\n\tmov.f32 %f4, 0f00000000;\n\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+           "{%f0, %f1, %f2, %f3}, {%r0, %r0, %r0, %r0}, {%r0, %r0}, {%f4, %f4, %f4, %f4};",
+}
 
-.visible .entry load4(.param .u64 load4_param_0, .param .u32 load4_param_1)
-{
-	.reg .b32 %r<8>;
+
+def _entry(name: str, access: str) -> str:
+    return f"""
+.visible .entry {name}(.param .u64 {name}_param_0, .param .u32 {name}_param_1)
+{{
+	.reg .b32 %r<12>;
+	.reg .f32 %f<8>;
 	.reg .b64 %rd<4>;
 	.shared .align 16 .b8 buf[8192];
-	ld.param.u64 %rd1, [load4_param_0];
-	ld.param.u32 %r1, [load4_param_1];
+	ld.param.u64 %rd1, [{name}_param_0];
+	ld.param.u32 %r1, [{name}_param_1];
 	mov.u32 %r2, %tid.x;
 	mul.wide.u32 %rd2, %r2, 4;
 	add.s64 %rd3, %rd1, %rd2;
@@ -37,63 +44,13 @@ PTX = """
 	mul.lo.u32 %r3, %r2, %r1;
 	mov.u32 %r4, buf;
 	add.u32 %r5, %r4, %r3;
-	ld.shared.u32 %r6, [%r5];
+	{access}
 	ret;
-}
-
-.visible .entry load8(.param .u64 load8_param_0, .param .u32 load8_param_1)
-{
-	.reg .b32 %r<9>;
-	.reg .b64 %rd<4>;
-	.shared .align 16 .b8 buf[8192];
-	ld.param.u64 %rd1, [load8_param_0];
-	ld.param.u32 %r1, [load8_param_1];
-	mov.u32 %r2, %tid.x;
-	mul.wide.u32 %rd2, %r2, 4;
-	add.s64 %rd3, %rd1, %rd2;
-	ld.global.u32 %r7, [%rd3];
-	mul.lo.u32 %r3, %r2, %r1;
-	mov.u32 %r4, buf;
-	add.u32 %r5, %r4, %r3;
-	ld.shared.v2.u32 {%r6, %r8}, [%r5];
-	ret;
-}
-
-.visible .entry ldsm(.param .u64 ldsm_param_0, .param .u32 ldsm_param_1)
-{
-	.reg .b32 %r<12>;
-	.reg .b64 %rd<4>;
-	.shared .align 16 .b8 buf[8192];
-	ld.param.u64 %rd1, [ldsm_param_0];
-	ld.param.u32 %r1, [ldsm_param_1];
-	mov.u32 %r2, %tid.x;
-	mul.wide.u32 %rd2, %r2, 4;
-	add.s64 %rd3, %rd1, %rd2;
-	ld.global.u32 %r7, [%rd3];
-	mul.lo.u32 %r3, %r2, %r1;
-	mov.u32 %r4, buf;
-	add.u32 %r5, %r4, %r3;
-	ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r8, %r9, %r10, %r11}, [%r5];
-	ret;
-}
-
-.visible .entry mma(.param .u64 mma_param_0, .param .u32 mma_param_1)
-{
-	.reg .b32 %r<8>;
-	.reg .f32 %f<8>;
-	.reg .b64 %rd<4>;
-	ld.param.u64 %rd1, [mma_param_0];
-	mov.u32 %r2, %tid.x;
-	mul.wide.u32 %rd2, %r2, 4;
-	add.s64 %rd3, %rd1, %rd2;
-	ld.global.u32 %r7, [%rd3];
-	mov.b32 %r0, 0;
-	mov.b32 %r1, 0;
-	mov.f32 %f4, 0f00000000;
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f0, %f1, %f2, %f3}, {%r0, %r0, %r0, %r0}, {%r1, %r1}, {%f4, %f4, %f4, %f4};
-	ret;
-}
+}}
 """
+
+
+PTX = ".version 7.8\n.target sm_80\n.address_size 64\n" + "".join(_entry(n, a) for n, a in ACCESS.items())
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +133,12 @@ def test_summary_sums_launches(module):
     assert s["bytes_per_flop"] == 256 / 4096
     assert s["warp_instructions"] == sum(x.warp_instructions for x in stats)
     assert counters.format_line(s).startswith("tensor-core 1/")
+
+
+def test_check_prints_one_line_per_kernel_of_each_call(module):
+    from flashgen.emulate.check import Row, format_counters
+    counts = {"mma": counters.summary([run(module, "mma", 0)])}
+    rows = [Row("dense", "d64_bf16", "sq=1", out, 0.0, 1.0, 0.1, 10, 1, "mma", counts) for out in ("o", "lse")]
+    lines = format_counters(rows).splitlines()
+    assert lines[0] == "emulated counts, not speed:"
+    assert lines[1:] == ["  d64_bf16 dense sq=1 mma: " + counters.format_line(counts["mma"])]   # one call: one line
