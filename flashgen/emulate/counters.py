@@ -18,7 +18,7 @@ warpgroup's 2*m*n*k, a quarter of it on each of the 4 warps that execute (and ar
 Global bytes loaded: ld.global, cp.async and TMA sources (not the tensor maps' 128-byte reads).
 
 Counting is opt-in (FLASHGEN_EMULATE_COUNTERS=1; `flashgen check --emulate --counters` sets it):
-the bank model's sorts slowed the emulated sm80 forward by ~55% (d64 bf16 causal, 150 x 150),
+the bank model's sorts slowed the emulated sm80 forward by ~50% (d64 bf16 causal, 150 x 150),
 the Hopper forward, whose shared traffic is TMA and wgmma, by ~2%.
 """
 from __future__ import annotations
