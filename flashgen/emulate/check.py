@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from flashgen import reference, targets
 from flashgen.contract import CallAttributes, normalize_extras
+from flashgen.emulate import counters
 from flashgen.emulate.machine import short_name
 from flashgen.spec import KernelSpec
 
@@ -49,6 +51,8 @@ class Row:
     warp_instructions: int  # executed by that call's launches (the emulator's work)
     call: int           # which of the Checker's handler calls produced it (rows share calls)
     kernels: str        # the kernels that call launched ("+"-joined): which family served it
+    # per kernel of that call: its launches' emulated counters (counters.summary), never speed
+    counters: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -90,10 +94,13 @@ class Checker:
 
     def _rows(self, family, case, record, pairs):
         instructions = sum(l.stats.warp_instructions for l in record.launches)
-        kernels = "+".join(dict.fromkeys(short_name(l.entry).split("[")[0] for l in record.launches))
+        names = [short_name(l.entry).split("[")[0] for l in record.launches]
+        kernels = "+".join(dict.fromkeys(names))
+        counts = {k: counters.summary([l.stats for l, n in zip(record.launches, names) if n == k])
+                  for k in dict.fromkeys(names)}
         self.calls += 1
         return [Row(family, self.spec.stem, case, name, relative_error(got, ref), tolerance(self.spec.dtype, name),
-                    record.seconds, instructions, self.calls, kernels) for name, got, ref in pairs]
+                    record.seconds, instructions, self.calls, kernels, counts) for name, got, ref in pairs]
 
     def _run(self, family, case, target, operands, results, attrs, pairs_of, kernels):
         """Call `target`; pairs_of(outputs) -> [(name, got, ref)]; returns (outputs, rows)."""
@@ -288,6 +295,14 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
 
 
+def format_counters(rows: list[Row]) -> str:
+    """One line per kernel of each handler call: its emulated counters (counts, not speed)."""
+    calls = {(r.spec, r.call): r for r in rows}
+    return "\n".join(["emulated counts, not speed:"] +
+                     [f"  {r.spec} {r.family} {r.case} {kernel}: {counters.format_line(c)}"
+                      for r in calls.values() for kernel, c in r.counters.items()])
+
+
 def summarize(rows: list[Row]) -> str:
     """The largest error per family and element type, and the emulator's pace."""
     worst: dict = {}
@@ -327,6 +342,8 @@ def cmd_check(args) -> int:
         raise UsageError(f"flashgen check has no cases for dtype(s) {', '.join(sorted(set(args.dtype) - set(NP_DTYPES)))} "
                          f"(the FP8 forward is checked by tests/test_fp8.py)")
     out = json_output(args.json) if args.json else None  # a bad location is refused before any work
+    if args.counters:
+        os.environ[counters.ENV] = "1"
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     seed = np.random.SeedSequence().entropy if args.seed is None else args.seed
     covering = covering_cases(specs, seed) if args.cases == "covering" else []
@@ -339,6 +356,8 @@ def cmd_check(args) -> int:
         results = [covering_case(c, case) for s, case in covering if s == spec] if covering else standard_cases(c)
         rows += [row for case in results for row in case.rows]
     print(format_table(rows))
+    if args.counters:
+        print(format_counters(rows))
     failed = sum(not r.ok for r in rows)
     if len(specs) > 1 or args.json:
         print(summarize(rows))
@@ -366,4 +385,9 @@ def register(sub) -> None:
                         "projected onto the specs")
     p.add_argument("--seed", type=int, help="input seed, and the covering array's (default: fresh)")
     p.add_argument("--json", metavar="FILE", help="also write the rows, the seed and the environment as JSON")
+    p.add_argument("--counters", action="store_true",
+                   help="also print each kernel's emulated counters: tensor-core share of the warp-instructions, "
+                        "shared-memory wavefronts against the conflict-free count, global bytes loaded per "
+                        "tensor-core FLOP (counts for ranking tiles and catching regressions, never speed; "
+                        "then also in --json's rows; sets FLASHGEN_EMULATE_COUNTERS=1)")
     p.set_defaults(func=cmd_check)

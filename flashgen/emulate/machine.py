@@ -33,6 +33,7 @@ import numpy as np
 
 from flashgen import targets
 from flashgen.emulate import hopper_state
+from flashgen.emulate import counters
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.heap import collector_paused
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
@@ -58,6 +59,7 @@ class LaunchStats:
     blocks: int = 0
     seed: int = 0
     opcode_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    counters: counters.Counters | None = None     # stats only, never speed; None unless counters.enabled()
 
 
 class _Registers:
@@ -180,7 +182,7 @@ class _Wave:
     def __init__(self, blocks, grid, gmem, params, types, nthreads, block, smem_bytes, race_check, granule):
         per_cta = -(-nthreads // 32)
         self.registers = _Registers(types, 32 * per_cta * len(blocks))
-        smem = SharedMemory(smem_bytes, race_check, len(blocks), granule)
+        smem = SharedMemory(smem_bytes, race_check, len(blocks), granule, gmem.counters)
         self.warps, self.ctas = [], []
         for slot, ctaid in enumerate(blocks):
             cta = _Cta(ctaid, grid, smem, slot, gmem, params)
@@ -691,7 +693,8 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     smem_bytes = dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base)
     per_wave = max(1, min(WAVE_LANES // (32 * -(-nthreads // 32)), WAVE_SMEM // max(smem_bytes, 1)))
     t0 = time.perf_counter()
-    memory.start_launch(track_writers=race_check)
+    counts = counters.Counters() if counters.enabled() else None
+    memory.start_launch(track_writers=race_check, counters=counts)
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for first in range(0, len(order), per_wave):
@@ -705,7 +708,7 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
                     wave.close()
     finally:
         memory.end_launch()
-    stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed)
+    stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed, counters=counts)
     for pc, n in enumerate(run.counts):
         if n:
             stats.warp_instructions += n

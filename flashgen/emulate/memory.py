@@ -43,6 +43,7 @@ class GlobalMemory:
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
         self._starts_np = np.zeros(0, np.int64)
+        self.counters = None            # counters.Counters of the running launch, if it counts
 
     def add(self, address: int, nbytes: int, name: str) -> None:
         if address <= 0 or nbytes < 0:
@@ -104,13 +105,16 @@ class GlobalMemory:
         return parts
 
     # -- CTA ownership of bytes within one launch ----------------------------------------------
-    def start_launch(self, track_writers: bool) -> None:
+    def start_launch(self, track_writers: bool, counters=None) -> None:
         self._owners = {} if track_writers else None
         self._readers = {}
+        self.counters = counters
+
 
     def end_launch(self) -> None:
         self._owners = None
         self._readers = {}
+        self.counters = None
 
     @staticmethod
     def _words(start, idx):
@@ -186,8 +190,12 @@ class GlobalMemory:
             if clash.any():
                 raise self._race(start, idx, clash, owner, what, now)
 
-    def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load", cta: int | None = None) -> np.ndarray:
-        """Bytes [len(addrs), nbytes] read at each address."""
+    def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load", cta: int | None = None,
+             data: bool = True) -> np.ndarray:
+        """Bytes [len(addrs), nbytes] read at each address; `data`: counted as the kernel's data
+        (counters.Counters), not a descriptor's."""
+        if data and self.counters is not None:
+            self.counters.global_bytes_loaded += addrs.size * nbytes
         out = np.empty((addrs.size, nbytes), np.uint8)
         cols = np.arange(nbytes)
         for view, off, sel, start in self._locate(addrs, nbytes, what):
@@ -269,7 +277,7 @@ class SharedMemory:
     compares."""
     MANY = 255
 
-    def __init__(self, nbytes: int, race_check: bool, ctas: int = 1, granule: int = 1):
+    def __init__(self, nbytes: int, race_check: bool, ctas: int = 1, granule: int = 1, counters=None):
         # Shared memory starts as garbage on a GPU: 0xFF bytes (NaN floats) make reads of never
         # written bytes visible in the results instead of reading convenient zeros.
         self.stride = -(-nbytes // 16) * 16                 # no race granule spans two CTAs
@@ -284,6 +292,7 @@ class SharedMemory:
         self.epochs = np.ones(ctas, np.int64)
         self.granule = granule
         self.hopper = None                                   # hopper_state.AsyncState of a Hopper kernel
+        self.counters = counters                             # counters.Counters of the launch, or None
         if race_check:
             n = -(-total // granule)
             self.w_stamp = np.zeros(n, np.int64)
@@ -441,7 +450,17 @@ class SharedMemory:
             return None
         return words
 
+    def _count(self, offs, nbytes, warp, lanes, slot):
+        """Bank-conflict counters of a generic-proxy access; `lanes` None: rows in lane order per warp."""
+        if self.counters is None:
+            return
+        who = np.asarray(slot, np.int64) * 256 + warp
+        if lanes is None:
+            lanes = np.arange(offs.size) if who.ndim == 0 else _occurrence(who)
+        self.counters.shared_access(offs, nbytes, who, lanes)
+
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
+        self._count(offs, nbytes, warp, lanes, slot)
         words = self._whole_words(offs, nbytes, what, slot)
         if words is not None:
             if self.race_check:
@@ -454,6 +473,7 @@ class SharedMemory:
         return self.data[idx]
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
+        self._count(offs, data.shape[1] * data.dtype.itemsize, warp, lanes, slot)
         words = self._whole_words(offs, data.shape[1], what, slot) if data.dtype == np.uint8 else None
         if words is not None:
             if self.race_check:
@@ -475,6 +495,7 @@ class SharedMemory:
     def async_issue(self, offs: np.ndarray, nbytes: int, warp, lanes=None, slot=0) -> np.ndarray:
         """A cp.async targets these bytes: check them like a write, then mark them in flight.
         Returns their indices for async_deliver: words in word mode, else bytes."""
+        self._count(offs, nbytes, warp, lanes, slot)
         words = self._whole_words(offs, nbytes, "cp.async destination", slot)
         if words is not None:
             if self.race_check:

@@ -99,7 +99,7 @@ def _map_at(warp, address: int) -> tensormap.TensorMap:
             raise EmulationError(f"tensor map at parameter offset {off} runs past the parameter buffer")
         raw = warp.params[off:off + 128]
     else:
-        raw = warp.gmem.load(np.array([address], np.int64), 128, "tensor map read", cta=warp.cta_index)[0]
+        raw = warp.gmem.load(np.array([address], np.int64), 128, "tensor map read", cta=warp.cta_index, data=False)[0]
     return tensormap.decode(raw)
 
 
