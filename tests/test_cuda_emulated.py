@@ -51,7 +51,8 @@ def launched(result, kernel: str) -> int:
 def test_dense_causal_bottom_right_gqa(rng, arch):
     r = assert_matches(checker(rng, 64, "bf16", True, arch).dense(
         seqlen_q=77, seqlen_k=129, heads_q=4, heads_kv=2, bottom_right=True))
-    assert launched(r, "flash_bwd_pre_kernel") == 1 and launched(r, "flash_bwd_kernel") == 1
+    main = "flash_bwd_kernel" if arch == "sm80" else "hopper_bwd_kernel"  # sm90a: the wgmma backward
+    assert launched(r, "flash_bwd_pre_kernel") == 1 and launched(r, main) == 1
     assert launched(r, "flash_bwd_convert_kernel") == 3  # dq, and dk / dv from the GQA accumulators
 
 
@@ -160,12 +161,14 @@ def test_d256_dbias_is_not_doubled(rng):
 
 def test_every_kernel_entry_point_runs(rng):
     """Each __global__ entry the spec's PTX holds (dense, extras, varlen, varlen+ALiBi, paged,
-    paged+ALiBi forwards; the backward's pre, four main variants and convert; the varlen fill
-    and split-KV combine) is launched by some handler and matches float64."""
+    paged+ALiBi forwards; the backward's pre, four main variants, their deterministic twins and
+    convert; the varlen fill and split-KV combine) is launched by some handler and matches float64."""
     c = checker(rng, 64, "bf16", True)
-    cases = [c.dense(seqlen_q=20), c.dense(seqlen_q=20, alibi="H"), c.varlen(seqlens_q=(9, 0, 12)),
-             c.varlen(seqlens_q=(9, 12), alibi="H"), c.paged(seqused_k=(300,), block_size=16),
-             c.paged(seqused_k=(20,), alibi="H")]
+    cases = [c.dense(seqlen_q=20, deterministic=d) for d in (False, True)] + \
+            [c.dense(seqlen_q=20, alibi="H", deterministic=d) for d in (False, True)] + \
+            [c.varlen(seqlens_q=(9, 0, 12), deterministic=d) for d in (False, True)] + \
+            [c.varlen(seqlens_q=(9, 12), alibi="H", deterministic=d) for d in (False, True)] + \
+            [c.paged(seqused_k=(300,), block_size=16), c.paged(seqused_k=(20,), alibi="H")]
     ran = {k for r in cases for k in assert_matches(r).kernels}
     assert ran == set(c.lib.kernels), f"never launched: {sorted(set(c.lib.kernels) - ran)}"
 
@@ -175,7 +178,7 @@ def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
     paged kernels too (split-KV partials and combine included); a row that sees no key stays
     o = 0, lse = -inf. q = -1e37 against keys >= 1: q.k < -3.4e38 in the f32 accumulators."""
     c = checker(rng, 64, "bf16", True)
-    attrs = c._attrs(False, (-1, -1), 0.0, "mask")
+    attrs = c._attrs(False, (-1, -1), 0.0, "mask").values("fwd")
     b, s, h, d = 1, 40, 1, 64
     q, v = c._normal(b, s, h, d), c._normal(b, s, h, d)
     k = (np.abs(c._normal(b, s, h, d)) + 1).astype(c.dt)
@@ -200,7 +203,8 @@ def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
     vc, qd = c._normal(3 * mb, bs, h, d), c._normal(3, 1, h, d)
     qd[0] = -1e37
     (o, lse), rec = c.lib.call(c.spec.target_name("fwd_paged"), [qd, kc, vc, table, used],
-                               [((3, 1, h, d), c.dt), ((3, h, 1), np.float32)], **c._attrs(True, (-1, -1), 0.0))
+                               [((3, 1, h, d), c.dt), ((3, h, 1), np.float32)],
+                               **c._attrs(True, (-1, -1), 0.0).values("fwd_paged"))
     assert any("24flash_fwd_combine_kernelI" in l.entry for l in rec.launches)
     o, lse = o.astype(np.float64), lse.astype(np.float64)
     assert np.isnan(o[0]).all() and np.isnan(lse[0]).all()
@@ -224,7 +228,7 @@ def test_mismatched_shapes_are_a_handler_error_and_launch_nothing(rng):
     k = np.zeros((1, 8, 2, 32), c.dt)  # wrong head dim
     with pytest.raises(HandlerError, match="head") as e:
         c.lib.call(c.spec.target_name("fwd"), [q, k, k], [((1, 8, 2, 64), c.dt), ((1, 2, 8), np.float32)],
-                   **c._attrs(False, (-1, -1), 0.0))
+                   **c._attrs(False, (-1, -1), 0.0).values("fwd"))
     assert e.value.record.launches == [] and e.value.record.host_accesses == []
 
 
@@ -271,10 +275,10 @@ def test_cli_check_refuses_bad_targets_and_outputs_before_building(capsys, tmp_p
 
 def test_check_summary_reads_worst_errors_and_pace():
     from flashgen.emulate.check import Row, summarize
-    rows = [Row("dense", "d64_bf16_causal", "sq=77", "o", 4e-3, 1.5e-2, 2.0, 1000, 1),
-            Row("dense", "d64_bf16_causal", "sq=77", "lse", 1e-3, 1.5e-2, 2.0, 1000, 1),
-            Row("dense", "d128_f32", "sq=77", "o", 5e-7, 1e-5, 1.0, 500, 1),
-            Row("paged", "d64_bf16", "seqused_k=(1,)", "o", 2e-3, 1.5e-2, 1.0, 1500, 2)]
+    rows = [Row("dense", "d64_bf16_causal", "sq=77", "o", 4e-3, 1.5e-2, 2.0, 1000, 1, ""),
+            Row("dense", "d64_bf16_causal", "sq=77", "lse", 1e-3, 1.5e-2, 2.0, 1000, 1, ""),
+            Row("dense", "d128_f32", "sq=77", "o", 5e-7, 1e-5, 1.0, 500, 1, ""),
+            Row("paged", "d64_bf16", "seqused_k=(1,)", "o", 2e-3, 1.5e-2, 1.0, 1500, 2, "")]
     text = summarize(rows)
     dense = next(l for l in text.splitlines() if l.strip().startswith("dense"))
     assert "4.00e-03" in dense and "5.00e-07" in dense

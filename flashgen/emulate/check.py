@@ -86,8 +86,9 @@ class Checker:
         self.dt = NP_DTYPES[spec.dtype]
         self.scale = float(np.float32(1 / np.sqrt(spec.head_dim)))
 
-    def _attrs(self, bottom_right, window, softcap, extras=(), max_seqlen=None) -> CallAttributes:
-        return CallAttributes(self.spec.causal, self.scale, bottom_right, window, softcap, extras, max_seqlen)
+    def _attrs(self, bottom_right, window, softcap, extras=(), max_seqlen=None, deterministic=False) -> CallAttributes:
+        return CallAttributes(self.spec.causal, self.scale, bottom_right, window, softcap, extras, max_seqlen,
+                              deterministic)
 
     def _normal(self, *shape):
         return self.rng.standard_normal(shape).astype(self.dt)
@@ -111,8 +112,9 @@ class Checker:
     # -----------------------------------------------------------------------------------------
     def dense(self, *, batch=1, seqlen_q=77, seqlen_k=None, heads_q=2, heads_kv=1, bottom_right=False,
               window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, bias_grad=True, mask=None,
-              segment_ids=False, backward=True) -> CaseResult:
-        """Dense forward (and backward, on the emulated forward's o and lse).
+              segment_ids=False, backward=True, deterministic=False) -> CaseResult:
+        """Dense forward (and backward, on the emulated forward's o and lse; deterministic: its
+        fixed-order kernels).
         alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq; a bias's third,
         1, broadcasts it over the queries: a key-only bias) — the bias is differentiated (the
         backward returns dbias, checked) unless not bias_grad; the mask has a fully masked row;
@@ -141,7 +143,7 @@ class Checker:
             kw.update(q_segment_ids=qs, kv_segment_ids=ks)
         names = normalize_extras(tuple(ops))
         extra_ops = [a for n in names for a in ops[n]]
-        attrs = self._attrs(bottom_right, window, softcap, names)
+        attrs = self._attrs(bottom_right, window, softcap, names, deterministic=deterministic)
         family = "extras" if names else "dense"
         case = _describe(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, bottom_right=bottom_right, window=window,
                          softcap=softcap, alibi=alibi,
@@ -164,7 +166,8 @@ class Checker:
         return CaseResult(rows, kernels)
 
     def varlen(self, *, seqlens_q=(17, 0, 40), seqlens_k=None, pad_q=3, pad_k=2, heads_q=2, heads_kv=1,
-               bottom_right=False, window=(-1, -1), softcap=0.0, alibi=None, backward=True) -> CaseResult:
+               bottom_right=False, window=(-1, -1), softcap=0.0, alibi=None, backward=True,
+               deterministic=False) -> CaseResult:
         """Packed variable-length batch; `pad_q` / `pad_k` rows after the last sequence
         belong to none (o = 0, lse = -inf, zero gradients)."""
         seqlens_k = seqlens_q if seqlens_k is None else seqlens_k
@@ -178,7 +181,8 @@ class Checker:
             extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (len(seqlens_q), hq))
                          .astype(np.float32)]
             kw["alibi_slopes"] = extra_ops[0]
-        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "", (max(seqlens_q), max(seqlens_k)))
+        attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "", (max(seqlens_q), max(seqlens_k)),
+                            deterministic)
         case = _describe(seqlens_q=tuple(seqlens_q), seqlens_k=tuple(seqlens_k), pad=(pad_q, pad_k), hq=hq,
                          hkv=hkv, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
         ref = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=self.spec.causal, scale=self.scale,

@@ -35,7 +35,7 @@ defmodule FlashGen.Attention do
 
   ```mlir
   %0:2 = stablehlo.custom_call @flashgen_fwd_d32_f32_causal(%arg0, %arg1, %arg2) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, extras = "", scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x2x8xf32>)
-  %1:3 = stablehlo.custom_call @flashgen_bwd_d32_f32_causal(%arg0, %arg1, %arg2, %0#0, %0#1, %arg3) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, extras = "", scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x2x8xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>)
+  %1:3 = stablehlo.custom_call @flashgen_bwd_d32_f32_causal(%arg0, %arg1, %arg2, %0#0, %0#1, %arg3) {api_version = 4 : i32, backend_config = {bottom_right = false, causal = true, deterministic = false, extras = "", scale = 1.250000e-01 : f32, softcap = 0.000000e+00 : f32, window_left = -1 : i32, window_right = -1 : i32}} : (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x2x8xf32>, tensor<1x8x2x32xf32>) -> (tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>, tensor<1x8x2x32xf32>)
   ```
 
   The forward returns `o` and the log-sum-exp `lse[B, Hq, Sq]` (f32); the
