@@ -134,22 +134,24 @@ def _attention_bwd(spec, scale, mask, res, cts):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-# The FP8 forward (q, k, v float8_e4m3fn with per-tensor descales; o bf16): forward only.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _forward_only(nondiff_argnums: tuple[int, ...], why: str):
+    """Decorator: a custom_vjp whose backward raises NotImplementedError(why) (calls without a
+    backward kernel), so differentiating it fails with that reason instead of tracing into the call."""
+    def wrap(fn):
+        f = jax.custom_vjp(fn, nondiff_argnums=nondiff_argnums)
+
+        def bwd(*_):
+            raise NotImplementedError(why)
+        f.defvjp(lambda *args: (f(*args), None), bwd)
+        return f
+    return wrap
+
+
+# The FP8 forward (q, k, v float8_e4m3fn with per-tensor descales; o bf16).
+@_forward_only((4, 5, 6), "flash_attention with float8_e4m3fn inputs is forward-only (no FP8 backward); "
+                          "differentiate it with bf16 / f16 inputs")
 def _attention_fp8(q, k, v, descales, spec, scale, mask):
     return _kernel_calls(spec, scale, mask)[0](q, k, v, *descales)
-
-
-def _attention_fp8_fwd(*args):
-    return _attention_fp8(*args), None
-
-
-def _attention_fp8_bwd(spec, scale, mask, res, cts):
-    raise NotImplementedError("flash_attention with float8_e4m3fn inputs is forward-only (no FP8 backward); "
-                              "differentiate it with bf16 / f16 inputs")
-
-
-_attention_fp8.defvjp(_attention_fp8_fwd, _attention_fp8_bwd)
 
 
 def _fp8_descales(dtype: str, descales: dict, extras, softcap):
@@ -485,22 +487,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     return (o, lse) if return_lse else o
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+@_forward_only((6, 7, 8), "flash_attention_paged is forward-only (inference/decode); "
+                          "differentiate flash_attention or flash_attention_varlen instead")
 def _attention_paged(q, k_cache, v_cache, block_table, seqused_k, ex, spec, scale, attrs):
     return primitive.kernel_call(spec, "fwd_paged", (q, k_cache, v_cache, block_table, seqused_k, *ex),
                                  _call_attributes(spec, scale, attrs))
-
-
-def _attention_paged_fwd(*args):
-    return _attention_paged(*args), None
-
-
-def _attention_paged_bwd(spec, scale, attrs, res, cts):
-    raise NotImplementedError("flash_attention_paged is forward-only (inference/decode); "
-                              "differentiate flash_attention or flash_attention_varlen instead")
-
-
-_attention_paged.defvjp(_attention_paged_fwd, _attention_paged_bwd)
 
 
 def flash_attention_paged(q, k_cache, v_cache, block_table, seqused_k, *, causal: bool = False,
