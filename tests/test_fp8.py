@@ -1,6 +1,6 @@
-"""The FP8 (e4m3) forward: csrc/flashgen/cuda/hopper/fwd_fp8.cuh run on the CPU through its FFI
-handler under the emulator (sm90a), against flashgen.reference.attention_fp8 (float64 on the
-dequantized inputs), and the API's refusals.
+"""The FP8 (e4m3) forward: csrc/flashgen/cuda/hopper/fwd.cuh's kernel with T = e4m3 run on the CPU
+through its FFI handler under the emulator (sm90a), against flashgen.reference.attention_fp8
+(float64 on the dequantized inputs), and the API's refusals.
 
 Inputs are quantized as users do: real values x ~ N(0, sigma) stored as e4m3(x / descale) with
 descale = amax / 448, so the stored values span e4m3's range and the descales are far from 1.
@@ -51,7 +51,8 @@ def run(spec, q, k, v, descales, **attrs):
     values = CallAttributes(spec.causal, scale, **attrs).values("fwd")
     (o, lse), record = _library(SPECS if spec in SPECS else (spec,)).call(spec.target_name("fwd"), [q, k, v, *descales],
                                        [((b, sq, hq, d), ml_dtypes.bfloat16), ((b, hq, sq), np.float32)], **values)
-    assert [l.kernel.split("[")[0] for l in record.launches] == ["hopper_fwd_fp8_kernel"]
+    # the Hopper forward's one template, instantiated for e4m3
+    assert ["17hopper_fwd_kernelI13__nv_fp8_e4m3" in l.entry for l in record.launches] == [True], record.launches
     return o.astype(np.float64), lse.astype(np.float64), scale
 
 

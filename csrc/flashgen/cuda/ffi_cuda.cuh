@@ -26,7 +26,6 @@
 
 #include "flashgen/cuda/hopper/bwd.cuh"
 #include "flashgen/cuda/hopper/fwd.cuh"
-#include "flashgen/cuda/hopper/fwd_fp8.cuh"
 #endif
 #include "flashgen/call.h"
 #include "xla/ffi/api/ffi.h"
@@ -251,21 +250,23 @@ inline ffi::Error tensor_map_encoder(const char* target, PFN_cuTensorMapEncodeTi
 }
 
 // The TMA map of a [batch][seq][heads][D] tensor of T moved in boxes of 64 columns x `box_rows`
-// rows of one head (hopper/fwd.cuh's swizzled panels); rows past `seq` load as zeros and are
-// not stored.
+// rows of one head (hopper/fwd.cuh's swizzled panels: 128-byte rows of 16-bit T, 64-byte rows of
+// e4m3); rows past `seq` load as zeros and are not stored.
 template <class T, int D>
 ffi::Error encode_rows_map(const char* target, PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map,
                            const char* name, const void* data, int64_t batch, int64_t seq, int64_t heads,
                            int box_rows) {
-  constexpr CUtensorMapDataType kType =
-      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  constexpr CUtensorMapDataType kType = std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                        : sizeof(T) == 1                ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  constexpr CUtensorMapSwizzle kSwizzle = sizeof(T) == 1 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
   const cuuint64_t dims[4] = {D, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(seq),
                               static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {D * sizeof(T), heads * D * sizeof(T), seq * heads * D * sizeof(T)};
   const cuuint32_t box[4] = {sm90::kPanelCols, 1, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, kType, 4, const_cast<void*>(data), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, kSwizzle,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return ffi::Error::Internal(std::string(target) + ": cuTensorMapEncodeTiled(" + name + ") failed with CUresult " +
@@ -274,12 +275,14 @@ ffi::Error encode_rows_map(const char* target, PFN_cuTensorMapEncodeTiled_v12000
 }
 
 // Varlen: the maps hold the packed totals as one batch; `rows` = the longest sequence's rows (the
-// grid's), blockIdx.z the sequence. Dense: rows = Sq.
-template <class T, int D, bool CAUSAL, bool VARLEN, class Params>
-ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const Params& p, const AttentionShape& s,
-                             int64_t rows) {
+// grid's), blockIdx.z the sequence. Dense: rows = Sq. FP8: v and o get no map (the kernel moves
+// them with plain loads and stores).
+template <class T, int D, bool CAUSAL, bool VARLEN>
+ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const HopperFwdParams<T, VARLEN>& p,
+                             const AttentionShape& s, int64_t rows) {
   using Cfg = HopperFwdConfig;
-  constexpr size_t kSmem = Cfg::smem_bytes(D);
+  constexpr bool kMapsVO = !HopperFwdElem<T>::kFp8;
+  constexpr size_t kSmem = Cfg::smem_bytes<T>(D);
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (auto e = tensor_map_encoder(target, &encode); e.failure()) return e;
   CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};  // Sk == 0: no CTA loads a key block, k / v get no map
@@ -287,9 +290,9 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const Para
     return encode_rows_map<T, D>(target, encode, map, name, data, VARLEN ? 1 : s.batch, seq, heads, Cfg::BC);  // BC == BM
   };
   ffi::Error e = rows_map(&map_q, "q", p.q, s.seqlen_q, s.heads_q);
-  if (!e.failure()) e = rows_map(&map_o, "o", p.o, s.seqlen_q, s.heads_q);
+  if (!e.failure() && kMapsVO) e = rows_map(&map_o, "o", p.o, s.seqlen_q, s.heads_q);
   if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_k, "k", p.k, s.seqlen_k, s.heads_kv);
-  if (!e.failure() && s.seqlen_k > 0) e = rows_map(&map_v, "v", p.v, s.seqlen_k, s.heads_kv);
+  if (!e.failure() && s.seqlen_k > 0 && kMapsVO) e = rows_map(&map_v, "v", p.v, s.seqlen_k, s.heads_kv);
   if (e.failure()) return e;
   const dim3 grid(static_cast<unsigned>((rows + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
@@ -342,7 +345,7 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
 }
 
 // ---------------------------------------------------------------------------
-// forward, FP8 (e4m3 q, k, v; bf16 o): the Hopper kernel (hopper/fwd_fp8.cuh) alone
+// forward, FP8 (e4m3 q, k, v; bf16 o): the Hopper kernel (hopper/fwd.cuh) alone
 // ---------------------------------------------------------------------------
 template <ffi::DataType DT, int D, bool CAUSAL>
 ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator&, const FwdFp8Call& c) {
@@ -350,20 +353,13 @@ ffi::Error launch(const char* target, cudaStream_t stream, ffi::ScratchAllocator
   if (s.batch == 0 || s.seqlen_q == 0 || s.heads_q == 0) return ffi::Error::Success();
   if (auto e = check_fwd_buffers(target, stream, s, c.q, c.k, c.v, s.seqlen_k > 0, c.o, c.lse); e.failure()) return e;
 #ifdef FLASHGEN_WGMMA_KERNELS
-  if constexpr (kHopperFp8FwdCompiles<D>) {
-    using Cfg = HopperFp8FwdConfig;
+  if constexpr (kHopperFwdCompiles<__nv_fp8_e4m3, D>) {
     Fp8FwdParams p{};
     FwdVarParams vp;
     fill_fwd_params<__nv_fp8_e4m3, D>(vp, s, c.attrs, c.q, c.k, c.v, c.o.data, static_cast<float*>(c.lse.data));
     static_cast<FwdParams&>(p) = vp;
     p.q_descale = c.q_descale, p.k_descale = c.k_descale, p.v_descale = c.v_descale;
-    constexpr size_t kSmem = Cfg::smem_bytes(D);
-    const dim3 grid(static_cast<unsigned>((s.seqlen_q + Cfg::BR - 1) / Cfg::BR), static_cast<unsigned>(s.heads_q),
-                    static_cast<unsigned>(s.batch));
-    auto kernel = hopper_fwd_fp8_kernel<D, CAUSAL>;
-    if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
-    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
-    return check_launch(target, "hopper_fwd_fp8_kernel");
+    return launch_hopper_fwd<__nv_fp8_e4m3, D, CAUSAL, false>(target, stream, p, s, s.seqlen_q);
   }
 #endif
   return ffi::Error(ffi::ErrorCode::kUnimplemented,

@@ -26,7 +26,20 @@
 // with plain per-row stores (rows < Sq) instead of the TMA box, which would overwrite the next
 // sequence. (One map per sequence would clip in hardware but costs B encodes per call, and the
 // cu_seqlens are device data; the plain store touches one tile per sequence.)
+// FP8 (T = e4m3, contract.FP8_CALLS: per-tensor descales, real value = stored * descale; o bf16):
+//   - tiles are 64-byte-swizzled panels of 64 e4m3 columns (sm90.cuh); a wgmma K step is k32;
+//   - the descales of q and k fold into the softmax scale, v's into o's 1 / l;
+//   - 8-bit wgmma reads B K-major only, so the producer warpgroup (all 128 threads) stores each
+//     value block TRANSPOSED (V^T, a row per head-dim column, keys along it) with plain loads and
+//     shared stores, while its elected thread TMA-loads the keys; the stage's `full` barrier also
+//     counts the 128 threads' arrivals. Keys are stored in the order P's registers hold them
+//     (store_v_transposed), so P (rounded to e4m3) is the PV wgmma's A operand without shuffles;
+//   - l sums the f32 probabilities, not their e4m3 roundings (as FlashAttention-3): o's error is
+//     the rounding of P weighted by |v| (tests/test_fp8.py derives the bound);
+//   - o (bf16) is twice the Q tile's bytes: every row is stored with plain stores, no TMA box.
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include "flashgen/call.h"
 #include "flashgen/cuda/fwd.cuh"
@@ -37,13 +50,88 @@ namespace cuda {
 namespace {
 
 // Which dense forward calls this kernel serves; the others keep the sm80 family's kernels.
-// Compiled for f16 / bf16 at head dims that are multiples of 64 up to 256 (the swizzled panels;
-// Q, K and V stages fit in shared memory). At run time: any band (causal top-left or
-// bottom-right, sliding window), softcap, GQA / MQA; no extras (bias, mask, segment ids, ALiBi:
-// not ported).
+// Compiled for f16 / bf16 / e4m3 at head dims that are multiples of 64 up to 256 (the swizzled
+// panels; Q, K and V stages fit in shared memory). At run time: any band (causal top-left or
+// bottom-right, sliding window), softcap (not e4m3: its call refuses it), GQA / MQA; no extras
+// (bias, mask, segment ids, ALiBi: not ported).
 template <class T, int D>
-constexpr bool kHopperFwdCompiles =
-    D % sm90::kPanelCols == 0 && D <= 256 && (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value);
+constexpr bool kHopperFwdCompiles = D % sm90::kPanelCols == 0 && D <= 256 &&
+                                    (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value ||
+                                     std::is_same<T, __nv_fp8_e4m3>::value);
+
+// What the element type changes in the kernel.
+template <class T>
+struct HopperFwdElem {
+  static constexpr bool kFp8 = std::is_same<T, __nv_fp8_e4m3>::value;
+  static constexpr int kK = 32 / static_cast<int>(sizeof(T));  // wgmma K step: 32 bytes of a panel row
+  static constexpr int kPanelBytes = 64 * sm90::kPanelCols * static_cast<int>(sizeof(T));  // 64 rows' panel
+  // PV's K step kk in V's stage: 16 keys of 128-byte rows (MN-major), or 32 bytes along V^T's rows.
+  static constexpr int kVStepBytes = kFp8 ? kK : kK * 128;
+  using Out = typename std::conditional<kFp8, __nv_bfloat16, T>::type;
+};
+
+// FP8: the dense call's parameters and the descale operands ([1] each, device memory).
+struct Fp8FwdParams : FwdParams {
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+};
+template <class T, bool VARLEN>
+using HopperFwdParams = typename std::conditional<
+    VARLEN, FwdVarParams, typename std::conditional<HopperFwdElem<T>::kFp8, Fp8FwdParams, FwdParams>::type>::type;
+// Factors on the scores (q's and k's descales) and on o (v's); 1 where the inputs are not scaled.
+inline __device__ float qk_descale_of(const FwdParams&) { return 1.f; }
+inline __device__ float qk_descale_of(const Fp8FwdParams& p) { return *p.q_descale * *p.k_descale; }
+inline __device__ float v_descale_of(const FwdParams&) { return 1.f; }
+inline __device__ float v_descale_of(const Fp8FwdParams& p) { return *p.v_descale; }
+
+// P of one block (this thread's S accumulator registers, probabilities in f32) as the A fragments
+// of the PV wgmmas. 16-bit: k16 step kk is S's columns 16 kk .. (registers 8 kk ..), mma.m16n8k16's
+// A order. e4m3: k32 step kk is registers 16 kk ..; register r takes row g + 8 (r % 2) of the
+// 16-column half r / 2, and the thread's keys {2t, 2t+1, 8+2t, 9+2t} of it go to A positions
+// 4t .. 4t+3, the order store_v_transposed gives V^T's keys.
+template <class T>
+FG_DEV void p_fragments(const float (&s)[32], uint32_t (&pa)[64 / HopperFwdElem<T>::kK][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 64 / HopperFwdElem<T>::kK; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if constexpr (HopperFwdElem<T>::kFp8) {
+        const float* x = s + 16 * kk + 8 * (r / 2) + 2 * (r % 2);
+        pa[kk][r] = sm90::pack_e4m3x4(x[0], x[1], x[4], x[5]);
+      } else {
+        pa[kk][r] = HalfOps<T>::pack(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+      }
+    }
+}
+
+// Keys [row0, row0 + 64) of V ([rows][D] e4m3 at `src`, `stride` bytes per row) as V^T at shared
+// address `vt` (1024-byte aligned): D rows of 64 key positions, 64-byte swizzled (sm90::sw64), A
+// position 4t + i of each 16 holding key 2t + (i % 2) + 8 (i / 2) (p_fragments' order, so
+// sum_k P[:, k] V[k, :] is unchanged). Keys at or past `keys_valid` are zeros (their P is 0, and
+// 0 * NaN would not be). Each of NT threads moves 4 keys x 4 columns at a time: 4 coalesced 4-byte
+// loads, a 4 x 4 byte transpose, 4 stores.
+template <int D, int NT>
+FG_DEV void store_v_transposed(uint32_t vt, const uint8_t* src, int64_t stride, int row0, int keys_valid, int tid) {
+  constexpr int kWords = D / 4;  // 4-column words per key
+#pragma unroll 2
+  for (int i = tid; i < 16 * kWords; i += NT) {
+    const int w = i % kWords, quad = i / kWords;  // quad: positions 4 quad .. 4 quad + 3
+    const int group = quad / 4, t = quad % 4;
+    uint32_t v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = row0 + 16 * group + 2 * t + (e % 2) + 8 * (e / 2);
+      v[e] = key < keys_valid ? *reinterpret_cast<const uint32_t*>(src + key * stride + 4 * w) : 0u;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // column 4 w + c: byte c of each key's word
+      const uint32_t row = ((v[0] >> (8 * c)) & 0xFFu) | (((v[1] >> (8 * c)) & 0xFFu) << 8) |
+                           (((v[2] >> (8 * c)) & 0xFFu) << 16) | (((v[3] >> (8 * c)) & 0xFFu) << 24);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(vt + sm90::sw64((4 * w + c) * 64 + 4 * quad)), "r"(row) : "memory");
+    }
+  }
+}
 
 // Dense and varlen calls (varlen's only extra is ALiBi).
 inline bool hopper_fwd_supports(const Decoded& c) { return !c.x.any(); }
@@ -57,14 +145,21 @@ struct HopperFwdConfig {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg: FA3's split for two consumers; the CTA (one per SM) must fit the register file.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // FP8: the producer warpgroup also transposes V (store_v_transposed).
+  static constexpr int kFp8ProducerRegs = 40, kFp8ConsumerRegs = 232;
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "setmaxnreg budget over 64K registers");
+  static_assert(128 * (kFp8ProducerRegs + kConsumers * kFp8ConsumerRegs) <= 65536, "FP8 budget over 64K registers");
   static constexpr int kPingPongBar = 1;           // named barriers 1, 2: consumer w's turn to issue
   static constexpr int kEpilogueBar = 3;           // named barriers 3, 4: consumer w's O tile written
-  // A [64][head_dim] tile of 16-bit elements (one consumer's Q, or one block's K or V).
-  __host__ __device__ static constexpr int tile_bytes(int head_dim) { return BC * head_dim * 2; }
+  // A [64][head_dim] tile of T (one consumer's Q, or one block's K or V; V^T [head_dim][64] for e4m3).
+  template <class T>
+  __host__ __device__ static constexpr int tile_bytes(int head_dim) {
+    return BC * head_dim * static_cast<int>(sizeof(T));
+  }
   // Q per consumer, then per stage K and V; +1024 to align the base to the swizzle atom.
+  template <class T>
   __host__ __device__ static constexpr size_t smem_bytes(int head_dim) {
-    return (kConsumers + 2 * kStages) * tile_bytes(head_dim) + sm90::kSwizzleAtom;
+    return (kConsumers + 2 * kStages) * tile_bytes<T>(head_dim) + sm90::kSwizzleAtom;
   }
 };
 static_assert(HopperFwdConfig::BM == HopperFwdConfig::BC, "Q, K and V tiles share one TMA box shape");
@@ -94,15 +189,17 @@ inline __device__ HopperFwdSeq hopper_fwd_seq(const FwdVarParams& p, int b, int 
 // tile); ffi_cuda.cuh encodes them.
 template <class T, int D, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
-    hopper_fwd_kernel(const typename std::conditional<VARLEN, FwdVarParams, FwdParams>::type p,
+    hopper_fwd_kernel(const HopperFwdParams<T, VARLEN> p,
                       const __grid_constant__ CUtensorMap map_q,
                       const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
                       const __grid_constant__ CUtensorMap map_o) {
   using Cfg = HopperFwdConfig;
+  using Elem = HopperFwdElem<T>;
   constexpr int BM = Cfg::BM, BR = Cfg::BR, BC = Cfg::BC, kStages = Cfg::kStages, kConsumers = Cfg::kConsumers;
-  constexpr int kTile = Cfg::tile_bytes(D);
+  constexpr int kTile = Cfg::tile_bytes<T>(D);
   constexpr int kPanels = D / sm90::kPanelCols;
-  constexpr int kPanelBytes = BC * 128;
+  constexpr int kPanelBytes = Elem::kPanelBytes;
+  constexpr int kStepsPerPanel = sm90::kPanelCols / Elem::kK;
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages], q_full;
@@ -130,7 +227,7 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(smem_addr(&full[s]), 1);
+      sm90::mbar_init(smem_addr(&full[s]), Elem::kFp8 ? 1 + 128 : 1);  // the producer thread (+ V^T's storers)
       sm90::mbar_init(smem_addr(&empty[s]), kConsumers);
     }
     sm90::mbar_init(smem_addr(&q_full), 1);
@@ -140,39 +237,55 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // ---- producer
-    sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
+    sm90::setmaxnreg_dec<Elem::kFp8 ? Cfg::kFp8ProducerRegs : Cfg::kProducerRegs>();
     // A CTA that sees no key loads nothing (its consumers write o = 0, lse = -inf).
-    if (threadIdx.x < 32 && n_blocks > 0 && sm90::elect_one()) {
+    const bool issuer = threadIdx.x < 32 && n_blocks > 0 && sm90::elect_one();
+    if (!issuer && !(Elem::kFp8 && n_blocks > 0)) return;
+    if (issuer) {
       const uint32_t qb = smem_addr(&q_full);
       sm90::mbar_arrive_expect_tx(qb, kConsumers * kTile);
       for (int w = 0; w < kConsumers; ++w)
         for (int pn = 0; pn < kPanels; ++pn)
           sm90::tma_load_4d(sQ(w) + pn * kPanelBytes, &map_q, pn * sm90::kPanelCols, h, seq.q_start + q0 + w * BM,
                             seq.map_batch, qb);
-      for (int it = 0; it < n_blocks; ++it) {
-        const int s = it % kStages, row = seq.k_start + (n_first + it) * BC;
-        sm90::mbar_wait(smem_addr(&empty[s]), ((it / kStages) & 1) ^ 1);  // a fresh barrier's phase -1 is done
-        const uint32_t fb = smem_addr(&full[s]);
-        sm90::mbar_arrive_expect_tx(fb, 2 * kTile);
+    }
+    // FP8: V's rows of this (batch, kv head); the map's coordinates, row stride heads_kv * D bytes.
+    const uint8_t* vg = static_cast<const uint8_t*>(p.v) +
+                        (static_cast<int64_t>(seq.map_batch) * p.seqlen_k * p.heads_kv + hk) * D;
+    for (int it = 0; it < n_blocks; ++it) {
+      const int s = it % kStages, row = seq.k_start + (n_first + it) * BC;
+      sm90::mbar_wait(smem_addr(&empty[s]), ((it / kStages) & 1) ^ 1);  // a fresh barrier's phase -1 is done
+      const uint32_t fb = smem_addr(&full[s]);
+      if (issuer) {
+        if constexpr (Elem::kFp8) sm90::mbar_arrive_expect_tx(fb, kTile);  // K alone
+        else sm90::mbar_arrive_expect_tx(fb, 2 * kTile);
         for (int pn = 0; pn < kPanels; ++pn) {
           sm90::tma_load_4d(sK(s) + pn * kPanelBytes, &map_k, pn * sm90::kPanelCols, hk, row, seq.map_batch, fb);
-          sm90::tma_load_4d(sV(s) + pn * kPanelBytes, &map_v, pn * sm90::kPanelCols, hk, row, seq.map_batch, fb);
+          if constexpr (!Elem::kFp8)
+            sm90::tma_load_4d(sV(s) + pn * kPanelBytes, &map_v, pn * sm90::kPanelCols, hk, row, seq.map_batch, fb);
         }
+      }
+      if constexpr (Elem::kFp8) {
+        store_v_transposed<D, 128>(sV(s), vg, static_cast<int64_t>(p.heads_kv) * D, row, seq.k_start + Sk,
+                                   threadIdx.x);
+        sm90::fence_proxy_async();  // V^T's generic writes, before the consumers' wgmmas read them
+        sm90::mbar_arrive(fb);
       }
     }
     return;
   }
 
   // ---- consumer w: rows q0 + 64 w ..
-  sm90::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  sm90::setmaxnreg_inc<Elem::kFp8 ? Cfg::kFp8ConsumerRegs : Cfg::kConsumerRegs>();
   const int w = wg - 1, tid = threadIdx.x - 128 * wg, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int qw = q0 + w * BM;
   const uint32_t my_turn = Cfg::kPingPongBar + w, their_turn = Cfg::kPingPongBar + 1 - w;
   const bool capped = p.softcap > 0.f;
-  // With softcap the capped scores already include the scale.
-  const float s_mul = capped ? kLog2e : p.scale_log2;
-  const float lse_mul = capped ? 1.f : p.scale;
+  // With softcap the capped scores already include the scale (e4m3 has no softcap).
+  const float descale = qk_descale_of(p);
+  const float s_mul = capped ? kLog2e : p.scale_log2 * descale;
+  const float lse_mul = capped ? 1.f : p.scale * descale;
 
   // Accumulator register j of a 64-column tile holds row 16 warp + g + 8 ((j / 2) % 2), column
   // 8 (j / 4) + 2 t + j % 2.
@@ -182,7 +295,7 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < 32; ++j) acc_o[pn][j] = 0.f;
   float acc_s[32];
-  uint32_t pa[4][4];                          // P of the previous block: the A operand of its PV
+  uint32_t pa[BC / Elem::kK][4];              // P of the previous block: the A operand of its PV
   float row_max[2] = {-INFINITY, -INFINITY};  // raw scores, rows g and g + 8 of the warp's 16
   float row_sum[2] = {0.f, 0.f};              // this thread's partial sum of exp
   const int row_base = qw + 16 * warp + g;
@@ -205,21 +318,22 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
       sm90::fence_operands(acc_s);
       sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int off = (kk / 4) * kPanelBytes + (kk % 4) * 32;
-        sm90::wgmma_ss<T>(acc_s, sm90::sw128_desc(sQ(w) + off), sm90::sw128_desc(sK(s) + off));
+      for (int kk = 0; kk < D / Elem::kK; ++kk) {
+        const int off = (kk / kStepsPerPanel) * kPanelBytes + (kk % kStepsPerPanel) * 32;
+        sm90::wgmma_ss<T>(acc_s, sm90::panel_desc<T>(sQ(w) + off), sm90::panel_desc<T>(sK(s) + off));
       }
       sm90::wgmma_commit();
     }
-    if (has_pv) {  // ---- O += P V of the previous block: k16 step kk's A is S tiles 2 kk, 2 kk + 1
+    if (has_pv) {  // ---- O += P V of the previous block (p_fragments: step kk's A)
 #pragma unroll
       for (int pn = 0; pn < kPanels; ++pn) sm90::fence_operands(acc_o[pn]);
       sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
+      for (int kk = 0; kk < BC / Elem::kK; ++kk)
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn)
-          sm90::wgmma_rs<T>(acc_o[pn], pa[kk], sm90::sw128_desc(sV(prev) + pn * kPanelBytes + kk * 2048));
+          sm90::wgmma_rs<T>(acc_o[pn], pa[kk],
+                            sm90::panel_desc<T>(sV(prev) + pn * kPanelBytes + kk * Elem::kVStepBytes));
       sm90::wgmma_commit();
     }
     // Consumer 1's last turn hands none on: consumer 0 has no turn left to take.
@@ -280,21 +394,18 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
       for (int pn = 0; pn < kPanels; ++pn)
 #pragma unroll
         for (int j = 0; j < 32; ++j) acc_o[pn][j] *= corr[(j / 2) % 2];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const float* lo = acc_s + 8 * kk;
-        pa[kk][0] = HalfOps<T>::pack(lo[0], lo[1]);
-        pa[kk][1] = HalfOps<T>::pack(lo[2], lo[3]);
-        pa[kk][2] = HalfOps<T>::pack(lo[4], lo[5]);
-        pa[kk][3] = HalfOps<T>::pack(lo[6], lo[7]);
-      }
+      p_fragments<T>(acc_s, pa);
     }
   }
 
   // ---- epilogue: the wgmmas that read Q retired, so its tile takes O
   // A box past the sequence's end would overwrite the next one (varlen); dense maps end at Sq.
   const bool clip_rows = VARLEN && qw + BM > Sq;
-  T* og = static_cast<T*>(p.o) + (static_cast<int64_t>(seq.q_start) * p.heads_q + h) * D;
+  const bool row_stores = Elem::kFp8 || clip_rows;  // FP8: o (bf16) does not fit the Q tile
+  using TO = typename Elem::Out;
+  TO* og = static_cast<TO*>(p.o) +
+           ((static_cast<int64_t>(seq.map_batch) * p.seqlen_q + seq.q_start) * p.heads_q + h) * D;
+  const float o_mul = v_descale_of(p);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row_base + 8 * r, tile_row = 16 * warp + g + 8 * r;
@@ -303,14 +414,14 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
     const bool sees_keys =
         max(0LL, static_cast<long long>(row) + seq.band_lo) <
         min(static_cast<long long>(Sk), static_cast<long long>(row) + seq.band_hi + 1);
-    const float inv = l != 0.f ? 1.f / l : (sees_keys ? NAN : 0.f);
+    const float inv = l != 0.f ? o_mul / l : (sees_keys ? NAN : 0.f);
 #pragma unroll
     for (int pn = 0; pn < kPanels; ++pn)
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         if ((j / 2) % 2 == r && j % 2 == 0) {
-          const uint32_t pair = HalfOps<T>::pack(acc_o[pn][j] * inv, acc_o[pn][j + 1] * inv);
-          if (clip_rows) {
+          const uint32_t pair = HalfOps<TO>::pack(acc_o[pn][j] * inv, acc_o[pn][j + 1] * inv);
+          if (row_stores) {
             if (row < Sq)
               *reinterpret_cast<uint32_t*>(og + static_cast<int64_t>(row) * p.heads_q * D + pn * sm90::kPanelCols +
                                            8 * (j / 4) + 2 * t) = pair;
@@ -321,7 +432,7 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
         }
     if (t == 0 && row < Sq) seq.lse[row] = l != 0.f ? row_max[r] * lse_mul + logf(l) : (sees_keys ? NAN : -INFINITY);
   }
-  if (clip_rows) return;
+  if (row_stores) return;
   sm90::fence_proxy_async();  // the tile's generic writes, before the TMA store reads them
   sm90::named_sync(Cfg::kEpilogueBar + w, 128);
   if (tid == 0) {

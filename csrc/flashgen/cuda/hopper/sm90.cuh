@@ -1,8 +1,8 @@
 // Hopper (sm_90a) building blocks of the cuda/hopper kernels: mbarriers, named barriers, the
-// async-proxy fence, TMA tile loads, elect.sync, setmaxnreg, wgmma (m64n64k16, A from shared
-// memory or registers, B from shared memory) and the 128-byte-swizzled tile layout the wgmma
-// descriptors read (which a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and a box row of 64
-// 16-bit elements writes).
+// async-proxy fence, TMA tile loads, elect.sync, setmaxnreg, wgmma (m64n64k16 f16 / bf16,
+// m64n64k32 e4m3; A from shared memory or registers, B from shared memory) and the swizzled tile
+// layouts the wgmma descriptors read (which a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and a box
+// row of 64 16-bit elements writes; e4m3: the 64-byte swizzle, below).
 //
 // Tile layout (CuTe's canonical K-major SW128 atom, cute/atom/mma_traits_sm90_gmma.hpp): a
 // [rows][D] tile of 16-bit elements is stored as D/64 panels of 64 columns; in a panel row r
@@ -128,8 +128,8 @@ FG_DEV uint64_t sw128_desc(uint32_t addr) {
       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
       "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
-// d (64 x 64, f32; thread layout: PTX ISA "wgmma .m64nNk16 accumulator D") += A B^T, A and B
-// K-major in shared memory.
+// d (64 x 64, f32; thread layout: PTX ISA "wgmma .m64nNk16 accumulator D") += A B^T over one
+// 32-byte K step (k16 of f16 / bf16, k32 of e4m3), A and B K-major in shared memory.
 template <class T>
 FG_DEV void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
   if constexpr (std::is_same<T, __half>::value)
@@ -137,15 +137,23 @@ FG_DEV void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FG_WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
                  : FG_WGMMA_D32_OUTS(d)
                  : "l"(desc_a), "l"(desc_b), "r"(1));
-  else
+  else if constexpr (std::is_same<T, __nv_bfloat16>::value)
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FG_WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
                  : FG_WGMMA_D32_OUTS(d)
                  : "l"(desc_a), "l"(desc_b), "r"(1));
+  else  // e4m3: 8-bit wgmma takes no transpose immediates
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FG_WGMMA_D32 ", %32, %33, p, 1, 1;\n}"
+                 : FG_WGMMA_D32_OUTS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// d (64 x 64) += A B with A (64 x 16) in registers (mma.m16n8k16's A fragment per warp) and B
-// MN-major in shared memory (imm-trans-b = 1).
+// d (64 x 64) += A B over one K step with A in registers and B in shared memory. f16 / bf16 (k16):
+// A is mma.m16n8k16's A fragment per warp, B MN-major (imm-trans-b = 1). e4m3 (k32): per warp,
+// register r holds row g + 8 (r % 2), k 4 t + 16 (r / 2) .. + 3, lowest byte first (g = lane / 4,
+// t = lane % 4; CuTe's ALayout_64x32 for 8-bit GMMA), and B is K-major (8-bit wgmma has no
+// transpose).
 template <class T>
 FG_DEV void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
   if constexpr (std::is_same<T, __half>::value)
@@ -154,13 +162,21 @@ FG_DEV void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
                  ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
                  : FG_WGMMA_D32_OUTS(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-  else
+  else if constexpr (std::is_same<T, __nv_bfloat16>::value)
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FG_WGMMA_D32
                  ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
                  : FG_WGMMA_D32_OUTS(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  else
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FG_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}"
+                 : FG_WGMMA_D32_OUTS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
+#undef FG_WGMMA_D32
+#undef FG_WGMMA_D32_OUTS
 
 // Keeps the compiler from moving accumulator reads/writes across the wgmma.fence / wait
 // (CUTLASS's warpgroup_fence_operand).
@@ -188,12 +204,13 @@ FG_DEV void load_tile_sw128(uint8_t* tile, const T* src, int64_t stride, int row
 }
 
 
-// ---- FP8 (e4m3) operands: 64-byte swizzle panels (cuda/hopper/fwd_fp8.cuh) ----
-// A K-major e4m3 tile stores rows of 64 one-byte elements (one 64-byte row per panel row);
-// CuTe's SW64 K-major atom: 8 rows x 64 bytes = 512 bytes, 16-byte chunk c of row r at chunk
-// c ^ ((r / 2) % 4) (Swizzle<2,4,3>: address bits [4,6) ^= bits [7,9); panels 512-byte aligned).
-constexpr int kFp8PanelCols = 64;  // e4m3 columns per 64-byte swizzle row
-constexpr int kSw64Atom = 512;     // 8 rows x 64 bytes
+// ---- e4m3 operands: 64-byte swizzle panels ----
+// A panel row of e4m3 (kPanelCols one-byte elements) is 64 bytes: CuTe's SW64 K-major atom,
+// 8 rows x 64 bytes = 512 bytes, 16-byte chunk c of row r at chunk c ^ ((r / 2) % 4)
+// (Swizzle<2,4,3>: address bits [4,6) ^= bits [7,9); panels 512-byte aligned); what a TMA load with
+// CU_TENSOR_MAP_SWIZZLE_64B and a box row of 64 bytes writes. K step kk of a panel starts 32 * kk
+// bytes in, as with 16-bit elements.
+constexpr int kSw64Atom = 512;  // 8 rows x 64 bytes
 
 FG_DEV uint32_t sw64(uint32_t offset) { return offset ^ ((offset >> 3) & 0x30); }
 
@@ -203,28 +220,12 @@ FG_DEV uint64_t sw64_desc(uint32_t addr) {
   return (uint64_t{2} << 62) | (uint64_t{kSw64Atom >> 4} << 32) | (uint64_t{1} << 16) | ((addr & 0x3FFFF) >> 4);
 }
 
-// (FG_WGMMA_D32 / _OUTS: the 16-bit wgmma helpers' operand lists above, undefined below.)
-// d (64 x 64, f32) += A B^T over k32 of e4m3, A and B K-major in shared memory (8-bit wgmma takes
-// no transpose immediates: both operands are always K-major).
-FG_DEV void wgmma_ss_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FG_WGMMA_D32 ", %32, %33, p, 1, 1;\n}"
-               : FG_WGMMA_D32_OUTS(d)
-               : "l"(desc_a), "l"(desc_b), "r"(1));
+// The descriptor of a panel of T elements: 128-byte rows (16-bit) or 64-byte rows (e4m3).
+template <class T>
+FG_DEV uint64_t panel_desc(uint32_t addr) {
+  if constexpr (sizeof(T) == 1) return sw64_desc(addr);
+  else return sw128_desc(addr);
 }
-
-// d (64 x 64) += A B over k32 with A (64 x 32 e4m3) in registers -- per warp, register r holds
-// row g + 8 (r % 2), k 4 t + 16 (r / 2) .. + 3, lowest byte first (g = lane / 4, t = lane % 4;
-// CuTe's ALayout_64x32 for 8-bit GMMA) -- and B K-major in shared memory.
-FG_DEV void wgmma_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FG_WGMMA_D32
-               ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}"
-               : FG_WGMMA_D32_OUTS(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-#undef FG_WGMMA_D32
-#undef FG_WGMMA_D32_OUTS
 
 // Four f32 -> four e4m3 (round to nearest even, saturated to +-448), x0 in the lowest byte.
 FG_DEV uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
@@ -234,24 +235,6 @@ FG_DEV uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
       : "=r"(out)
       : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
   return out;
-}
-
-// Rows [0, ROWS) of a [ROWS][D] e4m3 tile into the 64B-swizzled K-major layout at `tile`
-// (512-byte aligned; D / 64 panels of ROWS x 64 bytes), by NT threads, 16 bytes each: row r is
-// global row `row0 + r` at `src + (row0 + r) * stride` bytes; rows at or past `rows_valid` are
-// zero-filled.
-template <int ROWS, int D, int NT>
-FG_DEV void load_tile_sw64_e4m3(uint8_t* tile, const uint8_t* src, int64_t stride, int row0, int rows_valid,
-                                int tid) {
-  constexpr int kChunks = D / 16;  // per row
-#pragma unroll 4
-  for (int i = tid; i < ROWS * kChunks; i += NT) {
-    const int r = i / kChunks, c = i % kChunks;
-    const int row = row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < rows_valid) v = *reinterpret_cast<const uint4*>(src + row * stride + c * 16);
-    *reinterpret_cast<uint4*>(tile + (c / 4) * (ROWS * 64) + sw64(r * 64 + (c % 4) * 16)) = v;
-  }
 }
 
 }  // namespace sm90
