@@ -236,10 +236,9 @@ def emit_call(spec: KernelSpec, direction: str, operands: list[ir.Value], attrs:
         # that shape refinement at call time reads, then drops with this attribute
         op.attributes["indices_of_shape_operands"] = ir.DenseIntElementsAttr.get(
             np.arange(len(operands), len(operands) + len(types), dtype=np.int64))
-    if sharding_rule and spec.dtype not in FP8_DTYPES:  # (no rule for the descale operands yet)
-        if context_has_sdy(op.context):
-            op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
-                direction, [list(x.type.shape) for x in operands], attrs.extras, dbias)
+    if sharding_rule and context_has_sdy(op.context):
+        op.attributes["sdy.sharding_rule"] = sharding_rule_attr(
+            direction, [list(x.type.shape) for x in operands], attrs.extras, dbias, spec.dtype)
     return list(op.results)
 
 

@@ -6,19 +6,20 @@ Factors: b (batch), s (Sq), t (Sk), g (kv heads), h (q heads per kv head, Hq = H
 the compound ``(g h)``), d (head_dim), v (the value head dim, where it differs from d). s, t, d and h are *need-replication* factors, so
 propagation only ever shards b and g: q/k/v/o/lse (and dO/dQ/dK/dV) share them, and kv heads
 travel with their q-head groups. (MQA, Hkv = 1: the q heads are all h, so only the batch is
-split.)
+split.) An FP8 forward's [1] descale operands get a unit factor each: replicated.
 """
 from __future__ import annotations
 
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
-from flashgen.contract import CALLS, DIRECTIONS
+from flashgen.contract import CALLS, DIRECTIONS, calls
 
 
-def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
-    """Factor names per operand and result, and the factor sizes. A tuple is a compound
-    dimension (major first); a broadcast (size-1) dimension gets a factor of its own, u0, u1..."""
+def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True, dtype: str = "f32"):
+    """Factor names per operand and result, and the factor sizes, of a call of a spec of element
+    type `dtype`. A tuple is a compound dimension (major first); a broadcast (size-1) dimension
+    gets a factor of its own, u0, u1..."""
     q_shape, kv_shape = shapes[0], shapes[1]
     heads, kv_heads = int(q_shape[-2]), int(kv_shape[-2])
     if kv_heads <= 0 or heads % kv_heads:
@@ -55,6 +56,9 @@ def _rule_mappings(direction: str, shapes, extras=(), with_dbias: bool = True):
     if v_dim != sizes["d"]:
         sizes["v"] = v_dim
     fixed = [q, kv, v] if direction == "fwd" else [q, kv, v, o, lse, o]
+    for _ in calls(dtype)[direction].operands[len(fixed):]:  # FP8's descales, [1] each
+        fixed.append((f"u{len(sizes)}",))
+        sizes[fixed[-1][0]] = 1
     extra = _extra_mappings(direction, shapes[len(fixed):], extras, {"B": "b", "Hq": qh, "Sq": "s", "Sk": "t"},
                             {"B": b, "Hq": heads, "Sq": sq, "Sk": sizes["t"]}, sizes)
     dbias = [m for m, o in zip(extra, CALLS[direction].extra_operands(extras)) if o.name == "bias"]
@@ -80,12 +84,13 @@ def _extra_mappings(direction, shapes, extras, factors: dict, dims: dict, sizes:
     return out
 
 
-def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = True) -> ir.Attribute:
-    """The ``#sdy.op_sharding_rule`` of one flashgen call (inside an MLIR context with sdy);
-    `shapes` are the operands' shapes, in call order; `with_dbias`: a backward with a bias
-    returns dbias."""
+def sharding_rule_attr(direction: str, shapes, extras=(), with_dbias: bool = True,
+                       dtype: str = "f32") -> ir.Attribute:
+    """The ``#sdy.op_sharding_rule`` of one flashgen call of a spec of element type `dtype`
+    (inside an MLIR context with sdy); `shapes` are the operands' shapes, in call order;
+    `with_dbias`: a backward with a bias returns dbias."""
     operands, results, sizes = _rule_mappings(direction, [list(map(int, x)) for x in shapes], extras,
-                                              with_dbias)
+                                              with_dbias, dtype)
     order = ("b", "s", "g", "h", "d", "t", "c", "e", "n", "p", "m", "v") + tuple(
         sorted(f for f in sizes if f.startswith("u")))
     used = [f for f in order

@@ -52,7 +52,7 @@ _DTYPE_ALIASES = {
     "e4m3": "e4m3", "float8_e4m3fn": "e4m3", "f8e4m3fn": "e4m3",
 }
 
-# The FP8 kernel's head dims: whole 64-byte swizzle panels of e4m3 (cuda/hopper/fwd_fp8.cuh).
+# The FP8 kernel's head dims: whole 64-byte swizzle panels of e4m3 (cuda/hopper/fwd.cuh).
 FP8_HEAD_DIMS = (64, 128, 192, 256)
 
 FFI_DTYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32", "e4m3": "F8E4M3FN"}

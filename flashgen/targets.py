@@ -34,7 +34,7 @@ CPU_KERNELS = KernelFamily("cpu", "cpu/spec.cc.j2", ".cc", "c++", split_head_dim
 MMA_SYNC_KERNELS = KernelFamily("mma_sync", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True)
 # Hopper: the mma.sync family plus the wgmma kernels of csrc/flashgen/cuda/hopper/ for the calls
 # they serve (hopper_fwd_supports there says which; the rest, a split head dim included, keep the
-# mma.sync kernels), and the FP8 forward (cuda/hopper/fwd_fp8.cuh).
+# mma.sync kernels), and the FP8 forward (the same cuda/hopper/fwd.cuh kernel for e4m3).
 WGMMA_KERNELS = KernelFamily("wgmma", "cuda/spec.cu.j2", ".cu", "cuda", split_head_dims=True, fp8_forward=True)
 
 

@@ -79,6 +79,59 @@ if not CHILD:
                     func.ReturnOp([])
             assert "sdy.sharding_rule" not in str(module)
 
+    def test_fp8_forward_partitions_as_the_bf16_forward_with_descales_whole(monkeypatch):
+        """The FP8 forward has no kernel on this machine (sm90a only), so its partitioning is
+        checked on abstract shapes: flash_attention's call carries the Shardy rule (a unit factor
+        per [1] descale), the XLA partitioner is registered for it and splits q, k, v by batch and
+        heads exactly as the bf16 forward's, keeps the descales whole, and emits the per-device
+        call with the FP8 types."""
+        import jax
+        import jax.numpy as jnp
+        import ml_dtypes
+        from jax._src.lib import xla_client as xc
+        from flashgen import runtime
+        from flashgen.contract import CallAttributes
+        from flashgen.jax import attention, sharding
+        monkeypatch.setattr(attention, "local_target", lambda: "sm90a")
+        monkeypatch.setattr(runtime, "ensure", lambda specs: None)
+        b, s, hq, hkv, d = 4, 32, 8, 4, 64
+        q, kv = jnp.ones((b, s, hq, d), jnp.float8_e4m3fn), jnp.ones((b, s, hkv, d), jnp.float8_e4m3fn)
+        text = jax.jit(lambda q, k: attention.flash_attention(q, k, k, causal=True, q_descale=0.5)).lower(
+            q, kv).as_text()
+        assert "([i, j, kl, m], [i, n, k, m], [i, n, k, m], [o], [p], [q])->([i, j, kl, m], [i, kl, j])" in text
+        assert "need_replication={j, l, m, n}" in text
+
+        def tiled(dims):
+            op = xc.OpSharding()
+            op.type = xc.OpSharding.Type.OTHER
+            op.tile_assignment_dimensions, op.tile_assignment_devices = dims, list(range(8))
+            return xc.HloSharding.from_proto(op)
+        from flashgen.mlir_context import new_context
+        with new_context():
+            config = str(CallAttributes(True, 0.125).to_mlir("fwd")).encode()  # what XLA hands the partitioner
+        q_sh = tiled([2, 1, 4, 1])  # batch over 2 devices, heads over 4
+        rep = xc.HloSharding.replicate()
+
+        def partition(name, dtype, out_dtype, descales):
+            shape = lambda dims, t=dtype: xc.Shape.array_shape(np.dtype(t), dims)  # noqa: E731
+            args = [shape((b, s, hq, d)), shape((b, s, hkv, d)), shape((b, s, hkv, d))]
+            args += [shape((1,), np.float32)] * descales
+            result = xc.Shape.tuple_shape([shape((b, s, hq, d), out_dtype), shape((b, hq, s), np.float32)])
+            return sharding._partition(name, args, [q_sh] + [rep] * (len(args) - 1), result, None, config)
+
+        assert "flashgen_fwd_d64_e4m3_causal" in sharding.all_target_names()
+        module, operands, results = partition("flashgen_fwd_d64_e4m3_causal", ml_dtypes.float8_e4m3fn,
+                                              ml_dtypes.bfloat16, 3)
+        _, bf16_operands, bf16_results = partition("flashgen_fwd_d64_bf16_causal", ml_dtypes.bfloat16,
+                                                   ml_dtypes.bfloat16, 0)
+        assert operands[:3] == bf16_operands and results == bf16_results
+        assert operands[0] == q_sh and operands[3:] == [rep] * 3
+        assert operands[1] == q_sh  # kv heads follow the q heads
+        local = module.decode()
+        assert ("(tensor<2x32x2x64xf8E4M3FN>, tensor<2x32x1x64xf8E4M3FN>, tensor<2x32x1x64xf8E4M3FN>, "
+                "tensor<1xf32>, tensor<1xf32>, tensor<1xf32>) -> (tensor<2x32x2x64xbf16>, tensor<2x2x32xf32>)") in local
+        assert "@flashgen_fwd_d64_e4m3_causal(" in local
+
     def test_sharding_helper_refuses_splits_that_do_not_divide():
         import jax
         from flashgen.jax.sharding import attention_shardings

@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir as jax_mlir
 from jax.sharding import PartitionSpec as P
 
-from flashgen.contract import CALLS, FP8_DTYPES, CallAttributes, calls, extra_operand_index
+from flashgen.contract import CALLS, CallAttributes, calls, extra_operand_index
 from flashgen.jax.sharding import BATCH, HEADS, register_partitioners
 from flashgen.sharding_rule import sharding_rule_attr
 from flashgen.spec import KernelSpec, normalize_dtype, numpy_name
@@ -54,10 +54,9 @@ def _fully_manual(ctx) -> bool:
 
 def _lowering(ctx, *args, target, direction, attrs: CallAttributes, dbias):
     extra = {}
-    fp8 = normalize_dtype(ctx.avals_in[0].dtype) in FP8_DTYPES  # (no rule for its descale operands yet)
-    if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx) and not fp8:
-        extra["sdy.sharding_rule"] = sharding_rule_attr(
-            direction, [a.shape for a in ctx.avals_in], attrs.extras, dbias)
+    if jax.config.jax_use_shardy_partitioner and not _fully_manual(ctx):
+        extra["sdy.sharding_rule"] = sharding_rule_attr(direction, [a.shape for a in ctx.avals_in], attrs.extras,
+                                                        dbias, normalize_dtype(ctx.avals_in[0].dtype))
     rule = jax.ffi.ffi_lowering(target, extra_attributes=extra or None)
     return rule(ctx, *args, **attrs.ffi_kwargs(direction))
 

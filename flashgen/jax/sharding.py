@@ -34,9 +34,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
 
-from flashgen.contract import CALLS, CallAttributes, extra_operand_index
+from flashgen.contract import CALLS, FP8_DTYPES, CallAttributes, calls, extra_operand_index
 from flashgen.emit import emit_call
-from flashgen.spec import DIRECTIONS, DTYPES, HEAD_DIMS, KernelSpec, parse_target_name, target_name
+from flashgen.spec import DIRECTIONS, DTYPES, FP8_HEAD_DIMS, HEAD_DIMS, KernelSpec, parse_target_name, target_name
+from flashgen.targets import fp8_targets
 
 BATCH, SEQ_Q, HEADS, HEAD_DIM = 0, 1, 2, 3  # BSHD
 
@@ -105,11 +106,14 @@ def _lse_sharding(s):
 def _read_call(name: str, backend_string: bytes):
     """(spec, direction, attributes) of the call XLA asks about, read by the contract's parse."""
     p = parse_target_name(name)
-    spec = KernelSpec(p.head_dim, p.dtype, p.causal, "cpu", p.head_dim_v)
+    # The target only names the call (names carry no architecture); FP8 specs exist on FP8 targets.
+    target = fp8_targets()[0] if p.dtype in FP8_DTYPES else "cpu"
+    spec = KernelSpec(p.head_dim, p.dtype, p.causal, target, p.head_dim_v)
     return spec, p.direction, CallAttributes.parse(backend_string, p.direction)
 
 
-_MLIR_ELEMENTS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "bool": "i1", "int32": "i32"}
+_MLIR_ELEMENTS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "bool": "i1", "int32": "i32",
+                  "float8_e4m3fn": "f8E4M3FN"}
 
 
 def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, attrs: CallAttributes,
@@ -134,10 +138,11 @@ def _local_module(spec: KernelSpec, direction: str, local_shapes, elements, attr
         return str(module).encode()
 
 
-def _shardings_for(direction, plan):
+def _shardings_for(direction, plan, dtype):
     qs, kvs, lses = plan
-    if direction == "fwd":
-        return [qs, kvs, kvs], [qs, lses]
+    if direction == "fwd":  # an FP8 call's descales ([1] each) after q, k, v: replicated
+        scalars = [_xc().HloSharding.replicate()] * (len(calls(dtype)["fwd"].operands) - 3)
+        return [qs, kvs, kvs, *scalars], [qs, lses]
     return [qs, kvs, kvs, qs, lses, qs], [qs, kvs, kvs]
 
 
@@ -250,10 +255,10 @@ def _packed_shardings(direction, base, shapes, extras):
     return [q, kv, kv, q, lse, q, rep, rep, *extra], [q, kv, kv]
 
 
-def _base_sharding(arg_shardings, result_sharding=None):
+def _base_sharding(direction, arg_shardings, result_sharding=None):
     """The sharding to follow: q's, else o's/dO's, else the first result's."""
     candidates = [arg_shardings[0]] + ([arg_shardings[3], arg_shardings[5]]
-                                       if len(arg_shardings) == 6 else [])
+                                       if direction == "bwd" and len(arg_shardings) == 6 else [])
     if result_sharding is not None and result_sharding.tuple_elements():
         candidates.append(result_sharding.tuple_elements()[0])
     for s in candidates:
@@ -279,17 +284,17 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
         result_sh = [xc.HloSharding.manual()] * len(result_shape.tuple_shapes())
         local = shapes
     elif direction not in ("fwd", "bwd"):
-        operand_sh, result_sh = _packed_shardings(direction, _base_sharding(arg_shardings, result_sharding),
+        operand_sh, result_sh = _packed_shardings(direction, _base_sharding(direction, arg_shardings, result_sharding),
                                                   shapes, attrs.extras)
         local = [tuple(sh.tile(s).dimensions()) for sh, s in zip(operand_sh, arg_shapes)]
     else:
-        plan = _plan_for(direction, _base_sharding(arg_shardings, result_sharding), shapes,
+        plan = _plan_for(direction, _base_sharding(direction, arg_shardings, result_sharding), shapes,
                          attrs.extras, with_dbias)
-        operand_sh, result_sh = _shardings_for(direction, plan)
+        operand_sh, result_sh = _shardings_for(direction, plan, spec.dtype)
         extra_sh = _extra_shardings(direction, plan[0], shapes[len(operand_sh):], attrs.extras)
         if extra_sh is None:  # a tiling the extras cannot follow: the call runs whole
             plan = (xc.HloSharding.replicate(),) * 3
-            operand_sh, result_sh = _shardings_for(direction, plan)
+            operand_sh, result_sh = _shardings_for(direction, plan, spec.dtype)
             extra_sh = [plan[0]] * (len(shapes) - len(operand_sh))
         operand_sh = operand_sh + extra_sh
         if with_dbias:
@@ -302,18 +307,18 @@ def _partition(name, arg_shapes, arg_shardings, result_shape, result_sharding, b
 def _infer_from_operands(name, arg_shapes, arg_shardings, result_shape, backend_string):
     # GSPMD propagation. Must not raise (XLA aborts on a Python error here).
     try:
-        base = _base_sharding(arg_shardings)
+        spec, direction, attrs = _read_call(name, backend_string)
+        base = _base_sharding(direction, arg_shardings)
         if base is None:
             return None
         shapes = [tuple(s.dimensions()) for s in arg_shapes]
-        _, direction, attrs = _read_call(name, backend_string)
         if direction not in ("fwd", "bwd"):
             result_sh = _packed_shardings(direction, base, shapes, attrs.extras)[1]
             return _xc().HloSharding.tuple_sharding(result_shape, result_sh)
         with_dbias = _with_dbias(direction, result_shape)
         plan = _plan_for(direction, base, shapes, attrs.extras, with_dbias)
-        _, result_sh = _shardings_for(direction, plan)
-        nfixed = len(CALLS[direction].operands)
+        _, result_sh = _shardings_for(direction, plan, spec.dtype)
+        nfixed = len(calls(spec.dtype)[direction].operands)
         if len(shapes) > nfixed:  # extras; the backward's dbias follows the bias
             extra_sh = _extra_shardings(direction, plan[0], shapes[nfixed:], attrs.extras)
             if extra_sh is None:
@@ -330,8 +335,10 @@ def _propagate_user_sharding(user_sharding, shape, backend_string):
 
 
 def all_target_names(directions=DIRECTIONS) -> list[str]:
+    fp8 = [(d, h, t) for d, h, t in itertools.product(directions, FP8_HEAD_DIMS, FP8_DTYPES) if d in calls(t)]
     return [target_name(d, h, t, c)
-            for d, h, t, c in itertools.product(directions, HEAD_DIMS, DTYPES, (False, True))]
+            for (d, h, t), c in itertools.product([*itertools.product(directions, HEAD_DIMS, DTYPES), *fp8],
+                                                  (False, True))]
 
 
 def register_partitioners() -> None:
