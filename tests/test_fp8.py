@@ -101,9 +101,12 @@ LSE_TOL = 1e-5
                  marks=pytest.mark.slow),
     pytest.param(KernelSpec(256, "e4m3", True, "sm90a"), dict(b=1, sq=70, sk=90, hq=2, hkv=1, bottom_right=True),
                  marks=pytest.mark.slow),
+    # three 64-column panels; 3 key blocks: the 2-stage ring wraps
+    pytest.param(KernelSpec(192, "e4m3", False, "sm90a"), dict(b=1, sq=90, sk=150, hq=2, hkv=1),
+                 marks=pytest.mark.slow),
 ], ids=["d64-causal-gqa-sq<sk", "d64-causal-bottom-right-sq>sk", "d128-full", "d128-window", "d64-no-keys",
         "d128-causal-sq>sk",
-        "d256-causal-bottom-right"])
+        "d256-causal-bottom-right", "d192-full"])
 def test_fp8_forward_matches_float64(rng, spec, case):
     b, sq, sk, hq, hkv, d = case["b"], case["sq"], case["sk"], case["hq"], case["hkv"], spec.head_dim
     bottom_right, window = case.get("bottom_right", False), case.get("window", (-1, -1))
@@ -319,3 +322,27 @@ def test_emulated_e4m3_pack_and_prmt(rng):
         byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
         want |= byte.astype(np.uint32) << np.uint32(8 * i)
     assert (out == want).all()
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_static_budget_no_spills(tmp_path):
+    # The FP8 register split (HopperFwdConfig: setmaxnreg 40 for the producer warpgroup, which also
+    # transposes V, and 232 per consumer) must hold every e4m3 instantiation without spills; the
+    # emulator does not see ptxas's allocation.
+    import pathlib
+    import re
+    import subprocess
+    from flashgen import toolchain
+    from flashgen.emulate.nvcc import compile_ptx
+    from flashgen.spec import FP8_HEAD_DIMS
+    kernels = ", ".join(f"(void*)&flashgen::cuda::hopper_fwd_kernel<__nv_fp8_e4m3, {d}, {str(d % 128 == 0).lower()}>"
+                        for d in FP8_HEAD_DIMS)
+    ptx = tmp_path / "fp8.ptx"
+    ptx.write_text(compile_ptx(f'#include "flashgen/cuda/hopper/fwd.cuh"\nvoid* kernels[] = {{{kernels}}};\n', "sm90a",
+                               name="hopper_fwd_fp8_static.cu"))
+    out = subprocess.run([str(pathlib.Path(toolchain.nvcc()).parent / "ptxas"), "-arch=sm_90a", "-v", str(ptx),
+                          "-o", str(tmp_path / "fp8.cubin")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    print(out.stderr)
+    assert re.findall(r"(\d+) bytes spill stores", out.stderr) == ["0"] * len(FP8_HEAD_DIMS)

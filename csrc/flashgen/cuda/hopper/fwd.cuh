@@ -249,9 +249,6 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
           sm90::tma_load_4d(sQ(w) + pn * kPanelBytes, &map_q, pn * sm90::kPanelCols, h, seq.q_start + q0 + w * BM,
                             seq.map_batch, qb);
     }
-    // FP8: V's rows of this (batch, kv head); the map's coordinates, row stride heads_kv * D bytes.
-    const uint8_t* vg = static_cast<const uint8_t*>(p.v) +
-                        (static_cast<int64_t>(seq.map_batch) * p.seqlen_k * p.heads_kv + hk) * D;
     for (int it = 0; it < n_blocks; ++it) {
       const int s = it % kStages, row = seq.k_start + (n_first + it) * BC;
       sm90::mbar_wait(smem_addr(&empty[s]), ((it / kStages) & 1) ^ 1);  // a fresh barrier's phase -1 is done
@@ -266,6 +263,9 @@ __global__ void __launch_bounds__(HopperFwdConfig::kThreads, 1)
         }
       }
       if constexpr (Elem::kFp8) {
+        // V's rows of this (batch, kv head) in the maps' row coordinates, heads_kv * D bytes apart.
+        const uint8_t* vg = static_cast<const uint8_t*>(p.v) +
+                            (static_cast<int64_t>(seq.map_batch) * p.seqlen_k * p.heads_kv + hk) * D;
         store_v_transposed<D, 128>(sV(s), vg, static_cast<int64_t>(p.heads_kv) * D, row, seq.k_start + Sk,
                                    threadIdx.x);
         sm90::fence_proxy_async();  // V^T's generic writes, before the consumers' wgmmas read them
