@@ -45,12 +45,13 @@ def quantize(rng, shape, sigma):
     return (x / descale).astype(E4M3), np.array([descale], np.float32)
 
 
-def run(spec, q, k, v, descales, **attrs):
+def run(spec, q, k, v, descales, library=None, **attrs):
     b, sq, hq, d = q.shape
     scale = float(np.float32(1 / np.sqrt(d)))
     values = CallAttributes(spec.causal, scale, **attrs).values("fwd")
-    (o, lse), record = _library(SPECS if spec in SPECS else (spec,)).call(spec.target_name("fwd"), [q, k, v, *descales],
-                                       [((b, sq, hq, d), ml_dtypes.bfloat16), ((b, hq, sq), np.float32)], **values)
+    library = library or _library(SPECS if spec in SPECS else (spec,))
+    (o, lse), record = library.call(spec.target_name("fwd"), [q, k, v, *descales],
+                                    [((b, sq, hq, d), ml_dtypes.bfloat16), ((b, hq, sq), np.float32)], **values)
     # the Hopper forward's one template, instantiated for e4m3
     assert ["17hopper_fwd_kernelI13__nv_fp8_e4m3" in l.entry for l in record.launches] == [True], record.launches
     return o.astype(np.float64), lse.astype(np.float64), scale
@@ -147,6 +148,39 @@ def test_descale_mutations_are_caught(rng):
             ref = reference.attention_fp8(q, k, v, *mutated, causal=True, scale=scale)
             o_err, lse_err = errors(o, lse, ref, o_bound(q, k, v, mutated, scale, True))
             assert o_err > 1 or lse_err > LSE_TOL, f"{name}_descale {how} not caught"
+
+
+# One-line bugs planted in what the FP8 path adds to hopper/fwd.cuh (test_hopper_mutations' harness,
+# a copy of csrc/): each must raise an EmulationError or break the bound.
+FP8_MUTATIONS = [
+    ("v_transposed_in_natural_key_order", "fwd.cuh",
+     "const int key = row0 + 16 * group + 2 * t + (e % 2) + 8 * (e / 2);", "const int key = row0 + 4 * quad + e;"),
+    ("full_barrier_counts_only_the_tma_thread", "fwd.cuh", "Elem::kFp8 ? 1 + 128 : 1", "1"),
+    ("missing_proxy_fence_after_v_transpose", "fwd.cuh",
+     "        sm90::fence_proxy_async();  // V^T's generic writes, before the consumers' wgmmas read them\n", ""),
+]
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name,header,old,new", FP8_MUTATIONS, ids=[m[0] for m in FP8_MUTATIONS])
+def test_mutation_is_caught(tmp_path, rng, monkeypatch, name, header, old, new):
+    from flashgen import resources
+    from test_hopper_mutations import TOLERANCE, _assert_caught
+    spec = SPECS[0]
+    _library()  # the unmutated emulation runtime first: a mutant's library binds to its symbols
+    q, qs = quantize(rng, (1, 130, 2, 64), 1.5)
+    k, ks = quantize(rng, (1, 150, 1, 64), 1.5)
+    v, vs = quantize(rng, (1, 150, 1, 64), 3.0)
+    descales = (qs, ks, vs)
+
+    def errors_of(csrc):
+        monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
+        o, lse, scale = run(spec, q, k, v, descales, library=EmulatedLibrary(build([spec], host="emulate")))
+        ref = reference.attention_fp8(q, k, v, *descales, causal=True, scale=scale)
+        o_err, lse_err = errors(o, lse, ref, o_bound(q, k, v, descales, scale, True))
+        return [o_err * TOLERANCE, lse_err / LSE_TOL * TOLERANCE]  # > TOLERANCE: past this module's bounds
+    _assert_caught(tmp_path, name, header, old, new, errors_of)
 
 
 @needs_nvcc
