@@ -391,9 +391,10 @@ class AsyncState:
 
     def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None) -> np.ndarray:
         """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
-        [*addrs.shape, elem]) on behalf of warps `readers` (default: `warp`; a wgmma: its
-        warpgroup): in bounds, delivered (no cp.async / TMA still writing them), fenced after
-        generic writes, and ordered after the last write of each byte (ordering.py)."""
+        [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), fenced
+        after generic writes, and ordered after the last write of each byte (ordering.py) by
+        what the warp it reads for knows. `readers`: those warps, broadcast against
+        addrs[None] (its leading axis: warps that each read all; default: `warp`)."""
         idx = self._indices(warp, addrs, elem, what)
         if self.smem.in_flight and self.smem.pending[idx].any():
             x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
@@ -401,13 +402,15 @@ class AsyncState:
                                  f"(missing wait before this access?)")
         self.async_read(idx, what)
         if self.order is not None:
-            g = np.unique(idx.reshape(-1) // self.smem.granule)
-            bad = self.order.unordered_async_read(g, warp.smem_slot, [warp.wid] if readers is None else readers)
+            who, g = np.broadcast_arrays(np.asarray(warp.wid if readers is None else readers)[..., None],
+                                         idx[None] // self.smem.granule)
+            key = np.unique((g << 6 | who).reshape(-1))         # (granule, reader) pairs; a warp id < 64
+            bad = self.order.unordered_async_read(key >> 6, key & 63, warp.smem_slot)
             if bad is not None:
-                x, writer = bad
-                who = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
+                x, writer, reader = bad
+                src = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
                 x = x * self.smem.granule % self.smem.stride
-                raise EmulationError(f"{what} by warp {warp.wid} reads shared offset {x}, written by {who} with "
+                raise EmulationError(f"{what} by warp {reader} reads shared offset {x}, written by {src} with "
                                      f"nothing ordering the write before the read (missing mbarrier wait or barrier?)")
         return self.smem.data[idx]
 

@@ -5,9 +5,13 @@ The instruction is a warpgroup rendezvous: a warp that issues it waits until the
 warpgroup have (with the same descriptors), and the last one runs it for all (warp w % 4 holds
 rows 16 (w % 4) .. of the 64 x N result), from the registers and shared memory as they are
 then; which warps know it completed (so may overwrite what it read) is hopper_state.WgmmaReads'
-bookkeeping. The asynchrony is modelled by forbidding every observation that could tell issue
-from completion: until a wait_group retires its group, another instruction that reads or writes
-an accumulator register, or writes an A-fragment register, of the warp is an error
+bookkeeping. The rendezvous is the emulator's, not the hardware's (a wgmma is no barrier): each
+warp's shared-memory reads (all of B, its 16 rows of A) must be ordered after their writes by
+what that warp knows (ordering.py), so a tile other warps stored needs a barrier before the
+wgmma, while a warp's own rows of A need none (FA3 stores P that way, with only __syncwarp).
+The asynchrony is modelled by forbidding every observation that could tell issue from
+completion: until a wait_group retires its group, another instruction that reads or writes an
+accumulator register, or writes an A-fragment register, of the warp is an error
 (guard_wgmma_registers wraps exactly the instructions that name such registers). A
 wgmma.mma_async after another instruction touched the wgmma registers, with no wgmma.fence in
 between (or before the first one), is an error too (the PTX ISA requires the fence).
@@ -257,12 +261,13 @@ def _mma_async(ins, ops):
         if group is None:
             return
         b_addr = operand_addresses(n, k, elem, bool(trans_b), decode_descriptor(desc_b, "B"))
-        wids = [x.wid for x in group]
-        b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)", wids), elem))  # [n, k]
+        wids = np.array([x.wid for x in group])
+        b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)", wids[:, None, None]), elem))
         reads = [b_addr]
         if not a_regs:
             a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))
-            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)", wids), elem))
+            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)",
+                                                   np.repeat(wids, 16)[:, None]), elem))
             reads.append(a_addr)
         local = np.unique(np.concatenate([(x[..., None] + np.arange(elem)).reshape(-1) for x in reads]))
         op = (warp.wid // 4, h.reads_of(warp).read(warp.wid // 4, local))          # (warpgroup, its number)

@@ -1,0 +1,73 @@
+"""Where the emulator must order no more than the hardware does (issue 21's strictness gaps):
+micro-kernels of tests/emulator/hopper.cu whose only sync is one the hardware does not give
+must fail, and their correctly synchronized variants pass."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import needs_nvcc
+from flashgen.emulate import EmulationError
+from test_emulator_hopper import _accumulators, _wgmma_case, hopper, run, smem_image  # noqa: F401 (fixture)
+
+pytestmark = needs_nvcc
+
+
+# ---- a wgmma is no barrier among its warpgroup's warps ------------------------------------------
+def _owners(da, db, words, a_rows_of, b_phase):
+    """owner[word] for wgmma_peer_stores: warp + 4 * phase. A row r is stored in phase 1 by warp
+    a_rows_of(r // 16); B round-robin over the warps, in phase `b_phase` (A, B: 64 x 16 bf16)."""
+    from flashgen.emulate.semantics.wgmma import decode_descriptor, operand_addresses
+    owner = np.full(words, -1, np.int32)
+    b_words = operand_addresses(64, 16, 2, False, decode_descriptor(db, "B")) // 4
+    owner[b_words] = b_words % 4 + 4 * b_phase
+    a_words = operand_addresses(64, 16, 2, False, decode_descriptor(da, "A")) // 4
+    owner[a_words] = np.array([a_rows_of(r // 16) for r in range(64)])[:, None] + 4
+    return owner
+
+
+def _peer_stores(module, rng, a_rows_of, b_phase, sync, seed=0):
+    a, b, _, img, da, db = _wgmma_case(rng, "bf16", (False, False), 128)
+    out = np.full((128, 32), np.nan, np.float32)
+    run(module, "wgmma_peer_stores", [img, _owners(da, db, img.size, a_rows_of, b_phase), img.size, da, db, out, sync],
+        block=(160, 1, 1), smem=img.nbytes, seed=seed)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    assert np.abs(_accumulators(out) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+NONE, SYNCWARP, NAMED = 0, 1, 2
+OWN_ROWS, NEXT_WARPS_ROWS = (lambda w: w), (lambda w: (w + 1) % 4)
+
+
+@pytest.mark.parametrize("a_rows_of,b_phase,sync", [
+    (OWN_ROWS, 0, SYNCWARP),          # FA3's P in shared memory: each warp stores its own rows of A
+    (NEXT_WARPS_ROWS, 0, NAMED),
+    (OWN_ROWS, 1, NAMED),
+], ids=["own-A-rows-syncwarp", "peer-A-rows-named-barrier", "peer-B-named-barrier"])
+def test_wgmma_after_ordered_stores_passes(hopper, rng, a_rows_of, b_phase, sync):  # noqa: F811
+    _peer_stores(hopper, rng, a_rows_of, b_phase, sync)
+
+
+@pytest.mark.parametrize("a_rows_of,b_phase,sync,reader", [
+    (NEXT_WARPS_ROWS, 0, SYNCWARP, "A"),
+    (NEXT_WARPS_ROWS, 0, NONE, "A"),
+    (OWN_ROWS, 1, SYNCWARP, "B"),
+], ids=["peer-A-rows-syncwarp", "peer-A-rows-nothing", "peer-B-syncwarp"])
+def test_wgmma_after_unordered_peer_stores_fails(hopper, rng, a_rows_of, b_phase, sync, reader):  # noqa: F811
+    """Before: the warpgroup's rendezvous counted as a barrier (the readers knew together what
+    any of them knew), and these passed."""
+    for seed in range(3):
+        with pytest.raises(EmulationError, match=rf"wgmma\.mma_async \({reader}\) by warp [0-3] reads shared offset "
+                                                 rf"\d+, written by warp [0-3] with nothing ordering the write"):
+            _peer_stores(hopper, rng, a_rows_of, b_phase, sync, seed)
+
+
+@pytest.mark.slow
+def test_backward_without_the_barrier_before_the_dq_wgmma_is_caught(tmp_path, rng):
+    """hopper/bwd.cuh's consumer warps each store dS^T rows that every warp's dQ wgmma reads as A:
+    without the named barrier between (the one that also precedes the stage's release), the
+    mutant passed before (its numbers are right under any emulated schedule)."""
+    from test_hopper_mutations import _assert_caught, _bwd_errors
+    barrier = "    sm90::named_sync(1, NT);\n    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));"
+    _assert_caught(tmp_path, "bwd_missing_barrier_before_dq_wgmma", "bwd.cuh", barrier, barrier.split("\n")[1],
+                   lambda csrc: _bwd_errors(csrc, rng))
