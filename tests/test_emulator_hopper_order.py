@@ -71,3 +71,23 @@ def test_backward_without_the_barrier_before_the_dq_wgmma_is_caught(tmp_path, rn
     barrier = "    sm90::named_sync(1, NT);\n    if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));"
     _assert_caught(tmp_path, "bwd_missing_barrier_before_dq_wgmma", "bwd.cuh", barrier, barrier.split("\n")[1],
                    lambda csrc: _bwd_errors(csrc, rng))
+
+
+# ---- a diverged mbarrier wait parks ---------------------------------------------------------------
+def test_diverged_wait_on_a_barrier_nobody_completes_is_a_deadlock(hopper):  # noqa: F811
+    """Before: only a converged warp parked; lane 0 waiting alone spun until the instruction
+    budget ("an infinite loop?"), hours at the default budget."""
+    with pytest.raises(EmulationError, match=r"deadlock: no warp can run; warp 0 of block \(0, 0, 0\) spins on "
+                                             r"mbarrier\.try_wait\.parity 0"):
+        run(hopper, "diverged_wait", [np.zeros(2, np.int32), 7, -1 & 0xFFFFFFFF], block=(64, 1, 1), max_warp_instructions=100_000)
+
+
+def test_diverged_wait_parks_until_the_phase_completes(hopper):  # noqa: F811
+    """Warp 1 loops 3000 times before it stores the value and completes the phase; lane 0 of
+    warp 0 tries once, parks, and tries again once woken by the phase's completion (before: it
+    spun, some 100-200 tries here)."""
+    for seed in range(3):
+        out = np.full(2, -1, np.int32)
+        stats = run(hopper, "diverged_wait", [out, 7, 3000], block=(64, 1, 1), seed=seed)
+        assert out[0] == 7
+        assert stats.opcode_counts["mbarrier.try_wait.parity.shared::cta.b64"] == 2

@@ -8,14 +8,14 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
    transaction count, phase). A phase completes when the pending arrivals and the transaction
    count both reach zero; then the next phase starts with the expected count. TMA loads count
    their bytes (and land their data) when a thread next waits on the barrier.
-   Parking: a converged warp whose try_wait fails on one barrier stops (machine.py's _WAIT kind:
+   Parking: a warp whose try_wait fails on one barrier stops (machine.py's _WAIT kind:
    park()) until that barrier's phase completes or a TMA load is issued to it (which may
    complete it when a thread next waits), instead of spinning in its wait loop; it then goes on
    from the instruction after the failed try_wait, as if it had been slow. When no warp of the
    wave can run, retry_parked() wakes every parked warp once; if they all park again where they
    were, with no barrier changed, no warp will ever complete them: a deadlock, which
-   hang_note() describes (which warp waits on what). A warp diverged at its try_wait spins as
-   before, so the instruction budget stops a hang there.
+   hang_note() describes (which warp waits on what). A diverged warp (one lane of a producer
+   warp waiting alone) parks the same way, its other lanes' pcs kept.
  - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
    (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. A
    barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
@@ -242,12 +242,13 @@ class AsyncState:
     def stop_spinning(self, warp) -> None:
         self.spinning.pop(warp, None)
 
-    def park(self, warp, converged: bool) -> bool:
-        """machine.py's hook after a _WAIT instruction: whether `warp` parks (the machine then
-        resumes it at the next instruction once woken). Only a converged warp parks: the machine
-        keeps one pc for a waiting warp."""
+    def park(self, warp) -> bool:
+        """machine.py's hook after a _WAIT instruction: whether `warp` parks (the machine keeps
+        its lanes' pcs, the waiting ones past the wait, and resumes them once woken). A diverged
+        warp parks too: its other lanes stand at higher pcs, which the machine runs only once
+        the lowest (the waiting lanes) reach them, so parking delays nothing that could run."""
         b = self.park_requests.pop(warp, None)
-        if b is None or not converged:
+        if b is None:
             return False
         warp.at_barrier, warp.named_wait = True, "mbarrier"
         b.parked.append(warp)
