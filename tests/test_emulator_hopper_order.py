@@ -91,3 +91,23 @@ def test_diverged_wait_parks_until_the_phase_completes(hopper):  # noqa: F811
         stats = run(hopper, "diverged_wait", [out, 7, 3000], block=(64, 1, 1), seed=seed)
         assert out[0] == 7
         assert stats.opcode_counts["mbarrier.try_wait.parity.shared::cta.b64"] == 2
+
+
+# ---- what orders through an mbarrier: a (non-relaxed) arrival, not complete_tx -------------------
+@pytest.mark.parametrize("how", [0, 2], ids=["arrive-after-store", "complete_tx-then-arrive"])
+def test_phase_completed_by_an_arrival_after_the_store_orders_it(hopper, how):  # noqa: F811
+    out = np.full(1, -1, np.int32)
+    run(hopper, "complete_tx_handoff", [out, 7, how], block=(64, 1, 1))
+    assert out[0] == 7
+
+
+@pytest.mark.parametrize("how", [1, 3, 4], ids=["complete_tx-after-store", "arrive.relaxed", "try_wait.relaxed"])
+def test_handoff_through_a_relaxed_mbarrier_operation_is_a_race(hopper, how):  # noqa: F811
+    """PTX ISA: mbarrier.complete_tx has only .relaxed semantics (`.sem = { .relaxed }`, "mbarrier.
+    complete_tx"), an arrival is a release and a try_wait an acquire unless .relaxed: a phase
+    completed at a complete_tx, or a .relaxed arrival or wait, orders nothing of the handoff.
+    Before: complete_tx already published nothing (case 1 raised then too); a .relaxed arrival
+    or wait ordered the handoff (cases 3 and 4 passed silently)."""
+    for seed in range(3):
+        with pytest.raises(EmulationError, match=r"shared-memory race: warp 1 reads offset \d+"):
+            run(hopper, "complete_tx_handoff", [np.zeros(1, np.int32), 7, how], block=(64, 1, 1), seed=seed)

@@ -593,7 +593,8 @@ extern "C" __global__ void diverged_wait(int* out, int value, int delay) {
 // An mbarrier phase hands `value` from warp 0 to warp 1, the phase completed by warp 0 (arrival
 // count 1) `how`: 0 mbarrier.arrive after the store; 1 arrive.expect_tx of 4 bytes before the
 // store and complete_tx of them after it (the phase completes at the complete_tx, which is
-// .relaxed: it orders nothing); 2 expect_tx, the store, complete_tx, then the arrival.
+// .relaxed: it orders nothing); 2 expect_tx, the store, complete_tx, then the arrival; 3 an
+// arrive.relaxed after the store; 4 as 0, but warp 1 waits with try_wait.relaxed.
 extern "C" __global__ void complete_tx_handoff(int* out, int value, int how) {
   __shared__ __align__(8) uint64_t bar;
   __shared__ int data;
@@ -604,10 +605,18 @@ extern "C" __global__ void complete_tx_handoff(int* out, int value, int how) {
     if (how == 1) mbar_arrive_expect_tx(b, 4);
     if (how == 2) asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], 4;" ::"r"(b) : "memory");
     data = value;
-    if (how != 0) mbar_complete_tx(b, 4);
-    if (how != 1) mbar_arrive(b);
+    if (how == 1 || how == 2) mbar_complete_tx(b, 4);
+    if (how == 3) asm volatile("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
+    if (how == 0 || how == 2 || how == 4) mbar_arrive(b);
   } else if (threadIdx.x == 32) {
-    mbar_wait(b, 0);
+    if (how == 4) {
+      uint32_t done = 0;
+      while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.relaxed.cta.shared::cta.b64 p, [%1], 0;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(b) : "memory");
+    } else {
+      mbar_wait(b, 0);
+    }
     out[0] = data;
   }
 }

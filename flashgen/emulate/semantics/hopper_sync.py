@@ -63,6 +63,12 @@ def mbarrier(ins, ops):
                     warp.smem.hopper.mbarrier(warp.smem_slot, int(off), int(c[0]))
         return init
 
+    # What orders memory (PTX ISA, "mbarrier.arrive", "mbarrier.test_wait/try_wait",
+    # "mbarrier.complete_tx"): an arrival is a release unless .relaxed, a wait that sees its phase
+    # complete an acquire unless .relaxed; expect_tx and complete_tx have only .relaxed
+    # (`.sem = { .relaxed }`), so a phase that completes at a complete_tx publishes nothing of
+    # what its thread wrote (a TMA load's complete_tx does publish the bytes it landed).
+    relaxed = "relaxed" in mods
     if action in ("arrive", "expect_tx", "complete_tx") and rest <= {"expect_tx"}:
         tx_arrive = action == "arrive" and "expect_tx" in rest
         has_state = action == "arrive"
@@ -84,7 +90,8 @@ def mbarrier(ins, ops):
                         b.complete_tx(int(amounts.sum()))
                     if action == "arrive":
                         count = int(mine.sum()) if tx_arrive or amounts is None else int(amounts.sum())
-                        b.carry = h.release(warp, b.carry)
+                        if not relaxed:
+                            b.carry = h.release(warp, b.carry)
                         tokens[sl][mine] = b.arrive(count)
             if state is not None:
                 state(w, tokens, m)
@@ -112,7 +119,7 @@ def mbarrier(ins, ops):
                         h.spin(warp, what, b, park=len(groups) == 1 and not any(ok))
                     else:
                         h.stop_spinning(warp)
-                    if any(ok):
+                    if any(ok) and not relaxed:
                         h.acquire(warp, b.published)
             done_w(w, done, m)
         return wait
