@@ -111,3 +111,22 @@ def test_handoff_through_a_relaxed_mbarrier_operation_is_a_race(hopper, how):  #
     for seed in range(3):
         with pytest.raises(EmulationError, match=r"shared-memory race: warp 1 reads offset \d+"):
             run(hopper, "complete_tx_handoff", [np.zeros(1, np.int32), 7, how], block=(64, 1, 1), seed=seed)
+
+
+# ---- an in-flight wgmma's A-fragment registers may not even be read --------------------------------
+@pytest.mark.parametrize("early", [0, 1], ids=["after-wait", "in-flight"])
+def test_reading_an_in_flight_wgmmas_a_registers(hopper, rng, early):  # noqa: F811
+    """Before: only writes of the A fragment in flight were refused; the PTX ISA (wgmma.mma_async:
+    "accessing the accumulator register or the input register containing the fragments of matrix
+    A ... without first performing a wgmma.wait_group ... is undefined behavior") refuses reads."""
+    a, b, _, _, _, _ = _wgmma_case(rng, "bf16", (False, False), 16)
+    img, (db,) = smem_image([b.view(np.uint16)], (False,), 64)
+    regs = rng.integers(0, 1 << 32, 512, dtype=np.uint32)
+    args = [img, img.size, regs, db, np.zeros((128, 32), np.float32), np.zeros(128, np.uint32), early]
+    if early:
+        with pytest.raises(EmulationError, match=r"mov\.b32 accesses register %r\d+ of a wgmma\.mma_async that has "
+                                                 r"not completed"):
+            run(hopper, "wgmma_rs_a_read", args, block=(128, 1, 1), smem=img.nbytes)
+    else:
+        run(hopper, "wgmma_rs_a_read", args, block=(128, 1, 1), smem=img.nbytes)
+        assert (args[5] == regs[::4]).all()

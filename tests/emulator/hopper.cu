@@ -620,3 +620,31 @@ extern "C" __global__ void complete_tx_handoff(int* out, int value, int how) {
     out[0] = data;
   }
 }
+
+// Reads A register r[0] (with a mov, so that it is that register) while the wgmma that uses it
+// is in flight (`early`), or after its wait_group. The PTX ISA makes the first undefined: an
+// in-flight wgmma's A-fragment registers, like its accumulators, may be accessed only after the
+// wait_group that retires it.
+extern "C" __global__ void wgmma_rs_a_read(const uint32_t* img, int words, const uint32_t* a, uint64_t desc_b,
+                                           float* out, uint32_t* a_out, int early) {
+  load_image(img, words, 0);
+  const uint64_t base = image_base();
+  RS_SET;
+  float d[32];
+  for (int i = 0; i < 32; ++i) {
+    d[i] = 0.0f;
+    asm volatile("" : "+f"(d[i])::"memory");
+  }
+  for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[j])::"memory");
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %33, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D_REGS ", " RS_ASM ", %32, p, 1, 1, 0;\n}"
+               : D_OUTS : "l"(desc_b + base), "r"(0), RS_IN);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  uint32_t peek = 0;
+  if (early) asm volatile("mov.b32 %0, %1;" : "=r"(peek) : "r"(r[0]) : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  if (!early) asm volatile("mov.b32 %0, %1;" : "=r"(peek) : "r"(r[0]) : "memory");
+  a_out[threadIdx.x] = peek;
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+}
