@@ -130,3 +130,17 @@ def test_reading_an_in_flight_wgmmas_a_registers(hopper, rng, early):  # noqa: F
     else:
         run(hopper, "wgmma_rs_a_read", args, block=(128, 1, 1), smem=img.nbytes)
         assert (args[5] == regs[::4]).all()
+
+
+# ---- mbarrier.init is a write another thread's use must be ordered after ---------------------------
+@pytest.mark.parametrize("sync", [1, 0], ids=["fence-and-syncthreads", "no-sync"])
+def test_mbarrier_use_must_be_ordered_after_its_init(hopper, sync):  # noqa: F811
+    """Before: only a use that came before the init in the schedule failed ("used before
+    mbarrier.init"); warp 1, late by 1000 loop trips, used it unordered and passed."""
+    for seed in range(3):
+        if sync:
+            run(hopper, "mbarrier_init_then_use", [1000, 1], block=(64, 1, 1), seed=seed)
+            continue
+        with pytest.raises(EmulationError, match=r"mbarrier at shared offset \d+ used by warp 1 with nothing ordering "
+                                                 r"its mbarrier\.init by warp 0 before the use"):
+            run(hopper, "mbarrier_init_then_use", [1000, 0], block=(64, 1, 1), seed=seed)

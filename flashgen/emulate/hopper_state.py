@@ -88,6 +88,7 @@ class MBarrier:
         self.published = None           # ... as of the last phase completion
         self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
         self.parked = []                # warps parked on a failed try_wait (AsyncState.park)
+        self.init_by = None             # (warp, time) of the mbarrier.init, where ordering is tracked
 
     def describe(self) -> str:
         return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
@@ -215,22 +216,31 @@ class AsyncState:
         self.register_counts: dict = {}  # slot -> setmaxnreg's bookkeeping (semantics/hopper_warp.py)
 
     # -- mbarriers -------------------------------------------------------------------------------
-    def mbarrier(self, slot: int, offset: int, init_count: int | None = None) -> MBarrier:
+    def mbarrier(self, warp, offset: int, init_count: int | None = None) -> MBarrier:
+        """The mbarrier at `offset` of `warp`'s CTA, which `warp` uses (or initializes with
+        `init_count`). Another thread's mbarrier.init must be ordered before the use (the PTX
+        ISA's fence.mbarrier_init, then a barrier): a use that only happens to come later in this
+        schedule is an error."""
         if offset % 8 or not 0 <= offset <= self.smem.size - 8:
             raise EmulationError(f"mbarrier at shared offset {offset}: not an aligned 8-byte object inside "
                                  f"the CTA's {self.smem.size} bytes of shared memory")
-        key = (slot, offset)
+        key = (warp.smem_slot, offset)
         if init_count is not None:
             b = self.mbarriers[key] = MBarrier(offset, init_count)
+            b.init_by = (warp.wid, self.order.now(warp.smem_slot)) if self.order is not None else None
             return b
         b = self.mbarriers.get(key)
         if b is None:
             raise EmulationError(f"mbarrier at shared offset {offset} used before mbarrier.init")
+        if b.init_by is not None and not self.order.knows(warp.smem_slot, warp.wid, *b.init_by):
+            raise EmulationError(f"mbarrier at shared offset {offset} used by warp {warp.wid} with nothing ordering "
+                                 f"its mbarrier.init by warp {b.init_by[0]} before the use (missing barrier after the "
+                                 f"init?)")
         return b
 
-    def invalidate(self, slot: int, offset: int) -> None:
-        self.mbarrier(slot, offset)
-        del self.mbarriers[(slot, offset)]
+    def invalidate(self, warp, offset: int) -> None:
+        self.mbarrier(warp, offset)
+        del self.mbarriers[(warp.smem_slot, offset)]
 
     def spin(self, warp, what: str, barrier: MBarrier | None, park: bool) -> None:
         """A failed wait; `park`: the warp may park until `barrier` changes (machine.py asks

@@ -84,6 +84,14 @@ class Ordering:
         i = int(np.argmax(bad))
         return int(g[i]), int(writer[i]), int(readers[i])
 
+    def now(self, slot: int) -> int:
+        """The time an access now gets (stamp)."""
+        return int(self.clock[slot])
+
+    def knows(self, slot: int, agent: int, of: int, time: int) -> bool:
+        """Whether `agent` knows the access agent `of` made at `time`."""
+        return agent == of or self.known[slot, agent, of] >= time
+
     def release(self, slot: int, agent: int) -> np.ndarray:
         """`agent` releases: -> the vector it passes on (what it knows, and its time now)."""
         v = self.known[slot, agent].copy()

@@ -648,3 +648,24 @@ extern "C" __global__ void wgmma_rs_a_read(const uint32_t* img, int words, const
   a_out[threadIdx.x] = peek;
   for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
 }
+
+// mbarrier.init must be ordered before another thread uses the barrier: thread 0 initializes it
+// (after a first __syncthreads), then (`sync`) fence.mbarrier_init and __syncthreads; warp 1
+// arrives after `delay` loop trips, warp 0 waits.
+extern "C" __global__ void mbarrier_init_then_use(int delay, int sync) {
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = smem_u32(&bar);
+  __syncthreads();
+  if (threadIdx.x == 0) mbar_init(b, 32);
+  if (sync) {
+    if (threadIdx.x == 0) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+  }
+  if (threadIdx.x >= 32) {
+    int x = 0;
+    for (int i = 0; i < delay; ++i) asm volatile("add.s32 %0, %0, 1;" : "+r"(x));
+    if (x == delay) mbar_arrive(b);
+  } else {
+    mbar_wait(b, 0);
+  }
+}

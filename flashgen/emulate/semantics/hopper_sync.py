@@ -60,7 +60,7 @@ def mbarrier(ins, ops):
                     c = np.unique(counts[sl][mine])
                     if c.size != 1:
                         raise EmulationError(f"mbarrier.init at offset {off} with different counts {c.tolist()}")
-                    warp.smem.hopper.mbarrier(warp.smem_slot, int(off), int(c[0]))
+                    warp.smem.hopper.mbarrier(warp, int(off), int(c[0]))
         return init
 
     # What orders memory (PTX ISA, "mbarrier.arrive", "mbarrier.test_wait/try_wait",
@@ -82,7 +82,7 @@ def mbarrier(ins, ops):
             for warp, sl, groups in barriers(w, m):
                 h = warp.smem.hopper
                 for off, mine in groups:
-                    b = h.mbarrier(warp.smem_slot, int(off))
+                    b = h.mbarrier(warp, int(off))
                     amounts = n[sl][mine].astype(np.int64) if n is not None else None
                     if action == "expect_tx" or tx_arrive:
                         b.expect_tx(int(amounts.sum()))
@@ -108,7 +108,7 @@ def mbarrier(ins, ops):
             for warp, sl, groups in barriers(w, m):
                 h = warp.smem.hopper
                 for off, mine in groups:
-                    b = h.mbarrier(warp.smem_slot, int(off))
+                    b = h.mbarrier(warp, int(off))
                     b.land()
                     want = np.unique(arg[sl][mine])
                     ok = [b.completed(int(x)) if parity else b.phase != int(x) for x in want]
@@ -128,7 +128,7 @@ def mbarrier(ins, ops):
         def inval(w, m):
             for warp, sl, groups in barriers(w, m):
                 for off, _ in groups:
-                    warp.smem.hopper.invalidate(warp.smem_slot, int(off))
+                    warp.smem.hopper.invalidate(warp, int(off))
         return inval
     raise unsupported(ins)
 
