@@ -79,7 +79,8 @@ def test_diverged_wait_on_a_barrier_nobody_completes_is_a_deadlock(hopper):  # n
     budget ("an infinite loop?"), hours at the default budget."""
     with pytest.raises(EmulationError, match=r"deadlock: no warp can run; warp 0 of block \(0, 0, 0\) spins on "
                                              r"mbarrier\.try_wait\.parity 0"):
-        run(hopper, "diverged_wait", [np.zeros(2, np.int32), 7, -1 & 0xFFFFFFFF], block=(64, 1, 1), max_warp_instructions=100_000)
+        run(hopper, "diverged_wait", [np.zeros(2, np.int32), 7, -1 & 0xFFFFFFFF], block=(64, 1, 1),
+            max_warp_instructions=100_000)
 
 
 def test_diverged_wait_parks_until_the_phase_completes(hopper):  # noqa: F811

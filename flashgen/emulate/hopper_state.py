@@ -400,12 +400,12 @@ class AsyncState:
                                  f"(bad descriptor?)")
         return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
 
-    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None) -> np.ndarray:
+    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None, rows_each=None) -> np.ndarray:
         """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
         [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), fenced
         after generic writes, and ordered after the last write of each byte (ordering.py) by
-        what the warp it reads for knows. `readers`: those warps, broadcast against
-        addrs[None] (its leading axis: warps that each read all; default: `warp`)."""
+        what the warp it reads for knows: each of warps `readers` (default: `warp`) reads all, or,
+        with `rows_each`, reader i the rows [rows_each i, rows_each (i + 1)) of addrs."""
         idx = self._indices(warp, addrs, elem, what)
         if self.smem.in_flight and self.smem.pending[idx].any():
             x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
@@ -413,16 +413,19 @@ class AsyncState:
                                  f"(missing wait before this access?)")
         self.async_read(idx, what)
         if self.order is not None:
-            who, g = np.broadcast_arrays(np.asarray(warp.wid if readers is None else readers)[..., None],
-                                         idx[None] // self.smem.granule)
-            key = np.unique((g << 6 | who).reshape(-1))         # (granule, reader) pairs; a warp id < 64
-            bad = self.order.unordered_async_read(key >> 6, key & 63, warp.smem_slot)
-            if bad is not None:
-                x, writer, reader = bad
-                src = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
-                x = x * self.smem.granule % self.smem.stride
-                raise EmulationError(f"{what} by warp {reader} reads shared offset {x}, written by {src} with "
-                                     f"nothing ordering the write before the read (missing mbarrier wait or barrier?)")
+            readers = [warp.wid] if readers is None else readers
+            g = idx // self.smem.granule
+            parts = [(g, readers)] if rows_each is None else \
+                [(g[rows_each * i:rows_each * (i + 1)], [r]) for i, r in enumerate(readers)]
+            for part, who in parts:
+                bad = self.order.unordered_async_read(np.unique(part), who, warp.smem_slot)
+                if bad is not None:
+                    x, writer, reader = bad
+                    src = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
+                    x = x * self.smem.granule % self.smem.stride
+                    raise EmulationError(f"{what} by warp {reader} reads shared offset {x}, written by {src} with "
+                                         f"nothing ordering the write before the read (missing mbarrier wait or "
+                                         f"barrier?)")
         return self.smem.data[idx]
 
     def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:

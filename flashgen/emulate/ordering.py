@@ -71,18 +71,19 @@ class Ordering:
             bad |= (agents != a) & (r[g] > self.known[slots, agents, a])
         return bad
 
-    def unordered_async_read(self, g: np.ndarray, readers: np.ndarray, slot: int):
-        """An async-proxy read of granules g by warps `readers` (flat, pairwise: granule g[i] read
-        on behalf of readers[i]), each by what it knows itself: -> (granule, writer, reader) of a
-        write its reader does not know of, or None. (A wgmma is no barrier among the warps of its
-        warpgroup: their issues meeting orders nothing, so no warp lends another its knowledge.)"""
+    def unordered_async_read(self, g: np.ndarray, readers: list, slot: int):
+        """An async-proxy read of granules g (flat) on behalf of each of warps `readers`, each
+        ordered by what it knows itself: -> (granule, writer, reader) of a write a reader does not
+        know of, or None. (A wgmma is no barrier among the warps of its warpgroup: their issues
+        meeting orders nothing, so no warp lends another its knowledge.)"""
         writer = self.w_agent[g]
-        known = self.known[slot, readers, np.maximum(writer, 0)]
-        bad = (writer >= 0) & (writer != readers) & (self.w_time[g] > known)
+        who = np.asarray(readers)[:, None]
+        known = self.known[slot, who, np.maximum(writer, 0)]                        # [reader, granule]
+        bad = (writer >= 0) & (writer != who) & (self.w_time[g] > known)
         if not bad.any():
             return None
-        i = int(np.argmax(bad))
-        return int(g[i]), int(writer[i]), int(readers[i])
+        r, i = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        return int(g[i]), int(writer[i]), int(readers[r])
 
     def now(self, slot: int) -> int:
         """The time an access now gets (stamp)."""

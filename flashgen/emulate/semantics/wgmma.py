@@ -256,13 +256,12 @@ def _mma_async(ins, ops):
         if group is None:
             return
         b_addr = operand_addresses(n, k, elem, bool(trans_b), decode_descriptor(desc_b, "B"))
-        wids = np.array([x.wid for x in group])
-        b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)", wids[:, None, None]), elem))
+        wids = [x.wid for x in group]
+        b = decode(_elements(h.async_bytes(warp, b_addr, elem, "wgmma.mma_async (B)", wids), elem))  # [n, k]
         reads = [b_addr]
         if not a_regs:
             a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))
-            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)",
-                                                   np.repeat(wids, 16)[:, None]), elem))
+            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)", wids, 16), elem))
             reads.append(a_addr)
         local = np.unique(np.concatenate([(x[..., None] + np.arange(elem)).reshape(-1) for x in reads]))
         op = (warp.wid // 4, h.reads_of(warp).read(warp.wid // 4, local))          # (warpgroup, its number)
