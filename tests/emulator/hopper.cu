@@ -570,15 +570,21 @@ extern "C" __global__ void wgmma_peer_stores(const uint32_t* img, const int* own
   for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
 }
 
+// An mbarrier of `count` arrivals that thread 0 initializes before a __syncthreads: its address.
+__device__ __forceinline__ uint32_t block_mbarrier(uint64_t* bar, uint32_t count) {
+  const uint32_t b = smem_u32(bar);
+  if (threadIdx.x == 0) mbar_init(b, count);
+  __syncthreads();
+  return b;
+}
+
 // A diverged wait: lane 0 of warp 0 alone waits on the barrier (its warp's other lanes went on
 // to the kernel's end), which warp 1 completes after `delay` loop trips and storing `value`
 // (delay < 0: never).
 extern "C" __global__ void diverged_wait(int* out, int value, int delay) {
   __shared__ __align__(8) uint64_t bar;
   __shared__ int data;
-  const uint32_t b = smem_u32(&bar);
-  if (threadIdx.x == 0) mbar_init(b, 1);
-  __syncthreads();
+  const uint32_t b = block_mbarrier(&bar, 1);
   if (threadIdx.x == 0) {
     mbar_wait(b, 0);
     out[0] = data;
@@ -598,9 +604,7 @@ extern "C" __global__ void diverged_wait(int* out, int value, int delay) {
 extern "C" __global__ void complete_tx_handoff(int* out, int value, int how) {
   __shared__ __align__(8) uint64_t bar;
   __shared__ int data;
-  const uint32_t b = smem_u32(&bar);
-  if (threadIdx.x == 0) mbar_init(b, 1);
-  __syncthreads();
+  const uint32_t b = block_mbarrier(&bar, 1);
   if (threadIdx.x == 0) {
     if (how == 1) mbar_arrive_expect_tx(b, 4);
     if (how == 2) asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], 4;" ::"r"(b) : "memory");
