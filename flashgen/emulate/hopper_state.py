@@ -8,14 +8,14 @@ that the bookkeeping costs nothing elsewhere. What each piece models:
    transaction count, phase). A phase completes when the pending arrivals and the transaction
    count both reach zero; then the next phase starts with the expected count. TMA loads count
    their bytes (and land their data) when a thread next waits on the barrier.
-   Parking: a converged warp whose try_wait fails on one barrier stops (machine.py's _WAIT kind:
+   Parking: a warp whose try_wait fails on one barrier stops (machine.py's _WAIT kind:
    park()) until that barrier's phase completes or a TMA load is issued to it (which may
    complete it when a thread next waits), instead of spinning in its wait loop; it then goes on
    from the instruction after the failed try_wait, as if it had been slow. When no warp of the
    wave can run, retry_parked() wakes every parked warp once; if they all park again where they
    were, with no barrier changed, no warp will ever complete them: a deadlock, which
-   hang_note() describes (which warp waits on what). A warp diverged at its try_wait spins as
-   before, so the instruction budget stops a hang there.
+   hang_note() describes (which warp waits on what). A diverged warp (one lane of a producer
+   warp waiting alone) parks the same way, its other lanes' pcs kept.
  - NamedBarrier: `bar.sync id, n` / `bar.arrive id, n`: each arriving warp counts 32 threads
    (the PTX ISA counts whole warps); the waiting warps are released once n have arrived. A
    barrier that every warp of the CTA joins starts a new epoch of the shared-memory race
@@ -88,6 +88,7 @@ class MBarrier:
         self.published = None           # ... as of the last phase completion
         self.in_flight = []             # (bytes, delivery) of TMA loads issued, not yet landed
         self.parked = []                # warps parked on a failed try_wait (AsyncState.park)
+        self.init_by = None             # (warp, time) of the mbarrier.init, where ordering is tracked
 
     def describe(self) -> str:
         return (f"mbarrier at shared offset {self.offset} in phase {self.phase} (parity {self.phase & 1}): "
@@ -215,22 +216,31 @@ class AsyncState:
         self.register_counts: dict = {}  # slot -> setmaxnreg's bookkeeping (semantics/hopper_warp.py)
 
     # -- mbarriers -------------------------------------------------------------------------------
-    def mbarrier(self, slot: int, offset: int, init_count: int | None = None) -> MBarrier:
+    def mbarrier(self, warp, offset: int, init_count: int | None = None) -> MBarrier:
+        """The mbarrier at `offset` of `warp`'s CTA, which `warp` uses (or initializes with
+        `init_count`). Another thread's mbarrier.init must be ordered before the use (the PTX
+        ISA's fence.mbarrier_init, then a barrier): a use that only happens to come later in this
+        schedule is an error."""
         if offset % 8 or not 0 <= offset <= self.smem.size - 8:
             raise EmulationError(f"mbarrier at shared offset {offset}: not an aligned 8-byte object inside "
                                  f"the CTA's {self.smem.size} bytes of shared memory")
-        key = (slot, offset)
+        key = (warp.smem_slot, offset)
         if init_count is not None:
             b = self.mbarriers[key] = MBarrier(offset, init_count)
+            b.init_by = (warp.wid, self.order.now(warp.smem_slot)) if self.order is not None else None
             return b
         b = self.mbarriers.get(key)
         if b is None:
             raise EmulationError(f"mbarrier at shared offset {offset} used before mbarrier.init")
+        if b.init_by is not None and not self.order.knows(warp.smem_slot, warp.wid, *b.init_by):
+            raise EmulationError(f"mbarrier at shared offset {offset} used by warp {warp.wid} with nothing ordering "
+                                 f"its mbarrier.init by warp {b.init_by[0]} before the use (missing barrier after the "
+                                 f"init?)")
         return b
 
-    def invalidate(self, slot: int, offset: int) -> None:
-        self.mbarrier(slot, offset)
-        del self.mbarriers[(slot, offset)]
+    def invalidate(self, warp, offset: int) -> None:
+        self.mbarrier(warp, offset)
+        del self.mbarriers[(warp.smem_slot, offset)]
 
     def spin(self, warp, what: str, barrier: MBarrier | None, park: bool) -> None:
         """A failed wait; `park`: the warp may park until `barrier` changes (machine.py asks
@@ -242,12 +252,13 @@ class AsyncState:
     def stop_spinning(self, warp) -> None:
         self.spinning.pop(warp, None)
 
-    def park(self, warp, converged: bool) -> bool:
-        """machine.py's hook after a _WAIT instruction: whether `warp` parks (the machine then
-        resumes it at the next instruction once woken). Only a converged warp parks: the machine
-        keeps one pc for a waiting warp."""
+    def park(self, warp) -> bool:
+        """machine.py's hook after a _WAIT instruction: whether `warp` parks (the machine keeps
+        its lanes' pcs, the waiting ones past the wait, and resumes them once woken). A diverged
+        warp parks too: its other lanes stand at higher pcs, which the machine runs only once
+        the lowest (the waiting lanes) reach them, so parking delays nothing that could run."""
         b = self.park_requests.pop(warp, None)
-        if b is None or not converged:
+        if b is None:
             return False
         warp.at_barrier, warp.named_wait = True, "mbarrier"
         b.parked.append(warp)
@@ -389,11 +400,12 @@ class AsyncState:
                                  f"(bad descriptor?)")
         return warp.smem_slot * self.smem.stride + a[..., None] + np.arange(elem)
 
-    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None) -> np.ndarray:
+    def async_bytes(self, warp, addrs: np.ndarray, elem: int, what: str, readers=None, rows_each=None) -> np.ndarray:
         """An async-proxy read of elements of `elem` bytes at shared offsets `addrs` (-> bytes
-        [*addrs.shape, elem]) on behalf of warps `readers` (default: `warp`; a wgmma: its
-        warpgroup): in bounds, delivered (no cp.async / TMA still writing them), fenced after
-        generic writes, and ordered after the last write of each byte (ordering.py)."""
+        [*addrs.shape, elem]): in bounds, delivered (no cp.async / TMA still writing them), fenced
+        after generic writes, and ordered after the last write of each byte (ordering.py) by
+        what the warp it reads for knows: each of warps `readers` (default: `warp`) reads all, or,
+        with `rows_each`, reader i the rows [rows_each i, rows_each (i + 1)) of addrs."""
         idx = self._indices(warp, addrs, elem, what)
         if self.smem.in_flight and self.smem.pending[idx].any():
             x = int(idx[self.smem.pending[idx] > 0][0]) % self.smem.stride
@@ -401,14 +413,19 @@ class AsyncState:
                                  f"(missing wait before this access?)")
         self.async_read(idx, what)
         if self.order is not None:
-            g = np.unique(idx.reshape(-1) // self.smem.granule)
-            bad = self.order.unordered_async_read(g, warp.smem_slot, [warp.wid] if readers is None else readers)
-            if bad is not None:
-                x, writer = bad
-                who = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
-                x = x * self.smem.granule % self.smem.stride
-                raise EmulationError(f"{what} by warp {warp.wid} reads shared offset {x}, written by {who} with "
-                                     f"nothing ordering the write before the read (missing mbarrier wait or barrier?)")
+            readers = [warp.wid] if readers is None else readers
+            g = idx // self.smem.granule
+            parts = [(g, readers)] if rows_each is None else \
+                [(g[rows_each * i:rows_each * (i + 1)], [r]) for i, r in enumerate(readers)]
+            for part, who in parts:
+                bad = self.order.unordered_async_read(np.unique(part), who, warp.smem_slot)
+                if bad is not None:
+                    x, writer, reader = bad
+                    src = "the async proxy (a TMA load)" if writer == ordering.ASYNC else f"warp {writer}"
+                    x = x * self.smem.granule % self.smem.stride
+                    raise EmulationError(f"{what} by warp {reader} reads shared offset {x}, written by {src} with "
+                                         f"nothing ordering the write before the read (missing mbarrier wait or "
+                                         f"barrier?)")
         return self.smem.data[idx]
 
     def async_read_start(self, warp, addrs: np.ndarray, elem: int) -> np.ndarray:

@@ -450,8 +450,9 @@ class _Launch:
                     lp[act] = pc + 1
                     for j in np.flatnonzero(act.reshape(-1, 32).any(1)):
                         m = members[j]
-                        if m.smem.hopper.park(m, bool((exe[32 * j:32 * j + 32] == m.alive).all())):
-                            m.pc = pc + 1
+                        if m.smem.hopper.park(m):                # keeps its lanes' pcs, diverged or not
+                            m.pc, m.lane_pc = pc + 1, rows[j].copy()
+                            _reconverge(m)
                             lp[32 * j:32 * j + 32] = _DEAD
                 elif kind == _NAMED:
                     waiting = [m.at_barrier for m in members]
@@ -527,14 +528,13 @@ class _Launch:
                 elif kind == _WAIT:
                     if exe is None or exe.any():
                         fn(w, exe)
-                    if w.smem.hopper.park(w, w.lane_pc is None and (exe is None or (exe == w.alive).all())):
-                        w.pc = pc + 1
-                        return
                     if w.lane_pc is None:
                         w.pc = pc + 1
                     else:
                         w.lane_pc[active] = pc + 1
                         _reconverge(w)
+                    if w.smem.hopper.park(w):
+                        return
                     pc = w.pc
                 elif kind == _NAMED:
                     if w.lane_pc is not None or (exe is not None and not (exe == w.alive).all()):

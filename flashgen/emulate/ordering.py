@@ -12,7 +12,8 @@ complete, a warp a named barrier releases) takes the barrier's vector in. An acc
 memory.py finds conflicting with an earlier one (same epoch, another agent) is a race unless the
 accessing warp knows a time of that agent no earlier than the earlier access. An async-proxy
 read (a wgmma's shared-memory operands, a TMA store's source) must likewise be ordered after
-each byte's last write, by what its warps know together (a wgmma's: its warpgroup's).
+each byte's last write, by what the warp on whose behalf it reads knows (a wgmma reads B for
+each warp of its warpgroup, and A's rows 16 (w % 4) .. for warp w).
 
 Agents: the warps of the CTA, and the async proxy (ASYNC: a TMA load's write, stamped when it
 lands and released by its complete_tx to the warps that wait on the phase).
@@ -70,16 +71,27 @@ class Ordering:
             bad |= (agents != a) & (r[g] > self.known[slots, agents, a])
         return bad
 
-    def unordered_async_read(self, g: np.ndarray, slot: int, readers: list):
-        """An async-proxy read of granules g (flat) for warps `readers`, which know together
-        what any of them knows: -> (granule, writer) of a write they do not know of, or None."""
+    def unordered_async_read(self, g: np.ndarray, readers: list, slot: int):
+        """An async-proxy read of granules g (flat) on behalf of each of warps `readers`, each
+        ordered by what it knows itself: -> (granule, writer, reader) of a write a reader does not
+        know of, or None. (A wgmma is no barrier among the warps of its warpgroup: their issues
+        meeting orders nothing, so no warp lends another its knowledge.)"""
         writer = self.w_agent[g]
-        known = self.known[slot, readers].max(0)
-        bad = (writer >= 0) & ~np.isin(writer, readers) & (self.w_time[g] > known[np.maximum(writer, 0)])
+        who = np.asarray(readers)[:, None]
+        known = self.known[slot, who, np.maximum(writer, 0)]                        # [reader, granule]
+        bad = (writer >= 0) & (writer != who) & (self.w_time[g] > known)
         if not bad.any():
             return None
-        i = int(np.argmax(bad))
-        return int(g[i]), int(writer[i])
+        r, i = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        return int(g[i]), int(writer[i]), int(readers[r])
+
+    def now(self, slot: int) -> int:
+        """The time an access now gets (stamp)."""
+        return int(self.clock[slot])
+
+    def knows(self, slot: int, agent: int, of: int, time: int) -> bool:
+        """Whether `agent` knows the access agent `of` made at `time`."""
+        return agent == of or self.known[slot, agent, of] >= time
 
     def release(self, slot: int, agent: int) -> np.ndarray:
         """`agent` releases: -> the vector it passes on (what it knows, and its time now)."""

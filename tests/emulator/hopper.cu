@@ -536,3 +536,140 @@ extern "C" __global__ void mbarrier_below(int below_in_register) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0+-64], %1;" ::"r"(b), "r"(1) : "memory");
   }
 }
+
+// ---- Where the hardware orders less than a naive emulation would (tests/test_emulator_hopper_order.py)
+// wgmma is no barrier: warp w of warpgroup 0 stores the words i of the image with owner[i] ==
+// w + 4 * phase; phase 0's stores end with fence.proxy.async and bar.sync 1, 128, phase 1's with
+// fence.proxy.async and `sync` (0: nothing, 1: __syncwarp, 2: bar.sync 1, 128); then the
+// warpgroup's wgmma reads the image. Warp 4 exits at once: the named barrier is a partial one.
+extern "C" __global__ void wgmma_peer_stores(const uint32_t* img, const int* owner, int words, uint64_t desc_a,
+                                             uint64_t desc_b, float* out, int sync) {
+  extern __shared__ __align__(1024) uint32_t smem_img[];
+  if (threadIdx.x >= 128) return;
+  const int warp = threadIdx.x / 32;
+  for (int phase = 0; phase < 2; ++phase) {
+    for (int i = threadIdx.x % 32; i < words; i += 32)
+      if (owner[i] == warp + 4 * phase) smem_img[i] = img[i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (phase == 0) named_sync(1, 128);
+  }
+  if (sync == 1) __syncwarp();
+  if (sync == 2) named_sync(1, 128);
+  const uint64_t base = image_base();
+  float d[32];
+  for (int i = 0; i < 32; ++i) {   // defined before the wgmma.fence (warpgroup_fence_operand)
+    d[i] = 0.0f;
+    asm volatile("" : "+f"(d[i])::"memory");
+  }
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D_REGS ", %32, %33, p, 1, 1, 0, 0;\n}"
+               : D_OUTS : "l"(desc_a + base), "l"(desc_b + base), "r"(0));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+}
+
+// An mbarrier of `count` arrivals that thread 0 initializes before a __syncthreads: its address.
+__device__ __forceinline__ uint32_t block_mbarrier(uint64_t* bar, uint32_t count) {
+  const uint32_t b = smem_u32(bar);
+  if (threadIdx.x == 0) mbar_init(b, count);
+  __syncthreads();
+  return b;
+}
+
+// A diverged wait: lane 0 of warp 0 alone waits on the barrier (its warp's other lanes went on
+// to the kernel's end), which warp 1 completes after `delay` loop trips and storing `value`
+// (delay < 0: never).
+extern "C" __global__ void diverged_wait(int* out, int value, int delay) {
+  __shared__ __align__(8) uint64_t bar;
+  __shared__ int data;
+  const uint32_t b = block_mbarrier(&bar, 1);
+  if (threadIdx.x == 0) {
+    mbar_wait(b, 0);
+    out[0] = data;
+  } else if (threadIdx.x == 32 && delay >= 0) {
+    int x = value;
+    for (int i = 0; i < delay; ++i) asm volatile("add.s32 %0, %0, 1;" : "+r"(x));
+    data = x - delay;
+    mbar_arrive(b);
+  }
+}
+
+// An mbarrier phase hands `value` from warp 0 to warp 1, the phase completed by warp 0 (arrival
+// count 1) `how`: 0 mbarrier.arrive after the store; 1 arrive.expect_tx of 4 bytes before the
+// store and complete_tx of them after it (the phase completes at the complete_tx, which is
+// .relaxed: it orders nothing); 2 expect_tx, the store, complete_tx, then the arrival; 3 an
+// arrive.relaxed after the store; 4 as 0, but warp 1 waits with try_wait.relaxed.
+extern "C" __global__ void complete_tx_handoff(int* out, int value, int how) {
+  __shared__ __align__(8) uint64_t bar;
+  __shared__ int data;
+  const uint32_t b = block_mbarrier(&bar, 1);
+  if (threadIdx.x == 0) {
+    if (how == 1) mbar_arrive_expect_tx(b, 4);
+    if (how == 2) asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], 4;" ::"r"(b) : "memory");
+    data = value;
+    if (how == 1 || how == 2) mbar_complete_tx(b, 4);
+    if (how == 3) asm volatile("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
+    if (how == 0 || how == 2 || how == 4) mbar_arrive(b);
+  } else if (threadIdx.x == 32) {
+    if (how == 4) {
+      uint32_t done = 0;
+      while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.relaxed.cta.shared::cta.b64 p, [%1], 0;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(b) : "memory");
+    } else {
+      mbar_wait(b, 0);
+    }
+    out[0] = data;
+  }
+}
+
+// Reads A register r[0] (with a mov, so that it is that register) while the wgmma that uses it
+// is in flight (`early`), or after its wait_group. The PTX ISA makes the first undefined: an
+// in-flight wgmma's A-fragment registers, like its accumulators, may be accessed only after the
+// wait_group that retires it.
+extern "C" __global__ void wgmma_rs_a_read(const uint32_t* img, int words, const uint32_t* a, uint64_t desc_b,
+                                           float* out, uint32_t* a_out, int early) {
+  load_image(img, words, 0);
+  const uint64_t base = image_base();
+  RS_SET;
+  float d[32];
+  for (int i = 0; i < 32; ++i) {
+    d[i] = 0.0f;
+    asm volatile("" : "+f"(d[i])::"memory");
+  }
+  for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[j])::"memory");
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %33, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D_REGS ", " RS_ASM ", %32, p, 1, 1, 0;\n}"
+               : D_OUTS : "l"(desc_b + base), "r"(0), RS_IN);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  uint32_t peek = 0;
+  if (early) asm volatile("mov.b32 %0, %1;" : "=r"(peek) : "r"(r[0]) : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  if (!early) asm volatile("mov.b32 %0, %1;" : "=r"(peek) : "r"(r[0]) : "memory");
+  a_out[threadIdx.x] = peek;
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+}
+
+// mbarrier.init must be ordered before another thread uses the barrier: thread 0 initializes it
+// (after a first __syncthreads), then (`sync`) fence.mbarrier_init and __syncthreads; warp 1
+// arrives after `delay` loop trips, warp 0 waits.
+extern "C" __global__ void mbarrier_init_then_use(int delay, int sync) {
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = smem_u32(&bar);
+  __syncthreads();
+  if (threadIdx.x == 0) mbar_init(b, 32);
+  if (sync) {
+    if (threadIdx.x == 0) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+  }
+  if (threadIdx.x >= 32) {
+    int x = 0;
+    for (int i = 0; i < delay; ++i) asm volatile("add.s32 %0, %0, 1;" : "+r"(x));
+    if (x == delay) mbar_arrive(b);
+  } else {
+    mbar_wait(b, 0);
+  }
+}

@@ -60,9 +60,15 @@ def mbarrier(ins, ops):
                     c = np.unique(counts[sl][mine])
                     if c.size != 1:
                         raise EmulationError(f"mbarrier.init at offset {off} with different counts {c.tolist()}")
-                    warp.smem.hopper.mbarrier(warp.smem_slot, int(off), int(c[0]))
+                    warp.smem.hopper.mbarrier(warp, int(off), int(c[0]))
         return init
 
+    # What orders memory (PTX ISA, "mbarrier.arrive", "mbarrier.test_wait/try_wait",
+    # "mbarrier.complete_tx"): an arrival is a release unless .relaxed, a wait that sees its phase
+    # complete an acquire unless .relaxed; expect_tx and complete_tx have only .relaxed
+    # (`.sem = { .relaxed }`), so a phase that completes at a complete_tx publishes nothing of
+    # what its thread wrote (a TMA load's complete_tx does publish the bytes it landed).
+    relaxed = "relaxed" in mods
     if action in ("arrive", "expect_tx", "complete_tx") and rest <= {"expect_tx"}:
         tx_arrive = action == "arrive" and "expect_tx" in rest
         has_state = action == "arrive"
@@ -76,7 +82,7 @@ def mbarrier(ins, ops):
             for warp, sl, groups in barriers(w, m):
                 h = warp.smem.hopper
                 for off, mine in groups:
-                    b = h.mbarrier(warp.smem_slot, int(off))
+                    b = h.mbarrier(warp, int(off))
                     amounts = n[sl][mine].astype(np.int64) if n is not None else None
                     if action == "expect_tx" or tx_arrive:
                         b.expect_tx(int(amounts.sum()))
@@ -84,7 +90,8 @@ def mbarrier(ins, ops):
                         b.complete_tx(int(amounts.sum()))
                     if action == "arrive":
                         count = int(mine.sum()) if tx_arrive or amounts is None else int(amounts.sum())
-                        b.carry = h.release(warp, b.carry)
+                        if not relaxed:
+                            b.carry = h.release(warp, b.carry)
                         tokens[sl][mine] = b.arrive(count)
             if state is not None:
                 state(w, tokens, m)
@@ -101,7 +108,7 @@ def mbarrier(ins, ops):
             for warp, sl, groups in barriers(w, m):
                 h = warp.smem.hopper
                 for off, mine in groups:
-                    b = h.mbarrier(warp.smem_slot, int(off))
+                    b = h.mbarrier(warp, int(off))
                     b.land()
                     want = np.unique(arg[sl][mine])
                     ok = [b.completed(int(x)) if parity else b.phase != int(x) for x in want]
@@ -112,7 +119,7 @@ def mbarrier(ins, ops):
                         h.spin(warp, what, b, park=len(groups) == 1 and not any(ok))
                     else:
                         h.stop_spinning(warp)
-                    if any(ok):
+                    if any(ok) and not relaxed:
                         h.acquire(warp, b.published)
             done_w(w, done, m)
         return wait
@@ -121,7 +128,7 @@ def mbarrier(ins, ops):
         def inval(w, m):
             for warp, sl, groups in barriers(w, m):
                 for off, _ in groups:
-                    warp.smem.hopper.invalidate(warp.smem_slot, int(off))
+                    warp.smem.hopper.invalidate(warp, int(off))
         return inval
     raise unsupported(ins)
 

@@ -153,7 +153,7 @@ def _load(ins, ops, rank):
             if inside.any():
                 data[inside] = warp.gmem.load(gaddr[inside], tmap.elem, "TMA load source", cta=warp.cta_index)
             h = warp.smem.hopper
-            h.tma_write(warp, saddr, data, h.mbarrier(warp.smem_slot, int(b[lane])), tmap.box_bytes())
+            h.tma_write(warp, saddr, data, h.mbarrier(warp, int(b[lane])), tmap.box_bytes())
     return run
 
 
@@ -213,7 +213,7 @@ def _untiled(ins, ops, kind):
             h, step = warp.smem.hopper, elem * np.arange(nbytes // elem)
             if kind == "load":
                 data = warp.gmem.load(int(s[lane]) + step, 16, f"{what} source", cta=warp.cta_index)
-                h.tma_write(warp, int(d[lane]) + step, data, h.mbarrier(warp.smem_slot, int(rbar(w)[lane])), nbytes)
+                h.tma_write(warp, int(d[lane]) + step, data, h.mbarrier(warp, int(rbar(w)[lane])), nbytes)
                 continue
             saddr = int(s[lane]) + step
             _write(warp, int(d[lane]) + step, h.async_bytes(warp, saddr, elem, what), kind == "reduce", what)

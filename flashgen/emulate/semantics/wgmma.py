@@ -5,10 +5,14 @@ The instruction is a warpgroup rendezvous: a warp that issues it waits until the
 warpgroup have (with the same descriptors), and the last one runs it for all (warp w % 4 holds
 rows 16 (w % 4) .. of the 64 x N result), from the registers and shared memory as they are
 then; which warps know it completed (so may overwrite what it read) is hopper_state.WgmmaReads'
-bookkeeping. The asynchrony is modelled by forbidding every observation that could tell issue
-from completion: until a wait_group retires its group, another instruction that reads or writes
-an accumulator register, or writes an A-fragment register, of the warp is an error
-(guard_wgmma_registers wraps exactly the instructions that name such registers). A
+bookkeeping. The rendezvous is the emulator's, not the hardware's (a wgmma is no barrier): each
+warp's shared-memory reads (all of B, its 16 rows of A) must be ordered after their writes by
+what that warp knows (ordering.py), so a tile other warps stored needs a barrier before the
+wgmma, while a warp's own rows of A need none (FA3 stores P that way, with only __syncwarp).
+The asynchrony is modelled by forbidding every observation that could tell issue from
+completion: until a wait_group retires its group, another instruction that reads or writes an
+accumulator or A-fragment register of the warp is an error (the PTX ISA makes either access
+undefined; guard_wgmma_registers wraps exactly the instructions that name such registers). A
 wgmma.mma_async after another instruction touched the wgmma registers, with no wgmma.fence in
 between (or before the first one), is an error too (the PTX ISA requires the fence).
 
@@ -107,9 +111,6 @@ def _reg_names(op) -> set:
     return {base.name} if isinstance(base, Reg) else set()
 
 
-_NO_DESTINATION = {"st", "red", "stmatrix", "bar", "barrier", "cp", "prefetch", "fence", "mbarrier"}
-
-
 def guard_wgmma_registers(kernel, code: list) -> list:
     """Wrap the compiled instructions (machine.py's code tuples) that name a register some
     wgmma.mma_async uses as accumulator or A fragment, so that they check the warp's in-flight
@@ -127,20 +128,18 @@ def guard_wgmma_registers(kernel, code: list) -> list:
         if ins.opcode == "wgmma" or out[pc][0] != 0:          # only _ALU instructions access registers
             continue
         names = set().union(*(_reg_names(op) for op in ins.operands)) if ins.operands else set()
-        written = _reg_names(ins.operands[0]) if ins.operands and ins.opcode not in _NO_DESTINATION else set()
-        touched = names & (acc | afrag)
-        if touched:
+        if names & (acc | afrag):
             kind, fn, guard, negated, target = out[pc]
-            out[pc] = (kind, _guarded(fn, ins, names & acc, written & afrag), guard, negated, target)
+            out[pc] = (kind, _guarded(fn, ins, names & acc, names & afrag), guard, negated, target)
     return out
 
 
-def _guarded(fn, ins, acc_named, afrag_written):
+def _guarded(fn, ins, acc_named, afrag_named):
     def run(w, m):
         for warp, _, _ in warp_lanes(w, m):
             st = warp.smem.hopper.of_warp(warp)
             for group in st.get("groups", []) + ([st["open"]] if "open" in st else []):
-                busy = (acc_named & group["acc"]) | (afrag_written & group["a"])
+                busy = (acc_named & group["acc"]) | (afrag_named & group["a"])
                 if busy:
                     raise EmulationError(f"{ins.form} accesses register {sorted(busy)[0]} of a wgmma.mma_async that "
                                          f"has not completed (missing wgmma.wait_group before this access?)")
@@ -262,7 +261,7 @@ def _mma_async(ins, ops):
         reads = [b_addr]
         if not a_regs:
             a_addr = operand_addresses(64, k, elem, bool(trans_a), decode_descriptor(desc_a, "A"))
-            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)", wids), elem))
+            a_all = decode(_elements(h.async_bytes(warp, a_addr, elem, "wgmma.mma_async (A)", wids, 16), elem))
             reads.append(a_addr)
         local = np.unique(np.concatenate([(x[..., None] + np.arange(elem)).reshape(-1) for x in reads]))
         op = (warp.wid // 4, h.reads_of(warp).read(warp.wid // 4, local))          # (warpgroup, its number)
