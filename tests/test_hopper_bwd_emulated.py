@@ -1,11 +1,11 @@
-"""The sm90a dense backward's Hopper main kernel (csrc/flashgen/cuda/hopper/bwd.cuh: wgmma for
+"""The sm90a dense and varlen backward's Hopper main kernel (csrc/flashgen/cuda/hopper/bwd.cuh: wgmma for
 S^T, dP^T, dV, dK and dQ; a producer and a consumer warpgroup per 64 keys) run on the CPU
 through its FFI handler, against float64.
 
 Each case builds the sm90a spec as it ships (build(host="emulate")), runs the forward and then
 the backward handler under the emulator with fresh random inputs and poisoned outputs, compares
 dq, dk and dv with flashgen.reference, and asserts which main kernel ran: the Hopper one for the
-dense calls without extras (softcap included), the sm80 family's for the others. The preprocess and
+dense and varlen calls without extras (softcap included), the sm80 family's for the others. The preprocess and
 convert kernels of the sm80 family run around either.
 """
 import pytest
@@ -21,9 +21,9 @@ HOPPER_BWD = "hopper_bwd_kernel"
 SM80_BWD = "flash_bwd_kernel"
 
 
-def backward(rng, head_dim, dtype, causal, **case):
+def backward(rng, head_dim, dtype, causal, layout="dense", **case):
     spec = KernelSpec(head_dim, dtype, causal, "sm90a")
-    result = Checker(_library(spec), spec, rng).dense(**case)
+    result = getattr(Checker(_library(spec), spec, rng), layout)(**case)
     bad = [r for r in result.rows if not r.ok]
     assert not bad, "\n".join(f"{r.spec} [{r.case}] {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
     for r in result.rows:
@@ -56,9 +56,41 @@ def test_hopper_backward_matches_float64(rng, head_dim, dtype, causal, case):
     assert ran(r, HOPPER_BWD) == 1 and ran(r, SM80_BWD) == 0, r.kernels
 
 
+# Packed sequences (CI: the three cases on the specs CI builds, about 10 s): each case has an empty sequence, ragged lengths, Sq != Sk per sequence and
+# padding rows after the last sequence (their gradients 0); bwd_varlen runs on the emulated
+# varlen forward's o and lse.
+@pytest.mark.parametrize("head_dim,dtype,causal,case", [
+    # bottom-right causal, GQA: the 23 queries of the last sequence see its 17 keys from row 6 on
+    # (rows 0-5 see none); the first sequence's 90 keys span 2 key blocks, the second one's block
+    # reads past its keys into the next sequence's rows (masked)
+    (64, "bf16", True, dict(seqlens_q=(70, 0, 23), seqlens_k=(90, 0, 17), pad_q=5, pad_k=3, bottom_right=True,
+                            heads_q=4, heads_kv=2)),
+    # window + softcap, no GQA (dK / dV stored straight into the output, padding rows zeroed)
+    (128, "f16", False, dict(seqlens_q=(65, 0, 30), seqlens_k=(20, 0, 100), window=(20, 10), softcap=1.5,
+                             heads_q=2, heads_kv=2)),
+    # top-left causal, Sq > Sk in the first sequence, MQA
+    (64, "bf16", True, dict(seqlens_q=(100, 0, 33), seqlens_k=(70, 0, 80), pad_q=2, pad_k=0, heads_q=3, heads_kv=1)),
+    pytest.param(64, "f16", False, dict(seqlens_q=(0, 50, 77), seqlens_k=(10, 0, 130), heads_q=2, heads_kv=1),
+                 marks=pytest.mark.slow),
+    pytest.param(128, "bf16", True, dict(seqlens_q=(40, 0, 90), seqlens_k=(70, 0, 65), heads_q=2, heads_kv=1),
+                 marks=pytest.mark.slow),
+    pytest.param(256, "bf16", True, dict(seqlens_q=(30, 0, 70), seqlens_k=(50, 0, 66), bottom_right=True),
+                 marks=pytest.mark.slow),
+], ids=["d64-bf16-causal-bottom-right-gqa", "d128-f16-window-softcap", "d64-bf16-causal-mqa", "d64-f16-gqa",
+        "d128-bf16-causal", "d256-bf16-causal-bottom-right"])
+def test_hopper_varlen_backward_matches_float64(rng, head_dim, dtype, causal, case):
+    r = backward(rng, head_dim, dtype, causal, layout="varlen", **case)
+    assert ran(r, HOPPER_BWD) == 1 and ran(r, SM80_BWD) == 0, r.kernels
+
+
 # deterministic: the wgmma backward adds dQ in any order, so the sm80 family's fixed-order kernel runs
 @pytest.mark.parametrize("case", [dict(alibi="H"), dict(bias=(1, 2)), dict(deterministic=True)],
                          ids=["alibi", "bias-with-dbias", "deterministic"])
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
     r = backward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
+    assert ran(r, HOPPER_BWD) == 0 and ran(r, SM80_BWD) == 1, r.kernels
+
+
+def test_varlen_alibi_keeps_the_sm80_kernel(rng):
+    r = backward(rng, 64, "bf16", True, layout="varlen", seqlens_q=(30, 0, 20), seqlens_k=(40, 0, 20), alibi="H")
     assert ran(r, HOPPER_BWD) == 0 and ran(r, SM80_BWD) == 1, r.kernels

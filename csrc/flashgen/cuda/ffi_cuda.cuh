@@ -299,13 +299,15 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const Para
   return check_launch(target, "hopper_fwd_kernel");
 }
 
-template <class T, int D>
-ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const BwdParams& p, const AttentionShape& s) {
+// key_rows: the longest sequence's keys (varlen; blockIdx.z the sequence), else Sk.
+template <class T, int D, bool VARLEN, class Params>
+ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const Params& p, const AttentionShape& s,
+                             int64_t key_rows) {
   using Cfg = HopperBwdConfig;
   constexpr size_t kSmem = Cfg::smem_bytes(D);
-  const dim3 grid(static_cast<unsigned>((s.seqlen_k + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
+  const dim3 grid(static_cast<unsigned>((key_rows + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  auto kernel = p.softcap > 0.f ? hopper_bwd_kernel<T, D, true> : hopper_bwd_kernel<T, D, false>;
+  auto kernel = p.softcap > 0.f ? hopper_bwd_kernel<T, D, true, VARLEN> : hopper_bwd_kernel<T, D, false, VARLEN>;
   if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return check_launch(target, "hopper_bwd_kernel");
@@ -662,32 +664,27 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
       else
         return launch(flash_bwd_kernel<T, D, kDV, CAUSAL, kMode>, p);
     };
-    ffi::Error err = ffi::Error::Success();
-    if (is_varlen) {
-      if (x != nullptr && x->alibi != nullptr) {
-        p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
-        err = launch_mode(std::integral_constant<int, kBwdVarlenAlibi>{});
-      } else {
-        err = launch_mode(std::integral_constant<int, kBwdVarlen>{});
-      }
-    } else if (x != nullptr && x->any()) {
-      p.x = extras_params(*x, s, attrs.bottom_right);
-      p.x.dbias_acc = dbias_acc;
-      err = launch_mode(std::integral_constant<int, kBwdExtras>{});
-    } else {
-      bool served = false;
+    // The wgmma kernel where it serves the call (hopper/bwd.cuh), else the sm80 family's variant.
+    auto run_main = [&]() -> ffi::Error {
 #ifdef FLASHGEN_WGMMA_KERNELS
-      // the wgmma kernel has one head dim and adds dQ in any order: a deterministic call keeps mma.sync
-      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {
-        if (!attrs.deterministic) {
-          served = true;
-          err = launch_hopper_bwd<T, D>(target, stream, p, s);
-        }
+      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
+        if (hopper_bwd_supports(x, deterministic))
+          return is_varlen ? launch_hopper_bwd<T, D, true>(target, stream, p, s, key_rows)
+                           : launch_hopper_bwd<T, D, false>(target, stream, static_cast<const BwdParams&>(p), s,
+                                                            key_rows);
       }
 #endif
-      if (!served) err = launch_mode(std::integral_constant<int, kBwdDense>{});
-    }
-    if (err.failure()) return err;
+      if (is_varlen) {
+        if (x == nullptr || x->alibi == nullptr) return launch_mode(std::integral_constant<int, kBwdVarlen>{});
+        p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
+        return launch_mode(std::integral_constant<int, kBwdVarlenAlibi>{});
+      }
+      if (x == nullptr || !x->any()) return launch_mode(std::integral_constant<int, kBwdDense>{});
+      p.x = extras_params(*x, s, attrs.bottom_right);
+      p.x.dbias_acc = dbias_acc;
+      return launch_mode(std::integral_constant<int, kBwdExtras>{});
+    };
+    if (auto e = run_main(); e.failure()) return e;
   }
 
   // 3. f32 accumulators -> output dtype

@@ -24,6 +24,11 @@
 // Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared (no TMA:
 // main has no tensor-map helper yet), so the overlap of the next block's loads with this
 // block's math is the ring alone. Query blocks outside the band (causal, window) are never visited.
+// Varlen (packed sequences, blockIdx.z = sequence, clamped cu_seqlens as the sm80 kernel clamps
+// them): the CTA offsets its rows by the sequence's start and clips every load, dQ addition and
+// dK / dV store to the sequence's own lengths (the loads are plain, so no tile runs into the next
+// sequence); key blocks past the sequence exit at once, and the handler zeroes dK / dV first (no
+// CTA writes the rows no sequence covers).
 #pragma once
 
 #include "flashgen/call.h"
@@ -36,10 +41,15 @@ namespace cuda {
 namespace {
 
 // Compiled for the forward's element types and head dims (the same swizzled panels); at run
-// time every dense call without extras (any band, softcap or not): bwd_run sends the others,
-// varlen and head_dim_v != head_dim to the sm80 family's kernels.
+// time every dense or varlen call without extras (any band, softcap or not): bwd_run sends the
+// others and head_dim_v != head_dim to the sm80 family's kernels.
 template <class T, int D>
 constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
+
+// x: the call's extras (null: none); deterministic: the call asks for fixed-order sums.
+inline bool hopper_bwd_supports(const ScoreExtras* x, bool deterministic) {
+  return (x == nullptr || !x->any()) && !deterministic;
+}
 
 struct HopperBwdConfig {
   static constexpr int BC = 64;  // keys per CTA (one warpgroup's wgmma M)
@@ -87,9 +97,31 @@ FG_DEV void issue_abt(float (&d)[32], uint32_t a, uint32_t b) {
   }
 }
 
-// CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256).
-template <class T, int D, bool CAPPED>
-__global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kernel(const BwdParams p) {
+// The rows one CTA works on: its sequence's lengths and band, its first q / k row in the
+// tensors (counted in rows of all heads' columns), and its lse / Dsum rows.
+struct HopperBwdSeq {
+  int Sq, Sk, band_lo, band_hi, masked;
+  int64_t q_start, k_start;
+  const float *lse, *dsum;
+};
+inline __device__ HopperBwdSeq hopper_bwd_seq(const BwdParams& p, int b, int h) {
+  const int64_t stats = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+  return {p.seqlen_q, p.seqlen_k, p.band_lo, p.band_hi, p.masked, static_cast<int64_t>(b) * p.seqlen_q,
+          static_cast<int64_t>(b) * p.seqlen_k, p.lse + stats, p.dsum + stats};
+}
+// Sequence b of a packed batch; lse / Dsum [Hq, Tq].
+inline __device__ HopperBwdSeq hopper_bwd_seq(const BwdVarParams& p, int b, int h) {
+  const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
+  const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
+  const IntBand bd = int_band(rq.len, rk.len, p.causal, p.bottom_right, p.window_left, p.window_right);
+  const int64_t stats = static_cast<int64_t>(h) * p.seqlen_q + rq.start;
+  return {rq.len, rk.len, bd.lo, bd.hi, bd.masked, rq.start, rk.start, p.lse + stats, p.dsum + stats};
+}
+
+// CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256). VARLEN: a packed batch.
+template <class T, int D, bool CAPPED, bool VARLEN = false>
+__global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
+    hopper_bwd_kernel(const typename std::conditional<VARLEN, BwdVarParams, BwdParams>::type p) {
   using Cfg = HopperBwdConfig;
   constexpr int BR = Cfg::BR, BC = Cfg::BC, kStages = Cfg::kStages, NT = 128;  // threads per role
   constexpr int kTile = Cfg::tile_bytes(D);
@@ -113,24 +145,26 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
 
   const int nblk = blockIdx.x / kSplit, split = blockIdx.x % kSplit;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const HopperBwdSeq seq = hopper_bwd_seq(p, b, h);
+  const int Sq = seq.Sq, Sk = seq.Sk;
   const int k0 = nblk * BC;
+  if (k0 >= Sk) return;  // the whole CTA: past its sequence's keys (varlen)
   const int pn0 = split * kOwn;  // first own panel
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
-  const int64_t q_off = (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
-  const int64_t kv_off = (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+  const int64_t q_off = (seq.q_start * p.heads_q + h) * D;
+  const int64_t kv_off = (seq.k_start * p.heads_kv + hk) * D;
   const T* qg = static_cast<const T*>(p.q) + q_off;
   const T* dog = static_cast<const T*>(p.dout) + q_off;
   const T* kg = static_cast<const T*>(p.k) + kv_off;
   const T* vg = static_cast<const T*>(p.v) + kv_off;
-  const float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
-  const float* dsumg = p.dsum + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  const float* lseg = seq.lse;
+  const float* dsumg = seq.dsum;
   float* dqg = p.dq_acc + q_off;
 
   // Query blocks that can see a key of this block: rows k0 - hi <= i <= k0 + BC - 1 - lo.
-  const long long first_q = max(0LL, static_cast<long long>(k0) - p.band_hi);
-  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - p.band_lo);
+  const long long first_q = max(0LL, static_cast<long long>(k0) - seq.band_hi);
+  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - seq.band_lo);
   const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
 
@@ -222,7 +256,7 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     // ---- P^T and dS^T (in place of S^T and dP^T); masked pairs get P = dS = 0 even where dP
     // is NaN (a NaN V or dO must not reach pairs the row does not see).
     const bool need_mask =
-        k0 + BC > Sk || (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
+        k0 + BC > Sk || (seq.masked && (k0 - (q0 + BR - 1) < seq.band_lo || k0 + BC - 1 - q0 > seq.band_hi));
     // Softcap c: the score is c u with u = tanh(scale s / c) (S^T becomes u in place), and dS
     // gains the factor 1 - u^2. A score of +-inf gives u = +-1, factor 0: dS 0 unless dP is NaN,
     // as float64 has it.
@@ -237,7 +271,7 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
       const float pv = fast_exp2(fmaf(acc_s[j], score_log2, -wLse[qi]));
       const float cap_grad = CAPPED ? 1.f - acc_s[j] * acc_s[j] : 1.f;
       const int rel = key - (q0 + qi);
-      const bool masked = need_mask && (key >= Sk || rel < p.band_lo || rel > p.band_hi);
+      const bool masked = need_mask && (key >= Sk || rel < seq.band_lo || rel > seq.band_hi);
       acc_s[j] = masked ? 0.f : pv;
       acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - wDsum[qi]) * cap_grad;
     }
