@@ -8,11 +8,17 @@ dq, dk and dv with flashgen.reference, and asserts which main kernel ran: the Ho
 dense and varlen calls without extras (softcap included), the sm80 family's for the others. The preprocess and
 convert kernels of the sm80 family run around either.
 """
+import re
+
+import numpy as np
 import pytest
 
 from conftest import needs_nvcc
-from flashgen.emulate.check import Checker
+from flashgen import reference
+from flashgen.contract import CallAttributes
+from flashgen.emulate.check import Checker, relative_error, tolerance
 from flashgen.spec import KernelSpec
+from test_deterministic import SEEDS, _backward, _inputs, _reference
 from test_hopper_emulated import _library, ran
 
 pytestmark = needs_nvcc
@@ -83,9 +89,7 @@ def test_hopper_varlen_backward_matches_float64(rng, head_dim, dtype, causal, ca
     assert ran(r, HOPPER_BWD) == 1 and ran(r, SM80_BWD) == 0, r.kernels
 
 
-# deterministic: the wgmma backward adds dQ in any order, so the sm80 family's fixed-order kernel runs
-@pytest.mark.parametrize("case", [dict(alibi="H"), dict(bias=(1, 2)), dict(deterministic=True)],
-                         ids=["alibi", "bias-with-dbias", "deterministic"])
+@pytest.mark.parametrize("case", [dict(alibi="H"), dict(bias=(1, 2))], ids=["alibi", "bias-with-dbias"])
 def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
     r = backward(rng, 64, "bf16", True, seqlen_q=50, seqlen_k=70, **case)
     assert ran(r, HOPPER_BWD) == 0 and ran(r, SM80_BWD) == 1, r.kernels
@@ -94,3 +98,47 @@ def test_calls_it_does_not_serve_keep_the_sm80_kernel(rng, case):
 def test_varlen_alibi_keeps_the_sm80_kernel(rng):
     r = backward(rng, 64, "bf16", True, layout="varlen", seqlens_q=(30, 0, 20), seqlens_k=(40, 0, 20), alibi="H")
     assert ran(r, HOPPER_BWD) == 0 and ran(r, SM80_BWD) == 1, r.kernels
+
+
+# ---- deterministic=True: the wgmma kernel's DET form (fixed-order dQ, GQA dK / dV) ----------------
+# Two emulator schedules (test_deterministic.SEEDS: the order CTAs run, warps interleave and
+# atomics land) give the same bits, and match float64. Causal, 150 x 150, 3 q heads per kv head:
+# query block 2's dQ takes the shares of 3 key blocks, each dK / dV element those of 3 q heads.
+# bf16 rounding hides most f32 reorderings, so the inputs make the heads' dK / dV shares cancel:
+# q head 1 = q head 0 and dO head 1 = -dO head 0 = 2^20 x N(0, 1) give shares A, -A (exactly:
+# every step of the kernel is odd in dO) and C from head 2; in head order the sum is exactly C,
+# in another order C plus a rounding error of A that bf16 shows.
+DET_SPEC, DET_SHAPE = KernelSpec(64, "bf16", True, "sm90a"), dict(sq=150, sk=150, hq=3, hkv=1)
+
+
+def _cancelling_inputs(rng):
+    q, k, v, do, extras = _inputs(rng, DET_SPEC, **DET_SHAPE)
+    q[:, :, 1] = q[:, :, 0]
+    do[:, :, 0] *= 2 ** 20
+    do[:, :, 1] = -do[:, :, 0]
+    return q, k, v, do, extras
+
+
+def _det_flags(record) -> list[str]:
+    """The DET template argument of each hopper_bwd_kernel launch (its last: Lb<0|1>E)."""
+    return [re.search(r"Lb([01])EEEv", l.entry).group(1) for l in record.launches
+            if f"{len(HOPPER_BWD)}{HOPPER_BWD}I" in l.entry]
+
+
+def test_deterministic_backward_is_the_same_bits_under_two_schedules(rng):
+    inputs = _cancelling_inputs(rng)
+    runs, records = zip(*(_backward(DET_SPEC, inputs, seed=s, deterministic=True) for s in SEEDS))
+    assert [_det_flags(r) for r in records] == [["1"], ["1"]]  # the wgmma kernel's DET form, not sm80
+    for name, a, b, ref in zip(("dq", "dk", "dv"), *runs, _reference(DET_SPEC, inputs)):
+        assert a.tobytes() == b.tobytes(), f"{name} differs between schedules {SEEDS}"
+        assert relative_error(a, ref) <= tolerance(DET_SPEC.dtype, name), (name, relative_error(a, ref))
+
+
+def test_default_backward_depends_on_the_schedule(rng):
+    """What the DET form fixes: on the same inputs the default wgmma kernel's dK / dV (the q
+    heads' shares in whatever order their atomics land) are different bits under the two
+    schedules."""
+    inputs = _cancelling_inputs(rng)
+    runs, records = zip(*(_backward(DET_SPEC, inputs, seed=s, deterministic=False) for s in SEEDS))
+    assert [_det_flags(r) for r in records] == [["0"], ["0"]]
+    assert runs[0][1].tobytes() != runs[1][1].tobytes() or runs[0][2].tobytes() != runs[1][2].tobytes()

@@ -299,15 +299,17 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const Para
   return check_launch(target, "hopper_fwd_kernel");
 }
 
-// key_rows: the longest sequence's keys (varlen; blockIdx.z the sequence), else Sk.
-template <class T, int D, bool VARLEN, class Params>
+// key_rows: the longest sequence's keys (varlen; blockIdx.z the sequence), else Sk. DET: the
+// deterministic kernel (Params = BwdVarParams with bwd_run's turn counters).
+template <class T, int D, bool VARLEN, bool DET, class Params>
 ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const Params& p, const AttentionShape& s,
                              int64_t key_rows) {
   using Cfg = HopperBwdConfig;
   constexpr size_t kSmem = Cfg::smem_bytes(D);
   const dim3 grid(static_cast<unsigned>((key_rows + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  auto kernel = p.softcap > 0.f ? hopper_bwd_kernel<T, D, true, VARLEN> : hopper_bwd_kernel<T, D, false, VARLEN>;
+  auto kernel =
+      p.softcap > 0.f ? hopper_bwd_kernel<T, D, true, VARLEN, DET> : hopper_bwd_kernel<T, D, false, VARLEN, DET>;
   if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return check_launch(target, "hopper_bwd_kernel");
@@ -668,10 +670,17 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
     auto run_main = [&]() -> ffi::Error {
 #ifdef FLASHGEN_WGMMA_KERNELS
       if constexpr (kHopperBwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
-        if (hopper_bwd_supports(x, deterministic))
-          return is_varlen ? launch_hopper_bwd<T, D, true>(target, stream, p, s, key_rows)
-                           : launch_hopper_bwd<T, D, false>(target, stream, static_cast<const BwdParams&>(p), s,
-                                                            key_rows);
+        static_assert(HopperBwdConfig::BR == Cfg::BR && HopperBwdConfig::BC == Cfg::BC &&
+                          HopperBwdConfig::nsplit(D) == Cfg::NSPLIT,
+                      "the turn counters above are sized by the sm80 kernel's blocks");
+        if (hopper_bwd_supports(x)) {
+          if (is_varlen)
+            return deterministic ? launch_hopper_bwd<T, D, true, true>(target, stream, p, s, key_rows)
+                                 : launch_hopper_bwd<T, D, true, false>(target, stream, p, s, key_rows);
+          return deterministic ? launch_hopper_bwd<T, D, false, true>(target, stream, p, s, key_rows)
+                               : launch_hopper_bwd<T, D, false, false>(
+                                     target, stream, static_cast<const BwdParams&>(p), s, key_rows);
+        }
       }
 #endif
       if (is_varlen) {

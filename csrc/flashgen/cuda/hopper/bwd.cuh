@@ -24,6 +24,14 @@
 // Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared (no TMA:
 // main has no tensor-map helper yet), so the overlap of the next block's loads with this
 // block's math is the ring alone. Query blocks outside the band (causal, window) are never visited.
+// Deterministic (DET, the call's `deterministic`): the f32 additions happen in a fixed order, with
+// the sm80 family's turn counters and helpers (bwd.cuh, kBwdDeterministic): the CTA takes its work
+// item from the ticket counter, so it only ever waits on CTAs that already run; it adds its dQ
+// share of a query block after the key blocks before it that see the block (bwd_dq_turn: with a
+// band the order runs over exactly the key blocks that visit the block, so none waits on a
+// turn that is never passed), and under GQA its dK / dV after the group's q heads before it.
+// A wait is one consumer thread's spin, then the consumer warpgroup's named barrier; the producer
+// waits on no other CTA.
 // Varlen (packed sequences, blockIdx.z = sequence, clamped cu_seqlens as the sm80 kernel clamps
 // them): the CTA offsets its rows by the sequence's start and clips every load, dQ addition and
 // dK / dV store to the sequence's own lengths (the loads are plain, so no tile runs into the next
@@ -46,10 +54,8 @@ namespace {
 template <class T, int D>
 constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
 
-// x: the call's extras (null: none); deterministic: the call asks for fixed-order sums.
-inline bool hopper_bwd_supports(const ScoreExtras* x, bool deterministic) {
-  return (x == nullptr || !x->any()) && !deterministic;
-}
+// x: the call's extras (null: none).
+inline bool hopper_bwd_supports(const ScoreExtras* x) { return x == nullptr || !x->any(); }
 
 struct HopperBwdConfig {
   static constexpr int BC = 64;  // keys per CTA (one warpgroup's wgmma M)
@@ -104,24 +110,27 @@ struct HopperBwdSeq {
   int64_t q_start, k_start;
   const float *lse, *dsum;
 };
-inline __device__ HopperBwdSeq hopper_bwd_seq(const BwdParams& p, int b, int h) {
-  const int64_t stats = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-  return {p.seqlen_q, p.seqlen_k, p.band_lo, p.band_hi, p.masked, static_cast<int64_t>(b) * p.seqlen_q,
-          static_cast<int64_t>(b) * p.seqlen_k, p.lse + stats, p.dsum + stats};
-}
-// Sequence b of a packed batch; lse / Dsum [Hq, Tq].
-inline __device__ HopperBwdSeq hopper_bwd_seq(const BwdVarParams& p, int b, int h) {
-  const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
-  const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
-  const IntBand bd = int_band(rq.len, rk.len, p.causal, p.bottom_right, p.window_left, p.window_right);
-  const int64_t stats = static_cast<int64_t>(h) * p.seqlen_q + rq.start;
-  return {rq.len, rk.len, bd.lo, bd.hi, bd.masked, rq.start, rk.start, p.lse + stats, p.dsum + stats};
+// VARLEN: sequence b of a packed batch (lse / Dsum [Hq, Tq]), else batch b.
+template <bool VARLEN, class Params>
+inline __device__ HopperBwdSeq hopper_bwd_seq(const Params& p, int b, int h) {
+  if constexpr (VARLEN) {
+    const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
+    const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
+    const IntBand bd = int_band(rq.len, rk.len, p.causal, p.bottom_right, p.window_left, p.window_right);
+    const int64_t stats = static_cast<int64_t>(h) * p.seqlen_q + rq.start;
+    return {rq.len, rk.len, bd.lo, bd.hi, bd.masked, rq.start, rk.start, p.lse + stats, p.dsum + stats};
+  } else {
+    const int64_t stats = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+    return {p.seqlen_q, p.seqlen_k, p.band_lo, p.band_hi, p.masked, static_cast<int64_t>(b) * p.seqlen_q,
+            static_cast<int64_t>(b) * p.seqlen_k, p.lse + stats, p.dsum + stats};
+  }
 }
 
 // CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256). VARLEN: a packed batch.
-template <class T, int D, bool CAPPED, bool VARLEN = false>
+// DET: deterministic (see above).
+template <class T, int D, bool CAPPED, bool VARLEN, bool DET>
 __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
-    hopper_bwd_kernel(const typename std::conditional<VARLEN, BwdVarParams, BwdParams>::type p) {
+    hopper_bwd_kernel(const typename std::conditional<VARLEN || DET, BwdVarParams, BwdParams>::type p) {
   using Cfg = HopperBwdConfig;
   constexpr int BR = Cfg::BR, BC = Cfg::BC, kStages = Cfg::kStages, NT = 128;  // threads per role
   constexpr int kTile = Cfg::tile_bytes(D);
@@ -134,6 +143,7 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
   // Per consumer warp: lse * log2(e) (+inf: no probability), Dsum.
   __shared__ float sLse[NT / 32][BR], sDsum[NT / 32][BR];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  __shared__ unsigned ticket;  // DET: this CTA's work item
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((raw + sm90::kSwizzleAtom - 1) / sm90::kSwizzleAtom * sm90::kSwizzleAtom - raw);
   uint8_t* sK = smem;
@@ -143,9 +153,23 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
   uint8_t* sKt = sV + (1 + 2 * kStages) * kTile;
   uint8_t* sdS = sKt + kOwn * kPanelBytes;
 
-  const int nblk = blockIdx.x / kSplit, split = blockIdx.x % kSplit;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const HopperBwdSeq seq = hopper_bwd_seq(p, b, h);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(smem_addr(&full[s]), NT);
+      sm90::mbar_init(smem_addr(&empty[s]), 1);
+    }
+    sm90::fence_mbarrier_init();
+    if constexpr (DET) ticket = atomicAdd(p.ticket, 1u);
+  }
+  __syncthreads();
+
+  // DET: the work item in ticket order, so that a CTA only waits on CTAs that already run.
+  const unsigned item_x = DET ? ticket % gridDim.x : blockIdx.x;
+  const int nblk = item_x / kSplit, split = item_x % kSplit;
+  const int h = DET ? ticket / gridDim.x % gridDim.y : blockIdx.y;
+  const int b = DET ? ticket / gridDim.x / gridDim.y : blockIdx.z;
+  const int hk = h / p.group;
+  const HopperBwdSeq seq = hopper_bwd_seq<VARLEN>(p, b, h);
   const int Sq = seq.Sq, Sk = seq.Sk;
   const int k0 = nblk * BC;
   if (k0 >= Sk) return;  // the whole CTA: past its sequence's keys (varlen)
@@ -167,15 +191,6 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
   const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - seq.band_lo);
   const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(smem_addr(&full[s]), NT);
-      sm90::mbar_init(smem_addr(&empty[s]), 1);
-    }
-    sm90::fence_mbarrier_init();
-  }
-  __syncthreads();
 
   if (threadIdx.x < NT) {  // ---- producer warpgroup
     const int tid = threadIdx.x;
@@ -235,7 +250,44 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
     sm90::named_sync(1, NT);
   }
 
-  for (int m = m_begin; m < m_end; ++m) {
+  // dQ[q0 .., own columns] += scale * dS K (dS of the block in shared memory), one 64-column panel
+  // at a time.
+  auto add_dq = [&](int q0) {
+#pragma unroll 1
+    for (int pn = 0; pn < kOwn; ++pn) {
+      float acc_dq[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc_dq[j] = 0.f;
+      sm90::fence_operands(acc_dq);
+      sm90::wgmma_fence();
+      issue_abt<T, BC>(acc_dq, smem_addr(sdS), smem_addr(sKt) + pn * kPanelBytes);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait_all();
+      sm90::fence_operands(acc_dq);
+#pragma unroll
+      for (int j = 0; j < 32; j += 2) {
+        const int row = q0 + 16 * warp + g + 8 * ((j / 2) % 2);
+        const int col = (pn0 + pn) * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
+        if (row < Sq)
+          atomicAdd(reinterpret_cast<float2*>(dqg + row * q_stride + col),
+                    make_float2(acc_dq[j] * p.scale, acc_dq[j + 1] * p.scale));
+      }
+    }
+  };
+
+  // DET: query block m's dQ share is added once its turn came (waited for at the end of its
+  // iteration; added at the top of the next one, so that in code order the wait follows the
+  // additions other CTAs make meanwhile: the emulator runs the warps at the lowest pc first).
+  unsigned* dq_turn = nullptr;
+  for (int m = m_begin; m < m_end + (DET ? 1 : 0); ++m) {
+    if constexpr (DET) {
+      if (m > m_begin) {
+        add_dq((m - 1) * BR);
+        sm90::named_sync(1, NT);  // every consumer's additions are in; dS is free
+        if (tid == 0) bwd_pass_turn(dq_turn);
+      }
+      if (m == m_end) break;
+    }
     const int it = m - m_begin, s = it % kStages, q0 = m * BR;
     sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);
 
@@ -324,33 +376,28 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
     if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));
     float next_l2[2], next_dsum[2];
     if (m + 1 < m_end) fetch_row_stats(q0 + BR, next_l2, next_dsum);
-
-    // ---- dQ[q0 .., own columns] += scale * dS K, one 64-column panel at a time
-#pragma unroll 1
-    for (int pn = 0; pn < kOwn; ++pn) {
-      float acc_dq[32];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) acc_dq[j] = 0.f;
-      sm90::fence_operands(acc_dq);
-      sm90::wgmma_fence();
-      issue_abt<T, BC>(acc_dq, smem_addr(sdS), smem_addr(sKt) + pn * kPanelBytes);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait_all();
-      sm90::fence_operands(acc_dq);
-#pragma unroll
-      for (int j = 0; j < 32; j += 2) {
-        const int row = q0 + 16 * warp + g + 8 * ((j / 2) % 2);
-        const int col = (pn0 + pn) * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
-        if (row < Sq)
-          atomicAdd(reinterpret_cast<float2*>(dqg + row * q_stride + col),
-                    make_float2(acc_dq[j] * p.scale, acc_dq[j + 1] * p.scale));
-      }
+    if constexpr (DET) {
+      if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
+      dq_turn = p.dq_turn + ((static_cast<int64_t>(b) * p.heads_q + h) * p.q_blocks + m) * kSplit + split;
+      if (tid == 0) bwd_wait_turn(dq_turn, bwd_dq_turn(nblk, m, BR, BC, seq.band_lo));
+      sm90::named_sync(1, NT);
+    } else {
+      add_dq(q0);
+      if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
+      sm90::named_sync(1, NT);  // dS is free for the next block
     }
-    if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
-    sm90::named_sync(1, NT);  // dS is free for the next block
   }
 
-  // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + 16 warp + g (+ 8)
+  // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + 16 warp + g (+ 8); DET with GQA:
+  // the q heads of a group add in head order.
+  unsigned* kv_turn = nullptr;
+  if constexpr (DET) {
+    if (p.atomic_kv) {
+      kv_turn = p.kv_turn + (static_cast<int64_t>(b) * p.heads_kv + hk) * gridDim.x + item_x;
+      if (tid == 0) bwd_wait_turn(kv_turn, static_cast<unsigned>(h % p.group));
+      sm90::named_sync(1, NT);
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = k0 + 16 * warp + g + 8 * r;
@@ -370,6 +417,10 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
           *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv) + off) = HalfOps<T>::pack(dv.x, dv.y);
         }
       }
+  }
+  if (kv_turn != nullptr) {
+    sm90::named_sync(1, NT);
+    if (tid == 0) bwd_pass_turn(kv_turn);
   }
 }
 
