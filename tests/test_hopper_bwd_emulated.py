@@ -119,16 +119,15 @@ def _cancelling_inputs(rng):
     return q, k, v, do, extras
 
 
-def _det_flags(record) -> list[str]:
-    """The DET template argument of each hopper_bwd_kernel launch (its last: Lb<0|1>E)."""
-    return [re.search(r"Lb([01])EEEv", l.entry).group(1) for l in record.launches
-            if f"{len(HOPPER_BWD)}{HOPPER_BWD}I" in l.entry]
+def _det_flags(entries) -> list[str]:
+    """The DET template argument of each hopper_bwd_kernel launch among `entries` (its last: Lb<0|1>E)."""
+    return [re.search(r"Lb([01])EEEv", k).group(1) for k in entries if f"{len(HOPPER_BWD)}{HOPPER_BWD}I" in k]
 
 
 def test_deterministic_backward_is_the_same_bits_under_two_schedules(rng):
     inputs = _cancelling_inputs(rng)
     runs, records = zip(*(_backward(DET_SPEC, inputs, seed=s, deterministic=True) for s in SEEDS))
-    assert [_det_flags(r) for r in records] == [["1"], ["1"]]  # the wgmma kernel's DET form, not sm80
+    assert [_det_flags(l.entry for l in r.launches) for r in records] == [["1"], ["1"]]  # the wgmma kernel's DET form, not sm80
     for name, a, b, ref in zip(("dq", "dk", "dv"), *runs, _reference(DET_SPEC, inputs)):
         assert a.tobytes() == b.tobytes(), f"{name} differs between schedules {SEEDS}"
         assert relative_error(a, ref) <= tolerance(DET_SPEC.dtype, name), (name, relative_error(a, ref))
@@ -140,5 +139,21 @@ def test_default_backward_depends_on_the_schedule(rng):
     schedules."""
     inputs = _cancelling_inputs(rng)
     runs, records = zip(*(_backward(DET_SPEC, inputs, seed=s, deterministic=False) for s in SEEDS))
-    assert [_det_flags(r) for r in records] == [["0"], ["0"]]
+    assert [_det_flags(l.entry for l in r.launches) for r in records] == [["0"], ["0"]]
     assert runs[0][1].tobytes() != runs[1][1].tobytes() or runs[0][2].tobytes() != runs[1][2].tobytes()
+
+
+# The DET form's turns under a band (each query block's order runs over exactly the key blocks
+# that visit it: a turn nobody passes would hang until the emulator's instruction budget) and
+# per sequence (an empty one, key blocks past a sequence's end), against float64.
+@pytest.mark.parametrize("head_dim,dtype,causal,layout,case", [
+    (64, "bf16", True, "dense", dict(seqlen_q=150, seqlen_k=200, heads_q=2, heads_kv=1, window=(40, -1),
+                                     softcap=2.0)),
+    (64, "bf16", True, "varlen", dict(seqlens_q=(70, 0, 33), seqlens_k=(40, 0, 140), bottom_right=True, heads_q=3,
+                                      heads_kv=1)),
+    pytest.param(128, "f16", False, "varlen", dict(seqlens_q=(150, 0, 40), seqlens_k=(130, 0, 100), window=(30, 50),
+                                                   heads_q=2, heads_kv=2), marks=pytest.mark.slow),
+], ids=["dense-causal-window-softcap-gqa", "varlen-bottom-right-gqa", "varlen-d128-window"])
+def test_deterministic_bands_and_varlen_match_float64(rng, head_dim, dtype, causal, layout, case):
+    r = backward(rng, head_dim, dtype, causal, layout=layout, deterministic=True, **case)
+    assert _det_flags(r.kernels) == ["1"], r.kernels

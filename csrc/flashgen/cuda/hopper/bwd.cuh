@@ -128,7 +128,7 @@ inline __device__ HopperBwdSeq hopper_bwd_seq(const Params& p, int b, int h) {
 
 // CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256). VARLEN: a packed batch.
 // DET: deterministic (see above).
-template <class T, int D, bool CAPPED, bool VARLEN, bool DET>
+template <class T, int D, bool CAPPED, bool VARLEN = false, bool DET = false>
 __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
     hopper_bwd_kernel(const typename std::conditional<VARLEN || DET, BwdVarParams, BwdParams>::type p) {
   using Cfg = HopperBwdConfig;
@@ -143,7 +143,6 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
   // Per consumer warp: lse * log2(e) (+inf: no probability), Dsum.
   __shared__ float sLse[NT / 32][BR], sDsum[NT / 32][BR];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  __shared__ unsigned ticket;  // DET: this CTA's work item
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((raw + sm90::kSwizzleAtom - 1) / sm90::kSwizzleAtom * sm90::kSwizzleAtom - raw);
   uint8_t* sK = smem;
@@ -153,26 +152,22 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
   uint8_t* sKt = sV + (1 + 2 * kStages) * kTile;
   uint8_t* sdS = sKt + kOwn * kPanelBytes;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(smem_addr(&full[s]), NT);
-      sm90::mbar_init(smem_addr(&empty[s]), 1);
-    }
-    sm90::fence_mbarrier_init();
-    if constexpr (DET) ticket = atomicAdd(p.ticket, 1u);
-  }
-  __syncthreads();
-
   // DET: the work item in ticket order, so that a CTA only waits on CTAs that already run.
-  const unsigned item_x = DET ? ticket % gridDim.x : blockIdx.x;
+  unsigned item_x = blockIdx.x, item_y = blockIdx.y, item_z = blockIdx.z;
+  if constexpr (DET) {
+    __shared__ unsigned ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(p.ticket, 1u);
+    __syncthreads();
+    item_x = ticket % gridDim.x;
+    item_y = ticket / gridDim.x % gridDim.y;
+    item_z = ticket / gridDim.x / gridDim.y;
+  }
   const int nblk = item_x / kSplit, split = item_x % kSplit;
-  const int h = DET ? ticket / gridDim.x % gridDim.y : blockIdx.y;
-  const int b = DET ? ticket / gridDim.x / gridDim.y : blockIdx.z;
-  const int hk = h / p.group;
+  const int h = item_y, b = item_z, hk = h / p.group;
   const HopperBwdSeq seq = hopper_bwd_seq<VARLEN>(p, b, h);
   const int Sq = seq.Sq, Sk = seq.Sk;
   const int k0 = nblk * BC;
-  if (k0 >= Sk) return;  // the whole CTA: past its sequence's keys (varlen)
+  if (VARLEN && k0 >= Sk) return;  // the whole CTA: past its sequence's keys
   const int pn0 = split * kOwn;  // first own panel
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
@@ -191,6 +186,15 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
   const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - seq.band_lo);
   const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(smem_addr(&full[s]), NT);
+      sm90::mbar_init(smem_addr(&empty[s]), 1);
+    }
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
 
   if (threadIdx.x < NT) {  // ---- producer warpgroup
     const int tid = threadIdx.x;
@@ -418,9 +422,11 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
         }
       }
   }
-  if (kv_turn != nullptr) {
-    sm90::named_sync(1, NT);
-    if (tid == 0) bwd_pass_turn(kv_turn);
+  if constexpr (DET) {
+    if (p.atomic_kv) {
+      sm90::named_sync(1, NT);
+      if (tid == 0) bwd_pass_turn(kv_turn);
+    }
   }
 }
 
