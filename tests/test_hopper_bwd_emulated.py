@@ -105,7 +105,7 @@ def test_varlen_alibi_keeps_the_sm80_kernel(rng):
 # atomics land) give the same bits, and match float64. Causal, 150 x 150, 3 q heads per kv head:
 # query block 2's dQ takes the shares of 3 key blocks, each dK / dV element those of 3 q heads.
 # bf16 rounding hides most f32 reorderings, so the inputs make the heads' dK / dV shares cancel:
-# q head 1 = q head 0 and dO head 1 = -dO head 0 = 2^20 x N(0, 1) give shares A, -A (exactly:
+# q head 1 = q head 0 and dO head 1 = -dO head 0 = 2^24 x N(0, 1) give shares A, -A (exactly:
 # every step of the kernel is odd in dO) and C from head 2; in head order the sum is exactly C,
 # in another order C plus a rounding error of A that bf16 shows.
 DET_SPEC, DET_SHAPE = KernelSpec(64, "bf16", True, "sm90a"), dict(sq=150, sk=150, hq=3, hkv=1)
@@ -114,7 +114,7 @@ DET_SPEC, DET_SHAPE = KernelSpec(64, "bf16", True, "sm90a"), dict(sq=150, sk=150
 def _cancelling_inputs(rng):
     q, k, v, do, extras = _inputs(rng, DET_SPEC, **DET_SHAPE)
     q[:, :, 1] = q[:, :, 0]
-    do[:, :, 0] *= 2 ** 20
+    do[:, :, 0] *= 2 ** 24
     do[:, :, 1] = -do[:, :, 0]
     return q, k, v, do, extras
 
