@@ -292,3 +292,68 @@ def _varlen_errors(csrc, rng, monkeypatch):
 @pytest.mark.parametrize("name,header,old,new", VARLEN_MUTATIONS, ids=[m[0] for m in VARLEN_MUTATIONS])
 def test_varlen_mutation_is_caught(tmp_path, rng, monkeypatch, name, header, old, new):
     _assert_caught(tmp_path, name, header, old, new, lambda csrc: _varlen_errors(csrc, rng, monkeypatch))
+
+
+# ---- the backward's varlen and deterministic forms (hopper/bwd.cuh VARLEN, DET), built through the
+# FFI handler from a mutated copy of csrc/ as the varlen forward's above.
+HOPPER_BWD_FORM_MUTATIONS = [
+    ("bwd_varlen_query_offset_off_by_one", "bwd.cuh",
+     "bd.masked, rq.start, rk.start, p.lse + stats", "bd.masked, rq.start + 1, rk.start, p.lse + stats"),
+    # a turn nobody passes: the CTA spins into the instruction budget
+    ("bwd_deterministic_dq_turn_off_by_one", "bwd.cuh",
+     "bwd_wait_turn(dq_turn, bwd_dq_turn(nblk, m, BR, BC, seq.band_lo));",
+     "bwd_wait_turn(dq_turn, bwd_dq_turn(nblk, m, BR, BC, seq.band_lo) + 1);"),
+    # the group's q heads add their dK / dV in reverse order: on inputs whose shares cancel
+    # (A, -A, C) the sum is no longer exactly C
+    ("bwd_deterministic_kv_turn_heads_reversed", "bwd.cuh",
+     "bwd_wait_turn(kv_turn, static_cast<unsigned>(h % p.group));",
+     "bwd_wait_turn(kv_turn, static_cast<unsigned>(p.group - 1 - h % p.group));"),
+]
+# The correct deterministic backward takes about 0.9M warp instructions (spin polls included).
+FORM_WARP_INSTRUCTION_BUDGET = 10_000_000
+
+
+def _bwd_form_errors(csrc, rng, monkeypatch):
+    """Max errors against float64 of the sm90a d64 bf16 causal backward, varlen (an empty sequence,
+    padding, GQA) and deterministic (test_hopper_bwd_emulated's cancelling GQA inputs)."""
+    import functools
+    from flashgen.build import build
+    from flashgen.contract import CallAttributes
+    from flashgen.emulate import host, machine
+    from flashgen.emulate.check import Checker
+    from flashgen.emulate.host import EmulatedLibrary
+    from test_deterministic import _reference
+    from test_hopper_bwd_emulated import DET_SPEC, _cancelling_inputs, _det_flags
+    spec = DET_SPEC
+    EmulatedLibrary(build(spec, host="emulate"))   # the unmutated runtime first (see _varlen_errors)
+    if csrc is not None:
+        monkeypatch.setattr(resources, "csrc_dir", lambda: csrc)
+    monkeypatch.setattr(host, "launch", functools.partial(machine.launch,
+                                                          max_warp_instructions=FORM_WARP_INSTRUCTION_BUDGET))
+    lib = EmulatedLibrary(build(spec, host="emulate"))
+    varlen = Checker(lib, spec, rng).varlen(seqlens_q=(70, 0, 23), seqlens_k=(90, 0, 17), pad_q=5, pad_k=3,
+                                            bottom_right=True, heads_q=4, heads_kv=2)
+    assert _det_flags(varlen.kernels) == ["0"], varlen.kernels
+    errors = [r.error if np.isfinite(r.error) else np.inf for r in varlen.rows]
+    q, k, v, do, _ = inputs = _cancelling_inputs(rng)
+    attrs = CallAttributes(True, 1 / np.sqrt(spec.head_dim), deterministic=True)
+    (o, lse), _ = lib.call(spec.target_name("fwd"), [q, k, v], [(q.shape, q.dtype), ((1, q.shape[2], q.shape[1]),
+                                                                                      np.float32)],
+                           **attrs.values("fwd"))
+    grads, record = lib.call(spec.target_name("bwd"), [q, k, v, o, lse, do],
+                             [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)], **attrs.values("bwd"))
+    assert _det_flags(l.entry for l in record.launches) == ["1"]
+    for g, w in zip(grads, _reference(spec, inputs)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        errors.append(float(np.nan_to_num(np.abs(g - w).max() / max(1.0, np.abs(w).max()), nan=np.inf)))
+    return errors
+
+
+def test_unmutated_backward_forms_pass(rng, monkeypatch):
+    assert max(_bwd_form_errors(None, rng, monkeypatch)) < TOLERANCE
+
+
+@pytest.mark.parametrize("name,header,old,new", HOPPER_BWD_FORM_MUTATIONS,
+                         ids=[m[0] for m in HOPPER_BWD_FORM_MUTATIONS])
+def test_backward_form_mutation_is_caught(tmp_path, rng, monkeypatch, name, header, old, new):
+    _assert_caught(tmp_path, name, header, old, new, lambda csrc: _bwd_form_errors(csrc, rng, monkeypatch))

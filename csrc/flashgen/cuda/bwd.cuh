@@ -124,6 +124,13 @@ FG_DEV void bwd_pass_turn(unsigned* turn) {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
   atomicAdd(turn, 1u);
 }
+// A deterministic dQ share's turn: the key blocks (of bc keys) that see query block m (of br rows)
+// are those from the first whose last key row sees the block's first row (band lower edge lo)
+// to the last that sees any; key block nblk adds after the ones before it.
+FG_DEV unsigned bwd_dq_turn(int nblk, int m, int br, int bc, int lo) {
+  const long long first = static_cast<long long>(m) * br + lo - (bc - 1);
+  return static_cast<unsigned>(nblk - (first <= 0 ? 0 : static_cast<int>((first + bc - 1) / bc)));
+}
 
 enum BwdMode : int { kBwdDense = 0, kBwdExtras = 1, kBwdVarlen = 2, kBwdVarlenAlibi = 3, kBwdDeterministic = 4 };
 template <int MODE>
@@ -604,12 +611,10 @@ __global__ void __launch_bounds__(BwdConfig<T, D, DV>::kThreads, 1) flash_bwd_ke
       }
 
       // Deterministic: this key block's dQ share of query block m follows those of the key
-      // blocks before it that see block m (from the first one, first_key_block).
+      // blocks before it that see block m.
       if constexpr (kDet) {
         dq_turn = p.dq_turn + ((static_cast<int64_t>(b) * p.heads_q + h) * p.q_blocks + m) * NSPLIT + split;
-        const long long first = static_cast<long long>(m) * BR + FG_BAND_LO - (BC - 1);  // its last row sees q0
-        const int first_key_block = first <= 0 ? 0 : static_cast<int>((first + BC - 1) / BC);
-        if (tid == 0) bwd_wait_turn(dq_turn, static_cast<unsigned>(nblk - first_key_block));
+        if (tid == 0) bwd_wait_turn(dq_turn, bwd_dq_turn(nblk, m, BR, BC, FG_BAND_LO));
       }
       // dS^T complete; every warp is done with Q, dO, lse and Dsum of block m.
       cta_sync<kDet, NT>();

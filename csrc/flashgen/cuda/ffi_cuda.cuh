@@ -302,13 +302,17 @@ ffi::Error launch_hopper_fwd(const char* target, cudaStream_t stream, const Hopp
   return check_launch(target, "hopper_fwd_kernel");
 }
 
-template <class T, int D>
-ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const BwdParams& p, const AttentionShape& s) {
+// key_rows: the longest sequence's keys (varlen; blockIdx.z the sequence), else Sk. DET: the
+// deterministic kernel (Params = BwdVarParams with bwd_run's turn counters).
+template <class T, int D, bool VARLEN, bool DET, class Params>
+ffi::Error launch_hopper_bwd(const char* target, cudaStream_t stream, const Params& p, const AttentionShape& s,
+                             int64_t key_rows) {
   using Cfg = HopperBwdConfig;
   constexpr size_t kSmem = Cfg::smem_bytes(D);
-  const dim3 grid(static_cast<unsigned>((s.seqlen_k + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
+  const dim3 grid(static_cast<unsigned>((key_rows + Cfg::BC - 1) / Cfg::BC * Cfg::nsplit(D)),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  auto kernel = p.softcap > 0.f ? hopper_bwd_kernel<T, D, true> : hopper_bwd_kernel<T, D, false>;
+  auto kernel =
+      p.softcap > 0.f ? hopper_bwd_kernel<T, D, true, VARLEN, DET> : hopper_bwd_kernel<T, D, false, VARLEN, DET>;
   if (auto e = set_smem(target, kernel, kSmem); e.failure()) return e;
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return check_launch(target, "hopper_bwd_kernel");
@@ -658,32 +662,34 @@ ffi::Error bwd_run(const char* target, cudaStream_t stream, ffi::ScratchAllocato
       else
         return launch(flash_bwd_kernel<T, D, kDV, CAUSAL, kMode>, p);
     };
-    ffi::Error err = ffi::Error::Success();
-    if (is_varlen) {
-      if (x != nullptr && x->alibi != nullptr) {
-        p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
-        err = launch_mode(std::integral_constant<int, kBwdVarlenAlibi>{});
-      } else {
-        err = launch_mode(std::integral_constant<int, kBwdVarlen>{});
-      }
-    } else if (x != nullptr && x->any()) {
-      p.x = extras_params(*x, s, attrs.bottom_right);
-      p.x.dbias_acc = dbias_acc;
-      err = launch_mode(std::integral_constant<int, kBwdExtras>{});
-    } else {
-      bool served = false;
+    // The wgmma kernel where it serves the call (hopper/bwd.cuh), else the sm80 family's variant.
+    auto run_main = [&]() -> ffi::Error {
 #ifdef FLASHGEN_WGMMA_KERNELS
-      // the wgmma kernel has one head dim and adds dQ in any order: a deterministic call keeps mma.sync
-      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {
-        if (!attrs.deterministic) {
-          served = true;
-          err = launch_hopper_bwd<T, D>(target, stream, p, s);
+      if constexpr (kHopperBwdCompiles<T, D> && D == DV) {  // the wgmma kernel has one head dim
+        static_assert(HopperBwdConfig::BR == Cfg::BR && HopperBwdConfig::BC == Cfg::BC &&
+                          HopperBwdConfig::nsplit(D) == Cfg::NSPLIT,
+                      "the turn counters above are sized by the sm80 kernel's blocks");
+        if (hopper_bwd_supports(x)) {
+          if (is_varlen)
+            return deterministic ? launch_hopper_bwd<T, D, true, true>(target, stream, p, s, key_rows)
+                                 : launch_hopper_bwd<T, D, true, false>(target, stream, p, s, key_rows);
+          return deterministic ? launch_hopper_bwd<T, D, false, true>(target, stream, p, s, key_rows)
+                               : launch_hopper_bwd<T, D, false, false>(
+                                     target, stream, static_cast<const BwdParams&>(p), s, key_rows);
         }
       }
 #endif
-      if (!served) err = launch_mode(std::integral_constant<int, kBwdDense>{});
-    }
-    if (err.failure()) return err;
+      if (is_varlen) {
+        if (x == nullptr || x->alibi == nullptr) return launch_mode(std::integral_constant<int, kBwdVarlen>{});
+        p.x = extras_params(*x, s, attrs.bottom_right);  // the kernel reads alibi / alibi_stride_b only
+        return launch_mode(std::integral_constant<int, kBwdVarlenAlibi>{});
+      }
+      if (x == nullptr || !x->any()) return launch_mode(std::integral_constant<int, kBwdDense>{});
+      p.x = extras_params(*x, s, attrs.bottom_right);
+      p.x.dbias_acc = dbias_acc;
+      return launch_mode(std::integral_constant<int, kBwdExtras>{});
+    };
+    if (auto e = run_main(); e.failure()) return e;
   }
 
   // 3. f32 accumulators -> output dtype

@@ -24,6 +24,19 @@
 // Every tile is 128B-swizzled (sm90.cuh); loads are plain 16-byte ld.global / st.shared (no TMA:
 // main has no tensor-map helper yet), so the overlap of the next block's loads with this
 // block's math is the ring alone. Query blocks outside the band (causal, window) are never visited.
+// Deterministic (DET, the call's `deterministic`): the f32 additions happen in a fixed order, with
+// the sm80 family's turn counters and helpers (bwd.cuh, kBwdDeterministic): the CTA takes its work
+// item from the ticket counter, so it only ever waits on CTAs that already run; it adds its dQ
+// share of a query block after the key blocks before it that see the block (bwd_dq_turn: with a
+// band the order runs over exactly the key blocks that visit the block, so none waits on a
+// turn that is never passed), and under GQA its dK / dV after the group's q heads before it.
+// A wait is one consumer thread's spin, then the consumer warpgroup's named barrier; the producer
+// waits on no other CTA.
+// Varlen (packed sequences, blockIdx.z = sequence, clamped cu_seqlens as the sm80 kernel clamps
+// them): the CTA offsets its rows by the sequence's start and clips every load, dQ addition and
+// dK / dV store to the sequence's own lengths (the loads are plain, so no tile runs into the next
+// sequence); key blocks past the sequence exit at once, and the handler zeroes dK / dV first (no
+// CTA writes the rows no sequence covers).
 #pragma once
 
 #include "flashgen/call.h"
@@ -36,10 +49,13 @@ namespace cuda {
 namespace {
 
 // Compiled for the forward's element types and head dims (the same swizzled panels); at run
-// time every dense call without extras (any band, softcap or not): bwd_run sends the others,
-// varlen and head_dim_v != head_dim to the sm80 family's kernels.
+// time every dense or varlen call without extras (any band, softcap or not): bwd_run sends the
+// others and head_dim_v != head_dim to the sm80 family's kernels.
 template <class T, int D>
 constexpr bool kHopperBwdCompiles = kHopperFwdCompiles<T, D>;
+
+// x: the call's extras (null: none).
+inline bool hopper_bwd_supports(const ScoreExtras* x) { return x == nullptr || !x->any(); }
 
 struct HopperBwdConfig {
   static constexpr int BC = 64;  // keys per CTA (one warpgroup's wgmma M)
@@ -87,9 +103,34 @@ FG_DEV void issue_abt(float (&d)[32], uint32_t a, uint32_t b) {
   }
 }
 
-// CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256).
-template <class T, int D, bool CAPPED>
-__global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kernel(const BwdParams p) {
+// The rows one CTA works on: its sequence's lengths and band, its first q / k row in the
+// tensors (counted in rows of all heads' columns), and its lse / Dsum rows.
+struct HopperBwdSeq {
+  int Sq, Sk, band_lo, band_hi, masked;
+  int64_t q_start, k_start;
+  const float *lse, *dsum;
+};
+// VARLEN: sequence b of a packed batch (lse / Dsum [Hq, Tq]), else batch b.
+template <bool VARLEN, class Params>
+inline __device__ HopperBwdSeq hopper_bwd_seq(const Params& p, int b, int h) {
+  if constexpr (VARLEN) {
+    const SeqRange rq = seq_range(p.cu_q[b], p.cu_q[b + 1], p.seqlen_q, p.max_seqlen_q);
+    const SeqRange rk = seq_range(p.cu_k[b], p.cu_k[b + 1], p.seqlen_k, p.max_seqlen_k);
+    const IntBand bd = int_band(rq.len, rk.len, p.causal, p.bottom_right, p.window_left, p.window_right);
+    const int64_t stats = static_cast<int64_t>(h) * p.seqlen_q + rq.start;
+    return {rq.len, rk.len, bd.lo, bd.hi, bd.masked, rq.start, rk.start, p.lse + stats, p.dsum + stats};
+  } else {
+    const int64_t stats = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+    return {p.seqlen_q, p.seqlen_k, p.band_lo, p.band_hi, p.masked, static_cast<int64_t>(b) * p.seqlen_q,
+            static_cast<int64_t>(b) * p.seqlen_k, p.lse + stats, p.dsum + stats};
+  }
+}
+
+// CAPPED: softcap > 0 (a run-time branch instead spills at d128 / d256). VARLEN: a packed batch.
+// DET: deterministic (see above).
+template <class T, int D, bool CAPPED, bool VARLEN = false, bool DET = false>
+__global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1)
+    hopper_bwd_kernel(const typename std::conditional<VARLEN || DET, BwdVarParams, BwdParams>::type p) {
   using Cfg = HopperBwdConfig;
   constexpr int BR = Cfg::BR, BC = Cfg::BC, kStages = Cfg::kStages, NT = 128;  // threads per role
   constexpr int kTile = Cfg::tile_bytes(D);
@@ -111,26 +152,38 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
   uint8_t* sKt = sV + (1 + 2 * kStages) * kTile;
   uint8_t* sdS = sKt + kOwn * kPanelBytes;
 
-  const int nblk = blockIdx.x / kSplit, split = blockIdx.x % kSplit;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  // DET: the work item in ticket order, so that a CTA only waits on CTAs that already run.
+  unsigned item_x = blockIdx.x, item_y = blockIdx.y, item_z = blockIdx.z;
+  if constexpr (DET) {
+    __shared__ unsigned ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(p.ticket, 1u);
+    __syncthreads();
+    item_x = ticket % gridDim.x;
+    item_y = ticket / gridDim.x % gridDim.y;
+    item_z = ticket / gridDim.x / gridDim.y;
+  }
+  const int nblk = item_x / kSplit, split = item_x % kSplit;
+  const int h = item_y, b = item_z, hk = h / p.group;
+  const HopperBwdSeq seq = hopper_bwd_seq<VARLEN>(p, b, h);
+  const int Sq = seq.Sq, Sk = seq.Sk;
   const int k0 = nblk * BC;
+  if (VARLEN && k0 >= Sk) return;  // the whole CTA: past its sequence's keys
   const int pn0 = split * kOwn;  // first own panel
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
-  const int64_t q_off = (static_cast<int64_t>(b) * Sq * p.heads_q + h) * D;
-  const int64_t kv_off = (static_cast<int64_t>(b) * Sk * p.heads_kv + hk) * D;
+  const int64_t q_off = (seq.q_start * p.heads_q + h) * D;
+  const int64_t kv_off = (seq.k_start * p.heads_kv + hk) * D;
   const T* qg = static_cast<const T*>(p.q) + q_off;
   const T* dog = static_cast<const T*>(p.dout) + q_off;
   const T* kg = static_cast<const T*>(p.k) + kv_off;
   const T* vg = static_cast<const T*>(p.v) + kv_off;
-  const float* lseg = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
-  const float* dsumg = p.dsum + (static_cast<int64_t>(b) * p.heads_q + h) * Sq;
+  const float* lseg = seq.lse;
+  const float* dsumg = seq.dsum;
   float* dqg = p.dq_acc + q_off;
 
   // Query blocks that can see a key of this block: rows k0 - hi <= i <= k0 + BC - 1 - lo.
-  const long long first_q = max(0LL, static_cast<long long>(k0) - p.band_hi);
-  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - p.band_lo);
+  const long long first_q = max(0LL, static_cast<long long>(k0) - seq.band_hi);
+  const long long last_q = min(static_cast<long long>(Sq) - 1, static_cast<long long>(k0) + BC - 1 - seq.band_lo);
   const int m_begin = static_cast<int>(min(first_q, static_cast<long long>(Sq)) / BR);
   const int m_end = last_q >= first_q ? static_cast<int>(last_q / BR) + 1 : m_begin;
 
@@ -201,7 +254,44 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     sm90::named_sync(1, NT);
   }
 
-  for (int m = m_begin; m < m_end; ++m) {
+  // dQ[q0 .., own columns] += scale * dS K (dS of the block in shared memory), one 64-column panel
+  // at a time.
+  auto add_dq = [&](int q0) {
+#pragma unroll 1
+    for (int pn = 0; pn < kOwn; ++pn) {
+      float acc_dq[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc_dq[j] = 0.f;
+      sm90::fence_operands(acc_dq);
+      sm90::wgmma_fence();
+      issue_abt<T, BC>(acc_dq, smem_addr(sdS), smem_addr(sKt) + pn * kPanelBytes);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait_all();
+      sm90::fence_operands(acc_dq);
+#pragma unroll
+      for (int j = 0; j < 32; j += 2) {
+        const int row = q0 + 16 * warp + g + 8 * ((j / 2) % 2);
+        const int col = (pn0 + pn) * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
+        if (row < Sq)
+          atomicAdd(reinterpret_cast<float2*>(dqg + row * q_stride + col),
+                    make_float2(acc_dq[j] * p.scale, acc_dq[j + 1] * p.scale));
+      }
+    }
+  };
+
+  // DET: query block m's dQ share is added once its turn came (waited for at the end of its
+  // iteration; added at the top of the next one, so that in code order the wait follows the
+  // additions other CTAs make meanwhile: the emulator runs the warps at the lowest pc first).
+  unsigned* dq_turn = nullptr;
+  for (int m = m_begin; m < m_end + (DET ? 1 : 0); ++m) {
+    if constexpr (DET) {
+      if (m > m_begin) {
+        add_dq((m - 1) * BR);
+        sm90::named_sync(1, NT);  // every consumer's additions are in; dS is free
+        if (tid == 0) bwd_pass_turn(dq_turn);
+      }
+      if (m == m_end) break;
+    }
     const int it = m - m_begin, s = it % kStages, q0 = m * BR;
     sm90::mbar_wait(smem_addr(&full[s]), (it / kStages) & 1);
 
@@ -222,7 +312,7 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     // ---- P^T and dS^T (in place of S^T and dP^T); masked pairs get P = dS = 0 even where dP
     // is NaN (a NaN V or dO must not reach pairs the row does not see).
     const bool need_mask =
-        k0 + BC > Sk || (p.masked && (k0 - (q0 + BR - 1) < p.band_lo || k0 + BC - 1 - q0 > p.band_hi));
+        k0 + BC > Sk || (seq.masked && (k0 - (q0 + BR - 1) < seq.band_lo || k0 + BC - 1 - q0 > seq.band_hi));
     // Softcap c: the score is c u with u = tanh(scale s / c) (S^T becomes u in place), and dS
     // gains the factor 1 - u^2. A score of +-inf gives u = +-1, factor 0: dS 0 unless dP is NaN,
     // as float64 has it.
@@ -237,7 +327,7 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
       const float pv = fast_exp2(fmaf(acc_s[j], score_log2, -wLse[qi]));
       const float cap_grad = CAPPED ? 1.f - acc_s[j] * acc_s[j] : 1.f;
       const int rel = key - (q0 + qi);
-      const bool masked = need_mask && (key >= Sk || rel < p.band_lo || rel > p.band_hi);
+      const bool masked = need_mask && (key >= Sk || rel < seq.band_lo || rel > seq.band_hi);
       acc_s[j] = masked ? 0.f : pv;
       acc_dp[j] = masked ? 0.f : pv * (acc_dp[j] - wDsum[qi]) * cap_grad;
     }
@@ -290,33 +380,28 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
     if (tid == 0) sm90::mbar_arrive(smem_addr(&empty[s]));
     float next_l2[2], next_dsum[2];
     if (m + 1 < m_end) fetch_row_stats(q0 + BR, next_l2, next_dsum);
-
-    // ---- dQ[q0 .., own columns] += scale * dS K, one 64-column panel at a time
-#pragma unroll 1
-    for (int pn = 0; pn < kOwn; ++pn) {
-      float acc_dq[32];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) acc_dq[j] = 0.f;
-      sm90::fence_operands(acc_dq);
-      sm90::wgmma_fence();
-      issue_abt<T, BC>(acc_dq, smem_addr(sdS), smem_addr(sKt) + pn * kPanelBytes);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait_all();
-      sm90::fence_operands(acc_dq);
-#pragma unroll
-      for (int j = 0; j < 32; j += 2) {
-        const int row = q0 + 16 * warp + g + 8 * ((j / 2) % 2);
-        const int col = (pn0 + pn) * sm90::kPanelCols + 8 * (j / 4) + 2 * t;
-        if (row < Sq)
-          atomicAdd(reinterpret_cast<float2*>(dqg + row * q_stride + col),
-                    make_float2(acc_dq[j] * p.scale, acc_dq[j + 1] * p.scale));
-      }
+    if constexpr (DET) {
+      if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
+      dq_turn = p.dq_turn + ((static_cast<int64_t>(b) * p.heads_q + h) * p.q_blocks + m) * kSplit + split;
+      if (tid == 0) bwd_wait_turn(dq_turn, bwd_dq_turn(nblk, m, BR, BC, seq.band_lo));
+      sm90::named_sync(1, NT);
+    } else {
+      add_dq(q0);
+      if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
+      sm90::named_sync(1, NT);  // dS is free for the next block
     }
-    if (m + 1 < m_end) store_row_stats(next_l2, next_dsum);
-    sm90::named_sync(1, NT);  // dS is free for the next block
   }
 
-  // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + 16 warp + g (+ 8)
+  // ---- epilogue: dK = scale * acc_dk, dV = acc_dv for keys k0 + 16 warp + g (+ 8); DET with GQA:
+  // the q heads of a group add in head order.
+  unsigned* kv_turn = nullptr;
+  if constexpr (DET) {
+    if (p.atomic_kv) {
+      kv_turn = p.kv_turn + (static_cast<int64_t>(b) * p.heads_kv + hk) * gridDim.x + item_x;
+      if (tid == 0) bwd_wait_turn(kv_turn, static_cast<unsigned>(h % p.group));
+      sm90::named_sync(1, NT);
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = k0 + 16 * warp + g + 8 * r;
@@ -336,6 +421,12 @@ __global__ void __launch_bounds__(HopperBwdConfig::kThreads, 1) hopper_bwd_kerne
           *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv) + off) = HalfOps<T>::pack(dv.x, dv.y);
         }
       }
+  }
+  if constexpr (DET) {
+    if (p.atomic_kv) {
+      sm90::named_sync(1, NT);
+      if (tid == 0) bwd_pass_turn(kv_turn);
+    }
   }
 }
 
