@@ -40,6 +40,27 @@ def test_covering_case_under_emulation(index):
         f"{r.family} {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
 
 
+# The sm90a family on the covering array over its own subspace (coverage.NATIVE), projected onto
+# the two sm90a specs CI builds (tests/test_hopper_emulated.py): every pair of its values on the
+# Hopper kernels, not on the sm80 kernels its builds also carry.
+HOPPER_SPECS = [(64, "bf16", True), (128, "f16", False)]
+HOPPER_DIMS = coverage.space(sorted({s[0] for s in HOPPER_SPECS}), "sm90a")
+HOPPER_CASES = coverage.project(coverage.covering_array(HOPPER_DIMS, SEED), HOPPER_SPECS)
+
+
+@pytest.mark.parametrize("index", range(len(HOPPER_CASES)), ids=[str(c) for c in HOPPER_CASES])
+def test_hopper_covering_case_under_emulation(index):
+    case = HOPPER_CASES[index]
+    seed = SEED * 1000 + index
+    c = checker(np.random.default_rng(seed), case.head_dim, case.dtype, case.causal, "sm90a")
+    rows = covering_case(c, case).rows
+    where = f"{case} (FLASHGEN_COVERAGE_SEED={SEED}, input seed {seed})"
+    bad = [r for r in rows if not r.ok]
+    assert not bad, f"{where}: " + "; ".join(f"{r.family} {r.output}: error {r.error:.3g} > {r.tolerance:g}" for r in bad)
+    served_by_sm80 = {r.kernels for r in rows if "hopper_" not in r.kernels}
+    assert not served_by_sm80, f"{where} is in the sm90a family's subspace but ran {served_by_sm80}"
+
+
 def test_projection_loses_only_pairs_with_a_spec_value():
     """Projection changes only head dim, dtype and causal: every pair of the other dimensions stays."""
     lost = coverage.possible_pairs(DIMS) - coverage.covered_pairs(DIMS, CASES)
@@ -80,6 +101,22 @@ def test_check_covering_cases_are_the_array_ci_runs():
     got = check.covering_cases([KernelSpec(*s, "sm80") for s in SPECS], SEED)
     assert [case for _, case in got] == CASES
     assert all((s.head_dim, s.dtype, s.causal) == (c.head_dim, c.dtype, c.causal) for s, c in got)
+
+
+def test_check_covering_cases_on_sm90a_add_the_family_array_and_keep_targets_apart():
+    """sm90a specs get the full array (what its builds route to sm80 included) and then the array
+    over the Hopper family's subspace; specs of another target in the same call keep their own."""
+    from flashgen.spec import KernelSpec
+    specs = [KernelSpec(*s, t) for t in ("sm80", "sm90a") for s in HOPPER_SPECS]
+    got = check.covering_cases(specs, SEED)
+    full = coverage.project(coverage.covering_array(coverage.space([64, 128]), SEED), HOPPER_SPECS)
+    assert [c for s, c in got if s.target == "sm80"] == full
+    assert [c for s, c in got if s.target == "sm90a"] == full + HOPPER_CASES
+    assert all((s.head_dim, s.dtype, s.causal) == (c.head_dim, c.dtype, c.causal) for s, c in got)
+    covered, possible = coverage.coverage(HOPPER_DIMS, HOPPER_CASES)
+    print(f"sm90a family: {len(HOPPER_CASES)} cases cover {covered}/{possible} pairs of its subspace")
+    assert all((a, b) in {(d, v) for d in HOPPER_DIMS for v in HOPPER_DIMS[d]} for a, b in
+               ((k, v) for c in HOPPER_CASES for k, v in c.values))
 
 
 def test_cli_check_cases_covering_runs_each_spec_its_projected_cases(monkeypatch, capsys):

@@ -282,13 +282,19 @@ def covering_case(c: Checker, case) -> CaseResult:
 
 
 def covering_cases(specs: list[KernelSpec], seed: int) -> list[tuple[KernelSpec, object]]:
-    """The pairwise covering array of seed `seed` over the specs' head dims, each case moved
-    onto the spec that agrees with most of its values (flashgen.coverage.project)."""
+    """Per target, the pairwise covering array of seed `seed` over the specs' head dims, each case
+    moved onto the spec that agrees with most of its values (flashgen.coverage.project); a target
+    with a family of its own (coverage.NATIVE) also gets the array over that family's subspace."""
     from flashgen import coverage  # noqa: PLC0415
 
-    by_key = {(s.head_dim, s.dtype, s.causal): s for s in specs}
-    cases = coverage.covering_array(coverage.space(sorted({s.head_dim for s in specs})), seed)
-    return [(by_key[(c.head_dim, c.dtype, c.causal)], c) for c in coverage.project(cases, list(by_key))]
+    out = []
+    for target in dict.fromkeys(s.target for s in specs):
+        by_key = {(s.head_dim, s.dtype, s.causal): s for s in specs if s.target == target}
+        head_dims = sorted({k[0] for k in by_key})
+        for native in (None, target) if target in coverage.NATIVE else (None,):
+            cases = coverage.covering_array(coverage.space(head_dims, native), seed)
+            out += [(by_key[(c.head_dim, c.dtype, c.causal)], c) for c in coverage.project(cases, list(by_key))]
+    return out
 
 
 def format_table(rows: list[Row]) -> str:
