@@ -141,10 +141,12 @@ class GlobalMemory:
             readers = self._readers[key] = np.full(view.size // granule + 2, -1, np.int32)
         at = (self._words(start, off) if granule == 4 else off)[:, None] + np.arange(nbytes // granule)
         prev = readers[at]
-        mark = np.where((prev == -1) | (prev == cta), np.broadcast_to(cta, at.shape), self.SEVERAL)
+        mark = np.where((prev == -1) | (prev == cta), cta, self.SEVERAL)
         readers[at] = mark
-        again = readers[at] != mark             # rows of two CTAs read the granule in this access
-        readers[at[again]] = self.SEVERAL
+        if not isinstance(cta, (int, np.integer)):
+            again = readers[at] != mark             # rows of two CTAs read the granule in this access
+            if again.any():
+                readers[at[again]] = self.SEVERAL
 
     @staticmethod
     def _rows(cta, sel):
@@ -172,11 +174,12 @@ class GlobalMemory:
         if owners is None:
             return None
         prev = owners[idx]
-        bad = (prev != -1) & (prev != cta)
-        if allow_atomic:
-            bad &= prev != self.ATOMIC
-        if bad.any():
-            raise self._race(start, idx, bad, cta, what, prev)
+        # marks: -1 (none), ATOMIC (-2) or a CTA id (>= 0)
+        other = prev >= 0 if allow_atomic else prev != -1
+        if other.any():
+            bad = other & (prev != cta)
+            if bad.any():
+                raise self._race(start, idx, bad, cta, what, prev)
         return owners
 
     def _mark(self, start, view, idx, owner, what):
@@ -238,15 +241,20 @@ class GlobalMemory:
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
             vals = values if sel is None else values[sel]
-            prev = np.empty_like(vals)
-            # round r applies each element's r-th update (in lane order): the elements of one
-            # round are distinct, so it is one vectorized read-modify-write
-            rank = _occurrence(elems)
-            for r in range(int(rank.max()) + 1 if rank.size else 0):    # (under the launch's errstate)
-                mine = rank == r
-                e = elems[mine]
-                prev[mine] = typed[e]
-                typed[e] = prev[mine] + vals[mine]
+            ordered = np.sort(elems)
+            if not (ordered[1:] == ordered[:-1]).any():     # distinct elements (the common case): one update
+                prev = typed[elems]
+                typed[elems] = prev + vals
+            else:
+                prev = np.empty_like(vals)
+                # round r applies each element's r-th update (in lane order): the elements of one
+                # round are distinct, so it is one vectorized read-modify-write
+                rank = _occurrence(elems)
+                for r in range(int(rank.max()) + 1):    # (under the launch's errstate)
+                    mine = rank == r
+                    e = elems[mine]
+                    prev[mine] = typed[e]
+                    typed[e] = prev[mine] + vals[mine]
             if sel is None:
                 old[:] = prev
             else:
@@ -377,54 +385,59 @@ class SharedMemory:
     def _race_read(self, idx, warp, lanes):
         base, mine, slots, rows = self._stamps(idx, warp)
         ws = self.w_stamp[idx]
-        bad = (ws >= base) & (ws != mine)
-        if bad.any() and self.hopper is not None:      # an mbarrier or a partial barrier may order it
-            bad &= self.hopper.order.unordered_write(idx, rows)
-        if bad.any():
-            pos = tuple(np.argwhere(bad)[0])
-            raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
-                             "reads", "written")
-        own = ws == mine
-        if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
-            unsynced = own & (self.w_wsync[idx] == self.warp_syncs[slots, rows])
-            other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
-            if other.any():
-                pos = tuple(np.argwhere(other)[0])
-                reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
-                writer = int(self.w_lane[idx][pos])
-                raise EmulationError(
-                    f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
-                    f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
-                    f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
+        recent = ws >= base            # mostly none: then neither check below can fire
+        if recent.any():
+            bad = recent & (ws != mine)
+            if bad.any() and self.hopper is not None:      # an mbarrier or a partial barrier may order it
+                bad &= self.hopper.order.unordered_write(idx, rows)
+            if bad.any():
+                pos = tuple(np.argwhere(bad)[0])
+                raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
+                                 "reads", "written")
+            own = ws == mine
+            if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
+                unsynced = own & (self.w_wsync[idx] == self.warp_syncs[slots, rows])
+                other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
+                if other.any():
+                    pos = tuple(np.argwhere(other)[0])
+                    reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
+                    writer = int(self.w_lane[idx][pos])
+                    raise EmulationError(
+                        f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
+                        f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
+                        f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
         rs = self.r_stamp[idx]
-        many = np.broadcast_to(base | self.MANY, idx.shape)
+        many = base | self.MANY
         stamp = np.where((rs >= base) & (rs != mine), many, mine)
         self.r_stamp[idx] = stamp
-        # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
-        again = self.r_stamp[idx] != stamp
-        self.r_stamp[idx[again]] = many[again]
+        if rows.size > 1:     # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
+            again = self.r_stamp[idx] != stamp
+            if again.any():
+                self.r_stamp[idx[again]] = np.broadcast_to(many, idx.shape)[again]
         if self.hopper is not None:
             self.hopper.order.stamp(idx, rows, write=False)
 
     def _race_write(self, idx, warp, lanes):
         base, mine, slots, rows = self._stamps(idx, warp)
-        mine = np.broadcast_to(mine, idx.shape)
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
-        ww = (ws >= base) & (ws != mine)
-        rw = (rs >= base) & (rs != mine)
-        if (ww.any() or rw.any()) and self.hopper is not None:
-            ww &= self.hopper.order.unordered_write(idx, rows)
-            rw &= self.hopper.order.unordered_reads(idx, rows)
-        if ww.any() or rw.any():
-            pos = tuple(np.argwhere(ww | rw)[0])
-            stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
-            raise self._race(int(idx[pos]), int(mine[pos]) & 255, stamp, "writes", how)
+        if ((ws >= base) | (rs >= base)).any():     # mostly not: no access of this epoch to check against
+            ww = (ws >= base) & (ws != mine)
+            rw = (rs >= base) & (rs != mine)
+            if (ww.any() or rw.any()) and self.hopper is not None:
+                ww &= self.hopper.order.unordered_write(idx, rows)
+                rw &= self.hopper.order.unordered_reads(idx, rows)
+            if ww.any() or rw.any():
+                pos = tuple(np.argwhere(ww | rw)[0])
+                stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
+                raise self._race(int(idx[pos]), int(np.broadcast_to(mine, idx.shape)[pos]) & 255, stamp, "writes",
+                                 how)
         self.w_stamp[idx] = mine
-        clash = self.w_stamp[idx] != mine       # rows of two warps wrote the byte in this instruction
-        if clash.any():
-            pos = tuple(np.argwhere(clash)[0])
-            raise self._race(int(idx[pos]), int(mine[pos]) & 255, int(self.w_stamp[idx][pos]), "writes",
-                             "written")
+        if rows.size > 1:
+            clash = self.w_stamp[idx] != mine       # rows of two warps wrote the byte in this instruction
+            if clash.any():
+                pos = tuple(np.argwhere(clash)[0])
+                raise self._race(int(idx[pos]), int(np.broadcast_to(mine, idx.shape)[pos]) & 255,
+                                 int(self.w_stamp[idx][pos]), "writes", "written")
         self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
         self.w_wsync[idx] = self.warp_syncs[slots, rows]
         if self.hopper is not None:
