@@ -40,6 +40,7 @@ from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
 from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
+from flashgen.emulate.semantics.registry import splits_a_warp, warp_bits
 from flashgen.emulate.semantics.wgmma import compile_blocking, guard_wgmma_registers
 
 MAX_THREADS_PER_BLOCK = 1024
@@ -416,24 +417,26 @@ class _Launch:
                 kind, fn, guard, negated, target = code[pc]
                 exe = active if guard is None else _guarded(g.regs[guard], negated, active)
                 if kind == _ALU:
-                    if exe is None or exe.any():
-                        if target and exe is not None and _splits_a_warp(exe):
+                    if exe is None or np.count_nonzero(exe):
+                        if target and exe is not None and splits_a_warp(exe):
                             self._per_warp(g, fn, exe, pc)
                         else:
                             fn(g, exe)
                     pc += 1
                     continue
-                if kind == _BRA and (guard is None or exe is None or (exe == active).all()):
-                    pc = target                            # every lane at pc branches
+                # every lane at pc branches (exe is within active: equal counts, equal lanes)
+                if kind == _BRA and (guard is None or exe is None or
+                                     (active is not None and np.count_nonzero(exe) == np.count_nonzero(active))):
+                    pc = target
                     continue
                 act = np.ones(g.nlanes, bool) if active is None else active
                 if exe is None:
                     exe = act
                 if kind == _BRA:
-                    if not exe.any():
+                    if not np.count_nonzero(exe):
                         pc += 1
                         continue
-                    if fn and _splits_a_warp(exe, act):
+                    if fn and splits_a_warp(exe, act):
                         raise EmulationError("bra.uni taken by only some lanes")
                     lp[act & ~exe] = pc + 1
                     lp[exe] = target
@@ -506,7 +509,7 @@ class _Launch:
                 counts[pc] += 1
                 exe = active if guard is None else _guarded(w.regs[guard], negated, active)
                 if kind == _ALU:
-                    if exe is None or exe.any():
+                    if exe is None or np.count_nonzero(exe):
                         fn(w, exe)
                     if lp is None:
                         pc += 1
@@ -610,9 +613,9 @@ def _lowest(lp):
     the lowest pc of the other lanes)."""
     pc = int(lp.min())
     active = lp == pc
-    if pc == _DEAD or active.all():
+    if pc == _DEAD or np.count_nonzero(active) == active.size:
         return pc, None, lp.size // 32, _DEAD
-    return pc, active, int(active.reshape(-1, 32).any(1).sum()), int(np.where(active, _DEAD, lp).min())
+    return pc, active, int(np.count_nonzero(warp_bits(active))), int(np.where(active, _DEAD, lp).min())
 
 
 def _guarded(pv, negated, active):
@@ -620,18 +623,9 @@ def _guarded(pv, negated, active):
     exe = ~pv if negated else pv.copy()
     if active is not None:
         exe &= active
-    elif exe.all():
+    elif np.count_nonzero(exe) == exe.size:
         exe = None
     return exe
-
-
-def _splits_a_warp(lanes, within=None) -> bool:
-    """Whether some warp has lanes both in and out of `lanes` (among its lanes `within`)."""
-    per_warp = lanes.reshape(-1, 32)
-    if within is None:
-        return bool((per_warp.any(1) & ~per_warp.all(1)).any())
-    w = within.reshape(-1, 32)
-    return bool((per_warp.any(1) & (per_warp != w).any(1)).any())
 
 
 def _reconverge(w):

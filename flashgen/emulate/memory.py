@@ -30,6 +30,9 @@ import numpy as np
 
 from flashgen.emulate.errors import EmulationError
 
+# Masks are tested with np.count_nonzero, not ndarray.any(): a third of the cost per call
+# (~0.8 us against ~2.5 us), and the checks run on every access.
+
 
 class GlobalMemory:
     ATOMIC = -2        # owner mark of bytes updated by atomics in this launch
@@ -82,7 +85,7 @@ class GlobalMemory:
             return []
         a = addrs.astype(np.int64)
         bad = a % nbytes != 0 if nbytes in (1, 2, 4, 8, 16) else np.zeros(a.shape, bool)
-        if bad.any():
+        if np.count_nonzero(bad):
             x = int(a[bad][0])
             raise EmulationError(f"misaligned {what} of {nbytes} bytes at {x:#x} ({self.describe(x)})")
         idx = np.searchsorted(self._starts_np, a, side="right") - 1
@@ -98,7 +101,7 @@ class GlobalMemory:
             s, e, _, view = self._ranges[r]
             off = aa - s
             out = off + nbytes > e - s
-            if out.any():
+            if np.count_nonzero(out):
                 x = int(aa[out][0])
                 raise EmulationError(f"out-of-bounds {what} of {nbytes} bytes at {x:#x} ({self.describe(x)})")
             parts.append((view, off, sel, s))
@@ -129,7 +132,7 @@ class GlobalMemory:
                 continue
             prev = readers[at]
             bad = (prev != -1) & (prev != cta)
-            if bad.any():
+            if np.count_nonzero(bad):
                 raise self._race(start, idx, bad, cta, what, prev, reads=True)
 
     def _mark_read(self, start, view, off, nbytes, cta):
@@ -145,7 +148,7 @@ class GlobalMemory:
         readers[at] = mark
         if not isinstance(cta, (int, np.integer)):
             again = readers[at] != mark             # rows of two CTAs read the granule in this access
-            if again.any():
+            if np.count_nonzero(again):
                 readers[at[again]] = self.SEVERAL
 
     @staticmethod
@@ -176,9 +179,9 @@ class GlobalMemory:
         prev = owners[idx]
         # marks: -1 (none), ATOMIC (-2) or a CTA id (>= 0)
         other = prev >= 0 if allow_atomic else prev != -1
-        if other.any():
+        if np.count_nonzero(other):
             bad = other & (prev != cta)
-            if bad.any():
+            if np.count_nonzero(bad):
                 raise self._race(start, idx, bad, cta, what, prev)
         return owners
 
@@ -190,7 +193,7 @@ class GlobalMemory:
         if not isinstance(owner, (int, np.integer)):     # rows of several CTAs: one byte, two writers?
             now = owners[idx]
             clash = now != owner
-            if clash.any():
+            if np.count_nonzero(clash):
                 raise self._race(start, idx, clash, owner, what, now)
 
     def load(self, addrs: np.ndarray, nbytes: int, what: str = "global load", cta: int | None = None,
@@ -242,7 +245,7 @@ class GlobalMemory:
             elems = off // n
             vals = values if sel is None else values[sel]
             ordered = np.sort(elems)
-            if not (ordered[1:] == ordered[:-1]).any():     # distinct elements (the common case): one update
+            if not np.count_nonzero(ordered[1:] == ordered[:-1]):     # distinct elements (the common case): one update
                 prev = typed[elems]
                 typed[elems] = prev + vals
             else:
@@ -343,7 +346,7 @@ class SharedMemory:
         o = offs.astype(np.int64, copy=False)
         if o.size == 0:
             return o.reshape(0, nbytes)
-        if nbytes in (1, 2, 4, 8, 16) and (o & (nbytes - 1)).any():
+        if nbytes in (1, 2, 4, 8, 16) and np.count_nonzero(o & (nbytes - 1)):
             x = int(o[o % nbytes != 0][0])
             raise EmulationError(f"misaligned shared {what} of {nbytes} bytes at offset {x}")
         if o.min() < 0 or o.max() + nbytes > self.size:
@@ -356,7 +359,7 @@ class SharedMemory:
         if not self.in_flight:
             return
         p = self.pending[idx]
-        if p.any():
+        if np.count_nonzero(p):
             x = int(idx[p > 0][0]) % self.stride
             note = self.hopper.pending_note(int(idx[p > 0][0])) if self.hopper is not None else None
             raise EmulationError(f"shared {what} at offset {x} touches bytes " + (note or "a cp.async has not "
@@ -386,19 +389,19 @@ class SharedMemory:
         base, mine, slots, rows = self._stamps(idx, warp)
         ws = self.w_stamp[idx]
         recent = ws >= base            # mostly none: then neither check below can fire
-        if recent.any():
+        if np.count_nonzero(recent):
             bad = recent & (ws != mine)
-            if bad.any() and self.hopper is not None:      # an mbarrier or a partial barrier may order it
+            if np.count_nonzero(bad) and self.hopper is not None:      # an mbarrier or a partial barrier may order it
                 bad &= self.hopper.order.unordered_write(idx, rows)
-            if bad.any():
+            if np.count_nonzero(bad):
                 pos = tuple(np.argwhere(bad)[0])
                 raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
                                  "reads", "written")
             own = ws == mine
-            if own.any():     # written by this warp in this epoch: by another lane since its last __syncwarp?
+            if np.count_nonzero(own):     # written by this warp in this epoch: by another lane since its last __syncwarp?
                 unsynced = own & (self.w_wsync[idx] == self.warp_syncs[slots, rows])
                 other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
-                if other.any():
+                if np.count_nonzero(other):
                     pos = tuple(np.argwhere(other)[0])
                     reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
                     writer = int(self.w_lane[idx][pos])
@@ -412,7 +415,7 @@ class SharedMemory:
         self.r_stamp[idx] = stamp
         if rows.size > 1:     # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
             again = self.r_stamp[idx] != stamp
-            if again.any():
+            if np.count_nonzero(again):
                 self.r_stamp[idx[again]] = np.broadcast_to(many, idx.shape)[again]
         if self.hopper is not None:
             self.hopper.order.stamp(idx, rows, write=False)
@@ -420,13 +423,13 @@ class SharedMemory:
     def _race_write(self, idx, warp, lanes):
         base, mine, slots, rows = self._stamps(idx, warp)
         ws, rs = self.w_stamp[idx], self.r_stamp[idx]
-        if ((ws >= base) | (rs >= base)).any():     # mostly not: no access of this epoch to check against
+        if np.count_nonzero((ws >= base) | (rs >= base)):     # mostly not: no access of this epoch to check against
             ww = (ws >= base) & (ws != mine)
             rw = (rs >= base) & (rs != mine)
-            if (ww.any() or rw.any()) and self.hopper is not None:
+            if (np.count_nonzero(ww) or np.count_nonzero(rw)) and self.hopper is not None:
                 ww &= self.hopper.order.unordered_write(idx, rows)
                 rw &= self.hopper.order.unordered_reads(idx, rows)
-            if ww.any() or rw.any():
+            if np.count_nonzero(ww) or np.count_nonzero(rw):
                 pos = tuple(np.argwhere(ww | rw)[0])
                 stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
                 raise self._race(int(idx[pos]), int(np.broadcast_to(mine, idx.shape)[pos]) & 255, stamp, "writes",
@@ -434,7 +437,7 @@ class SharedMemory:
         self.w_stamp[idx] = mine
         if rows.size > 1:
             clash = self.w_stamp[idx] != mine       # rows of two warps wrote the byte in this instruction
-            if clash.any():
+            if np.count_nonzero(clash):
                 pos = tuple(np.argwhere(clash)[0])
                 raise self._race(int(idx[pos]), int(np.broadcast_to(mine, idx.shape)[pos]) & 255,
                                  int(self.w_stamp[idx][pos]), "writes", "written")
@@ -456,10 +459,10 @@ class SharedMemory:
         o = offs.astype(np.int64, copy=False)
         if o.size == 0:
             return None
-        if (o & (nbytes - 1)).any() or o.min() < 0 or o.max() + nbytes > self.size:
+        if np.count_nonzero(o & (nbytes - 1)) or o.min() < 0 or o.max() + nbytes > self.size:
             return None                      # the byte path raises the error
         words = ((o + slot * self.stride) >> 2)[:, None] + np.arange(nbytes >> 2)
-        if self.in_flight and self.pending_words[words].any():
+        if self.in_flight and np.count_nonzero(self.pending_words[words]):
             return None
         return words
 
