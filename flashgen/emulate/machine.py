@@ -66,18 +66,28 @@ class LaunchStats:
 class _Registers:
     """The register file of a wave: one array per register over all its lanes, created on first use.
     Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
-    is written shows up instead of passing as zero; predicates start false."""
+    is written shows up instead of passing as zero; predicates start false. Registers of one dtype
+    are rows of blocks of _BLOCK, allocated together: a kernel's first steps in a wave create
+    hundreds of registers, and one allocation each was a tenth of a small launch's time."""
 
     def __init__(self, types, nlanes):
         self.types, self.nlanes, self.arrays = types, nlanes, {}
+        self.blocks = {}         # dtype -> (the block being filled, its next free row)
 
     def array(self, name):
         a = self.arrays.get(name)
         if a is None:
             dt = np.dtype(dtype_of(self.types[name]))
-            a = self.arrays[name] = (np.zeros(self.nlanes, dt) if dt == np.bool_ else
-                                     np.full(self.nlanes * dt.itemsize, 0xFF, np.uint8).view(dt))
+            block, row = self.blocks.get(dt, (None, _BLOCK))
+            if row == _BLOCK:
+                block, row = (np.zeros((_BLOCK, self.nlanes), dt) if dt == np.bool_ else
+                              np.full((_BLOCK, self.nlanes * dt.itemsize), 0xFF, np.uint8).view(dt)), 0
+            self.blocks[dt] = (block, row + 1)
+            a = self.arrays[name] = block[row]
         return a
+
+
+_BLOCK = 32
 
 
 class _RegisterView(dict):
