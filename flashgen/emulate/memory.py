@@ -459,9 +459,9 @@ class SharedMemory:
         o = offs.astype(np.int64, copy=False)
         if o.size == 0:
             return None
-        if np.count_nonzero(o & (nbytes - 1)) or o.min() < 0 or o.max() + nbytes > self.size:
+        if np.bitwise_or.reduce(o) & (nbytes - 1) or o.min() < 0 or o.max() + nbytes > self.size:
             return None                      # the byte path raises the error
-        words = ((o + slot * self.stride) >> 2)[:, None] + np.arange(nbytes >> 2)
+        words = ((o + slot * self.stride) >> 2)[:, None] + _WORDS_OF[nbytes]
         if self.in_flight and np.count_nonzero(self.pending_words[words]):
             return None
         return words
@@ -550,5 +550,6 @@ class SharedMemory:
         self.data[idx] = data
 
 
+_WORDS_OF = {n: np.arange(n >> 2) for n in (4, 8, 16)}     # the word offsets of an n-byte access
 # added to a word of SharedMemory.pending_words: one more in flight for each of its 4 bytes' counters
 _EACH_BYTE_OF_A_WORD = np.int64(0x0001_0001_0001_0001)

@@ -172,9 +172,12 @@ def ldmatrix(ins, ops):
         g = w.nlanes // 32
         # the executing warps; lane i of each supplies the address of row i % 8 of matrix i // 8
         on = slice(None) if m is None else m.reshape(g, 32)[:, 0]
-        rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
-        who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
-                     for x in (w.lane_warp, w.smem_slot))
+        if m is None and nrows == 32:       # every lane supplies a row address
+            rows_addr, who, slot = addr(w), w.lane_warp, w.smem_slot
+        else:
+            rows_addr = addr(w).reshape(g, 32)[on, :nrows].reshape(-1)
+            who, slot = (x if isinstance(x, int) else x.reshape(g, 32)[on, :nrows].reshape(-1)
+                         for x in (w.lane_warp, w.smem_slot))
         raw = w.smem.load(rows_addr, 16, who, "ldmatrix", slot=slot).view(np.uint16)
         if m is None:           # every warp: one gather straight into the [register, warp, lane] rows
             regs = raw.reshape(-1)[_ldmatrix_gather(nmat, trans, g)].view(np.uint32).reshape(nmat, -1)
