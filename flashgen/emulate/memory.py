@@ -203,17 +203,16 @@ class GlobalMemory:
         if data and self.counters is not None:
             self.counters.global_bytes_loaded += addrs.size * nbytes
         out = np.empty((addrs.size, nbytes), np.uint8)
-        cols = np.arange(nbytes)
         for view, off, sel, start in self._locate(addrs, nbytes, what):
-            idx = off[:, None] + cols
             if self._owners is not None and cta is not None:
                 rows = self._rows(cta, sel)
-                self._conflict(start, idx, rows, "reads", allow_atomic=False)
+                if start in self._owners:      # (only a range written in this launch has owner marks)
+                    self._conflict(start, off[:, None] + np.arange(nbytes), rows, "reads", allow_atomic=False)
                 self._mark_read(start, view, off, nbytes, rows)
             if sel is None:
-                out[:] = view[idx]
+                out[:] = _gather(view, start, off, nbytes)
             else:
-                out[sel] = view[idx]
+                out[sel] = _gather(view, start, off, nbytes)
         return out
 
     def store(self, addrs: np.ndarray, data: np.ndarray, what: str = "global store", cta: int | None = None) -> None:
@@ -263,6 +262,15 @@ class GlobalMemory:
             else:
                 old[sel] = prev
         return old
+
+
+def _gather(view, start, off, nbytes) -> np.ndarray:
+    """Bytes [off, off + nbytes) of a range's bytes `view` (at address `start`) per offset: by
+    aligned 4-byte words where all are (a quarter of the index arithmetic), else by bytes."""
+    if nbytes % 4 == 0 and start % 4 == 0 and not np.bitwise_or.reduce(off) & 3:
+        words = view[:view.size - view.size % 4].view(np.uint32)
+        return words[(off >> 2)[:, None] + np.arange(nbytes >> 2)].view(np.uint8)
+    return view[off[:, None] + np.arange(nbytes)]
 
 
 def _occurrence(keys: np.ndarray) -> np.ndarray:
