@@ -68,15 +68,22 @@ class _Registers:
     Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
     is written shows up instead of passing as zero; predicates start false. Registers of one dtype
     are rows of blocks of _BLOCK, allocated together: a kernel's first steps in a wave create
-    hundreds of registers, and one allocation each was a tenth of a small launch's time."""
+    hundreds of registers, and one allocation each was a tenth of a small launch's time.
+    `moved`: registers of an earlier file (_Wave.compact) copied here when first used, each as
+    (its array there, the warp rows kept): many are never used again, and copying them all was
+    most of a compaction's time."""
 
-    def __init__(self, types, nlanes):
+    def __init__(self, types, nlanes, moved=None):
         self.types, self.nlanes, self.arrays = types, nlanes, {}
         self.blocks = {}         # dtype -> (the block being filled, its next free row)
+        self.moved = moved or {}
 
     def array(self, name):
         a = self.arrays.get(name)
-        if a is None:
+        if a is None and name in self.moved:
+            src, rows = self.moved.pop(name)
+            a = self.arrays[name] = src.reshape(-1, 32)[rows].reshape(-1)
+        elif a is None:
             dt = np.dtype(dtype_of(self.types[name]))
             block, row = self.blocks.get(dt, (None, _BLOCK))
             if row == _BLOCK:
@@ -212,8 +219,9 @@ class _Wave:
             return
         old = self.registers
         keep = np.array([w.gid for w in live])
-        self.registers = _Registers(old.types, 32 * keep.size)
-        self.registers.arrays = {name: a.reshape(-1, 32)[keep].reshape(-1) for name, a in old.arrays.items()}
+        moved = {name: (a, keep) for name, a in old.arrays.items()}
+        moved.update((name, (src, rows[keep])) for name, (src, rows) in old.moved.items())
+        self.registers = _Registers(old.types, 32 * keep.size, moved)
         for gid, w in enumerate(live):
             w.gid, w.regs = gid, _RegisterView(self.registers, 32 * gid, 32 * gid + 32)
         self.warps, self.gangs = live, {}
