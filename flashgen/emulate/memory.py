@@ -314,9 +314,8 @@ class SharedMemory:
         self.counters = counters                             # counters.Counters of the launch, or None
         if race_check:
             n = -(-total // granule)
-            # a granule's writer and reader stamps side by side: an access gathers both at once
-            self.stamps = np.zeros((n, 2), np.int64)
-            self.w_stamp, self.r_stamp = self.stamps[:, 0], self.stamps[:, 1]
+            self.w_stamp = np.zeros(n, np.int64)
+            self.r_stamp = np.zeros(n, np.int64)
             self.w_lane = np.full(n, -1, np.int8)            # writer lane (-1: the whole warp)
             self.w_wsync = np.zeros(n, np.int64)             # the writer warp's __syncwarp count then
             self.warp_syncs = np.zeros((ctas, 32), np.int64)
@@ -396,8 +395,7 @@ class SharedMemory:
 
     def _race_read(self, idx, warp, lanes):
         base, mine, slots, rows = self._stamps(idx, warp)
-        both = self.stamps[idx]
-        ws, rs = both[..., 0], both[..., 1]
+        ws = self.w_stamp[idx]
         recent = ws >= base            # mostly none: then neither check below can fire
         if np.count_nonzero(recent):
             bad = recent & (ws != mine)
@@ -419,6 +417,7 @@ class SharedMemory:
                         f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
                         f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
                         f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
+        rs = self.r_stamp[idx]
         many = base | self.MANY
         stamp = np.where((rs >= base) & (rs != mine), many, mine)
         self.r_stamp[idx] = stamp
@@ -431,8 +430,7 @@ class SharedMemory:
 
     def _race_write(self, idx, warp, lanes):
         base, mine, slots, rows = self._stamps(idx, warp)
-        both = self.stamps[idx]
-        ws, rs = both[..., 0], both[..., 1]
+        ws, rs = self.w_stamp[idx], self.r_stamp[idx]
         if np.count_nonzero((ws >= base) | (rs >= base)):     # mostly not: no access of this epoch to check against
             ww = (ws >= base) & (ws != mine)
             rw = (rs >= base) & (rs != mine)
