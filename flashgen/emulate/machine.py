@@ -68,10 +68,10 @@ class _Registers:
     Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
     is written shows up instead of passing as zero; predicates start false. Registers of one dtype
     are rows of blocks of _BLOCK, allocated together: a kernel's first steps in a wave create
-    hundreds of registers, and one allocation each was a tenth of a small launch's time.
+    hundreds of registers, and one allocation each took ~9 % of the dense pace case's profile.
     `moved`: registers of an earlier file (_Wave.compact) copied here when first used, each as
-    (its array there, the warp rows kept): many are never used again, and copying them all was
-    most of a compaction's time."""
+    (its array there, the warp rows kept): many are never used again, and copying every register
+    at each compaction took ~7 % of the paged pace case's profile."""
 
     def __init__(self, types, nlanes, moved=None):
         self.types, self.nlanes, self.arrays = types, nlanes, {}
