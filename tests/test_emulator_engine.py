@@ -94,3 +94,33 @@ def test_a_launch_leaves_no_cycles_and_the_collector_as_it_was(uneven, rng):
         gc.enable()
     _launch(uneven, trips, x, out, 0)
     assert gc.isenabled()
+
+
+def test_registers_moved_through_several_compactions_unused_keep_their_warps_values():
+    """A compaction moves a register when it is first used again (_Registers.moved): one unused
+    through two compactions must come from its first file's rows of the warps still live."""
+    wave = machine._Wave([(c, 0, 0) for c in range(4)], (4, 1, 1), GlobalMemory(), np.zeros(1, np.uint8),
+                         {"%r1": "b32"}, 64, (64, 1, 1), 16, False, 4)
+    wave.registers.array("%r1")[:] = np.arange(wave.registers.nlanes)      # lane l holds l
+    for gone in ([1, 2, 3], [0, 3]):             # gids in the file of the time
+        live = [w for w in wave.warps if w.gid not in gone]
+        for w in wave.warps:
+            w.done = w.gid in gone
+        wave.compact(live)
+    # warps 0, 4, 5, 6, 7 of the first file survived the first compaction; then 0 and 3 of those
+    # (first-file warps 0 and 6) went: left are first-file warps 4, 5 and 7
+    want = np.concatenate([np.arange(32 * w, 32 * w + 32) for w in (4, 5, 7)])
+    assert wave.registers.nlanes == want.size
+    np.testing.assert_array_equal(wave.registers.array("%r1"), want)
+
+
+def test_splits_a_warp_agrees_with_per_warp_any_and_all(rng):
+    """registry.splits_a_warp tests packed lane bits: the same verdict as per-warp any/all."""
+    from flashgen.emulate.semantics.registry import splits_a_warp
+    for _ in range(200):
+        warps = int(rng.integers(1, 6))
+        within = rng.random(32 * warps) < rng.choice([0.0, 0.5, 1.0])
+        lanes = within & (rng.random(32 * warps) < rng.choice([0.0, 0.5, 1.0]))
+        per, w = lanes.reshape(-1, 32), within.reshape(-1, 32)
+        assert splits_a_warp(lanes) == bool((per.any(1) & ~per.all(1)).any())
+        assert splits_a_warp(lanes, within) == bool((per.any(1) & (per != w).any(1)).any())

@@ -102,7 +102,7 @@ class Operands:
                 if rty != ty:
                     raise EmulationError(f"predicate {name} read as .{ty}")
                 return lambda w: w.regs[name]
-            rs, ts = np.dtype(rdt).itemsize, np.dtype(dt).itemsize
+            rs, ts = TYPE_SIZES[rty], TYPE_SIZES[ty]     # (the dtypes' itemsizes, without np.dtype calls)
             if rdt == dt:
                 return lambda w: w.regs[name]
             if rs == ts:
@@ -141,7 +141,7 @@ class Operands:
         dt, rdt = dtype_of(ty), dtype_of(rty)
         if (rty == "pred") != (ty == "pred"):
             raise EmulationError(f"register {name} (.{rty}) written as .{ty}")
-        rs, ts = np.dtype(rdt).itemsize, np.dtype(dt).itemsize
+        rs, ts = TYPE_SIZES[rty], TYPE_SIZES[ty]
         if rdt == dt:
             conv = None
         elif rs == ts:

@@ -7,6 +7,7 @@ never at a silently wrong run. Operands are parsed once here so the interpreter 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -86,7 +87,7 @@ class Instruction:
     text: str = ""
     line: int = 0
 
-    @property
+    @functools.cached_property
     def form(self) -> str:
         return ".".join((self.opcode, *self.mods))
 

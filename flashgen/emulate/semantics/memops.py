@@ -148,11 +148,14 @@ def atomic(ins, ops):
         a = addr(w)[lanes]
         if nvec > 1 and a.size and (a % (width * nvec)).any():
             raise EmulationError(f"misaligned vector atomic at {int(a[(a % (width * nvec)) != 0][0]):#x}")
-        # a vector atomic is one atomic per element (PTX ISA: .v2/.v4 add element-wise)
-        addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
-        vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
         cta = _cta_of(w, lanes)
-        old = w.gmem.atomic_add(addrs, vals, cta=cta if isinstance(cta, int) else np.repeat(cta, nvec))
+        if nvec == 1:
+            addrs, vals = a, np.asarray(srcs[0](w), dt)[lanes]
+        else:       # a vector atomic is one atomic per element (PTX ISA: .v2/.v4 add element-wise)
+            addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
+            vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
+            cta = cta if isinstance(cta, int) else np.repeat(cta, nvec)
+        old = w.gmem.atomic_add(addrs, vals, cta=cta)
         if writers:
             full = np.zeros((w.nlanes, nvec), dt)
             full[lanes] = old.reshape(-1, nvec)
