@@ -34,6 +34,9 @@ CASES = {
     # Long enough (fp32 K and V of the kv head > 512 KiB) for the forward to pack K / V once per call.
     "v_row_causal_long": ("f32", True, 2100, 2100, "v"),
     "k_key_bf16": ("bf16", True, 70, 70, "k"),
+    # Unmasked, several key blocks: a NaN key after the first block meets the forward's
+    # exponentials in the product's epilogue (csrc/flashgen/cpu/fwd_tiles.h ExpAgainst).
+    "k_key_full_long": ("f32", False, 400, 400, "k"),
     "overflow": ("f32", False, 33, 33, "scale"),
     "overflow_causal": ("f32", True, 33, 33, "scale"),
     "softcap_tiny": ("f32", True, 33, 33, "softcap"),
@@ -89,6 +92,10 @@ def test_nan_in_a_key_reaches_exactly_the_rows_that_see_it(results):
     r = results["k_key_causal"]
     j = int(r["at"])
     _check(r, "k_key_causal", rows_nan=list(range(j, 70)))
+
+
+def test_nan_in_a_key_non_causal_reaches_every_row(results):
+    _check(results["k_key_full_long"], "k_key_full_long", rows_nan=list(range(400)))
 
 
 def test_nan_in_a_key_bf16(results):

@@ -11,8 +11,11 @@
 //     St = K_blk * Qt            [BK][BQ] fp32, lanes run over query rows,
 //     online softmax over the key axis (row max / row sum are lane-wise, no
 //     horizontal reductions), exponentials in base 2 with the scale folded in
-//     (in unmasked blocks the scale and the max are the GEMM's epilogue),
-//     O = diag(alpha) O + P V    (P read transposed from St).
+//     (in unmasked blocks the scale and the max are the GEMM's epilogue; once
+//     a row block's max is set, P = 2^(S - m) too while no score exceeds m by
+//     more than kExpSlack: no separate pass, no rescale; else the block is redone),
+//     O = diag(alpha) O + P V    (P read transposed from St; the alpha scaling
+//     only where a row's max moved).
 //   Work items run one (batch, head)'s q blocks in a row. With fp32 products
 //   the dense forward packs K and V to contiguous fp32 once per call when a key
 //   block is read more than once (several q blocks or a GQA group) and a kv
@@ -89,7 +92,8 @@
 // Not supported: -ffast-math / -ffinite-math-only (masking relies on infinities).
 //
 // Files: parallel.h (threads), numerics.h (element types, lane math), tiles.h
-// (GEMM micro-kernel, tile loads), problems.h (row sources, extras), forward.h,
+// (GEMM micro-kernel, tile loads), problems.h (row sources, extras), fwd_tiles.h
+// (the forward's products and their epilogues), forward.h,
 // backward.h.
 #pragma once
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "flashgen/attention.h"
+#include "flashgen/cpu/fwd_tiles.h"
 #include "flashgen/cpu/parallel.h"
 #include "flashgen/cpu/problems.h"
 
@@ -31,40 +32,6 @@ constexpr size_t fwd_ws_floats() {
   return size_t(D) * kFwdBq + size_t(kFwdBk) * kFwdBq + size_t(kFwdBq) * std::max(D, DV) + size_t(kFwdBk) * (D + DV) +
          size_t(kFwdBk / 2) * kFwdBq + 3 * size_t(kFwdBq) + 2 * size_t(kFwdBk) * kFwdBq + size_t(kFwdBq);
 }
-
-// Causal tiles of St = K Qt in a block crossing the diagonal: key row r sees
-// the local query columns >= r + c.
-struct ScoreTiles {
-  int64_t c;
-  FLASHGEN_CPU_INLINE int64_t vbegin(int64_t r) const { return r + c <= 0 ? 0 : (r + c) / W; }
-  FLASHGEN_CPU_INLINE int64_t vend(int64_t, int, int64_t nvt) const { return nvt; }
-  FLASHGEN_CPU_INLINE int64_t klen(int64_t, int, int64_t K) const { return K; }
-};
-// Causal tiles of O += P V: query row r sees the local keys <= r + e (K steps
-// of `per` keys).
-template <int per>
-struct ValueTiles {
-  int64_t e;
-  FLASHGEN_CPU_INLINE int64_t vbegin(int64_t) const { return 0; }
-  FLASHGEN_CPU_INLINE int64_t vend(int64_t, int, int64_t nvt) const { return nvt; }
-  FLASHGEN_CPU_INLINE int64_t klen(int64_t r, int rows, int64_t) const {
-    const int64_t keys = r + rows + e;  // keys [0, r + rows - 1 + e] are visible to some row of the group
-    return keys <= 0 ? 0 : (keys + per - 1) / per;
-  }
-};
-
-// GEMM epilogue of a block without masks or extras: the scores in base-2 units
-// (times cv) and their running lane-wise max, in the order of the separate pass
-// it replaces (rows increasing per column vector: the same max, NaN included).
-struct ScaledMax {
-  vf cv;
-  vf* mx;
-  FLASHGEN_CPU_INLINE vf operator()(int64_t v, vf acc) const {
-    const vf y = acc * cv;
-    mx[v] = vmax(mx[v], y);
-    return y;
-  }
-};
 
 // Xt[j][i] = the extras' score term of query q0 + i and key k0 + j in base-2
 // units (log2(e) * (bias - slope * |i + aoff - j|)), -inf where masked; lanes
@@ -272,74 +239,107 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
     // Online softmax (base 2), lane-wise over query rows: mx = the block's max.
     for (int t = 0; t < nv; ++t) mx[t] = ninfv;
     const bool plain = x == nullptr && !capped && !edge && !diag;
-    if (plain)
-      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ScaledMax{cv, mx});
-    else if (diag)
-      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
-    else
-      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ);
-
-    if (capped) {
-      const vf capv = splat(a.softcap), cinv = splat(cap_in);
-      for (int64_t j = 0; j < nk; ++j)
-        for (int t = 0; t < nv; ++t) {
-          float* p = St + j * BQ + t * W;
-          storev(p, capv * tanhv(loadv(p) * cinv));
-        }
-    }
-    if (x != nullptr) fwd_extras_tile(*x, q0, nq, nqp, k0, nk, aoff, qsegb, Xt, Xc);
-
-    if (x != nullptr) fwd_extras_scores(St, Xt, nk, nv, cv, edge || diag, k0 - q0, band, mx);
-    else if (!plain) for (int64_t j = 0; j < nk; ++j) {
-      float* sr = St + j * BQ;
-      if (edge) {
-        // Query row i (local) sees key k0+j iff k0+j-q0-hi <= i <= k0+j-q0-lo.
-        const int64_t ilo = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.hi, -1), BQ);
-        const int64_t ihi = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.lo, -1), BQ);
-        const vi ilov = splat_i(static_cast<int32_t>(ilo)), ihiv = splat_i(static_cast<int32_t>(ihi));
-        for (int t = 0; t < nv; ++t) {
-          vf y = loadv(sr + t * W) * cv;
-          const vi idx = iota + splat_i(t * W);
-          y = ((idx >= ilov) & (idx <= ihiv)) ? y : ninfv;
-          storev(sr + t * W, y);
-          mx[t] = vmax(mx[t], y);
-        }
-      } else if (diag) {
-        // Query row i (local) sees key k0+j iff i >= k0 + j - off - q0.
-        const int64_t lo = std::min<int64_t>(std::max<int64_t>(k0 + j - off - q0, -1), BQ);
-        const vi lov = splat_i(static_cast<int32_t>(lo));
-        for (int t = 0; t < nv; ++t) {
-          vf y = loadv(sr + t * W) * cv;
-          y = (iota + splat_i(t * W)) >= lov ? y : ninfv;
-          storev(sr + t * W, y);
-          mx[t] = vmax(mx[t], y);
-        }
-      } else {
-        for (int t = 0; t < nv; ++t) {
-          const vf y = loadv(sr + t * W) * cv;
-          storev(sr + t * W, y);
-          mx[t] = vmax(mx[t], y);
-        }
-      }
-    }
+    // An unmasked block after the first whose scores stay within kExpSlack of the
+    // running max m: P = 2^(S - m) in the product's epilogue, m, O and l unchanged
+    // (no separate exponential pass, no rescale). Otherwise (a new max beyond the
+    // slack, an infinity or a NaN) the block's product is computed again below.
+    bool fused = false;
+    vi mfinite = splat_i(-1);
     for (int t = 0; t < nv; ++t) {
-      const vf mold = loadv(mrow + t * W);
-      const vf mnew = vmax(mold, mx[t]);
-      const vf muse = mnew == ninfv ? zero : mnew;
-      storev(alpha + t * W, exp2v(mold - muse));
-      storev(mrow + t * W, mnew);
-      msub[t] = muse;
+      msub[t] = loadv(mrow + t * W);
+      mfinite &= (vi)(msub[t] - msub[t] == zero);
       lacc[t] = zero;
     }
-    for (int64_t j = 0; j < nk; ++j) {
-      float* sr = St + j * BQ;
-      for (int t = 0; t < nv; ++t) {
-        const vf pv = exp2v(loadv(sr + t * W) - msub[t]);
-        storev(sr + t * W, pv);
-        lacc[t] += pv;
-      }
+    bool settled = plain;
+    for (int l = 0; l < W; ++l) settled &= mfinite[l] != 0;
+    if (settled) {
+      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ExpAgainst{cv, msub, mx, lacc});
+      vi within = splat_i(-1);  // false for a NaN max too
+      for (int t = 0; t < nv; ++t) within &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
+      fused = true;
+      for (int l = 0; l < W; ++l) fused &= within[l] != 0;
+      if (fused)
+        for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) + lacc[t]);
+      else
+        for (int t = 0; t < nv; ++t) mx[t] = ninfv;
     }
-    for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) * loadv(alpha + t * W) + lacc[t]);
+    bool rescale = false;
+    if (!fused) {
+      if (plain)
+        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ScaledMax{cv, mx});
+      else if (diag)
+        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
+      else
+        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ);
+
+      if (capped) {
+        const vf capv = splat(a.softcap), cinv = splat(cap_in);
+        for (int64_t j = 0; j < nk; ++j)
+          for (int t = 0; t < nv; ++t) {
+            float* p = St + j * BQ + t * W;
+            storev(p, capv * tanhv(loadv(p) * cinv));
+          }
+      }
+      if (x != nullptr) fwd_extras_tile(*x, q0, nq, nqp, k0, nk, aoff, qsegb, Xt, Xc);
+
+      if (x != nullptr) fwd_extras_scores(St, Xt, nk, nv, cv, edge || diag, k0 - q0, band, mx);
+      else if (!plain) for (int64_t j = 0; j < nk; ++j) {
+        float* sr = St + j * BQ;
+        if (edge) {
+          // Query row i (local) sees key k0+j iff k0+j-q0-hi <= i <= k0+j-q0-lo.
+          const int64_t ilo = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.hi, -1), BQ);
+          const int64_t ihi = std::min<int64_t>(std::max<int64_t>(k0 + j - q0 - band.lo, -1), BQ);
+          const vi ilov = splat_i(static_cast<int32_t>(ilo)), ihiv = splat_i(static_cast<int32_t>(ihi));
+          for (int t = 0; t < nv; ++t) {
+            vf y = loadv(sr + t * W) * cv;
+            const vi idx = iota + splat_i(t * W);
+            y = ((idx >= ilov) & (idx <= ihiv)) ? y : ninfv;
+            storev(sr + t * W, y);
+            mx[t] = vmax(mx[t], y);
+          }
+        } else if (diag) {
+          // Query row i (local) sees key k0+j iff i >= k0 + j - off - q0.
+          const int64_t lo = std::min<int64_t>(std::max<int64_t>(k0 + j - off - q0, -1), BQ);
+          const vi lov = splat_i(static_cast<int32_t>(lo));
+          for (int t = 0; t < nv; ++t) {
+            vf y = loadv(sr + t * W) * cv;
+            y = (iota + splat_i(t * W)) >= lov ? y : ninfv;
+            storev(sr + t * W, y);
+            mx[t] = vmax(mx[t], y);
+          }
+        } else {
+          for (int t = 0; t < nv; ++t) {
+            const vf y = loadv(sr + t * W) * cv;
+            storev(sr + t * W, y);
+            mx[t] = vmax(mx[t], y);
+          }
+        }
+      }
+      // O needs rescaling only where a row's max moved (alpha != 1, NaN included);
+      // once the maxima settle most blocks skip the multiply.
+      vi moved = splat_i(0);
+      for (int t = 0; t < nv; ++t) {
+        const vf mold = loadv(mrow + t * W);
+        const vf mnew = vmax(mold, mx[t]);
+        const vf muse = mnew == ninfv ? zero : mnew;
+        const vf al = exp2v(mold - muse);
+        moved |= (vi)(al != splat(1.0f));
+        storev(alpha + t * W, al);
+        storev(mrow + t * W, mnew);
+        msub[t] = muse;
+        lacc[t] = zero;
+      }
+      for (int l = 0; l < W; ++l) rescale |= moved[l] != 0;
+      for (int64_t j = 0; j < nk; ++j) {
+        float* sr = St + j * BQ;
+        for (int t = 0; t < nv; ++t) {
+          const vf pv = exp2v(loadv(sr + t * W) - msub[t]);
+          storev(sr + t * W, pv);
+          lacc[t] += pv;
+        }
+      }
+      for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) * loadv(alpha + t * W) + lacc[t]);
+    }
 
     // O = diag(alpha) O + P V; in a diagonal block a row group stops at its
     // last visible key, and rows that see nothing of the block (alpha = 1) are
@@ -356,10 +356,7 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       nbad = take_nonfinite_rows_bf16<DV>([&](int64_t r) { return vrows(k0 + r); }, nk, Vp, badv);
       pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
       const int64_t kp = (nk + 1) / 2;
-      if (diag)
-        gemm<uint32_t, true, true>(nq, DV, kp, Pb, 1, BQ, Vp, DV, Oacc, DV, alpha, ValueTiles<2>{off + q0 - k0});
-      else
-        gemm<uint32_t, true, true>(nq, DV, kp, Pb, 1, BQ, Vp, DV, Oacc, DV, alpha);
+      value_product<uint32_t, DV>(rescale, diag, nq, kp, Pb, Vp, Oacc, alpha, ValueTiles<2>{off + q0 - k0});
 #endif
     } else {
       const float* Vp = Vc;
@@ -370,10 +367,7 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
         gather_f32<T, DV>(vrows, k0, nk, Vc);
         nbad = take_nonfinite_rows<DV>(Vc, nk, DV, badv);
       }
-      if (diag)
-        gemm<float, true, true>(nq, DV, nk, St, 1, BQ, Vp, DV, Oacc, DV, alpha, ValueTiles<1>{off + q0 - k0});
-      else
-        gemm<float, true, true>(nq, DV, nk, St, 1, BQ, Vp, DV, Oacc, DV, alpha);
+      value_product<float, DV>(rescale, diag, nq, nk, St, Vp, Oacc, alpha, ValueTiles<1>{off + q0 - k0});
     }
     if (nbad > 0)
       add_nonfinite_terms<DV>(

@@ -52,7 +52,7 @@ struct Mac<uint32_t> {
 #endif
 
 // What a product does with its finished accumulators: Plain stores them;
-// another epilogue (forward.h's ScaledMax) maps each accumulator vector, given
+// another epilogue (fwd_tiles.h's ScaledMax) maps each accumulator vector, given
 // its column vector index, before it is stored.
 struct Plain {
   FLASHGEN_CPU_INLINE vf operator()(int64_t, vf acc) const { return acc; }
