@@ -10,12 +10,9 @@ convert kernels of the sm80 family run around either.
 """
 import re
 
-import numpy as np
 import pytest
 
 from conftest import needs_nvcc
-from flashgen import reference
-from flashgen.contract import CallAttributes
 from flashgen.emulate.check import Checker, relative_error, tolerance
 from flashgen.spec import KernelSpec
 from test_deterministic import SEEDS, _backward, _inputs, _reference
