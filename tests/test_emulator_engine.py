@@ -1,6 +1,6 @@
 """The emulator engine's own bookkeeping, which changes no result but must not lose one: the
-compaction of a wave's register file as its CTAs finish, and the cyclic garbage collector it
-pauses during a launch (flashgen/emulate/heap.py)."""
+compaction of a wave's register file as its CTAs finish, the order its CTAs stand in, and the
+cyclic garbage collector it pauses during a launch (flashgen/emulate/heap.py)."""
 from __future__ import annotations
 
 import gc
