@@ -259,6 +259,10 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
       const bool diag = banded && (k0 - (q0 + nq - 1) < band.lo || k0 + nk - 1 - q0 > band.hi);
       // A block the band crosses: its visible local pairs.
       const BlockBand bb{q0 - k0 + band.lo, q0 - k0 + band.hi, nq, nk};
+      // Every lane of the block visible, no extras or softcap: P and dS in the epilogues of S and dP.
+      const bool fused = !diag && nk == nkp && x == nullptr && !capped;
+      const float* L = pr.lse2 + h * pr.lse_hs + q0;
+      const float* Dr = pr.Drow + h * pr.lse_hs + q0;
       if constexpr (BF) {
 #if FLASHGEN_CPU_BF16_DOT
         const uint32_t* Qb = rows_pairs<T, D>(qrows, ldq, nq, QdOb);
@@ -266,6 +270,11 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         gemm<uint32_t, false>(nq, nkp, D / 2, Qb, D / 2, 1, reinterpret_cast<const uint32_t*>(Kt), BK, P, BK);
         gemm<uint32_t, false>(nq, nkp, DV / 2, dOb, DV / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
 #endif
+      } else if (fused) {
+        gemm_spans<false>(nq, nkp, Qp, ldqf, 1, Kt, BK, P, BK, WholeSpan{nkp / W, D},
+                          [&](int64_t r) { return ProbsEpilogue{cv, L + r}; });  // P
+        gemm_spans<false>(nq, nkp, dOp, lddo, 1, Vt, BK, dS, BK, WholeSpan{nkp / W, DV},
+                          [&](int64_t r) { return GradEpilogue{scv, Dr + r, P + r * BK, BK}; });  // dS
       } else if (diag) {
         gemm_spans<false>(nq, nkp, Qp, ldqf, 1, Kt, BK, P, BK,
                           [&](int64_t r, int rows) { return bb.scores(r, rows, D); });  // S
@@ -276,9 +285,7 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         gemm<float, false>(nq, nkp, DV, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
       }
 
-      const float* L = pr.lse2 + h * pr.lse_hs + q0;
-      const float* Dr = pr.Drow + h * pr.lse_hs + q0;
-      for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t i = 0; i < nq && !(fused && !BF); ++i) {
         int64_t lo = 0, hi = nk - 1;  // visible local keys [lo, hi]
         if (diag) {
           lo = std::min<int64_t>(std::max<int64_t>(q0 + i + band.lo - k0, 0), nk);
@@ -311,7 +318,7 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
           }
           continue;
         }
-        if (!diag && nk == nkp) {  // every lane visible: no lane masks
+        if (fused) {  // bf16: every lane visible, no lane masks (f32: done in the epilogues)
           for (int64_t t = 0; t < nkp; t += W) {
             const vf pv = exp2v(vfma(loadv(prow + t), cv, Lv));
             storev(prow + t, pv);
