@@ -443,29 +443,34 @@ void bwd_row_terms(const T* o, const T* dout, const float* lse, int64_t B, int64
                    float* dopack = nullptr, int32_t* qbad = nullptr) {
   if (Sq <= 0) return;
   const int64_t nqc = (Sq + kBwdBq - 1) / kBwdBq;
+  // Items: (batch entry, q block), rows in memory order (each q block's Hq rows of a
+  // position together): o, dout and q are read as streams, not Hq * D apart.
   parallel_for(
-      B * Hq, nt,
-      [&](int64_t bh, int) {
-        const int64_t b = bh / Hq, h = bh % Hq;
+      B * nqc, nt,
+      [&](int64_t item, int) {
+        const int64_t b = item / nqc, qb = item % nqc;
+        const int64_t i0 = qb * kBwdBq, i1 = std::min<int64_t>(Sq, i0 + kBwdBq);
         alignas(64) float to[DV], tdbuf[DV];
-        if (q != nullptr) std::fill(qbad + bh * nqc, qbad + (bh + 1) * nqc, 0);
-        for (int64_t i = 0; i < Sq; ++i) {
-          const int64_t r = bh * Sq + i;
-          const float l = lse[r];
-          lse2[r] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
-          const int64_t row = (b * Sq + i) * Hq + h;
-          load_f32<T>(o + row * DV, to, DV);
-          float* td = q != nullptr ? dopack + r * DV : tdbuf;
-          load_f32<T>(dout + row * DV, td, DV);
-          if (q != nullptr) {
-            load_f32<T>(q + row * D, qpack + r * D, D);
-            qbad[bh * nqc + i / kBwdBq] += row_nonfinite<D>(qpack + r * D) || row_nonfinite<DV>(td);
+        for (int64_t i = i0; i < i1; ++i) {
+          for (int64_t h = 0; h < Hq; ++h) {
+            const int64_t bh = b * Hq + h, r = bh * Sq + i;
+            if (q != nullptr && i == i0) qbad[bh * nqc + qb] = 0;
+            const float l = lse[r];
+            lse2[r] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l * kLog2e;
+            const int64_t row = (b * Sq + i) * Hq + h;
+            load_f32<T>(o + row * DV, to, DV);
+            float* td = q != nullptr ? dopack + r * DV : tdbuf;
+            load_f32<T>(dout + row * DV, td, DV);
+            if (q != nullptr) {
+              load_f32<T>(q + row * D, qpack + r * D, D);
+              qbad[bh * nqc + qb] += row_nonfinite<D>(qpack + r * D) || row_nonfinite<DV>(td);
+            }
+            vf acc = splat(0.0f);
+            for (int d = 0; d < DV; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
+            float sum = 0.0f;
+            for (int t = 0; t < W; ++t) sum += acc[t];
+            Drow[r] = sum;
           }
-          vf acc = splat(0.0f);
-          for (int d = 0; d < DV; d += W) acc = vfma(loadv(to + d), loadv(td + d), acc);
-          float sum = 0.0f;
-          for (int t = 0; t < W; ++t) sum += acc[t];
-          Drow[r] = sum;
         }
       },
       workers);
