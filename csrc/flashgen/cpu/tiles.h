@@ -58,6 +58,13 @@ struct Plain {
   FLASHGEN_CPU_INLINE vf operator()(int64_t, vf acc) const { return acc; }
 };
 
+// An epilogue taking (row of the micro-tile, column vector, accumulator) gets the row too.
+template <typename Epi>
+FLASHGEN_CPU_INLINE vf apply_epilogue(const Epi& epi, int r, int64_t v, vf acc) {
+  if constexpr (std::is_invocable<const Epi&, int, int64_t, vf>::value) return epi(r, v, acc);
+  else return epi(v, acc);
+}
+
 template <typename E, int R, int NV, bool ACC, bool SCALE, typename Epi>
 inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t sak, const E* __restrict B,
                          int64_t ldb, float* __restrict C, int64_t ldc, const float* __restrict rs, const Epi& epi,
@@ -95,7 +102,7 @@ inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t 
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, epi(vcol + v, acc[r][v]));
+    for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, apply_epilogue(epi, r, vcol + v, acc[r][v]));
 }
 
 template <typename E, int R, bool ACC, bool SCALE, typename Epi>
