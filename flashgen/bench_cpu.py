@@ -224,10 +224,25 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _settle(limit: float = 0.5, step: float = 0.002) -> None:
+    """Waits (at most `limit` s) until the process's other threads have finished what a call left
+    behind after its result was ready (XLA frees a large module's temporaries on a pool thread:
+    ~15 ms of CPU time after the S=2048 f32 forward), i.e. until a `step`-long sleep costs the
+    process under a tenth of it in CPU time."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        c = time.process_time()
+        time.sleep(step)
+        if time.process_time() - c < 0.1 * step:
+            return
+
+
 def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int,
                        clock=time.perf_counter) -> dict:
     """Per impl: samples of seconds per call (by `clock`), taken in rounds (one sample of each impl
-    per round)."""
+    per round). Each sample ends when the process is quiet again (_settle): with the process's CPU
+    time as the clock the work an impl leaves to other threads is its own (sleeping costs no CPU
+    time), and no impl's sample starts while another's is still running."""
     import jax
     once = {}
     for name, f in fns.items():
@@ -235,9 +250,11 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
         t = time.perf_counter()
         jax.block_until_ready(f(*args))
         once[name] = max(time.perf_counter() - t, 1e-7)
+    _settle()
     per_sample = min_time / repeats
     counts = {n: max(1, int(per_sample / o)) for n, o in once.items()}
     samples: dict = {n: [] for n in fns}
+    cpu_clock = clock is time.process_time
     for _ in range(repeats):
         for name, f in fns.items():
             n = counts[name]
@@ -247,14 +264,22 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
                     t = clock()
                     jax.block_until_ready(f(*args))
                     ts.append(clock() - t)
-                samples[name].extend(ts)
+                t = clock()
+                _settle()
+                tail = (clock() - t) / n if cpu_clock else 0.0
+                samples[name].extend(x + tail for x in ts)
             else:
                 t = clock()
                 out = None
                 for _ in range(n):
                     out = f(*args)
                 jax.block_until_ready(out)
-                samples[name].append((clock() - t) / n)
+                took = clock() - t
+                t = clock()
+                _settle()
+                if cpu_clock:
+                    took += clock() - t
+                samples[name].append(took / n)
     return samples
 
 
