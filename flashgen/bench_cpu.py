@@ -224,16 +224,42 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _other_threads_running() -> bool | None:
+    """Whether a thread of this process other than the caller is running or waiting for a CPU
+    (Linux /proc; None where that cannot be read)."""
+    import threading
+    me = str(threading.get_native_id())
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # the thread ended
+            continue
+        if stat[stat.rfind(")") + 2] in "RD":
+            return True
+    return False
+
+
 def _settle(limit: float = 0.5, step: float = 0.002) -> None:
     """Waits (at most `limit` s) until the process's other threads have finished what a call left
     behind after its result was ready (XLA frees a large module's temporaries on a pool thread:
-    ~15 ms of CPU time after the S=2048 f32 forward), i.e. until a `step`-long sleep costs the
-    process under a tenth of it in CPU time."""
+    ~15 ms of CPU time after the S=2048 f32 forward): until none of them is running or runnable
+    (where /proc cannot tell, until a `step`-long sleep costs the process under a tenth of it in
+    CPU time, which a descheduled thread can fool)."""
     end = time.perf_counter() + limit
     while time.perf_counter() < end:
+        running = _other_threads_running()
+        if running is False:
+            return
         c = time.process_time()
         time.sleep(step)
-        if time.process_time() - c < 0.1 * step:
+        if running is None and time.process_time() - c < 0.1 * step:
             return
 
 
