@@ -450,6 +450,38 @@ static void test_parallel_for() {
   check(total.load() == 4 * 50 * 4950, "parallel_for: concurrent callers on the own pool");
 }
 
+// CallScratch: the calling thread's buffer is kept for its next call up to the size limit; a
+// larger request, or one made while the kept buffer is in use, gets its own.
+static void test_call_scratch() {
+  bool ok = true;
+  std::thread([&] {
+    const size_t keep = 1 << 20;
+    const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
+    const float* first;
+    {
+      const fc::detail::CallScratch a(100, keep);
+      first = a.data();
+      ok = ok && first != nullptr && aligned(first);
+    }
+    {
+      const fc::detail::CallScratch b(50, keep);
+      ok = ok && b.data() == first;  // kept
+    }
+    {
+      const fc::detail::CallScratch grown(keep / sizeof(float), keep);  // grows the kept buffer
+      float* g = grown.data();
+      for (size_t i = 0; i < keep / sizeof(float); ++i) g[i] = float(i);
+      ok = ok && aligned(g) && g[keep / sizeof(float) - 1] == float(keep / sizeof(float) - 1);
+      const fc::detail::CallScratch nested(10, keep);  // the kept buffer is in use
+      ok = ok && nested.data() != g && aligned(nested.data());
+      const fc::detail::CallScratch big(keep / sizeof(float) + 1, keep);  // over the limit
+      ok = ok && big.data() != g && big.data() != nested.data() && aligned(big.data());
+      big.data()[keep / sizeof(float)] = 1.0f;
+    }
+  }).join();
+  check(ok, "CallScratch: kept per thread up to its limit, own buffers beyond it and while in use");
+}
+
 static void test_transpose() {
   std::mt19937 rng(7);
   bool ok = true;
@@ -1256,6 +1288,7 @@ int main() {
   const auto t0 = std::chrono::steady_clock::now();
   test_conversions();
   test_parallel_for();
+  test_call_scratch();
   test_transpose();
   std::printf("bf16 products on vdpbf16ps: %s\n", fc::detail::kBf16Dot ? "yes" : "no");
   std::mt19937_64 rng(42);

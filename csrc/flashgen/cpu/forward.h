@@ -590,9 +590,10 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
   const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, k_elems = B * Hkv * Sk * D;
   const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1) &&
                     Sk * (D + DV) * int64_t(sizeof(float)) > FLASHGEN_CPU_FWD_PACK_BYTES;
-  AlignedFloats kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
+  const CallScratch kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
   std::vector<int32_t> vbad(pack ? size_t(B * Hkv * nkc) : 0);
-  if (pack) pack_kv<T, D, DV>(k, v, B, Sk, Hkv, kvbuf.p, kvbuf.p + k_elems, vbad.data(),
+  float* const kvp = kvbuf.data();
+  if (pack) pack_kv<T, D, DV>(k, v, B, Sk, Hkv, kvp, kvp + k_elems, vbad.data(),
                               threads_for(num_threads, flops), workers);
   fwd_batched<T, DV>(
       o, lse, B, Sq, Hq, a, num_threads, workers, kv_splits, flops, [&](int64_t) { return Sk; },
@@ -606,7 +607,7 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
         }
         const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * DV, Hkv * DV};
         const int64_t bhk = b * Hkv + hk;
-        const PackedKV kv{kvbuf.p + bhk * Sk * D, kvbuf.p + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
+        const PackedKV kv{kvp + bhk * Sk * D, kvp + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
         if (pack) p.kv = &kv;
         fwd_item<T, D, DV>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D, DV>()));
       });
