@@ -145,14 +145,14 @@ def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk,
     Mirrors csrc/flashgen/cpu/forward.h and backward.h (block sizes in tiles.h: fwd 128x64, bwd
     64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls); for fp32
     products (f32, or f16) the forward's K / V packed once per call (when a key block is read more
-    than once, Sq > 128 or GQA, and a kv head's K and V exceed 512 KiB) and the backward's q / dout (when Sk > 64); in the backward lse2 and
+    than once, Sq > 128 or GQA; kept by the calling thread up to 16 MiB) and the backward's q / dout (when Sk > 64); in the backward lse2 and
     Drow [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
     """
     D, bq, bk = hdim, 128, 64
     fp32_products = dtype != "bf16"  # bf16 runs vdpbf16ps on this project's CPUs (AVX512_BF16)
     fwd_ws = D * bq + bk * bq + bq * D + 2 * bk * D + (bk // 2) * bq + 3 * bq + 2 * bk * bq + bq
     fwd_pack = (4 * 2 * batch * kv_heads * sk * D + 4 * batch * kv_heads * -(-sk // bk)
-                if fp32_products and (sq > bq or heads > kv_heads) and 8 * sk * D > 512 * 1024 else 0)
+                if fp32_products and (sq > bq or heads > kv_heads) else 0)
     fwd = 4 * fwd_ws * max(1, min(threads, batch * heads * -(-sq // bq))) + fwd_pack
     if direction == "fwd":
         return fwd

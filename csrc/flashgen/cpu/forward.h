@@ -250,10 +250,19 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       mfinite &= (vi)(msub[t] - msub[t] == zero);
       lacc[t] = zero;
     }
-    bool settled = plain;
+    // A block crossing the causal diagonal takes the same path, its masked scores
+    // -inf in the epilogue; the tiles ScoreTiles skips hold no visible pair, and
+    // O += P V (ValueTiles) reads none of them.
+    bool settled = plain || (diag && x == nullptr && !capped);
     for (int l = 0; l < W; ++l) settled &= mfinite[l] != 0;
     if (settled) {
-      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ExpAgainst{cv, msub, mx, lacc});
+      const ExpAgainst exp_against{cv, msub, mx, lacc};
+      const ScoreTiles diag_tiles{k0 - off - q0};
+      if (diag)
+        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, diag_tiles,
+                       ExpAgainstCausal{exp_against, diag_tiles.c, iota});
+      else
+        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), exp_against);
       vi within = splat_i(-1);  // false for a NaN max too
       for (int t = 0; t < nv; ++t) within &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
       fused = true;
@@ -548,12 +557,6 @@ void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const Atte
   if (ns > 1) merge_splits<T, D>(opart.p, lpart.p, ns, B, Sq, Hq, o, lse, num_threads, workers);
 }
 
-// Measured on Zen 4, f32 D=64, 1 thread: packing is 10 % slower at S=512, even
-// at S=1024, 18 % faster at S=4096.
-#ifndef FLASHGEN_CPU_FWD_PACK_BYTES
-#define FLASHGEN_CPU_FWD_PACK_BYTES (512 * 1024)
-#endif
-
 // Packs k and v ([B][Sk][Hkv][D]) to kp, vp ([B][Hkv][Sk][D] fp32) in chunks of
 // kFwdBk rows, zeroing V rows that hold a NaN or an infinity (counted per chunk
 // in vbad [B][Hkv][chunks]).
@@ -583,13 +586,12 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
   const int64_t G = Hq / Hkv;
   const double flops = 2.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(Sq)) * (D + DV);
   // fp32 products gather each key / value block once per q block and q head of
-  // the group: pack them once per call instead when that is more than once and
-  // a kv head's K and V outgrow FLASHGEN_CPU_FWD_PACK_BYTES (half an L2); smaller
-  // ones stay cached across the head's q blocks, which run in a row, and there
-  // the packing pass costs more than it saves (bf16 pairs are gathered per block).
+  // the group: pack them once per call instead when that is more than once (into
+  // the calling thread's kept buffer: measured on Zen 4, f32, 1 thread, 2-5 %
+  // faster from S=256 to 1024 and 18 % at S=4096; a buffer freshly mapped per
+  // call made it 10 % slower at S=512). bf16 pairs are gathered per block.
   const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, k_elems = B * Hkv * Sk * D;
-  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1) &&
-                    Sk * (D + DV) * int64_t(sizeof(float)) > FLASHGEN_CPU_FWD_PACK_BYTES;
+  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1);
   const CallScratch kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
   std::vector<int32_t> vbad(pack ? size_t(B * Hkv * nkc) : 0);
   float* const kvp = kvbuf.data();
