@@ -231,8 +231,13 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
 
     // St = K * Qt : scores, one key per row, query rows along the lanes.
     const E* Kp;
+    int64_t ldk = KD;
     if constexpr (BF) {
       Kp = gather_pairs<T, D>(krows, k0, nk, Kc);
+    } else if constexpr (std::is_same<Rows, DenseRows<float>>::value) {
+      // f32 rows that were not packed (read once per call, but for varlen): in place, no copy.
+      Kp = p.kv != nullptr ? p.kv->k + k0 * D : krows(k0);
+      ldk = p.kv != nullptr ? D : krows.ld;
     } else {
       Kp = p.kv != nullptr ? p.kv->k + k0 * D : gather_f32<T, D>(krows, k0, nk, Kc);
     }
@@ -259,10 +264,10 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       const ExpAgainst exp_against{cv, msub, mx, lacc};
       const ScoreTiles diag_tiles{k0 - off - q0};
       if (diag)
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, diag_tiles,
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, diag_tiles,
                        ExpAgainstCausal{exp_against, diag_tiles.c, iota});
       else
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), exp_against);
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(), exp_against);
       vi within = splat_i(-1);  // false for a NaN max too
       for (int t = 0; t < nv; ++t) within &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
       fused = true;
@@ -275,11 +280,11 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
     bool rescale = false;
     if (!fused) {
       if (plain)
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ScaledMax{cv, mx});
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ScaledMax{cv, mx});
       else if (diag)
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
       else
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ);
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ);
 
       if (capped) {
         const vf capv = splat(a.softcap), cinv = splat(cap_in);
@@ -365,18 +370,25 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       nbad = take_nonfinite_rows_bf16<DV>([&](int64_t r) { return vrows(k0 + r); }, nk, Vp, badv);
       pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
       const int64_t kp = (nk + 1) / 2;
-      value_product<uint32_t, DV>(rescale, diag, nq, kp, Pb, Vp, Oacc, alpha, ValueTiles<2>{off + q0 - k0});
+      value_product<uint32_t, DV>(rescale, diag, nq, kp, Pb, Vp, DV, Oacc, alpha, ValueTiles<2>{off + q0 - k0});
 #endif
     } else {
       const float* Vp = Vc;
-      if (p.kv != nullptr) {
+      int64_t ldv = DV;
+      bool in_place = false;  // the same for V, unless a row must be zeroed
+      if constexpr (std::is_same<Rows, DenseRows<float>>::value) {
+        in_place = p.kv == nullptr;
+        for (int64_t j = 0; j < nk && in_place; ++j) in_place = !row_nonfinite<DV>(vrows(k0 + j));
+        if (in_place) Vp = vrows(k0), ldv = vrows.ld;
+      }
+      if (!in_place && p.kv != nullptr) {
         Vp = p.kv->v + k0 * DV;
         nbad = packed_nonfinite_rows<T, DV>(*p.kv, vrows, k0, nk, badv);
-      } else {
+      } else if (!in_place) {
         gather_f32<T, DV>(vrows, k0, nk, Vc);
         nbad = take_nonfinite_rows<DV>(Vc, nk, DV, badv);
       }
-      value_product<float, DV>(rescale, diag, nq, nk, St, Vp, Oacc, alpha, ValueTiles<1>{off + q0 - k0});
+      value_product<float, DV>(rescale, diag, nq, nk, St, Vp, ldv, Oacc, alpha, ValueTiles<1>{off + q0 - k0});
     }
     if (nbad > 0)
       add_nonfinite_terms<DV>(

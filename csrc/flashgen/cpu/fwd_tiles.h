@@ -38,14 +38,14 @@ struct ValueTiles {
 // block's tiles only when `diag`.
 template <typename E, int DV, typename Tiles>
 FLASHGEN_CPU_INLINE void value_product(bool rescale, bool diag, int64_t nq, int64_t K, const E* P, const E* V,
-                                       float* Oacc, const float* alpha, const Tiles& tiles) {
+                                       int64_t ldv, float* Oacc, const float* alpha, const Tiles& tiles) {
   constexpr int BQ = kFwdBq;
   if (rescale) {
-    if (diag) gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV, alpha, tiles);
-    else gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV, alpha);
+    if (diag) gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV, alpha, tiles);
+    else gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV, alpha);
   } else {
-    if (diag) gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV, nullptr, tiles);
-    else gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV);
+    if (diag) gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV, nullptr, tiles);
+    else gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV);
   }
 }
 
