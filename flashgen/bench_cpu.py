@@ -145,14 +145,14 @@ def kernel_scratch_bytes(direction, hdim, dtype, batch, heads, kv_heads, sq, sk,
     Mirrors csrc/flashgen/cpu/forward.h and backward.h (block sizes in tiles.h: fwd 128x64, bwd
     64x64): a per-thread workspace (fwd_ws_floats / bwd_ws_floats, kept between calls); for fp32
     products (f32, or f16) the forward's K / V packed once per call (when a key block is read more
-    than once, Sq > 128 or GQA, and a kv head's K and V exceed 512 KiB) and the backward's q / dout (when Sk > 64); in the backward lse2 and
+    than once, Sq > 128 or GQA; kept by the calling thread up to 16 MiB) and the backward's q / dout (when Sk > 64); in the backward lse2 and
     Drow [B, Hq, Sq] plus, unless dq accumulates in place (f32, one chunk), an f32 dq buffer per chunk.
     """
     D, bq, bk = hdim, 128, 64
     fp32_products = dtype != "bf16"  # bf16 runs vdpbf16ps on this project's CPUs (AVX512_BF16)
     fwd_ws = D * bq + bk * bq + bq * D + 2 * bk * D + (bk // 2) * bq + 3 * bq + 2 * bk * bq + bq
     fwd_pack = (4 * 2 * batch * kv_heads * sk * D + 4 * batch * kv_heads * -(-sk // bk)
-                if fp32_products and (sq > bq or heads > kv_heads) and 8 * sk * D > 512 * 1024 else 0)
+                if fp32_products and (sq > bq or heads > kv_heads) else 0)
     fwd = 4 * fwd_ws * max(1, min(threads, batch * heads * -(-sq // bq))) + fwd_pack
     if direction == "fwd":
         return fwd
@@ -224,10 +224,51 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _other_threads_running() -> bool | None:
+    """Whether a thread of this process other than the caller is running or waiting for a CPU
+    (Linux /proc; None where that cannot be read)."""
+    import threading
+    me = str(threading.get_native_id())
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # the thread ended
+            continue
+        if stat[stat.rfind(")") + 2] in "RD":
+            return True
+    return False
+
+
+def _settle(limit: float = 0.5, step: float = 0.002) -> None:
+    """Waits (at most `limit` s) until the process's other threads have finished what a call left
+    behind after its result was ready (XLA frees a large module's temporaries on a pool thread:
+    ~15 ms of CPU time after the S=2048 f32 forward): until none of them is running or runnable
+    (where /proc cannot tell, until a `step`-long sleep costs the process under a tenth of it in
+    CPU time, which a descheduled thread can fool)."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        running = _other_threads_running()
+        if running is False:
+            return
+        c = time.process_time()
+        time.sleep(step)
+        if running is None and time.process_time() - c < 0.1 * step:
+            return
+
+
 def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int,
                        clock=time.perf_counter) -> dict:
     """Per impl: samples of seconds per call (by `clock`), taken in rounds (one sample of each impl
-    per round)."""
+    per round). Each sample ends when the process is quiet again (_settle): with the process's CPU
+    time as the clock the work an impl leaves to other threads is its own (sleeping costs no CPU
+    time), and no impl's sample starts while another's is still running."""
     import jax
     once = {}
     for name, f in fns.items():
@@ -235,9 +276,11 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
         t = time.perf_counter()
         jax.block_until_ready(f(*args))
         once[name] = max(time.perf_counter() - t, 1e-7)
+    _settle()
     per_sample = min_time / repeats
     counts = {n: max(1, int(per_sample / o)) for n, o in once.items()}
     samples: dict = {n: [] for n in fns}
+    cpu_clock = clock is time.process_time
     for _ in range(repeats):
         for name, f in fns.items():
             n = counts[name]
@@ -247,14 +290,22 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
                     t = clock()
                     jax.block_until_ready(f(*args))
                     ts.append(clock() - t)
-                samples[name].extend(ts)
+                t = clock()
+                _settle()
+                tail = (clock() - t) / n if cpu_clock else 0.0
+                samples[name].extend(x + tail for x in ts)
             else:
                 t = clock()
                 out = None
                 for _ in range(n):
                     out = f(*args)
                 jax.block_until_ready(out)
-                samples[name].append((clock() - t) / n)
+                took = clock() - t
+                t = clock()
+                _settle()
+                if cpu_clock:
+                    took += clock() - t
+                samples[name].append(took / n)
     return samples
 
 

@@ -1,5 +1,8 @@
 """`flashgen bench --platform cpu` on tiny shapes: exported modules, original vs rewritten."""
+import hashlib
 import json
+import threading
+import time
 
 import pytest
 
@@ -117,3 +120,26 @@ def test_cpu_time_clock(tmp_path):
     recs = json.loads(out.read_text())["results"]
     assert [r["impl"] for r in recs] == ["xla", "flashgen"]
     assert all(r["clock"] == "process CPU time" and r["ms"] > 0 for r in recs)
+
+
+def test_cpu_time_charges_each_impl_its_own_deferred_work():
+    # XLA frees a large module's temporaries on a pool thread after its result is ready (~15 ms
+    # after the S=2048 f32 forward): with the process's CPU time as the clock that work belongs to
+    # the impl that left it, not to the next one in the round.
+    def burn(seconds):  # CPU time on another thread, without holding the GIL (hashing releases it)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            hashlib.sha256(bytes(1 << 20)).digest()
+
+    def leaves_work():
+        threading.Thread(target=burn, args=(0.04,)).start()
+        return 0.0
+
+    def waits():  # long enough to see another thread's leftover work, costing no CPU time itself
+        time.sleep(0.06)
+        return 0.0
+
+    samples = bench_cpu._interleaved_times({"leaves_work": leaves_work, "waits": waits}, (), latency=False,
+                                           min_time=0.0, repeats=2, clock=time.process_time)
+    assert min(samples["leaves_work"]) > 0.03, samples
+    assert max(samples["waits"]) < 0.015, samples

@@ -31,7 +31,7 @@ CASES = {
     "q_row_causal": ("f32", True, 70, 70, "q"),
     "k_key_causal": ("f32", True, 70, 70, "k"),
     "v_row_causal": ("f32", True, 70, 70, "v"),
-    # Long enough (fp32 K and V of the kv head > 512 KiB) for the forward to pack K / V once per call.
+    # Several q blocks and key blocks: the forward packs K / V once per call.
     "v_row_causal_long": ("f32", True, 2100, 2100, "v"),
     "k_key_bf16": ("bf16", True, 70, 70, "k"),
     # Unmasked, several key blocks: a NaN key after the first block meets the forward's

@@ -450,6 +450,38 @@ static void test_parallel_for() {
   check(total.load() == 4 * 50 * 4950, "parallel_for: concurrent callers on the own pool");
 }
 
+// CallScratch: the calling thread's buffer is kept for its next call up to the size limit; a
+// larger request, or one made while the kept buffer is in use, gets its own.
+static void test_call_scratch() {
+  bool ok = true;
+  std::thread([&] {
+    const size_t keep = 1 << 20;
+    const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
+    const float* first;
+    {
+      const fc::detail::CallScratch a(100, keep);
+      first = a.data();
+      ok = ok && first != nullptr && aligned(first);
+    }
+    {
+      const fc::detail::CallScratch b(50, keep);
+      ok = ok && b.data() == first;  // kept
+    }
+    {
+      const fc::detail::CallScratch grown(keep / sizeof(float), keep);  // grows the kept buffer
+      float* g = grown.data();
+      for (size_t i = 0; i < keep / sizeof(float); ++i) g[i] = float(i);
+      ok = ok && aligned(g) && g[keep / sizeof(float) - 1] == float(keep / sizeof(float) - 1);
+      const fc::detail::CallScratch nested(10, keep);  // the kept buffer is in use
+      ok = ok && nested.data() != g && aligned(nested.data());
+      const fc::detail::CallScratch big(keep / sizeof(float) + 1, keep);  // over the limit
+      ok = ok && big.data() != g && big.data() != nested.data() && aligned(big.data());
+      big.data()[keep / sizeof(float)] = 1.0f;
+    }
+  }).join();
+  check(ok, "CallScratch: kept per thread up to its limit, own buffers beyond it and while in use");
+}
+
 static void test_transpose() {
   std::mt19937 rng(7);
   bool ok = true;
@@ -509,6 +541,11 @@ static void run_type(std::mt19937_64& rng) {
   // Scores that grow along the keys: the forward's later key blocks raise the running max
   // beyond its slack (forward.h kExpSlack), so each is computed again the standard way.
   run_case<T, 64>({1, 100, 300, 2, 1, false, false, 0.05f}, 2, rng);
+  // Blocks crossing the causal diagonal after the first take the epilogue's exponentials too
+  // (fwd_tiles.h ExpAgainstCausal): an offset that is not a multiple of the micro-tile's 4 rows,
+  // and a partial last q block at D=128.
+  run_case<T, 64>({1, 200, 301, 2, 1, true, true}, 2, rng);
+  run_case<T, 128>({1, 259, 258, 2, 2, true, false}, 1, rng);
   // Helpers that start late / never: the caller finishes the work alone.
   LateWorkers late;
   NoWorkers none;
@@ -1229,11 +1266,46 @@ static void test_split_plan() {
   check(none.nsplit == 1, "split-KV plan: no split with 64 row blocks on 8 threads");
 }
 
+// A running max that jumps far beyond the forward's slack (forward.h kExpSlack) in a key block
+// after the first, crossing the causal diagonal or not: q = 1, keys 0 (scores 0) up to key 191,
+// then keys of 16s (scores 128, exact: 2^184.7 in the kernel's base-2 units against the settled
+// max 0). The block must be computed again with the new max; exponentials against the old one
+// overflow to inf.
+template <typename T>
+static void test_fwd_max_jump(std::mt19937_64& rng) {
+  constexpr int D = 64;
+  const int64_t S = 256, n = S * D;
+  for (bool causal : {true, false}) {
+    std::vector<T> q(size_t(n), Traits<T>::from(1.0f)), k(size_t(n), Traits<T>::from(0.0f));
+    const std::vector<T> v = random_vec<T>(size_t(n), rng);
+    for (int64_t j = 0; j < S; ++j)
+      for (int d = 0; d < D; ++d) k[size_t(j * D + d)] = Traits<T>::from(j >= 192 ? 16.0f : 0.0f);
+    std::vector<T> o(size_t(n), Traits<T>::nan());
+    std::vector<float> lse(size_t(S), std::numeric_limits<float>::quiet_NaN());
+    const AttentionShape s{1, S, S, 1, 1, D};
+    const AttentionAttrs a{0.125f, causal, false};
+    fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
+    Prob p;
+    p.Sq = p.Sk = S, p.D = D, p.scale = 0.125, p.causal = causal;
+    p.q = to_double(q), p.k = to_double(k), p.v = to_double(v);
+    RefOut r;
+    reference(p, r, false, 0);
+    Err eo, el;
+    compare(o, r.o, r.mo, eo, mtol_for_products(fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value));
+    compare_lse(lse, r.lse, el);
+    check(eo.ok && el.ok, std::string("forward, the max jumping by 2^184 in a later key block: ") + Traits<T>::name() +
+                              (causal ? " causal" : " full"));
+  }
+}
+
 static void run_all_variants(std::mt19937_64& rng) {
   test_split_plan();
   run_variants_type<float>(rng);
   run_variants_type<fc::bf16>(rng);
   run_variants_type<fc::f16>(rng);
+  test_fwd_max_jump<float>(rng);
+  test_fwd_max_jump<fc::bf16>(rng);
+  test_fwd_max_jump<fc::f16>(rng);
   test_determinism<float, 64>();
   test_determinism<fc::bf16, 64>();
   test_determinism<fc::f16, 128>();
@@ -1256,6 +1328,7 @@ int main() {
   const auto t0 = std::chrono::steady_clock::now();
   test_conversions();
   test_parallel_for();
+  test_call_scratch();
   test_transpose();
   std::printf("bf16 products on vdpbf16ps: %s\n", fc::detail::kBf16Dot ? "yes" : "no");
   std::mt19937_64 rng(42);

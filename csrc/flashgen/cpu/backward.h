@@ -271,10 +271,9 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         gemm<uint32_t, false>(nq, nkp, DV / 2, dOb, DV / 2, 1, reinterpret_cast<const uint32_t*>(Vt), BK, dS, BK);
 #endif
       } else if (fused) {
-        gemm_spans<false>(nq, nkp, Qp, ldqf, 1, Kt, BK, P, BK, WholeSpan{nkp / W, D},
-                          [&](int64_t r) { return ProbsEpilogue{cv, L + r}; });  // P
-        gemm_spans<false>(nq, nkp, dOp, lddo, 1, Vt, BK, dS, BK, WholeSpan{nkp / W, DV},
-                          [&](int64_t r) { return GradEpilogue{scv, Dr + r, P + r * BK, BK}; });  // dS
+        gemm<float, false>(nq, nkp, D, Qp, ldqf, 1, Kt, BK, P, BK, nullptr, FullTile(), ProbsEpilogue{cv, L});  // P
+        gemm<float, false>(nq, nkp, DV, dOp, lddo, 1, Vt, BK, dS, BK, nullptr, FullTile(),
+                           GradEpilogue{scv, Dr, P, BK});  // dS
       } else if (diag) {
         gemm_spans<false>(nq, nkp, Qp, ldqf, 1, Kt, BK, P, BK,
                           [&](int64_t r, int rows) { return bb.scores(r, rows, D); });  // S

@@ -17,23 +17,12 @@ struct TileSpan {
   int64_t v0, v1, k0, k1;
 };
 
-// Every micro-tile of a block, all K steps.
-struct WholeSpan {
-  int64_t nv, K;
-  FLASHGEN_CPU_INLINE TileSpan operator()(int64_t, int) const { return {0, nv, 0, K}; }
-};
-// The epilogue of every row group: Plain.
-struct PlainRows {
-  FLASHGEN_CPU_INLINE Plain operator()(int64_t) const { return Plain(); }
-};
-
 // fp32 C[M][N] (=|+=) A B as gemm (tiles.h) does, each row group restricted to
 // span(r, rows); tiles and K steps outside it are not computed (C there is not
 // written: callers read none of it, or only products of zero weights belong there).
-// The row group from row r stores its tiles through the epilogue epi_of(r).
-template <bool ACC, typename Span, typename EpiOf = PlainRows>
+template <bool ACC, typename Span>
 inline void gemm_spans(int64_t M, int64_t N, const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, const Span& span, const EpiOf& epi_of = EpiOf()) {
+                       float* C, int64_t ldc, const Span& span) {
   const int64_t nvt = N / W;
   for (int64_t vg = 0; vg < nvt; vg += NVMAX) {
     const int64_t vge = std::min<int64_t>(nvt, vg + NVMAX);
@@ -43,7 +32,7 @@ inline void gemm_spans(int64_t M, int64_t N, const float* A, int64_t sar, int64_
       const int64_t vb = std::max(vg, t.v0), ve = std::min(vge, t.v1);
       if (vb >= ve || t.k1 <= t.k0) continue;
       micro_any<float, ACC, false>(rows, static_cast<int>(ve - vb), t.k1 - t.k0, A + r * sar + t.k0 * sak, sar, sak,
-                                   B + t.k0 * ldb + vb * W, ldb, C + r * ldc + vb * W, ldc, nullptr, epi_of(r), vb);
+                                   B + t.k0 * ldb + vb * W, ldb, C + r * ldc + vb * W, ldc, nullptr, Plain(), r, vb);
     }
   }
 }
@@ -71,19 +60,21 @@ struct BlockBand {
 // Epilogues of a block where every pair is visible (no band, extras or softcap),
 // the row terms of the backward computed while the products' tiles are in registers,
 // as the separate pass over P and dS would (the same operations, the same bits).
-// Rows [r0, r0 + 4) of S = Q K^T become P = 2^(S * c - lse2).
+// Row r of S = Q K^T becomes P = 2^(S * c - lse2).
 struct ProbsEpilogue {
   vf cv;
-  const float* lse2;  // of row r0
-  FLASHGEN_CPU_INLINE vf operator()(int r, int64_t, vf acc) const { return exp2v(vfma(acc, cv, splat(-lse2[r]))); }
+  const float* lse2;  // of the block's first row
+  FLASHGEN_CPU_INLINE vf operator()(int64_t r, int64_t, vf acc) const {
+    return exp2v(vfma(acc, cv, splat(-lse2[r])));
+  }
 };
-// Rows [r0, r0 + 4) of dP = dO V^T become dS = P o (dP - Drow) * scale.
+// Row r of dP = dO V^T becomes dS = P o (dP - Drow) * scale.
 struct GradEpilogue {
   vf scv;
-  const float* drow;  // of row r0
-  const float* p;     // P's row r0
+  const float* drow;  // of the block's first row
+  const float* p;     // P of the block
   int64_t ldp;
-  FLASHGEN_CPU_INLINE vf operator()(int r, int64_t v, vf acc) const {
+  FLASHGEN_CPU_INLINE vf operator()(int64_t r, int64_t v, vf acc) const {
     return loadv(p + r * ldp + v * W) * (acc - splat(drow[r])) * scv;
   }
 };

@@ -13,13 +13,14 @@
 //     horizontal reductions), exponentials in base 2 with the scale folded in
 //     (in unmasked blocks the scale and the max are the GEMM's epilogue; once
 //     a row block's max is set, P = 2^(S - m) too while no score exceeds m by
-//     more than kExpSlack: no separate pass, no rescale; else the block is redone),
+//     more than kExpSlack, in blocks crossing the causal diagonal as well, masked
+//     scores -inf: no separate pass, no rescale; else the block is redone),
 //     O = diag(alpha) O + P V    (P read transposed from St; the alpha scaling
 //     only where a row's max moved).
 //   Work items run one (batch, head)'s q blocks in a row. With fp32 products
 //   the dense forward packs K and V to contiguous fp32 once per call when a key
-//   block is read more than once (several q blocks or a GQA group) and a kv
-//   head's K and V outgrow half an L2, instead of gathering each block per q block; the backward packs q and dout the same
+//   block is read more than once (several q blocks or a GQA group), instead of
+//   gathering each block per q block; the backward packs q and dout the same
 //   way (with its row terms) when there is more than one key block.
 //   Key blocks that are fully masked (causal) are skipped; in blocks that cross
 //   the diagonal the products skip the masked micro-tiles (a key-row group

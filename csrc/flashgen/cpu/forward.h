@@ -231,8 +231,13 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
 
     // St = K * Qt : scores, one key per row, query rows along the lanes.
     const E* Kp;
+    int64_t ldk = KD;
     if constexpr (BF) {
       Kp = gather_pairs<T, D>(krows, k0, nk, Kc);
+    } else if constexpr (std::is_same<Rows, DenseRows<float>>::value) {
+      // f32 rows that were not packed (read once per call, but for varlen): in place, no copy.
+      Kp = p.kv != nullptr ? p.kv->k + k0 * D : krows(k0);
+      ldk = p.kv != nullptr ? D : krows.ld;
     } else {
       Kp = p.kv != nullptr ? p.kv->k + k0 * D : gather_f32<T, D>(krows, k0, nk, Kc);
     }
@@ -250,10 +255,19 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       mfinite &= (vi)(msub[t] - msub[t] == zero);
       lacc[t] = zero;
     }
-    bool settled = plain;
+    // A block crossing the causal diagonal takes the same path, its masked scores
+    // -inf in the epilogue; the tiles ScoreTiles skips hold no visible pair, and
+    // O += P V (ValueTiles) reads none of them.
+    bool settled = plain || (diag && x == nullptr && !capped);
     for (int l = 0; l < W; ++l) settled &= mfinite[l] != 0;
     if (settled) {
-      gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ExpAgainst{cv, msub, mx, lacc});
+      const ExpAgainst exp_against{cv, msub, mx, lacc};
+      const ScoreTiles diag_tiles{k0 - off - q0};
+      if (diag)
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, diag_tiles,
+                       ExpAgainstCausal{exp_against, diag_tiles.c, iota});
+      else
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(), exp_against);
       vi within = splat_i(-1);  // false for a NaN max too
       for (int t = 0; t < nv; ++t) within &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
       fused = true;
@@ -266,11 +280,11 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
     bool rescale = false;
     if (!fused) {
       if (plain)
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ScaledMax{cv, mx});
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(), ScaledMax{cv, mx});
       else if (diag)
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, ScoreTiles{k0 - off - q0});
       else
-        gemm<E, false>(nk, nqp, KD, Kp, KD, 1, Qe, BQ, St, BQ);
+        gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ);
 
       if (capped) {
         const vf capv = splat(a.softcap), cinv = splat(cap_in);
@@ -356,18 +370,25 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
       nbad = take_nonfinite_rows_bf16<DV>([&](int64_t r) { return vrows(k0 + r); }, nk, Vp, badv);
       pack_p_pairs(St, BQ, nk, nqp, Pb, BQ);
       const int64_t kp = (nk + 1) / 2;
-      value_product<uint32_t, DV>(rescale, diag, nq, kp, Pb, Vp, Oacc, alpha, ValueTiles<2>{off + q0 - k0});
+      value_product<uint32_t, DV>(rescale, diag, nq, kp, Pb, Vp, DV, Oacc, alpha, ValueTiles<2>{off + q0 - k0});
 #endif
     } else {
       const float* Vp = Vc;
-      if (p.kv != nullptr) {
+      int64_t ldv = DV;
+      bool in_place = false;  // the same for V, unless a row must be zeroed
+      if constexpr (std::is_same<Rows, DenseRows<float>>::value) {
+        in_place = p.kv == nullptr;
+        for (int64_t j = 0; j < nk && in_place; ++j) in_place = !row_nonfinite<DV>(vrows(k0 + j));
+        if (in_place) Vp = vrows(k0), ldv = vrows.ld;
+      }
+      if (!in_place && p.kv != nullptr) {
         Vp = p.kv->v + k0 * DV;
         nbad = packed_nonfinite_rows<T, DV>(*p.kv, vrows, k0, nk, badv);
-      } else {
+      } else if (!in_place) {
         gather_f32<T, DV>(vrows, k0, nk, Vc);
         nbad = take_nonfinite_rows<DV>(Vc, nk, DV, badv);
       }
-      value_product<float, DV>(rescale, diag, nq, nk, St, Vp, Oacc, alpha, ValueTiles<1>{off + q0 - k0});
+      value_product<float, DV>(rescale, diag, nq, nk, St, Vp, ldv, Oacc, alpha, ValueTiles<1>{off + q0 - k0});
     }
     if (nbad > 0)
       add_nonfinite_terms<DV>(
@@ -548,12 +569,6 @@ void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const Atte
   if (ns > 1) merge_splits<T, D>(opart.p, lpart.p, ns, B, Sq, Hq, o, lse, num_threads, workers);
 }
 
-// Measured on Zen 4, f32 D=64, 1 thread: packing is 10 % slower at S=512, even
-// at S=1024, 18 % faster at S=4096.
-#ifndef FLASHGEN_CPU_FWD_PACK_BYTES
-#define FLASHGEN_CPU_FWD_PACK_BYTES (512 * 1024)
-#endif
-
 // Packs k and v ([B][Sk][Hkv][D]) to kp, vp ([B][Hkv][Sk][D] fp32) in chunks of
 // kFwdBk rows, zeroing V rows that hold a NaN or an infinity (counted per chunk
 // in vbad [B][Hkv][chunks]).
@@ -583,16 +598,16 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
   const int64_t G = Hq / Hkv;
   const double flops = 2.0 * double(B * Hq) * std::max(visible_pairs(s, a), double(Sq)) * (D + DV);
   // fp32 products gather each key / value block once per q block and q head of
-  // the group: pack them once per call instead when that is more than once and
-  // a kv head's K and V outgrow FLASHGEN_CPU_FWD_PACK_BYTES (half an L2); smaller
-  // ones stay cached across the head's q blocks, which run in a row, and there
-  // the packing pass costs more than it saves (bf16 pairs are gathered per block).
+  // the group: pack them once per call instead when that is more than once (into
+  // the calling thread's kept buffer: measured on Zen 4, f32, 1 thread, 2-5 %
+  // faster from S=256 to 1024 and 18 % at S=4096; a buffer freshly mapped per
+  // call made it 10 % slower at S=512). bf16 pairs are gathered per block.
   const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, k_elems = B * Hkv * Sk * D;
-  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1) &&
-                    Sk * (D + DV) * int64_t(sizeof(float)) > FLASHGEN_CPU_FWD_PACK_BYTES;
-  AlignedFloats kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
+  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1);
+  const CallScratch kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
   std::vector<int32_t> vbad(pack ? size_t(B * Hkv * nkc) : 0);
-  if (pack) pack_kv<T, D, DV>(k, v, B, Sk, Hkv, kvbuf.p, kvbuf.p + k_elems, vbad.data(),
+  float* const kvp = kvbuf.data();
+  if (pack) pack_kv<T, D, DV>(k, v, B, Sk, Hkv, kvp, kvp + k_elems, vbad.data(),
                               threads_for(num_threads, flops), workers);
   fwd_batched<T, DV>(
       o, lse, B, Sq, Hq, a, num_threads, workers, kv_splits, flops, [&](int64_t) { return Sk; },
@@ -606,7 +621,7 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
         }
         const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * DV, Hkv * DV};
         const int64_t bhk = b * Hkv + hk;
-        const PackedKV kv{kvbuf.p + bhk * Sk * D, kvbuf.p + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
+        const PackedKV kv{kvp + bhk * Sk * D, kvp + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
         if (pack) p.kv = &kv;
         fwd_item<T, D, DV>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D, DV>()));
       });

@@ -2,7 +2,9 @@
 // epilogues (scale and max; exponentials against a settled max) and O += P V.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "flashgen/cpu/tiles.h"
 
@@ -36,14 +38,14 @@ struct ValueTiles {
 // block's tiles only when `diag`.
 template <typename E, int DV, typename Tiles>
 FLASHGEN_CPU_INLINE void value_product(bool rescale, bool diag, int64_t nq, int64_t K, const E* P, const E* V,
-                                       float* Oacc, const float* alpha, const Tiles& tiles) {
+                                       int64_t ldv, float* Oacc, const float* alpha, const Tiles& tiles) {
   constexpr int BQ = kFwdBq;
   if (rescale) {
-    if (diag) gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV, alpha, tiles);
-    else gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV, alpha);
+    if (diag) gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV, alpha, tiles);
+    else gemm<E, true, true>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV, alpha);
   } else {
-    if (diag) gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV, nullptr, tiles);
-    else gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, DV, Oacc, DV);
+    if (diag) gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV, nullptr, tiles);
+    else gemm<E, true, false>(nq, DV, K, P, 1, BQ, V, ldv, Oacc, DV);
   }
 }
 
@@ -57,12 +59,27 @@ struct ExpAgainst {
   const vf* m;
   vf* mx;
   vf* sum;
-  FLASHGEN_CPU_INLINE vf operator()(int64_t v, vf acc) const {
-    const vf y = acc * cv;
+  FLASHGEN_CPU_INLINE vf operator()(int64_t v, vf acc) const { return scaled(v, acc * cv); }
+  // The same for scores y already in base-2 units.
+  FLASHGEN_CPU_INLINE vf scaled(int64_t v, vf y) const {
     mx[v] = vmax(mx[v], y);
     const vf p = exp2v(y - m[v]);
     sum[v] += p;
     return p;
+  }
+};
+
+// ExpAgainst in a block crossing the causal diagonal (key row `row` sees the
+// local query lanes >= row + c): masked scores are -inf, so P = 0 there whatever
+// the score was (NaN included), as in the separate pass.
+struct ExpAgainstCausal {
+  ExpAgainst e;
+  int64_t c;
+  vi iota;
+  FLASHGEN_CPU_INLINE vf operator()(int64_t row, int64_t v, vf acc) const {
+    const int64_t lo = std::min<int64_t>(std::max<int64_t>(row + c - v * W, -1), W);
+    const vf y = acc * e.cv;
+    return e.scaled(v, iota >= splat_i(static_cast<int32_t>(lo)) ? y : splat(-std::numeric_limits<float>::infinity()));
   }
 };
 

@@ -289,6 +289,49 @@ inline float* thread_workspace(size_t n) {
   return buf.p;
 }
 
+#ifndef FLASHGEN_CPU_KEEP_BYTES
+#define FLASHGEN_CPU_KEEP_BYTES (16 << 20)
+#endif
+
+// Scratch of n floats for one call, 64-byte aligned. Up to keep_bytes it is a
+// buffer of the calling thread kept for its next call: a freshly mapped one takes a page fault
+// per 4 KiB on first touch (the f32 forward's 8 MiB of packed K / V at S=2048: ~3.5 ms of its
+// 88 in a JAX process, whose allocations keep glibc from reusing the pages); larger ones, whose
+// faults weigh less against the call's O(S^2) work, are the call's own.
+class CallScratch {
+ public:
+  explicit CallScratch(size_t n, size_t keep_bytes = FLASHGEN_CPU_KEEP_BYTES) {
+    thread_local AlignedFloats kept;
+    thread_local size_t cap = 0;
+    thread_local bool busy = false;  // a call made from inside a call gets its own
+    if (n == 0) return;
+    if (n * sizeof(float) > keep_bytes || busy) {
+      own_ = AlignedFloats(n);
+      p_ = own_.p;
+      return;
+    }
+    if (cap < n) {
+      kept = AlignedFloats();
+      kept = AlignedFloats(n);
+      cap = n;
+    }
+    p_ = kept.p;
+    busy_ = &busy;
+    busy = true;
+  }
+  CallScratch(const CallScratch&) = delete;
+  CallScratch& operator=(const CallScratch&) = delete;
+  ~CallScratch() {
+    if (busy_) *busy_ = false;
+  }
+  float* data() const { return p_; }
+
+ private:
+  AlignedFloats own_;
+  float* p_ = nullptr;
+  bool* busy_ = nullptr;
+};
+
 #ifndef FLASHGEN_CPU_FLOPS_PER_THREAD
 #define FLASHGEN_CPU_FLOPS_PER_THREAD 2e6
 #endif

@@ -58,17 +58,20 @@ struct Plain {
   FLASHGEN_CPU_INLINE vf operator()(int64_t, vf acc) const { return acc; }
 };
 
-// An epilogue taking (row of the micro-tile, column vector, accumulator) gets the row too.
+// An epilogue callable as (row, column vector, acc) also gets the row of the
+// accumulator (fwd_tiles.h's causal one masks by it).
 template <typename Epi>
-FLASHGEN_CPU_INLINE vf apply_epilogue(const Epi& epi, int r, int64_t v, vf acc) {
-  if constexpr (std::is_invocable<const Epi&, int, int64_t, vf>::value) return epi(r, v, acc);
-  else return epi(v, acc);
+FLASHGEN_CPU_INLINE vf apply_epilogue(const Epi& epi, int64_t row, int64_t v, vf acc) {
+  if constexpr (std::is_invocable_v<const Epi&, int64_t, int64_t, vf>)
+    return epi(row, v, acc);
+  else
+    return epi(v, acc);
 }
 
 template <typename E, int R, int NV, bool ACC, bool SCALE, typename Epi>
 inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t sak, const E* __restrict B,
                          int64_t ldb, float* __restrict C, int64_t ldc, const float* __restrict rs, const Epi& epi,
-                         int64_t vcol) {
+                         int64_t row, int64_t vcol) {
   vf acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -102,19 +105,19 @@ inline void micro_kernel(int64_t K, const E* __restrict A, int64_t sar, int64_t 
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, apply_epilogue(epi, r, vcol + v, acc[r][v]));
+    for (int v = 0; v < NV; ++v) storev(C + r * ldc + v * W, apply_epilogue(epi, row + r, vcol + v, acc[r][v]));
 }
 
 template <typename E, int R, bool ACC, bool SCALE, typename Epi>
 inline void micro_rows(int nv, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B, int64_t ldb, float* C,
-                       int64_t ldc, const float* rs, const Epi& epi, int64_t vcol) {
+                       int64_t ldc, const float* rs, const Epi& epi, int64_t row, int64_t vcol) {
   static_assert(NVMAX == 2 || NVMAX == 4, "NVMAX");
   switch (nv) {
-    case 1: micro_kernel<E, R, 1, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
-    case 2: micro_kernel<E, R, 2, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 1: micro_kernel<E, R, 1, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
+    case 2: micro_kernel<E, R, 2, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
 #if FLASHGEN_CPU_VBYTES == 64
-    case 3: micro_kernel<E, R, 3, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
-    case 4: micro_kernel<E, R, 4, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 3: micro_kernel<E, R, 3, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
+    case 4: micro_kernel<E, R, 4, ACC, SCALE>(K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
 #endif
     default: break;
   }
@@ -123,13 +126,13 @@ inline void micro_rows(int nv, int64_t K, const E* A, int64_t sar, int64_t sak, 
 template <typename E, bool ACC, bool SCALE, typename Epi>
 FLASHGEN_CPU_INLINE void micro_any(int rows, int nv, int64_t K, const E* A, int64_t sar, int64_t sak, const E* B,
                                    int64_t ldb, float* C, int64_t ldc, const float* rs, const Epi& epi,
-                                   int64_t vcol) {
+                                   int64_t row, int64_t vcol) {
   static_assert(RMAX == 4, "RMAX");
   switch (rows) {
-    case 4: micro_rows<E, 4, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
-    case 3: micro_rows<E, 3, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
-    case 2: micro_rows<E, 2, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
-    case 1: micro_rows<E, 1, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, vcol); break;
+    case 4: micro_rows<E, 4, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
+    case 3: micro_rows<E, 3, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
+    case 2: micro_rows<E, 2, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
+    case 1: micro_rows<E, 1, ACC, SCALE>(nv, K, A, sar, sak, B, ldb, C, ldc, rs, epi, row, vcol); break;
     default: break;
   }
 }
@@ -159,7 +162,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t sar, int64
       const int64_t kl = std::min(K, tiles.klen(r, rows, K));
       if (vb >= ve || kl <= 0) continue;
       micro_any<E, ACC, SCALE>(rows, static_cast<int>(ve - vb), kl, A + r * sar, sar, sak, B + vb * W, ldb,
-                               C + r * ldc + vb * W, ldc, rs + (SCALE ? r : 0), epi, vb);
+                               C + r * ldc + vb * W, ldc, rs + (SCALE ? r : 0), epi, r, vb);
     }
   }
 }
