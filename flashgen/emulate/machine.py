@@ -710,10 +710,7 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for first in range(0, len(order), per_wave):
-                # which CTAs share a wave is the seeded order's; within it they stand in the order of
-                # their linear index, so that CTAs that do the same work (a batch's, a head's: adjacent
-                # indices) are adjacent warps and keep stepping together (paged: 30 % fewer steps)
-                wave = _Wave([blocks[i] for i in sorted(order[first:first + per_wave])], grid, memory, pbuf,
+                wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
                              kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
                 if program.hopper:
                     hopper_state.attach(wave.warps[0].smem)
