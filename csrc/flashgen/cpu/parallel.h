@@ -276,17 +276,26 @@ struct AlignedFloats {
   }
 };
 
-// This thread's scratch space of at least n floats, 64-byte aligned, kept for
-// the next call (it only grows).
-inline float* thread_workspace(size_t n) {
-  thread_local AlignedFloats buf;
-  thread_local size_t cap = 0;
-  if (cap < n) {
-    buf = AlignedFloats();
-    buf = AlignedFloats(n);
-    cap = n;
+// A buffer kept between uses that only grows (the old one is freed before the
+// new one is mapped).
+struct GrowingFloats {
+  AlignedFloats buf;
+  size_t cap = 0;
+  float* at_least(size_t n) {
+    if (cap < n) {
+      buf = AlignedFloats();
+      buf = AlignedFloats(n);
+      cap = n;
+    }
+    return buf.p;
   }
-  return buf.p;
+};
+
+// This thread's scratch space of at least n floats, 64-byte aligned, kept for
+// the next call.
+inline float* thread_workspace(size_t n) {
+  thread_local GrowingFloats buf;
+  return buf.at_least(n);
 }
 
 #ifndef FLASHGEN_CPU_KEEP_BYTES
@@ -301,8 +310,7 @@ inline float* thread_workspace(size_t n) {
 class CallScratch {
  public:
   explicit CallScratch(size_t n, size_t keep_bytes = FLASHGEN_CPU_KEEP_BYTES) {
-    thread_local AlignedFloats kept;
-    thread_local size_t cap = 0;
+    thread_local GrowingFloats kept;
     thread_local bool busy = false;  // a call made from inside a call gets its own
     if (n == 0) return;
     if (n * sizeof(float) > keep_bytes || busy) {
@@ -310,12 +318,7 @@ class CallScratch {
       p_ = own_.p;
       return;
     }
-    if (cap < n) {
-      kept = AlignedFloats();
-      kept = AlignedFloats(n);
-      cap = n;
-    }
-    p_ = kept.p;
+    p_ = kept.at_least(n);
     busy_ = &busy;
     busy = true;
   }
