@@ -263,6 +263,14 @@ def _settle(limit: float = 0.5, step: float = 0.002) -> None:
             return
 
 
+def _settled_cpu_time(clock) -> float:
+    """_settle(), and what it took by `clock` when that is the process's CPU time (the work other
+    threads finished meanwhile), else 0: a sleep is nobody's wall time."""
+    t = clock()
+    _settle()
+    return clock() - t if clock is time.process_time else 0.0
+
+
 def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repeats: int,
                        clock=time.perf_counter) -> dict:
     """Per impl: samples of seconds per call (by `clock`), taken in rounds (one sample of each impl
@@ -280,7 +288,6 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
     per_sample = min_time / repeats
     counts = {n: max(1, int(per_sample / o)) for n, o in once.items()}
     samples: dict = {n: [] for n in fns}
-    cpu_clock = clock is time.process_time
     for _ in range(repeats):
         for name, f in fns.items():
             n = counts[name]
@@ -290,9 +297,7 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
                     t = clock()
                     jax.block_until_ready(f(*args))
                     ts.append(clock() - t)
-                t = clock()
-                _settle()
-                tail = (clock() - t) / n if cpu_clock else 0.0
+                tail = _settled_cpu_time(clock) / n
                 samples[name].extend(x + tail for x in ts)
             else:
                 t = clock()
@@ -300,11 +305,7 @@ def _interleaved_times(fns: dict, args, *, latency: bool, min_time: float, repea
                 for _ in range(n):
                     out = f(*args)
                 jax.block_until_ready(out)
-                took = clock() - t
-                t = clock()
-                _settle()
-                if cpu_clock:
-                    took += clock() - t
+                took = clock() - t + _settled_cpu_time(clock)
                 samples[name].append(took / n)
     return samples
 
