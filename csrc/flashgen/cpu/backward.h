@@ -284,7 +284,8 @@ void bwd_block(const BwdProblem<T>& pr, int64_t Hq, int64_t Hkv, const Attention
         gemm<float, false>(nq, nkp, DV, dOp, lddo, 1, Vt, BK, dS, BK);  // dP
       }
 
-      for (int64_t i = 0; i < nq && !(fused && !BF); ++i) {
+      const bool terms_in_epilogues = fused && !BF;  // f32: P and dS are already there
+      for (int64_t i = 0; i < nq && !terms_in_epilogues; ++i) {
         int64_t lo = 0, hi = nk - 1;  // visible local keys [lo, hi]
         if (diag) {
           lo = std::min<int64_t>(std::max<int64_t>(q0 + i + band.lo - k0, 0), nk);
