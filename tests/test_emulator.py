@@ -241,6 +241,22 @@ def test_atomic_add_is_a_chain_per_address(micro, rng):
 
 
 @needs_nvcc
+def test_same_address_atomics_of_one_instruction_go_in_the_seeded_order(micro, rng):
+    """The hardware orders one instruction's updates of an address in no defined way: the
+    emulator's order is the schedule seed's, not lane order (which would make every schedule's
+    f32 sums the same bits), and each order is still one chain."""
+    a = rng.standard_normal(64).astype(np.float32)
+    chains = set()
+    for seed in range(4):
+        acc, old = np.zeros(1, np.float32), np.full(64, np.nan, np.float32)
+        run(micro, "atomic_add", [a, np.zeros(64, np.int32), acc, old, 64], block=(64, 1, 1), seed=seed)
+        # one chain: every add saw a distinct predecessor value, {0} + {old + a} == {old} + {final}
+        assert np.array_equal(np.sort(np.r_[np.float32(0), old + a]), np.sort(np.r_[old, acc]))
+        chains.add(old.tobytes())
+    assert len(chains) > 1, "same-address atomics apply in one order whatever the seed"
+
+
+@needs_nvcc
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
 def test_pair_atomics_sum_exactly_per_address(micro, micro_sm90, rng, arch):
     module = micro if arch == "sm80" else micro_sm90

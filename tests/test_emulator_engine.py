@@ -1,6 +1,6 @@
 """The emulator engine's own bookkeeping, which changes no result but must not lose one: the
-compaction of a wave's register file as its CTAs finish, and the cyclic garbage collector it
-pauses during a launch (flashgen/emulate/heap.py)."""
+compaction of a wave's register file as its CTAs finish, the order its CTAs stand in, and the
+cyclic garbage collector it pauses during a launch (flashgen/emulate/heap.py)."""
 from __future__ import annotations
 
 import gc
@@ -124,3 +124,28 @@ def test_splits_a_warp_agrees_with_per_warp_any_and_all(rng):
         per, w = lanes.reshape(-1, 32), within.reshape(-1, 32)
         assert splits_a_warp(lanes) == bool((per.any(1) & ~per.all(1)).any())
         assert splits_a_warp(lanes, within) == bool((per.any(1) & (per != w).any(1)).any())
+
+
+def test_ctas_of_a_wave_stand_in_index_order_and_the_seed_still_picks_the_waves(uneven, rng, monkeypatch):
+    """Which CTAs share a wave stays the seeded schedule's; within a wave they stand in linear
+    index order (adjacent CTAs do alike work and keep stepping together), and the result holds."""
+    monkeypatch.setattr(machine, "WAVE_LANES", 16 * THREADS)          # 3 waves of 16 CTAs
+    waves = []
+    init = machine._Wave.__init__
+
+    def spy(wave, blocks, *args):
+        waves.append([x for x, _, _ in blocks])
+        init(wave, blocks, *args)
+    monkeypatch.setattr(machine._Wave, "__init__", spy)
+    trips = (np.arange(BLOCKS, dtype=np.int32) % 5)
+    x = rng.standard_normal(BLOCKS * THREADS).astype(np.float32)
+    members = []
+    for seed in (0, 1):
+        waves.clear()
+        out = np.full(BLOCKS * THREADS, np.nan, np.float32)
+        _launch(uneven, trips, x, out, seed)
+        np.testing.assert_allclose(out, _want(trips, x), rtol=1e-5, atol=1e-5)
+        assert [len(w) for w in waves] == [16, 16, 16]
+        assert all(w == sorted(w) for w in waves), waves
+        members.append([frozenset(w) for w in waves])
+    assert members[0] != members[1], "the schedule seed no longer decides which CTAs share a wave"

@@ -706,11 +706,15 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     per_wave = max(1, min(WAVE_LANES // (32 * -(-nthreads // 32)), WAVE_SMEM // max(smem_bytes, 1)))
     t0 = time.perf_counter()
     counts = counters.Counters() if counters.enabled() else None
-    memory.start_launch(track_writers=race_check, counters=counts)
+    memory.start_launch(track_writers=race_check, counters=counts, atomic_order=np.random.default_rng((seed, 1)))
     try:
         with np.errstate(all="ignore"):           # inactive lanes compute on garbage
             for first in range(0, len(order), per_wave):
-                wave = _Wave([blocks[i] for i in order[first:first + per_wave]], grid, memory, pbuf,
+                # which CTAs share a wave is the seeded order's; within it they stand in the order of
+                # their linear index, so that CTAs that do the same work (a batch's, a head's: adjacent
+                # indices) are adjacent warps and keep stepping together (the seeded atomic_order keeps
+                # the order of their atomics varied)
+                wave = _Wave([blocks[i] for i in sorted(order[first:first + per_wave])], grid, memory, pbuf,
                              kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
                 if program.hopper:
                     hopper_state.attach(wave.warps[0].smem)

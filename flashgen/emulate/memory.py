@@ -47,6 +47,7 @@ class GlobalMemory:
         self._ranges: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, name, bytes view)
         self._starts_np = np.zeros(0, np.int64)
         self.counters = None            # counters.Counters of the running launch, if it counts
+        self.atomic_order = None        # start_launch's
 
     def add(self, address: int, nbytes: int, name: str) -> None:
         if address <= 0 or nbytes < 0:
@@ -108,16 +109,19 @@ class GlobalMemory:
         return parts
 
     # -- CTA ownership of bytes within one launch ----------------------------------------------
-    def start_launch(self, track_writers: bool, counters=None) -> None:
+    def start_launch(self, track_writers: bool, counters=None, atomic_order=None) -> None:
+        """`atomic_order`: a seeded np.random.Generator that orders the updates of one element by
+        one instruction (the hardware orders them in no defined way), else lane order."""
         self._owners = {} if track_writers else None
         self._readers = {}
         self.counters = counters
-
+        self.atomic_order = atomic_order
 
     def end_launch(self) -> None:
         self._owners = None
         self._readers = {}
         self.counters = None
+        self.atomic_order = None
 
     @staticmethod
     def _words(start, idx):
@@ -229,7 +233,8 @@ class GlobalMemory:
 
     def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic",
                    cta: int | None = None) -> np.ndarray:
-        """Apply `values` one lane after another (lane order; duplicates accumulate); return old values."""
+        """Apply `values` one lane after another (duplicates accumulate) and return the old values;
+        the updates of one element go in the launch's seeded atomic_order, else in lane order."""
         dt = values.dtype
         n = dt.itemsize
         old = np.empty_like(values)
@@ -249,9 +254,10 @@ class GlobalMemory:
                 typed[elems] = prev + vals
             else:
                 prev = np.empty_like(vals)
-                # round r applies each element's r-th update (in lane order): the elements of one
-                # round are distinct, so it is one vectorized read-modify-write
-                rank = _occurrence(elems)
+                # round r applies each element's r-th update: the elements of one round are
+                # distinct, so it is one vectorized read-modify-write
+                rank = _occurrence(elems, None if self.atomic_order is None else
+                                   self.atomic_order.permutation(elems.size))
                 for r in range(int(rank.max()) + 1):    # (under the launch's errstate)
                     mine = rank == r
                     e = elems[mine]
@@ -273,9 +279,9 @@ def _gather(view, start, off, nbytes) -> np.ndarray:
     return view[off[:, None] + np.arange(nbytes)]
 
 
-def _occurrence(keys: np.ndarray) -> np.ndarray:
-    """For each position, how many earlier positions hold the same key."""
-    order = np.argsort(keys, kind="stable")
+def _occurrence(keys: np.ndarray, priority: np.ndarray | None = None) -> np.ndarray:
+    """For each position, how many positions before it (or of lower `priority`) hold the same key."""
+    order = np.argsort(keys, kind="stable") if priority is None else np.lexsort((priority, keys))
     ranked = keys[order]
     pos = np.arange(keys.size)
     first = np.maximum.accumulate(np.where(np.r_[True, ranked[1:] != ranked[:-1]], pos, 0))
