@@ -232,12 +232,13 @@ class GlobalMemory:
             view[idx] = data if sel is None else data[sel]
 
     def atomic_add(self, addrs: np.ndarray, values: np.ndarray, what: str = "global atomic",
-                   cta: int | None = None) -> np.ndarray:
-        """Apply `values` one lane after another (duplicates accumulate) and return the old values;
-        the updates of one element go in the launch's seeded atomic_order, else in lane order."""
+                   cta: int | None = None, returns: bool = True) -> np.ndarray | None:
+        """Apply `values` one lane after another (duplicates accumulate) and return the old values
+        (None unless `returns`); the updates of one element go in the launch's seeded
+        atomic_order, else in lane order."""
         dt = values.dtype
         n = dt.itemsize
-        old = np.empty_like(values)
+        old = np.empty_like(values) if returns else None
         for view, off, sel, start in self._locate(addrs, n, what):
             if self._owners is not None and cta is not None:
                 idx = off[:, None] + np.arange(n)
@@ -248,6 +249,12 @@ class GlobalMemory:
             typed = view[: view.size // n * n].view(dt)
             elems = off // n
             vals = values if sel is None else values[sel]
+            if not returns:         # ufunc.at applies repeated elements' updates one after another, in order
+                if self.atomic_order is not None:
+                    order = self.atomic_order.permutation(elems.size)
+                    elems, vals = elems[order], vals[order]
+                np.add.at(typed, elems, vals)
+                continue
             ordered = np.sort(elems)
             if not np.count_nonzero(ordered[1:] == ordered[:-1]):     # distinct elements (the common case): one update
                 prev = typed[elems]

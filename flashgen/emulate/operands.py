@@ -9,10 +9,12 @@ of a narrower type into a wider register extends by the type's signedness.
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.ptx import TYPE_SIZES, Addr, Imm, Kernel, Reg, RegPair, Special, Sym, Vec, shared_layout
+from flashgen.emulate.ptx import TYPE_SIZES, Addr, Imm, Kernel, Reg, RegPair, Special, Sym, TensorAddr, Vec, shared_layout
 
 DTYPES = {
     "pred": np.bool_, "b8": np.uint8, "u8": np.uint8, "s8": np.int8,
@@ -85,6 +87,7 @@ class Operands:
         self.reg_types = kernel.registers
         self.shared_addr = shared_layout(kernel.shared)[0]
         self.param_offset = {p.name: off for p, off in zip(kernel.params, kernel.param_offsets)}
+        self._occurrences = None         # register name -> occurrences in the kernel (is_read)
 
     def reg_type(self, r: Reg) -> str:
         try:
@@ -200,6 +203,18 @@ class Operands:
             raise EmulationError(f"unknown symbol {base.name}")
         return constant(int(immediate(base.text, "s64")) + off, np.int64)
 
+    def is_read(self, op) -> bool:
+        """Whether register `op` may be read: it occurs in the kernel more than once (its write
+        is one occurrence) or as a guard. None (the `_` sink) is never read."""
+        if op is None:
+            return False
+        if self._occurrences is None:
+            self._occurrences = collections.Counter()
+            for ins in self.kernel.instructions:
+                self._occurrences.update(_register_names(ins.operands))
+                self._occurrences[ins.pred] += 2
+        return self._occurrences[op.name] > 1
+
     def vector(self, op) -> list:
         """The element operands of `{a, b, ...}` (or a single operand as a 1-list)."""
         return list(op.items) if isinstance(op, Vec) else [op]
@@ -207,6 +222,18 @@ class Operands:
     def pair(self, op) -> tuple:
         """`d|p` -> (d, p); plain d -> (d, None)."""
         return (op.first, op.second) if isinstance(op, RegPair) else (op, None)
+
+
+def _register_names(operands):
+    for op in operands:
+        if isinstance(op, Reg):
+            yield op.name
+        elif isinstance(op, Vec):
+            yield from _register_names(op.items)
+        elif isinstance(op, RegPair):
+            yield from (op.first.name, op.second.name)
+        elif isinstance(op, (Addr, TensorAddr)):
+            yield from _register_names((op.base, *((op.coords,) if isinstance(op, TensorAddr) else ())))
 
 
 # Parameters live in their own window so that `mov %rd, param` + `ld.param [%rd]` is decodable.

@@ -138,7 +138,9 @@ def atomic(ins, ops):
     else:
         dsts, (target, val) = None, ins.operands
     srcs = [ops.read(s, ty) for s in ops.vector(val)]
-    writers = [ops.write(d, ty) for d in dsts] if dsts else None
+    # the old values are gathered only when the kernel reads one (nvcc gives atom a result
+    # register even where nothing reads it)
+    writers = [ops.write(d, ty) for d in dsts] if dsts and any(map(ops.is_read, dsts)) else None
     width = TYPE_SIZES[ty]
     nvec = len(srcs)
     addr = ops.address(target)
@@ -155,7 +157,7 @@ def atomic(ins, ops):
             addrs = (a[:, None] + width * np.arange(nvec)).reshape(-1)
             vals = np.stack([np.asarray(r(w), dt)[lanes] for r in srcs], axis=1).reshape(-1)
             cta = cta if isinstance(cta, int) else np.repeat(cta, nvec)
-        old = w.gmem.atomic_add(addrs, vals, cta=cta)
+        old = w.gmem.atomic_add(addrs, vals, cta=cta, returns=writers is not None)
         if writers:
             full = np.zeros((w.nlanes, nvec), dt)
             full[lanes] = old.reshape(-1, nvec)

@@ -179,7 +179,8 @@ def _store(ins, ops, rank, reduce):
 
 def _write(warp, gaddr, data, reduce, what):
     if reduce:
-        warp.gmem.atomic_add(gaddr, np.ascontiguousarray(data).view(np.float32)[:, 0], what, cta=warp.cta_index)
+        warp.gmem.atomic_add(gaddr, np.ascontiguousarray(data).view(np.float32)[:, 0], what, cta=warp.cta_index,
+                             returns=False)
     else:
         warp.gmem.store(gaddr, data, what, cta=warp.cta_index)
 
