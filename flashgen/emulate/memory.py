@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 
 import numpy as np
 
@@ -332,6 +333,10 @@ class SharedMemory:
             self.w_lane = np.full(n, -1, np.int8)            # writer lane (-1: the whole warp)
             self.w_wsync = np.zeros(n, np.int64)             # the writer warp's __syncwarp count then
             self.warp_syncs = np.zeros((ctas, 32), np.int64)
+            # the arrays change in place only, so the runtime's race_emu.cc keeps their addresses
+            self._race_state = _RaceState(*(a.ctypes.data for a in (self.w_stamp, self.r_stamp, self.w_lane,
+                                                               self.w_wsync, self.warp_syncs, self.epochs)),
+                                    granule, self.stride)
 
     def barrier(self, slot: int = 0) -> None:
         self.epochs[slot] += 1
@@ -397,73 +402,61 @@ class SharedMemory:
         g = self.granule
         return idx if g == 1 else idx[:, ::g] // g
 
-    def _stamps(self, idx, warp):
-        """(epoch base, this access's stamp, warp) per row of `idx`; `warp`: one id or one per row
-        (a gang's access: its rows are checked at once, so that two warps touching the same byte
-        within one instruction are seen too)."""
-        slots = idx[:, :1] * self.granule // self.stride
-        base = self.epochs[slots] << 8
-        rows = np.asarray(warp).reshape(-1, 1)
-        return base, base | rows, slots, rows
+    def _native(self, fn, idx, warp, lanes, check=True):
+        """Run race_emu.cc's `fn` on access `idx` [rows, granules]: (its return code, the
+        verdicts per granule, idx as it ran, the warp of each row [rows, 1])."""
+        idx = np.ascontiguousarray(idx, np.int64).reshape(len(idx), -1)
+        rows = np.asarray(warp, np.int64).reshape(-1, 1)
+        warps = None if rows.size == 1 else np.ascontiguousarray(rows[:, 0])
+        lanes = None if lanes is None else np.ascontiguousarray(lanes, np.int64)
+        verdict = np.empty(idx.shape, np.uint8)
+        code = fn(ctypes.byref(self._race_state), idx.ctypes.data, *idx.shape,
+                  int(rows[0, 0]), None if warps is None else warps.ctypes.data,
+                  None if lanes is None else lanes.ctypes.data, verdict.ctypes.data, check)
+        return code, verdict, idx, rows
 
     def _race_read(self, idx, warp, lanes):
-        base, mine, slots, rows = self._stamps(idx, warp)
-        ws = self.w_stamp[idx]
-        recent = ws >= base            # mostly none: then neither check below can fire
-        if np.count_nonzero(recent):
-            bad = recent & (ws != mine)
+        rt = _race_runtime()
+        code, verdict, idx, rows = self._native(rt.flashgen_emu_race_read, idx, warp, lanes)
+        if code:        # verdicts on the stamps before this access, none changed yet
+            bad = verdict == 1         # written in this epoch by another warp
             if np.count_nonzero(bad) and self.hopper is not None:      # an mbarrier or a partial barrier may order it
                 bad &= self.hopper.order.unordered_write(idx, rows)
             if np.count_nonzero(bad):
                 pos = tuple(np.argwhere(bad)[0])
-                raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(ws[pos]),
+                raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(self.w_stamp[idx[pos]]),
                                  "reads", "written")
-            own = ws == mine
-            if np.count_nonzero(own):     # written by this warp in this epoch: by another lane since its last __syncwarp?
-                unsynced = own & (self.w_wsync[idx] == self.warp_syncs[slots, rows])
-                other = unsynced if lanes is None else unsynced & (self.w_lane[idx] != lanes[:, None])
-                if np.count_nonzero(other):
-                    pos = tuple(np.argwhere(other)[0])
-                    reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
-                    writer = int(self.w_lane[idx][pos])
-                    raise EmulationError(
-                        f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
-                        f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
-                        f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
-        rs = self.r_stamp[idx]
-        many = base | self.MANY
-        stamp = np.where((rs >= base) & (rs != mine), many, mine)
-        self.r_stamp[idx] = stamp
-        if rows.size > 1:     # a byte read by rows of two warps keeps one of their stamps: it was read by MANY
-            again = self.r_stamp[idx] != stamp
-            if np.count_nonzero(again):
-                self.r_stamp[idx[again]] = np.broadcast_to(many, idx.shape)[again]
+            other = verdict == 2       # written by another lane of this warp since its last __syncwarp
+            if np.count_nonzero(other):
+                pos = tuple(np.argwhere(other)[0])
+                reader = "the warp (ldmatrix)" if lanes is None else f"lane {int(lanes[pos[0]])}"
+                writer = int(self.w_lane[idx[pos]])
+                raise EmulationError(
+                    f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
+                    f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
+                    f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
+            self._native(rt.flashgen_emu_race_read, idx, warp, lanes, check=False)
         if self.hopper is not None:
             self.hopper.order.stamp(idx, rows, write=False)
 
     def _race_write(self, idx, warp, lanes):
-        base, mine, slots, rows = self._stamps(idx, warp)
-        ws, rs = self.w_stamp[idx], self.r_stamp[idx]
-        if np.count_nonzero((ws >= base) | (rs >= base)):     # mostly not: no access of this epoch to check against
-            ww = (ws >= base) & (ws != mine)
-            rw = (rs >= base) & (rs != mine)
-            if (np.count_nonzero(ww) or np.count_nonzero(rw)) and self.hopper is not None:
+        rt = _race_runtime()
+        code, verdict, idx, rows = self._native(rt.flashgen_emu_race_write, idx, warp, lanes)
+        if code == 1:   # verdicts on the stamps before this access, none changed yet
+            ww, rw = (verdict & 1).astype(bool), (verdict & 2).astype(bool)
+            if self.hopper is not None:
                 ww &= self.hopper.order.unordered_write(idx, rows)
                 rw &= self.hopper.order.unordered_reads(idx, rows)
             if np.count_nonzero(ww) or np.count_nonzero(rw):
                 pos = tuple(np.argwhere(ww | rw)[0])
-                stamp, how = (int(ws[pos]), "written") if ww[pos] else (int(rs[pos]), "read")
-                raise self._race(int(idx[pos]), int(np.broadcast_to(mine, idx.shape)[pos]) & 255, stamp, "writes",
-                                 how)
-        self.w_stamp[idx] = mine
-        if rows.size > 1:
-            clash = self.w_stamp[idx] != mine       # rows of two warps wrote the byte in this instruction
-            if np.count_nonzero(clash):
-                pos = tuple(np.argwhere(clash)[0])
-                raise self._race(int(idx[pos]), int(np.broadcast_to(mine, idx.shape)[pos]) & 255,
-                                 int(self.w_stamp[idx][pos]), "writes", "written")
-        self.w_lane[idx] = -1 if lanes is None else lanes[:, None]
-        self.w_wsync[idx] = self.warp_syncs[slots, rows]
+                stamp, how = (self.w_stamp, "written") if ww[pos] else (self.r_stamp, "read")
+                raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(stamp[idx[pos]]),
+                                 "writes", how)
+            code = self._native(rt.flashgen_emu_race_write, idx, warp, lanes, check=False)[0]
+        if code == 2:   # rows of two warps wrote one granule in this instruction
+            pos = tuple(np.argwhere(verdict == 4)[0])
+            raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(self.w_stamp[idx[pos]]),
+                             "writes", "written")
         if self.hopper is not None:
             self.hopper.order.stamp(idx, rows, write=True)
 
@@ -569,6 +562,24 @@ class SharedMemory:
         if self.hopper is not None:
             self.hopper.generic_write(idx, warps)
         self.data[idx] = data
+
+
+class _RaceState(ctypes.Structure):
+    """race_emu.cc's FlashgenEmuRaceState."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w_stamp", "r_stamp", "w_lane", "w_wsync", "warp_syncs",
+                                                      "epochs")] + [("granule", ctypes.c_int64),
+                                                                    ("stride", ctypes.c_int64)]
+
+
+@functools.cache
+def _race_runtime() -> ctypes.CDLL:
+    from flashgen.build import emulation_runtime     # builds it once (cached), as flashgen.emulate.host does
+    rt = ctypes.CDLL(str(emulation_runtime()), mode=ctypes.RTLD_GLOBAL)
+    for fn in (rt.flashgen_emu_race_read, rt.flashgen_emu_race_write):
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.POINTER(_RaceState), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    return rt
 
 
 _WORDS_OF = {n: np.arange(n >> 2) for n in (4, 8, 16)}     # the word offsets of an n-byte access

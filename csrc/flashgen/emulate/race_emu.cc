@@ -1,0 +1,132 @@
+// The shared-memory race detector's bookkeeping for one access, part of the emulation runtime
+// (flashgen/emulate/memory.py, SharedMemory, states the rules and calls these). An access is
+// `rows` x `cols` granule indices, row r issued by warp `warps[r]` (or `warp` for all rows) of
+// the CTA whose slot holds the row's first granule. A granule's stamp is `epoch << 8 | warp` of
+// its last writer, and of its readers in the current epoch (warp kMany for several).
+//
+// Each function first checks the access against the stamps as they were before it, without
+// changing them: on a possible race it writes a verdict per granule and returns nonzero, and
+// memory.py judges the verdicts (Hopper's mbarriers may order them) and names the race, then
+// calls again with `check` 0 if none remains. Otherwise it updates the stamps, granule by granule
+// in row order, and returns 0. One pass in C instead of a dozen numpy passes over the access.
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kMany = 255;
+
+}  // namespace
+
+extern "C" {
+
+struct FlashgenEmuRaceState {  // memory.py's _RaceState: SharedMemory's arrays, one per granule
+  int64_t* w_stamp;            // of the last writer
+  int64_t* r_stamp;            // of the readers in the writer's epoch or later
+  int8_t* w_lane;              // the writer's lane, -1 for the whole warp
+  int64_t* w_wsync;            // the writer warp's __syncwarp count then
+  const int64_t* warp_syncs;   // [CTA slot][warp]: __syncwarp counts
+  const int64_t* epochs;       // [CTA slot]: barrier epochs
+  int64_t granule, stride;     // bytes per granule; bytes per CTA slot
+};
+
+namespace {
+
+struct Row {
+  int64_t slot, base, mine, warp;
+};
+
+Row row_of(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t cols, int64_t r, int64_t warp,
+           const int64_t* warps) {
+  Row row;
+  row.warp = warps ? warps[r] : warp;
+  row.slot = idx[r * cols] * s->granule / s->stride;
+  row.base = s->epochs[row.slot] << 8;
+  row.mine = row.base | row.warp;
+  return row;
+}
+
+}  // namespace
+
+// Verdicts: 1 written in this epoch by another warp; 2 written by another lane of this warp (any
+// lane when `lanes` is null: the warp reads on its own behalf, ldmatrix) since its last __syncwarp.
+int64_t flashgen_emu_race_read(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t rows, int64_t cols,
+                               int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict,
+                               int64_t check) {
+  if (check) {
+    uint8_t found = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const Row row = row_of(s, idx, cols, r, warp, warps);
+      const int64_t synced = s->warp_syncs[row.slot * 32 + row.warp];
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t g = idx[r * cols + c], ws = s->w_stamp[g];
+        uint8_t v = 0;
+        if (ws >= row.base) {
+          if (ws != row.mine)
+            v = 1;
+          else if (s->w_wsync[g] == synced && (!lanes || s->w_lane[g] != lanes[r]))
+            v = 2;
+        }
+        verdict[r * cols + c] = v;
+        found |= v;
+      }
+    }
+    if (found) return 1;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const Row row = row_of(s, idx, cols, r, warp, warps);
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t g = idx[r * cols + c], rs = s->r_stamp[g];
+      s->r_stamp[g] = rs >= row.base && rs != row.mine ? (row.base | kMany) : row.mine;
+    }
+  }
+  return 0;
+}
+
+// Verdicts (bits): 1 written, 2 read, in this epoch by another warp. Returns 2 with verdict 4 on
+// the granules that rows of two warps of this access both write (the stamps are then updated).
+int64_t flashgen_emu_race_write(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t rows, int64_t cols,
+                                int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict,
+                                int64_t check) {
+  if (check) {
+    uint8_t found = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const Row row = row_of(s, idx, cols, r, warp, warps);
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t g = idx[r * cols + c], ws = s->w_stamp[g], rs = s->r_stamp[g];
+        const uint8_t v = (ws >= row.base && ws != row.mine ? 1 : 0) | (rs >= row.base && rs != row.mine ? 2 : 0);
+        verdict[r * cols + c] = v;
+        found |= v;
+      }
+    }
+    if (found) return 1;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t mine = row_of(s, idx, cols, r, warp, warps).mine;
+    for (int64_t c = 0; c < cols; ++c) s->w_stamp[idx[r * cols + c]] = mine;
+  }
+  if (warps) {  // rows of several warps: does a granule now hold another row's stamp?
+    uint8_t clash = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t mine = row_of(s, idx, cols, r, warp, warps).mine;
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t v = s->w_stamp[idx[r * cols + c]] != mine ? 4 : 0;
+        verdict[r * cols + c] = v;
+        clash |= v;
+      }
+    }
+    if (clash) return 2;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const Row row = row_of(s, idx, cols, r, warp, warps);
+    const int64_t synced = s->warp_syncs[row.slot * 32 + row.warp];
+    const int8_t lane = lanes ? static_cast<int8_t>(lanes[r]) : -1;
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t g = idx[r * cols + c];
+      s->w_lane[g] = lane;
+      s->w_wsync[g] = synced;
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"
