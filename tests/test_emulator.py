@@ -384,6 +384,65 @@ def test_cp_async_of_an_odd_size_fails_before_running():
                [src.ctypes.data.to_bytes(8, "little")], memory, arch="sm80")
 
 
+# Shifts by immediates below, at and above the width (those clamp to the width: PTX ISA, shl/shr)
+_SHIFTS = [("shl.b32", "r", 0), ("shl.b32", "r", 5), ("shl.b32", "r", 31), ("shl.b32", "r", 32),
+           ("shr.u32", "r", 7), ("shr.u32", "r", 33), ("shr.s32", "r", 31), ("shr.s32", "r", 40),
+           ("shl.b64", "rd", 63), ("shl.b64", "rd", 64), ("shr.u64", "rd", 9), ("shr.s64", "rd", 63),
+           ("shr.s64", "rd", 70)]
+IMMEDIATE_SHIFTS = """
+.version 7.8
+.target sm_80
+.address_size 64
+
+.visible .entry shifts(.param .u64 p32, .param .u64 p64, .param .u64 q32, .param .u64 q64)
+{
+\t.reg .b32 \t%r<3>;
+\t.reg .b64 \t%rd<13>;
+\tld.param.u64 \t%rd1, [p32];
+\tld.param.u64 \t%rd2, [p64];
+\tld.param.u64 \t%rd3, [q32];
+\tld.param.u64 \t%rd4, [q64];
+\tmov.u32 \t%r1, %tid.x;
+\tmul.wide.u32 \t%rd5, %r1, 4;
+\tmul.wide.u32 \t%rd6, %r1, 8;
+\tadd.s64 \t%rd7, %rd1, %rd5;
+\tadd.s64 \t%rd8, %rd2, %rd6;
+\tadd.s64 \t%rd11, %rd3, %rd5;
+\tadd.s64 \t%rd12, %rd4, %rd6;
+\tld.global.u32 \t%r1, [%rd7];
+\tld.global.u64 \t%rd9, [%rd8];
+""" + "".join(f"\t{op} \t%r2, %r1, {n};\n\tst.global.u32 \t[%rd11+{i * 128}], %r2;\n" if r == "r" else
+              f"\t{op} \t%rd10, %rd9, {n};\n\tst.global.u64 \t[%rd12+{i * 256}], %rd10;\n"
+              for i, (op, r, n) in enumerate(_SHIFTS)) + """\tret;
+}
+"""
+
+
+def test_shifts_by_immediates_match_the_isa(rng):
+    x32 = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+    x64 = rng.integers(0, 2**64, 32, dtype=np.uint64)
+    x32[0], x64[0] = 0x80000001, 2**63 + 1                      # sign bits set
+    out32, out64 = np.zeros((len(_SHIFTS), 32), np.uint32), np.zeros((len(_SHIFTS), 32), np.uint64)
+    memory = GlobalMemory()
+    for i, a in enumerate((x32, x64, out32, out64)):
+        memory.add(a.ctypes.data, a.nbytes, f"arg{i}")
+    launch(PtxModule.parse(IMMEDIATE_SHIFTS), "shifts", (1, 1, 1), (32, 1, 1), 0,
+           [a.ctypes.data.to_bytes(8, "little") for a in (x32, x64, out32, out64)], memory, arch="sm80")
+    for i, (op, r, n) in enumerate(_SHIFTS):
+        bits = 32 if r == "r" else 64
+        x = [int(v) for v in (x32 if r == "r" else x64)]
+        signed = [v - (1 << bits) if v >> (bits - 1) else v for v in x]
+        k = min(n, bits)
+        if op.startswith("shl"):
+            want = [(v << k) % (1 << bits) for v in x]
+        elif ".s" in op:
+            want = [(v >> min(k, bits - 1)) % (1 << bits) for v in signed]
+        else:
+            want = [v >> k for v in x]
+        got = (out32 if r == "r" else out64)[i]
+        assert got.tolist() == want, (op, n)
+
+
 @needs_nvcc
 def test_barrier_in_diverged_warp_fails(micro):
     with pytest.raises(EmulationError, match=r"bad_diverged_barrier.*bar\.sync executed by a diverged warp"):

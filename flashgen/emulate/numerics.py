@@ -11,6 +11,7 @@ errstate of their own cost three times the conversion it guarded (~5 µs a call)
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 _F32_MIN_NORMAL = np.float32(1.17549435e-38)
@@ -23,9 +24,9 @@ def ftz(x: np.ndarray) -> np.ndarray:
 
 
 def f32_to_bf16_rn(x: np.ndarray) -> np.ndarray:
-    """f32 -> bf16 bits, round to nearest even; NaN -> canonical NaN."""
-    u = np.asarray(x, np.float32).view(np.uint32)
-    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    """f32 -> bf16 bits, round to nearest even (ml_dtypes' cast is RNE: one pass, not five); NaN ->
+    canonical NaN."""
+    r = np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
     return np.where(np.isnan(x), CANONICAL_NAN16, r)
 
 

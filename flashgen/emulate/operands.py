@@ -209,10 +209,8 @@ class Operands:
         if op is None:
             return False
         if self._occurrences is None:
-            self._occurrences = collections.Counter()
-            for ins in self.kernel.instructions:
-                self._occurrences.update(_register_names(ins.operands))
-                self._occurrences[ins.pred] += 2
+            self._occurrences = collections.Counter(name for ins in self.kernel.instructions
+                                                    for name in _register_names(ins.operands, ins.pred))
         return self._occurrences[op.name] > 1
 
     def vector(self, op) -> list:
@@ -224,16 +222,22 @@ class Operands:
         return (op.first, op.second) if isinstance(op, RegPair) else (op, None)
 
 
-def _register_names(operands):
+def _register_names(operands, guard=None) -> list:
+    """The registers an instruction names (its guard twice: a guard is always read)."""
+    names = [guard, guard] if guard else []
     for op in operands:
-        if isinstance(op, Reg):
-            yield op.name
-        elif isinstance(op, Vec):
-            yield from _register_names(op.items)
-        elif isinstance(op, RegPair):
-            yield from (op.first.name, op.second.name)
-        elif isinstance(op, (Addr, TensorAddr)):
-            yield from _register_names((op.base, *((op.coords,) if isinstance(op, TensorAddr) else ())))
+        kind = type(op)
+        if kind is Reg:
+            names.append(op.name)
+        elif kind is Vec:
+            names += _register_names(op.items)
+        elif kind is RegPair:
+            names += (op.first.name, op.second.name)
+        elif kind is Addr:
+            names += _register_names((op.base,))
+        elif kind is TensorAddr:
+            names += _register_names((op.base, op.coords))
+    return names
 
 
 # Parameters live in their own window so that `mov %rd, param` + `ld.param [%rd]` is decodable.

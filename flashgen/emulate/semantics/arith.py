@@ -12,7 +12,8 @@ import numpy as np
 
 from flashgen.emulate import numerics
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.operands import UNSIGNED, dtype_of
+from flashgen.emulate.operands import UNSIGNED, dtype_of, immediate
+from flashgen.emulate.ptx import Imm
 from flashgen.emulate.semantics.registry import handles, unsupported
 
 ROUNDING = ("rn", "rz", "rm", "rp")
@@ -205,6 +206,13 @@ def shift(ins, ops):
     bits = 8 * np.dtype(dt).itemsize
     u = UNSIGNED[bits // 8]
     # Shift amounts above the width are clamped to the width (PTX ISA, shl/shr).
+    if isinstance(b, Imm) and int(immediate(b.text, "u32")) < bits:     # most shifts: no clamping to do
+        s = u(immediate(b.text, "u32"))
+        if ins.opcode == "shl":
+            return lambda w, m: wd(w, (ra(w).view(u) << s).view(dt), m)
+        if ty.startswith("s"):
+            return lambda w, m: wd(w, ra(w) >> dt(s), m)
+        return lambda w, m: wd(w, (ra(w).view(u) >> s).view(dt), m)
     if ins.opcode == "shl":
         def run(w, m):
             s = np.minimum(rb(w), bits).astype(u)
