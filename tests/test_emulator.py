@@ -443,6 +443,26 @@ def test_shifts_by_immediates_match_the_isa(rng):
         assert got.tolist() == want, (op, n)
 
 
+PARAM_PAST_THE_END = """
+.version 7.8
+.target sm_80
+.address_size 64
+
+.visible .entry past(.param .u64 p)
+{
+	.reg .b64 	%rd<2>;
+	ld.param.u64 	%rd1, [p+8];
+	ret;
+}
+"""
+
+
+def test_parameter_read_past_the_buffer_fails():
+    with pytest.raises(EmulationError, match=r"parameter access at offset 8 outside the 8-byte parameter buffer"):
+        launch(PtxModule.parse(PARAM_PAST_THE_END), "past", (1, 1, 1), (32, 1, 1), 0, [bytes(8)], GlobalMemory(),
+               arch="sm80")
+
+
 @needs_nvcc
 def test_barrier_in_diverged_warp_fails(micro):
     with pytest.raises(EmulationError, match=r"bad_diverged_barrier.*bar\.sync executed by a diverged warp"):

@@ -9,7 +9,7 @@ import numpy as np
 
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
-from flashgen.emulate.ptx import TYPE_SIZES, Reg
+from flashgen.emulate.ptx import TYPE_SIZES, Reg, Sym
 from flashgen.emulate.semantics.registry import executing_warps, handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
@@ -70,6 +70,19 @@ def load(ins, ops):
     addr = ops.address(ins.operands[1])
     writers = [ops.write(d, ty) for d in dsts]
 
+    target = ins.operands[1]
+    if space == "param" and isinstance(target.base, Sym) and target.base.name in ops.param_offset:
+        # a named parameter: the same bytes for every lane, read once and broadcast by the writers
+        at = ops.param_offset[target.base.name] + target.offset
+
+        def uniform(w, m):
+            if at < 0 or at + nbytes > w.params.size:
+                raise EmulationError(f"parameter access at offset {at} outside the "
+                                     f"{w.params.size}-byte parameter buffer")
+            vals = w.params[at:at + nbytes].view(dt)
+            for i, wr in enumerate(writers):
+                wr(w, vals[i], m)
+        return uniform
     if space == "param":
         def fetch(w, m):
             a = addr(w)[_lanes(m)] - PARAM_WINDOW
