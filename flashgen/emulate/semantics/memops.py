@@ -9,7 +9,7 @@ import numpy as np
 
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
-from flashgen.emulate.ptx import TYPE_SIZES, Reg, Sym
+from flashgen.emulate.ptx import TYPE_SIZES, Reg
 from flashgen.emulate.semantics.registry import executing_warps, handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
@@ -70,26 +70,16 @@ def load(ins, ops):
     addr = ops.address(ins.operands[1])
     writers = [ops.write(d, ty) for d in dsts]
 
-    target = ins.operands[1]
-    if space == "param" and isinstance(target.base, Sym) and target.base.name in ops.param_offset:
-        # a named parameter: the same bytes for every lane, read once and broadcast by the writers
-        at = ops.param_offset[target.base.name] + target.offset
-
-        def uniform(w, m):
-            if at < 0 or at + nbytes > w.params.size:
-                raise EmulationError(f"parameter access at offset {at} outside the "
-                                     f"{w.params.size}-byte parameter buffer")
-            vals = w.params[at:at + nbytes].view(dt)
-            for i, wr in enumerate(writers):
-                wr(w, vals[i], m)
-        return uniform
     if space == "param":
         def fetch(w, m):
             a = addr(w)[_lanes(m)] - PARAM_WINDOW
             params = w.params
-            if a.size and ((a < 0).any() or (a + nbytes > params.size).any()):
-                raise EmulationError(f"parameter access at offset {int(a[0])} outside the "
+            lo, hi = (int(a.min()), int(a.max())) if a.size else (0, -nbytes)
+            if lo < 0 or hi + nbytes > params.size:
+                raise EmulationError(f"parameter access at offset {lo if lo < 0 else hi} outside the "
                                      f"{params.size}-byte parameter buffer")
+            if lo == hi:        # the usual case: every lane reads the same parameter, read once
+                return np.broadcast_to(params[lo:lo + nbytes], (a.size, nbytes))
             return params[a[:, None] + np.arange(nbytes)]
     elif space == "global":
         def fetch(w, m):
