@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
 
 import numpy as np
 
+from flashgen.emulate import native
 from flashgen.emulate.errors import EmulationError
 
 # Masks are tested with np.count_nonzero, not ndarray.any(): a third of the cost per call
@@ -335,8 +335,9 @@ class SharedMemory:
             self.warp_syncs = np.zeros((ctas, 32), np.int64)
             # the arrays change in place only, so the runtime's race_emu.cc keeps their addresses
             self._race_state = _RaceState(*(a.ctypes.data for a in (self.w_stamp, self.r_stamp, self.w_lane,
-                                                               self.w_wsync, self.warp_syncs, self.epochs)),
-                                    granule, self.stride)
+                                                                     self.w_wsync, self.warp_syncs, self.epochs)),
+                                          granule, self.stride)
+            self._race_at = ctypes.addressof(self._race_state)
 
     def barrier(self, slot: int = 0) -> None:
         self.epochs[slot] += 1
@@ -410,13 +411,13 @@ class SharedMemory:
         warps = None if rows.size == 1 else np.ascontiguousarray(rows[:, 0])
         lanes = None if lanes is None else np.ascontiguousarray(lanes, np.int64)
         verdict = np.empty(idx.shape, np.uint8)
-        code = fn(ctypes.byref(self._race_state), idx.ctypes.data, *idx.shape,
+        code = fn(self._race_at, idx.ctypes.data, *idx.shape,
                   int(rows[0, 0]), None if warps is None else warps.ctypes.data,
                   None if lanes is None else lanes.ctypes.data, verdict.ctypes.data, check)
         return code, verdict, idx, rows
 
     def _race_read(self, idx, warp, lanes):
-        rt = _race_runtime()
+        rt = native.runtime()
         code, verdict, idx, rows = self._native(rt.flashgen_emu_race_read, idx, warp, lanes)
         if code:        # verdicts on the stamps before this access, none changed yet
             bad = verdict == 1         # written in this epoch by another warp
@@ -440,7 +441,7 @@ class SharedMemory:
             self.hopper.order.stamp(idx, rows, write=False)
 
     def _race_write(self, idx, warp, lanes):
-        rt = _race_runtime()
+        rt = native.runtime()
         code, verdict, idx, rows = self._native(rt.flashgen_emu_race_write, idx, warp, lanes)
         if code == 1:   # verdicts on the stamps before this access, none changed yet
             ww, rw = (verdict & 1).astype(bool), (verdict & 2).astype(bool)
@@ -565,21 +566,10 @@ class SharedMemory:
 
 
 class _RaceState(ctypes.Structure):
-    """race_emu.cc's FlashgenEmuRaceState."""
+    """race_emu.cc's FlashgenEmuRaceState (passed by address)."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("w_stamp", "r_stamp", "w_lane", "w_wsync", "warp_syncs",
                                                       "epochs")] + [("granule", ctypes.c_int64),
                                                                     ("stride", ctypes.c_int64)]
-
-
-@functools.cache
-def _race_runtime() -> ctypes.CDLL:
-    from flashgen.build import emulation_runtime     # builds it once (cached), as flashgen.emulate.host does
-    rt = ctypes.CDLL(str(emulation_runtime()), mode=ctypes.RTLD_GLOBAL)
-    for fn in (rt.flashgen_emu_race_read, rt.flashgen_emu_race_write):
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.POINTER(_RaceState), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    return rt
 
 
 _WORDS_OF = {n: np.arange(n >> 2) for n in (4, 8, 16)}     # the word offsets of an n-byte access

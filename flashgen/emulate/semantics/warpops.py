@@ -11,6 +11,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from flashgen.emulate import native
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.semantics.registry import executing_warps, handles, require_full_warp, unsupported
 
@@ -88,22 +89,16 @@ def _mma_layout(k: int, atype: str):
     return np.argsort(a_flat), np.argsort(b_flat), np.argsort(c_flat), c_flat
 
 
-@functools.lru_cache(maxsize=None)
-def _mma_gather(k: int, atype: str, g: int):
-    """For a gang of g warps, flat indices into the registers as read ([reg, warp, lane(, half)])
-    giving each warp's A and B matrices (A's elements, then B's: one gather from the stack of A's
-    4 and B's 2 registers) and C, and into D ([warp, row*8+col]) giving the rows written back
-    ([reg, warp, lane]): one gather per operand and step, no transposes. Shared by every mma
-    of this shape (gang sizes vary from step to step)."""
-    a_perm, b_perm, c_perm, c_flat = _mma_layout(k, atype)
-    per_reg = 64 if atype != "tf32" else 32          # fragment elements per register row of a warp
-    warp = np.arange(g)[:, None]
+_ELEMENT_TYPES = {"bf16": 0, "f16": 1, "tf32": 2}      # mma_emu.cc's
 
-    def rows(perm, width):
-        return perm // width * (g * width) + warp * width + perm % width
-    # A's 4 registers and B's 2 are read as one stack: B's rows follow A's
-    ab = np.concatenate([rows(a_perm, per_reg).reshape(-1), rows(b_perm, per_reg).reshape(-1) + 4 * g * per_reg])
-    return ab, rows(c_perm, 32), (warp * 128 + c_flat.reshape(4, 1, 32)).reshape(4, -1)
+
+@functools.lru_cache(maxsize=None)
+def _mma_tables(k: int, atype: str) -> tuple:
+    """mma_emu.cc's index tables for mma.m16n8k{k}.{atype} (int32 arrays, kept alive here) and
+    their addresses."""
+    a_perm, b_perm, c_perm, c_flat = _mma_layout(k, atype)
+    tables = tuple(np.ascontiguousarray(t, np.int32) for t in (a_perm, b_perm, c_perm, c_flat))
+    return tables, tuple(t.ctypes.data for t in tables)
 
 
 @handles("mma", per_warp=True)
@@ -119,25 +114,22 @@ def mma(ins, ops):
         raise unsupported(ins)
     k = int(shape.split("k")[1])
     D, A, B, C = (ops.vector(x) for x in ins.operands)
-    _mma_layout(k, atype)                # refuses a table that does not cover the matrix, at compile time
-    elem = np.uint16 if atype != "tf32" else np.uint32
     if len(A) != 4 or len(B) != 2 or len(C) != 4 or len(D) != 4:
         raise unsupported(ins, "operand counts (4 A, 2 B, 4 C, 4 D registers)")
     rab = [ops.read(x, "b32") for x in A + B]
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
-    dec = _to_float64(atype)
+    # (_mma_tables refuses a fragment table that does not cover the matrix, at compile time)
+    code, (_, tables) = _ELEMENT_TYPES[atype], _mma_tables(k, atype)
+    compute = native.runtime().flashgen_emu_mma
 
     def run(w, m):
         require_full_warp(w, m, ins)
         g = w.nlanes // 32                                   # warps executing together
-        abi, ci, di = _mma_gather(k, atype, g)
-        # (np.concatenate, not np.stack: a third of the cost for these few short rows)
-        ab = dec(np.concatenate([r(w) for r in rab]).view(elem)[abi])
-        a, b = ab[:16 * k * g].reshape(g, 16, k), ab[16 * k * g:].reshape(g, k, 8)
-        # products of f16/bf16/tf32 are exact in f64; the sum is rounded once to f32
-        d = (a @ b).reshape(g, 128) + np.concatenate([r(w) for r in rc])[ci]
-        out = d.reshape(-1)[di].astype(np.float32)
+        ab = np.concatenate([r(w) for r in rab])            # [A's 4 and B's 2 registers, warp, lane]
+        c = np.concatenate([r(w) for r in rc])
+        out = np.empty((4, 32 * g), np.float32)
+        compute(g, k, code, ab.ctypes.data, c.ctypes.data, out.ctypes.data, *tables)
         for i, wr in enumerate(wd):
             wr(w, out[i], m)
     return run

@@ -1,0 +1,94 @@
+// mma.sync.m16n8k{16,8}.row.col with f32 accumulators for the warps of an emulator gang, part of
+// the emulation runtime (flashgen/emulate/semantics/warpops.py calls it). Which fragment element
+// each matrix element is comes from warpops.py's fragment tables (checked against CuTe's), passed
+// in as index tables; here is only the arithmetic: the products of bf16/f16/tf32 values are exact
+// in double, and each result is rounded once to float.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+enum ElementType : int64_t { kBf16 = 0, kF16 = 1, kTf32 = 2 };
+
+template <int64_t Type>
+double from_bits(uint32_t bits) {
+  if (Type == kF16) {
+    const int exponent = (bits >> 10) & 31, mantissa = bits & 1023;
+    const double v = exponent == 0    ? std::ldexp(mantissa, -24)
+                     : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                      : std::ldexp(mantissa | 1024, exponent - 25);
+    return bits & 0x8000 ? -v : v;
+  }
+  bits = Type == kBf16 ? bits << 16 : bits & 0xFFFFE000u;  // tf32: the tensor core reads the top 19 bits
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One row of the 16 x 8 product: 8 doubles, one AVX-512 register (4 or 2 narrower ones elsewhere).
+typedef double Row __attribute__((vector_size(64)));
+
+// The 128 sums advance together (independent adds), each in k order. A product of two of the
+// decoded values is exact, so a fused multiply-add rounds it the same as a multiply and an add.
+template <int64_t K>
+__attribute__((always_inline)) inline void product(const double* a, const double* b, double* out) {
+  Row rows[16] = {};
+  for (int64_t kk = 0; kk < K; ++kk) {
+    Row brow;
+    std::memcpy(&brow, b + kk * 8, sizeof brow);
+    for (int64_t i = 0; i < 16; ++i) rows[i] += a[i * K + kk] * brow;
+  }
+  std::memcpy(out, rows, sizeof rows);
+}
+
+__attribute__((target("avx512f"))) void product_avx512(int64_t k, const double* a, const double* b, double* out) {
+  k == 16 ? product<16>(a, b, out) : product<8>(a, b, out);
+}
+
+void product_baseline(int64_t k, const double* a, const double* b, double* out) {
+  k == 16 ? product<16>(a, b, out) : product<8>(a, b, out);
+}
+
+// AVX-512 is 4-5x the baseline x86-64 code here; the same bits either way
+const auto product_of = __builtin_cpu_supports("avx512f") ? product_avx512 : product_baseline;
+
+template <int64_t Type>
+void mma(int64_t g, int64_t k, const uint32_t* ab, const float* c, float* d, const int32_t* a_src,
+         const int32_t* b_src, const int32_t* c_src, const int32_t* d_of) {
+  using Element = std::conditional_t<Type == kTf32, uint32_t, uint16_t>;
+  constexpr int64_t per_reg = Type == kTf32 ? 32 : 64;  // elements per register row of a warp
+  const Element* elements = reinterpret_cast<const Element*>(ab);
+  // where each matrix element of warp 0 is in the stacks (warp w's: + w * per_reg, or + w * 32)
+  int64_t a_at[16 * 16], b_at[16 * 8], c_at[16 * 8];
+  for (int64_t p = 0; p < 16 * k; ++p) a_at[p] = a_src[p] / per_reg * g * per_reg + a_src[p] % per_reg;
+  for (int64_t p = 0; p < 8 * k; ++p) b_at[p] = (4 + b_src[p] / per_reg) * g * per_reg + b_src[p] % per_reg;
+  for (int64_t p = 0; p < 16 * 8; ++p) c_at[p] = c_src[p] / 32 * g * 32 + c_src[p] % 32;
+  double a[16 * 16], b[16 * 8], acc[16 * 8];
+  for (int64_t w = 0; w < g; ++w) {
+    const Element* e = elements + w * per_reg;
+    for (int64_t p = 0; p < 16 * k; ++p) a[p] = from_bits<Type>(e[a_at[p]]);
+    for (int64_t p = 0; p < 8 * k; ++p) b[p] = from_bits<Type>(e[b_at[p]]);
+    product_of(k, a, b, acc);
+    for (int64_t p = 0; p < 16 * 8; ++p) acc[p] += c[c_at[p] + w * 32];
+    for (int64_t reg = 0; reg < 4; ++reg)
+      for (int64_t lane = 0; lane < 32; ++lane)
+        d[(reg * g + w) * 32 + lane] = static_cast<float>(acc[d_of[reg * 32 + lane]]);
+  }
+}
+
+}  // namespace
+
+// `ab`: the A and B registers of the gang, [6][g][32] u32 (A's 4, then B's 2); `c`: C's [4][g][32];
+// `d`: D's, written. A warp's fragment is [register][lane][element] (2 halves, or 1 tf32 word, per
+// register of a lane). a_src[p]: where in the A fragment element p of the row-major 16 x k matrix
+// A is; b_src the same for B (k x 8) in its 2 registers; c_src[p]: where in [register][lane]
+// element p of the 16 x 8 C is; d_of[register * 32 + lane]: the element of D that it holds.
+extern "C" void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* ab, const float* c, float* d,
+                                 const int32_t* a_src, const int32_t* b_src, const int32_t* c_src,
+                                 const int32_t* d_of) {
+  if (type == kBf16) mma<kBf16>(g, k, ab, c, d, a_src, b_src, c_src, d_of);
+  if (type == kF16) mma<kF16>(g, k, ab, c, d, a_src, b_src, c_src, d_of);
+  if (type == kTf32) mma<kTf32>(g, k, ab, c, d, a_src, b_src, c_src, d_of);
+}
