@@ -321,6 +321,7 @@ class SharedMemory:
         self.words = self.data.view(np.uint32)
         self.pending = np.zeros(total, np.int16)            # undelivered cp.async bytes
         self.pending_words = self.pending.view(np.int64)     # nonzero: a word with such a byte
+        self._pending_at = self.pending_words.ctypes.data     # (changed in place only)
         self.in_flight = 0                                   # their number
         self.epochs = np.ones(ctas, np.int64)
         self.granule = granule
@@ -333,7 +334,7 @@ class SharedMemory:
             self.w_lane = np.full(n, -1, np.int8)            # writer lane (-1: the whole warp)
             self.w_wsync = np.zeros(n, np.int64)             # the writer warp's __syncwarp count then
             self.warp_syncs = np.zeros((ctas, 32), np.int64)
-            # the arrays change in place only, so the runtime's race_emu.cc keeps their addresses
+            # the arrays change in place only, so the runtime's shared_memory_emu.cc keeps their addresses
             self._race_state = _RaceState(*(a.ctypes.data for a in (self.w_stamp, self.r_stamp, self.w_lane,
                                                                      self.w_wsync, self.warp_syncs, self.epochs)),
                                           granule, self.stride)
@@ -404,7 +405,7 @@ class SharedMemory:
         return idx if g == 1 else idx[:, ::g] // g
 
     def _native(self, fn, idx, warp, lanes, check=True):
-        """Run race_emu.cc's `fn` on access `idx` [rows, granules]: (its return code, the
+        """Run shared_memory_emu.cc's `fn` on access `idx` [rows, granules]: (its return code, the
         verdicts per granule, idx as it ran, the warp of each row [rows, 1])."""
         idx = np.ascontiguousarray(idx, np.int64).reshape(len(idx), -1)
         rows = np.asarray(warp, np.int64).reshape(-1, 1)
@@ -464,20 +465,23 @@ class SharedMemory:
     # `warp`: the warp of the access (one per row for a gang); `lanes`: the lane of each row, or
     # None when the rows are read on behalf of the whole warp (ldmatrix); `slot`: the CTA's slot
     # (one per row for a gang over several CTAs).
-    def _whole_words(self, offs, nbytes, what, slot):
+    def _whole_words(self, offs, nbytes, slot):
         """The 4-byte words [rows, nbytes / 4] of an access of whole words where the detector
-        keeps word granules and no Hopper state watches bytes, else None; a pending byte among
-        them is left to the byte path to name. The same checks and verdicts as the byte path with
-        a quarter of the index arithmetic (ldmatrix, 16-byte cp.async and vector accesses)."""
+        keeps word granules and no Hopper state watches bytes, else None: also when an offset is
+        misaligned or out of bounds or a byte is pending, which the byte path names. The same
+        checks and verdicts as the byte path with a quarter of the index arithmetic (ldmatrix,
+        16-byte cp.async and vector accesses)."""
         if nbytes not in (4, 8, 16) or self.granule != 4 or self.hopper is not None:
             return None
-        o = offs.astype(np.int64, copy=False)
+        o = np.ascontiguousarray(offs, np.int64)
         if o.size == 0:
             return None
-        if np.bitwise_or.reduce(o) & (nbytes - 1) or o.min() < 0 or o.max() + nbytes > self.size:
-            return None                      # the byte path raises the error
-        words = ((o + slot * self.stride) >> 2)[:, None] + _WORDS_OF[nbytes]
-        if self.in_flight and np.count_nonzero(self.pending_words[words]):
+        slots = None if isinstance(slot, (int, np.integer)) else np.ascontiguousarray(slot, np.int64)
+        words = np.empty((o.size, nbytes >> 2), np.int64)
+        if native.runtime().flashgen_emu_shared_words(
+                o.ctypes.data, o.size, nbytes, 0 if slots is not None else int(slot),
+                None if slots is None else slots.ctypes.data, self.size, self.stride,
+                self._pending_at if self.in_flight else None, words.ctypes.data):
             return None
         return words
 
@@ -492,7 +496,7 @@ class SharedMemory:
 
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
         self._count(offs, nbytes, warp, lanes, slot)
-        words = self._whole_words(offs, nbytes, what, slot)
+        words = self._whole_words(offs, nbytes, slot)
         if words is not None:
             if self.race_check:
                 self._race_read(words, warp, lanes)
@@ -505,7 +509,7 @@ class SharedMemory:
 
     def store(self, offs: np.ndarray, data: np.ndarray, warp, what: str = "store", lanes=None, slot=0) -> None:
         self._count(offs, data.shape[1] * data.dtype.itemsize, warp, lanes, slot)
-        words = self._whole_words(offs, data.shape[1], what, slot) if data.dtype == np.uint8 else None
+        words = self._whole_words(offs, data.shape[1], slot) if data.dtype == np.uint8 else None
         if words is not None:
             if self.race_check:
                 self._race_write(words, warp, lanes)
@@ -527,7 +531,7 @@ class SharedMemory:
         """A cp.async targets these bytes: check them like a write, then mark them in flight.
         Returns their indices for async_deliver: words in word mode, else bytes."""
         self._count(offs, nbytes, warp, lanes, slot)
-        words = self._whole_words(offs, nbytes, "cp.async destination", slot)
+        words = self._whole_words(offs, nbytes, slot)
         if words is not None:
             if self.race_check:
                 self._race_write(words, warp, lanes)
@@ -566,12 +570,11 @@ class SharedMemory:
 
 
 class _RaceState(ctypes.Structure):
-    """race_emu.cc's FlashgenEmuRaceState (passed by address)."""
+    """shared_memory_emu.cc's FlashgenEmuRaceState (passed by address)."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("w_stamp", "r_stamp", "w_lane", "w_wsync", "warp_syncs",
                                                       "epochs")] + [("granule", ctypes.c_int64),
                                                                     ("stride", ctypes.c_int64)]
 
 
-_WORDS_OF = {n: np.arange(n >> 2) for n in (4, 8, 16)}     # the word offsets of an n-byte access
 # added to a word of SharedMemory.pending_words: one more in flight for each of its 4 bytes' counters
 _EACH_BYTE_OF_A_WORD = np.int64(0x0001_0001_0001_0001)

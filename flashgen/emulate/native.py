@@ -1,6 +1,6 @@
 """The emulation runtime (libflashgen_emu, csrc/flashgen/emulate), loaded once per process with
-the prototypes of the emulator's C helpers: the shared-memory race detector's bookkeeping
-(race_emu.cc, memory.py) and mma.sync's arithmetic (mma_emu.cc, semantics/warpops.py). It is
+the prototypes of the emulator's C helpers: shared-memory word indices and the race
+detector's bookkeeping (shared_memory_emu.cc, memory.py) and mma.sync's arithmetic (mma_emu.cc, semantics/warpops.py). It is
 built on first use and cached by content like any object (flashgen.build.emulation_runtime)."""
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def runtime() -> ctypes.CDLL:
     for fn in (rt.flashgen_emu_race_read, rt.flashgen_emu_race_write):
         fn.restype = _I64
         fn.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]
+    rt.flashgen_emu_shared_words.restype = _I64
+    rt.flashgen_emu_shared_words.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR]
     rt.flashgen_emu_mma.restype = None
     rt.flashgen_emu_mma.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]
     return rt

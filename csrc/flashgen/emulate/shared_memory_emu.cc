@@ -1,5 +1,8 @@
-// The shared-memory race detector's bookkeeping for one access, part of the emulation runtime
-// (flashgen/emulate/memory.py, SharedMemory, states the rules and calls these). An access is
+// Shared-memory bookkeeping for one access, part of the emulation runtime (flashgen/emulate/
+// memory.py, SharedMemory, states the rules and calls these): its word indices, and the race
+// detector's checks and stamp updates.
+//
+// An access to the race detector is
 // `rows` x `cols` granule indices, row r issued by warp `warps[r]` (or `warp` for all rows) of
 // the CTA whose slot holds the row's first granule. A granule's stamp is `epoch << 8 | warp` of
 // its last writer, and of its readers in the current epoch (warp kMany for several).
@@ -46,6 +49,27 @@ Row row_of(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t cols, int6
 }
 
 }  // namespace
+
+// The words [rows][nbytes / 4] of an access of `nbytes` (4, 8 or 16) at CTA offsets `offs`, in the
+// CTA slot `slots[r]` (or `slot` for all rows) of `stride` bytes each: 0, or 1 (nothing decided)
+// when an offset is misaligned or out of the CTA's `size` bytes or a word has a byte an issued
+// cp.async has not delivered (`pending`: per word, null when none is in flight), for memory.py's
+// byte path to name.
+int64_t flashgen_emu_shared_words(const int64_t* offs, int64_t rows, int64_t nbytes, int64_t slot,
+                                  const int64_t* slots, int64_t size, int64_t stride, const int64_t* pending,
+                                  int64_t* words) {
+  const int64_t cols = nbytes / 4;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = offs[r];
+    if ((o & (nbytes - 1)) || o < 0 || o + nbytes > size) return 1;
+    const int64_t first = (o + (slots ? slots[r] : slot) * stride) >> 2;
+    for (int64_t c = 0; c < cols; ++c) {
+      if (pending && pending[first + c]) return 1;
+      words[r * cols + c] = first + c;
+    }
+  }
+  return 0;
+}
 
 // Verdicts: 1 written in this epoch by another warp; 2 written by another lane of this warp (any
 // lane when `lanes` is null: the warp reads on its own behalf, ldmatrix) since its last __syncwarp.
