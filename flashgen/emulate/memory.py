@@ -404,9 +404,10 @@ class SharedMemory:
         g = self.granule
         return idx if g == 1 else idx[:, ::g] // g
 
-    def _native(self, fn, idx, warp, lanes, check=True):
-        """Run shared_memory_emu.cc's `fn` on access `idx` [rows, granules]: (its return code, the
-        verdicts per granule, idx as it ran, the warp of each row [rows, 1])."""
+    def _native(self, fn, idx, warp, lanes, *flags):
+        """Run shared_memory_emu.cc's `fn` on access `idx` [rows, granules] (`flags`: its trailing
+        arguments): (its return code, the verdicts per granule, idx as it ran, the warp of each
+        row [rows, 1])."""
         idx = np.ascontiguousarray(idx, np.int64).reshape(len(idx), -1)
         rows = np.asarray(warp, np.int64).reshape(-1, 1)
         warps = None if rows.size == 1 else np.ascontiguousarray(rows[:, 0])
@@ -414,13 +415,13 @@ class SharedMemory:
         verdict = np.empty(idx.shape, np.uint8)
         code = fn(self._race_at, idx.ctypes.data, *idx.shape,
                   int(rows[0, 0]), None if warps is None else warps.ctypes.data,
-                  None if lanes is None else lanes.ctypes.data, verdict.ctypes.data, check)
+                  None if lanes is None else lanes.ctypes.data, verdict.ctypes.data, *flags)
         return code, verdict, idx, rows
 
     def _race_read(self, idx, warp, lanes):
         rt = native.runtime()
         code, verdict, idx, rows = self._native(rt.flashgen_emu_race_read, idx, warp, lanes)
-        if code:        # verdicts on the stamps before this access, none changed yet
+        if code:        # verdicts on the stamps before this access (the readers' are updated)
             bad = verdict == 1         # written in this epoch by another warp
             if np.count_nonzero(bad) and self.hopper is not None:      # an mbarrier or a partial barrier may order it
                 bad &= self.hopper.order.unordered_write(idx, rows)
@@ -437,13 +438,12 @@ class SharedMemory:
                     f"shared-memory race in warp {int(np.broadcast_to(rows, idx.shape)[pos])}: {reader} reads "
                     f"offset {int(idx[pos]) * self.granule % self.stride}, written by "
                     f"{'the warp' if writer < 0 else f'lane {writer}'} with no __syncwarp in between")
-            self._native(rt.flashgen_emu_race_read, idx, warp, lanes, check=False)
         if self.hopper is not None:
             self.hopper.order.stamp(idx, rows, write=False)
 
     def _race_write(self, idx, warp, lanes):
         rt = native.runtime()
-        code, verdict, idx, rows = self._native(rt.flashgen_emu_race_write, idx, warp, lanes)
+        code, verdict, idx, rows = self._native(rt.flashgen_emu_race_write, idx, warp, lanes, 1)
         if code == 1:   # verdicts on the stamps before this access, none changed yet
             ww, rw = (verdict & 1).astype(bool), (verdict & 2).astype(bool)
             if self.hopper is not None:
@@ -454,7 +454,7 @@ class SharedMemory:
                 stamp, how = (self.w_stamp, "written") if ww[pos] else (self.r_stamp, "read")
                 raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(stamp[idx[pos]]),
                                  "writes", how)
-            code = self._native(rt.flashgen_emu_race_write, idx, warp, lanes, check=False)[0]
+            code = self._native(rt.flashgen_emu_race_write, idx, warp, lanes, 0)[0]
         if code == 2:   # rows of two warps wrote one granule in this instruction
             pos = tuple(np.argwhere(verdict == 4)[0])
             raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(self.w_stamp[idx[pos]]),

@@ -16,7 +16,7 @@ def runtime() -> ctypes.CDLL:
     rt = ctypes.CDLL(str(emulation_runtime()), mode=ctypes.RTLD_GLOBAL)
     for fn in (rt.flashgen_emu_race_read, rt.flashgen_emu_race_write):
         fn.restype = _I64
-        fn.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]
+        fn.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR] + [_I64] * (fn is rt.flashgen_emu_race_write)
     rt.flashgen_emu_shared_words.restype = _I64
     rt.flashgen_emu_shared_words.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR]
     rt.flashgen_emu_mma.restype = None

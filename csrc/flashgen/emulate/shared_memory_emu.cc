@@ -7,11 +7,11 @@
 // the CTA whose slot holds the row's first granule. A granule's stamp is `epoch << 8 | warp` of
 // its last writer, and of its readers in the current epoch (warp kMany for several).
 //
-// Each function first checks the access against the stamps as they were before it, without
-// changing them: on a possible race it writes a verdict per granule and returns nonzero, and
-// memory.py judges the verdicts (Hopper's mbarriers may order them) and names the race, then
-// calls again with `check` 0 if none remains. Otherwise it updates the stamps, granule by granule
-// in row order, and returns 0. One pass in C instead of a dozen numpy passes over the access.
+// Each function checks the access against the stamps as they were before it: on a possible race
+// it writes a verdict per granule and returns nonzero, and memory.py judges the verdicts (Hopper's
+// mbarriers may order them) and names the race. A write changes no stamp then, and memory.py
+// calls again with `check` 0 if no race remains; otherwise the stamps are updated, granule by
+// granule in row order. One pass in C instead of a dozen numpy passes over the access.
 #include <cstdint>
 
 namespace {
@@ -73,37 +73,29 @@ int64_t flashgen_emu_shared_words(const int64_t* offs, int64_t rows, int64_t nby
 
 // Verdicts: 1 written in this epoch by another warp; 2 written by another lane of this warp (any
 // lane when `lanes` is null: the warp reads on its own behalf, ldmatrix) since its last __syncwarp.
+// The readers' stamps are updated in the same pass (the verdicts depend on the writers' only, and
+// an update done twice gives the same stamps).
 int64_t flashgen_emu_race_read(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t rows, int64_t cols,
-                               int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict,
-                               int64_t check) {
-  if (check) {
-    uint8_t found = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const Row row = row_of(s, idx, cols, r, warp, warps);
-      const int64_t synced = s->warp_syncs[row.slot * 32 + row.warp];
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t g = idx[r * cols + c], ws = s->w_stamp[g];
-        uint8_t v = 0;
-        if (ws >= row.base) {
-          if (ws != row.mine)
-            v = 1;
-          else if (s->w_wsync[g] == synced && (!lanes || s->w_lane[g] != lanes[r]))
-            v = 2;
-        }
-        verdict[r * cols + c] = v;
-        found |= v;
-      }
-    }
-    if (found) return 1;
-  }
+                               int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict) {
+  uint8_t found = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const Row row = row_of(s, idx, cols, r, warp, warps);
+    const int64_t synced = s->warp_syncs[row.slot * 32 + row.warp];
     for (int64_t c = 0; c < cols; ++c) {
-      const int64_t g = idx[r * cols + c], rs = s->r_stamp[g];
+      const int64_t g = idx[r * cols + c], ws = s->w_stamp[g], rs = s->r_stamp[g];
+      uint8_t v = 0;
+      if (ws >= row.base) {
+        if (ws != row.mine)
+          v = 1;
+        else if (s->w_wsync[g] == synced && (!lanes || s->w_lane[g] != lanes[r]))
+          v = 2;
+      }
+      verdict[r * cols + c] = v;
+      found |= v;
       s->r_stamp[g] = rs >= row.base && rs != row.mine ? (row.base | kMany) : row.mine;
     }
   }
-  return 0;
+  return found ? 1 : 0;
 }
 
 // Verdicts (bits): 1 written, 2 read, in this epoch by another warp. Returns 2 with verdict 4 on
