@@ -547,11 +547,11 @@ class SharedMemory:
         return self._granules(idx) if self._word_mode() else idx
 
     def async_deliver(self, copies) -> None:
-        """Land issued copies, (indices from async_issue, data, warp, lanes) each, in this order:
-        a write of the current epoch by their warps."""
+        """Land issued copies, (indices from async_issue, data, warp or warp per row, lanes) each, in
+        this order: a write of the current epoch by their warps."""
         idx = np.concatenate([c[0] for c in copies])
         data = np.concatenate([c[1] for c in copies])
-        warps = np.repeat([c[2] for c in copies], [len(c[0]) for c in copies])
+        warps = np.concatenate([np.broadcast_to(c[2], len(c[0])) for c in copies])
         # no two copies in flight share a byte (async_issue refuses it), so none is counted twice
         if self._word_mode():
             self.pending_words[idx] -= _EACH_BYTE_OF_A_WORD

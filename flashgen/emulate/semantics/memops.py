@@ -185,15 +185,16 @@ def cp_async(ins, ops):
         keep = 0 if kind == "wait_all" else int(ins.operands[0].text)
 
         def wait(w, m):
-            landing = []
+            landing = {}                  # id of an issue's copies -> (its copies, the rows landing)
             for warp in executing_warps(w, m):
                 if kind == "wait_all":
                     warp.cp_groups.append(warp.cp_open)
                     warp.cp_open = []
                 while len(warp.cp_groups) > keep:
-                    landing += [(idx, data, warp.wid, lane_ids) for idx, data, lane_ids in warp.cp_groups.pop(0)]
+                    for copies, rows in warp.cp_groups.pop(0):
+                        landing.setdefault(id(copies), (copies, []))[1].append(rows)
             if landing:
-                w.smem.async_deliver(landing)
+                w.smem.async_deliver([_rows_of(copies, rows) for copies, rows in landing.values()])
         return wait
     # cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size | ignore-src}
     if set(ins.mods[1:]) - {"ca", "cg", "shared", "global"} - {m for m in ins.mods if m.startswith("L2::")}:
@@ -228,15 +229,26 @@ def cp_async(ins, ops):
         for i in np.nonzero(part)[0]:
             data[i, :k[i]] = _load_bytes(w, int(s[i]), int(k[i]), cta if isinstance(cta, int) else int(cta[i]))
         who, lane_ids = _who(w, lanes), _lane_ids(w, lanes)
-        idx = w.smem.async_issue(d, n, who, lane_ids, slot=_slot(w, lanes))
+        copies = (w.smem.async_issue(d, n, who, lane_ids, slot=_slot(w, lanes)), data, who, lane_ids)
         if len(w.members) == 1:
-            w.cp_open.append((idx, data, lane_ids))
-        else:     # rows are in lane order: each warp's are one slice
+            w.cp_open.append((copies, slice(None)))
+        else:     # rows are in lane order: each warp's are one slice of the issue's copies
             bounds = np.searchsorted(np.arange(w.nlanes)[lanes] // 32, np.arange(len(w.members) + 1))
-            for warp, a, b in zip(w.members, bounds[:-1], bounds[1:]):
+            for warp, a, b in zip(w.members, bounds[:-1].tolist(), bounds[1:].tolist()):
                 if b > a:
-                    warp.cp_open.append((idx[a:b], data[a:b], lane_ids[a:b]))
+                    warp.cp_open.append((copies, slice(a, b)))
     return issue
+
+
+def _rows_of(copies, rows):
+    """The landing rows (slices, one per warp) of one issue's copies (indices, data, warp or warp
+    per row, lane per row): all of them at once where every warp of the issue waits together."""
+    n = len(copies[1])
+    spans = sorted((r.start or 0, n if r.stop is None else r.stop) for r in rows)
+    if spans[0][0] == 0 and spans[-1][1] == n and all(b == a for (_, b), (a, _) in zip(spans, spans[1:])):
+        return copies
+    take = np.concatenate([np.arange(a, b) for a, b in spans])
+    return tuple(x if np.ndim(x) == 0 else x[take] for x in copies)
 
 
 def _load_bytes(w, address: int, k: int, cta: int) -> np.ndarray:
