@@ -1306,36 +1306,39 @@ static void test_split_plan() {
   check(none.nsplit == 1, "split-KV plan: no split with 64 row blocks on 8 threads");
 }
 
-// A running max that jumps far beyond the forward's slack (forward.h kExpSlack) in a key block
-// after the first, crossing the causal diagonal or not: q = 1, keys 0 (scores 0) up to key 191,
-// then keys of 16s (scores 128, exact: 2^184.7 in the kernel's base-2 units against the settled
-// max 0). The block must be computed again with the new max; exponentials against the old one
-// overflow to inf.
+// A running max that jumps far beyond the forward's slack (forward.h kExpSlack): q = 1, keys 0
+// (scores 0) up to key `jump` - 1, then keys of 16s (scores 128, exact: 2^184.7 in the kernel's
+// base-2 units against a max of 0). At 192, in a key block after the first, crossing the causal
+// diagonal or not, against the settled max; at 8, within the first key block past the rows
+// that seed its max (fwd_tiles.h kSeedRows; causal: q block 1's first block). The block must be
+// computed again with the new max; exponentials against the old one overflow to inf.
 template <typename T>
 static void test_fwd_max_jump(std::mt19937_64& rng) {
   constexpr int D = 64;
   const int64_t S = 256, n = S * D;
-  for (bool causal : {true, false}) {
-    std::vector<T> q(size_t(n), Traits<T>::from(1.0f)), k(size_t(n), Traits<T>::from(0.0f));
-    const std::vector<T> v = random_vec<T>(size_t(n), rng);
-    for (int64_t j = 0; j < S; ++j)
-      for (int d = 0; d < D; ++d) k[size_t(j * D + d)] = Traits<T>::from(j >= 192 ? 16.0f : 0.0f);
-    std::vector<T> o(size_t(n), Traits<T>::nan());
-    std::vector<float> lse(size_t(S), std::numeric_limits<float>::quiet_NaN());
-    const AttentionShape s{1, S, S, 1, 1, D};
-    const AttentionAttrs a{0.125f, causal, false};
-    fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
-    Prob p;
-    p.Sq = p.Sk = S, p.D = D, p.scale = 0.125, p.causal = causal;
-    p.q = to_double(q), p.k = to_double(k), p.v = to_double(v);
-    RefOut r;
-    reference(p, r, false, 0);
-    Err eo, el;
-    compare(o, r.o, r.mo, eo, mtol_for_products(fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value));
-    compare_lse(lse, r.lse, el);
-    check(eo.ok && el.ok, std::string("forward, the max jumping by 2^184 in a later key block: ") + Traits<T>::name() +
-                              (causal ? " causal" : " full"));
-  }
+  for (int64_t jump : {192, 8})
+    for (bool causal : {true, false}) {
+      std::vector<T> q(size_t(n), Traits<T>::from(1.0f)), k(size_t(n), Traits<T>::from(0.0f));
+      const std::vector<T> v = random_vec<T>(size_t(n), rng);
+      for (int64_t j = 0; j < S; ++j)
+        for (int d = 0; d < D; ++d) k[size_t(j * D + d)] = Traits<T>::from(j >= jump ? 16.0f : 0.0f);
+      std::vector<T> o(size_t(n), Traits<T>::nan());
+      std::vector<float> lse(size_t(S), std::numeric_limits<float>::quiet_NaN());
+      const AttentionShape s{1, S, S, 1, 1, D};
+      const AttentionAttrs a{0.125f, causal, false};
+      fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
+      Prob p;
+      p.Sq = p.Sk = S, p.D = D, p.scale = 0.125, p.causal = causal;
+      p.q = to_double(q), p.k = to_double(k), p.v = to_double(v);
+      RefOut r;
+      reference(p, r, false, 0);
+      Err eo, el;
+      compare(o, r.o, r.mo, eo, mtol_for_products(fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value));
+      compare_lse(lse, r.lse, el);
+      check(eo.ok && el.ok, std::string("forward, the max jumping by 2^184 ") +
+                                (jump == 192 ? "in a later key block: " : "within the first key block: ") +
+                                Traits<T>::name() + (causal ? " causal" : " full"));
+    }
 }
 
 static void run_all_variants(std::mt19937_64& rng) {

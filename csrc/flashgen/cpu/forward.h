@@ -101,30 +101,6 @@ __attribute__((noinline)) inline void fwd_extras_scores(float* St, const float* 
   }
 }
 
-// Key and value rows of one kv head as contiguous fp32 [Sk][D] (V rows holding a
-// NaN or an infinity zeroed, tiles.h "Non-finite operand rows"), packed once per
-// call instead of once per q block; vbad[c]: how many of the V rows [c * BK,
-// (c + 1) * BK) were zeroed.
-struct PackedKV {
-  const float* k;
-  const float* v;
-  const int32_t* vbad;
-};
-
-// The bad V rows of [k0, k0 + nk) (local indices) from the original rows, when
-// the packed chunks they fall in have any.
-template <typename T, int D, typename Rows>
-inline int packed_nonfinite_rows(const PackedKV& kv, const Rows& vrows, int64_t k0, int64_t nk, int32_t* bad) {
-  if (kv.vbad[k0 / kFwdBk] == 0 && kv.vbad[(k0 + nk - 1) / kFwdBk] == 0) return 0;
-  alignas(64) float r[D];
-  int nbad = 0;
-  for (int64_t j = 0; j < nk; ++j) {
-    load_f32<T>(vrows(k0 + j), r, D);
-    if (row_nonfinite<D>(r)) bad[nbad++] = static_cast<int32_t>(j);
-  }
-  return nbad;
-}
-
 // The lse of a split-KV partial whose visible scores were all -inf (below any real
 // partial's lse, which is >= its max score * ln 2 >= -FLT_MAX * ln 2).
 constexpr float kAllNegInfPartial = -std::numeric_limits<float>::max();
@@ -261,7 +237,39 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
     // O += P V (ValueTiles) reads none of them.
     bool settled = plain || (diag && x == nullptr && !capped);
     for (int l = 0; l < W; ++l) settled &= mfinite[l] != 0;
-    if (settled) {
+    // Whether P could be taken against msub: every lane's block max within the slack
+    // (false for a NaN max) where `lanes` holds; else mx restarts for the redo.
+    const auto within_slack = [&](vi lanes) {
+      for (int t = 0; t < nv; ++t) lanes &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
+      bool all = true;
+      for (int l = 0; l < W; ++l) all &= lanes[l] != 0;
+      if (!all)
+        for (int t = 0; t < nv; ++t) mx[t] = ninfv;
+      return all;
+    };
+    // The first block (no row's max set yet) takes a seed max from its first rows
+    // instead, redone below as the others are when a score exceeds it by more than the slack.
+    const bool seeded = plain && k0 == kbeg && nk > kSeedRows;
+    if (seeded) {
+      gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(),
+                     ExpAgainstSeed{ExpAgainst{cv, msub, mx, lacc}, msub});
+      vi finite = splat_i(-1);  // a NaN or infinite seed: redone
+      for (int t = 0; t < nv; ++t) finite &= (vi)(msub[t] - msub[t] == zero);
+      fused = within_slack(finite);
+      if (fused) {
+        for (int64_t j = 0; j < kSeedRows; ++j)
+          for (int t = 0; t < nv; ++t) {
+            float* sp = St + j * BQ + t * W;
+            const vf pv = exp2v(loadv(sp) - msub[t]);
+            storev(sp, pv);
+            lacc[t] += pv;
+          }
+        for (int t = 0; t < nv; ++t) {
+          storev(lrow + t * W, lacc[t]);
+          storev(mrow + t * W, msub[t]);
+        }
+      }
+    } else if (settled) {
       const ExpAgainst exp_against{cv, msub, mx, lacc};
       const ScoreTiles diag_tiles{k0 - off - q0};
       if (diag)
@@ -269,14 +277,9 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
                        ExpAgainstCausal{exp_against, diag_tiles.c, iota});
       else
         gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(), exp_against);
-      vi within = splat_i(-1);  // false for a NaN max too
-      for (int t = 0; t < nv; ++t) within &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
-      fused = true;
-      for (int l = 0; l < W; ++l) fused &= within[l] != 0;
+      fused = within_slack(splat_i(-1));
       if (fused)
         for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) + lacc[t]);
-      else
-        for (int t = 0; t < nv; ++t) mx[t] = ninfv;
     }
     bool rescale = false;
     if (!fused) {
@@ -570,34 +573,6 @@ void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const Atte
   if (ns > 1) merge_splits<T, D>(opart.p, lpart.p, ns, B, Sq, Hq, o, lse, num_threads, workers);
 }
 
-// Packs the rows of one kv head of k and v (row stride Hkv * D / Hkv * DV) to kp,
-// vp ([Sk][D] fp32) in chunks of kFwdBk rows, zeroing V rows that hold a NaN or
-// an infinity (counted per chunk in vbad).
-template <typename T, int D, int DV>
-void pack_kv_head(const DenseRows<T>& kr, const DenseRows<T>& vr, int64_t Sk, float* kp, float* vp, int32_t* vbad) {
-  for (int64_t j0 = 0; j0 < Sk; j0 += kFwdBk) {
-    const int64_t n = std::min<int64_t>(kFwdBk, Sk - j0);
-    gather_f32<T, D>(kr, j0, n, kp + j0 * D);
-    gather_f32<T, DV>(vr, j0, n, vp + j0 * DV);
-    int32_t bad[kFwdBk];
-    vbad[j0 / kFwdBk] = take_nonfinite_rows<DV>(vp + j0 * DV, n, DV, bad);
-  }
-}
-
-// Whether a kv head's packed rows can be read: the first item to ask packs them
-// (state 0 -> 1 -> 2); an item that asks while another one packs reads the rows
-// where they are instead (the same values, so the same results).
-template <typename Pack>
-bool packed_ready(std::atomic<int>& state, Pack&& pack) {
-  int seen = state.load(std::memory_order_acquire);
-  if (seen == 0 && state.compare_exchange_strong(seen, 1, std::memory_order_acquire)) {
-    pack();
-    state.store(2, std::memory_order_release);
-    return true;
-  }
-  return seen == 2;
-}
-
 template <typename T, int D, int DV>
 void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
                const AttentionAttrs& a, const ScoreExtras* x, int num_threads, Workers* workers, int kv_splits) {
@@ -631,7 +606,7 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
         const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * DV, Hkv * DV};
         const int64_t bhk = b * Hkv + hk;
         const PackedKV kv{kvp + bhk * Sk * D, kvp + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
-        if (pack && packed_ready(packed[bhk], [&] {
+        if (pack && made_once(packed[bhk], [&] {
               pack_kv_head<T, D, DV>(kr, vr, Sk, kvp + bhk * Sk * D, kvp + k_elems + bhk * Sk * DV,
                                      vbad.data() + bhk * nkc);
             }))
