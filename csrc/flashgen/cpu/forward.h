@@ -585,8 +585,9 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
   // faster from S=256 to 1024 and 18 % at S=4096; a buffer freshly mapped per
   // call made it 10 % slower at S=512). bf16 pairs are gathered per block.
   // A kv head is packed by the first of its items to run, right before its q
-  // blocks read the rows back from the cache (1 thread, S=512: D=64 +1-2 %,
-  // D=128 +3-4 % over packing every head first).
+  // blocks read the rows back from the cache (1 thread, S=512 D=64: +1.5 % over
+  // packing every head first when the caches are cold between calls, as after
+  // XLA's temporaries; within the noise when they are warm).
   const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, k_elems = B * Hkv * Sk * D;
   const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1);
   const CallScratch kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
