@@ -29,8 +29,9 @@
 // block sizes 16, 48 and 256) and split-KV decode (no split, auto, forced);
 // ALiBi ([H] and [B, H] slopes) in varlen (fwd + bwd) and paged (incl. split-KV).
 // Also checks the scalar bf16/f16 conversions against an exact reference, the
-// 32-bit transpose, and parallel_for on the own pool and on Workers whose
-// helpers start late, run inline, or never start.
+// 32-bit transpose, parallel_for on the own pool and on Workers whose
+// helpers start late, run inline, or never start, and that a call made again
+// takes no fresh pages for its buffers.
 #include "flashgen/cpu/flash_cpu.h"
 
 #include <algorithm>
@@ -43,6 +44,10 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#include <sys/resource.h>
+#endif
 #include <string>
 #include <vector>
 
@@ -480,6 +485,41 @@ static void test_call_scratch() {
     }
   }).join();
   check(ok, "CallScratch: kept per thread up to its limit, own buffers beyond it and while in use");
+}
+
+// A forward and a backward called again take no fresh pages for their per-call
+// buffers (packed K / V; row terms and packed q / dout): with glibc's mmap threshold
+// fixed (as in a JAX process, whose allocations keep glibc from reusing freed
+// pages) a buffer allocated per call faults once per 4 KiB page on every call.
+static void test_calls_keep_their_buffers() {
+#if defined(__GLIBC__) && defined(RUSAGE_THREAD)
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  long faults[2] = {-1, -1};
+  std::thread([&] {
+    const int64_t S = 512, H = 8, D = 64, n = S * H * D;  // 2 MiB of packed K / V, and of packed q / dout
+    const AttentionShape s{1, S, S, H, H, D};
+    const AttentionAttrs a{0.125f, false, false};
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd;
+    std::vector<float> q(n), k(n), v(n), o(n), dout(n), dq(n), dk(n), dv(n), lse(H * S);
+    for (auto* x : {&q, &k, &v, &dout})
+      for (float& e : *x) e = nd(rng);
+    const auto minor_faults = [] {
+      rusage u;
+      getrusage(RUSAGE_THREAD, &u);
+      return long(u.ru_minflt);
+    };
+    for (int pass = 0; pass < 2; ++pass) {  // the first pass maps the kept buffers
+      const long before = minor_faults();
+      fc::attention_fwd<float, 64>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
+      fc::attention_bwd<float, 64>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
+                                   dk.data(), dv.data(), s, a, 1);
+      faults[pass] = minor_faults() - before;
+    }
+  }).join();
+  std::printf("minor page faults of a forward + backward at S=512: first %ld, again %ld\n", faults[0], faults[1]);
+  check(faults[1] >= 0 && faults[1] < 64, "a forward + backward called again takes no fresh pages for its buffers");
+#endif
 }
 
 static void test_transpose() {
@@ -1266,36 +1306,39 @@ static void test_split_plan() {
   check(none.nsplit == 1, "split-KV plan: no split with 64 row blocks on 8 threads");
 }
 
-// A running max that jumps far beyond the forward's slack (forward.h kExpSlack) in a key block
-// after the first, crossing the causal diagonal or not: q = 1, keys 0 (scores 0) up to key 191,
-// then keys of 16s (scores 128, exact: 2^184.7 in the kernel's base-2 units against the settled
-// max 0). The block must be computed again with the new max; exponentials against the old one
-// overflow to inf.
+// A running max that jumps far beyond the forward's slack (forward.h kExpSlack): q = 1, keys 0
+// (scores 0) up to key `jump` - 1, then keys of 16s (scores 128, exact: 2^184.7 in the kernel's
+// base-2 units against a max of 0). At 192, in a key block after the first, crossing the causal
+// diagonal or not, against the settled max; at 8, within the first key block past the rows
+// that seed its max (fwd_tiles.h kSeedRows; causal: q block 1's first block). The block must be
+// computed again with the new max; exponentials against the old one overflow to inf.
 template <typename T>
 static void test_fwd_max_jump(std::mt19937_64& rng) {
   constexpr int D = 64;
   const int64_t S = 256, n = S * D;
-  for (bool causal : {true, false}) {
-    std::vector<T> q(size_t(n), Traits<T>::from(1.0f)), k(size_t(n), Traits<T>::from(0.0f));
-    const std::vector<T> v = random_vec<T>(size_t(n), rng);
-    for (int64_t j = 0; j < S; ++j)
-      for (int d = 0; d < D; ++d) k[size_t(j * D + d)] = Traits<T>::from(j >= 192 ? 16.0f : 0.0f);
-    std::vector<T> o(size_t(n), Traits<T>::nan());
-    std::vector<float> lse(size_t(S), std::numeric_limits<float>::quiet_NaN());
-    const AttentionShape s{1, S, S, 1, 1, D};
-    const AttentionAttrs a{0.125f, causal, false};
-    fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
-    Prob p;
-    p.Sq = p.Sk = S, p.D = D, p.scale = 0.125, p.causal = causal;
-    p.q = to_double(q), p.k = to_double(k), p.v = to_double(v);
-    RefOut r;
-    reference(p, r, false, 0);
-    Err eo, el;
-    compare(o, r.o, r.mo, eo, mtol_for_products(fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value));
-    compare_lse(lse, r.lse, el);
-    check(eo.ok && el.ok, std::string("forward, the max jumping by 2^184 in a later key block: ") + Traits<T>::name() +
-                              (causal ? " causal" : " full"));
-  }
+  for (int64_t jump : {192, 8})
+    for (bool causal : {true, false}) {
+      std::vector<T> q(size_t(n), Traits<T>::from(1.0f)), k(size_t(n), Traits<T>::from(0.0f));
+      const std::vector<T> v = random_vec<T>(size_t(n), rng);
+      for (int64_t j = 0; j < S; ++j)
+        for (int d = 0; d < D; ++d) k[size_t(j * D + d)] = Traits<T>::from(j >= jump ? 16.0f : 0.0f);
+      std::vector<T> o(size_t(n), Traits<T>::nan());
+      std::vector<float> lse(size_t(S), std::numeric_limits<float>::quiet_NaN());
+      const AttentionShape s{1, S, S, 1, 1, D};
+      const AttentionAttrs a{0.125f, causal, false};
+      fc::attention_fwd<T, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
+      Prob p;
+      p.Sq = p.Sk = S, p.D = D, p.scale = 0.125, p.causal = causal;
+      p.q = to_double(q), p.k = to_double(k), p.v = to_double(v);
+      RefOut r;
+      reference(p, r, false, 0);
+      Err eo, el;
+      compare(o, r.o, r.mo, eo, mtol_for_products(fc::detail::kBf16Dot && std::is_same<T, fc::bf16>::value));
+      compare_lse(lse, r.lse, el);
+      check(eo.ok && el.ok, std::string("forward, the max jumping by 2^184 ") +
+                                (jump == 192 ? "in a later key block: " : "within the first key block: ") +
+                                Traits<T>::name() + (causal ? " causal" : " full"));
+    }
 }
 
 static void run_all_variants(std::mt19937_64& rng) {
@@ -1341,6 +1384,7 @@ int main() {
   for (int t = 0; t < 3; ++t)
     std::printf("max abs err %-4s: o %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e\n", names[t], g_sum[t].o,
                 g_sum[t].lse, g_sum[t].dq, g_sum[t].dk, g_sum[t].dv);
+  test_calls_keep_their_buffers();  // last: it fixes glibc's mmap threshold for the process
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("elapsed %.1f s\n", secs);
   std::printf("%d passed, %d failed\n", g_pass, g_fail);

@@ -510,19 +510,6 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
   const int light_threads =
       threads_for(nthreads, 4.0 * double(B * Hq) * double(std::max<int64_t>(Sq, Sk)) * (D + DV));
 
-  AlignedFloats lse2(size_t(B * Hq * Sq)), Drow(size_t(B * Hq * Sq));
-  // fp32 products read each q / dout block once per key block: pack them once
-  // when that is more than once (bf16 pairs are gathered per block).
-  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && Sk > kBwdBk;
-  const int64_t nqc = (Sq + kBwdBq - 1) / kBwdBq;
-  AlignedFloats qdo(pack ? size_t(B * Hq * Sq * (D + DV)) : 0);
-  std::vector<int32_t> qbad(pack ? size_t(B * Hq * nqc) : 0);
-  if (pack)
-    bwd_row_terms<T, D, DV>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers, q, qdo.p,
-                            qdo.p + B * Hq * Sq * D, qbad.data());
-  else
-    bwd_row_terms<T, D, DV>(o, dout, lse, B, Sq, Hq, lse2.p, Drow.p, light_threads, workers);
-
   // dbias: fp32 accumulator (dbias itself when f32), bias layout. When no two
   // (batch entry, kv head) pairs share a dbias slot, the work items are
   // (batch entry, kv head, key chunk) and each owns its slots' columns of its
@@ -557,8 +544,28 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
                                                             : nthreads);
   const bool direct = std::is_same<T, float>::value && nchunks == 1;
   const size_t dq_elems = size_t(B * Sq * Hq * D);
-  AlignedFloats dqbuf(direct ? 0 : dq_elems * nchunks);
-  float* dqacc = direct ? reinterpret_cast<float*>(dq) : dqbuf.p;
+
+  // fp32 products read each q / dout block once per key block: pack them once
+  // when that is more than once (bf16 pairs are gathered per block).
+  const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && Sk > kBwdBk;
+  const int64_t nqc = (Sq + kBwdBq - 1) / kBwdBq;
+  // The call's fp32 buffers (row terms, packed q / dout, dq's chunk accumulators)
+  // in the calling thread's kept scratch: a buffer mapped per call took a page
+  // fault per 4 KiB in a JAX process (512 a call for q / dout at S=512, D=64).
+  const int64_t rows = B * Hq * Sq, qdo_elems = pack ? rows * (D + DV) : 0;
+  const int64_t line = 64 / sizeof(float);  // each buffer starts a cache line
+  const int64_t rows_pad = round_up(rows, line), qdo_pad = round_up(qdo_elems, line);
+  const CallScratch scratch(size_t(2 * rows_pad + qdo_pad) + (direct ? 0 : dq_elems * nchunks));
+  float* const lse2 = scratch.data();
+  float* const Drow = lse2 + rows_pad;
+  float* const qdo = Drow + rows_pad;
+  float* const dqacc = direct ? reinterpret_cast<float*>(dq) : qdo + qdo_pad;
+  std::vector<int32_t> qbad(pack ? size_t(B * Hq * nqc) : 0);
+  if (pack)
+    bwd_row_terms<T, D, DV>(o, dout, lse, B, Sq, Hq, lse2, Drow, light_threads, workers, q, qdo,
+                            qdo + B * Hq * Sq * D, qbad.data());
+  else
+    bwd_row_terms<T, D, DV>(o, dout, lse, B, Sq, Hq, lse2, Drow, light_threads, workers);
 
   auto problem = [&](int64_t b, float* slab) {
     BwdProblem<T> p;
@@ -569,14 +576,14 @@ void bwd_dense(const T* q, const T* k, const T* v, const T* o, const float* lse,
     p.dk = dk + b * Sk * Hkv * D;
     p.dv = dv + b * Sk * Hkv * DV;
     p.dqacc = slab + b * Sq * Hq * D;
-    p.lse2 = lse2.p + b * Hq * Sq;
-    p.Drow = Drow.p + b * Hq * Sq;
+    p.lse2 = lse2 + b * Hq * Sq;
+    p.Drow = Drow + b * Hq * Sq;
     p.lse_hs = Sq;
     p.Sq = Sq;
     p.Sk = Sk;
     if (pack) {
-      p.qpack = qdo.p + b * Hq * Sq * D;
-      p.dopack = qdo.p + B * Hq * Sq * D + b * Hq * Sq * DV;
+      p.qpack = qdo + b * Hq * Sq * D;
+      p.dopack = qdo + B * Hq * Sq * D + b * Hq * Sq * DV;
       p.qbad = qbad.data() + b * Hq * nqc;
     }
     return p;

@@ -14,7 +14,8 @@
 //     (in unmasked blocks the scale and the max are the GEMM's epilogue; once
 //     a row block's max is set, P = 2^(S - m) too while no score exceeds m by
 //     more than kExpSlack, in blocks crossing the causal diagonal as well, masked
-//     scores -inf: no separate pass, no rescale; else the block is redone),
+//     scores -inf: no separate pass, no rescale; the first unmasked block takes
+//     m from its first rows; else the block is redone),
 //     O = diag(alpha) O + P V    (P read transposed from St; the alpha scaling
 //     only where a row's max moved).
 //   Work items run one (batch, head)'s q blocks in a row. With fp32 products

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,30 +99,6 @@ __attribute__((noinline)) inline void fwd_extras_scores(float* St, const float* 
       mx[t] = vmax(mx[t], y);
     }
   }
-}
-
-// Key and value rows of one kv head as contiguous fp32 [Sk][D] (V rows holding a
-// NaN or an infinity zeroed, tiles.h "Non-finite operand rows"), packed once per
-// call instead of once per q block; vbad[c]: how many of the V rows [c * BK,
-// (c + 1) * BK) were zeroed.
-struct PackedKV {
-  const float* k;
-  const float* v;
-  const int32_t* vbad;
-};
-
-// The bad V rows of [k0, k0 + nk) (local indices) from the original rows, when
-// the packed chunks they fall in have any.
-template <typename T, int D, typename Rows>
-inline int packed_nonfinite_rows(const PackedKV& kv, const Rows& vrows, int64_t k0, int64_t nk, int32_t* bad) {
-  if (kv.vbad[k0 / kFwdBk] == 0 && kv.vbad[(k0 + nk - 1) / kFwdBk] == 0) return 0;
-  alignas(64) float r[D];
-  int nbad = 0;
-  for (int64_t j = 0; j < nk; ++j) {
-    load_f32<T>(vrows(k0 + j), r, D);
-    if (row_nonfinite<D>(r)) bad[nbad++] = static_cast<int32_t>(j);
-  }
-  return nbad;
 }
 
 // The lse of a split-KV partial whose visible scores were all -inf (below any real
@@ -260,7 +237,39 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
     // O += P V (ValueTiles) reads none of them.
     bool settled = plain || (diag && x == nullptr && !capped);
     for (int l = 0; l < W; ++l) settled &= mfinite[l] != 0;
-    if (settled) {
+    // Whether P could be taken against msub: every lane's block max within the slack
+    // (false for a NaN max) where `lanes` holds; else mx restarts for the redo.
+    const auto within_slack = [&](vi lanes) {
+      for (int t = 0; t < nv; ++t) lanes &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
+      bool all = true;
+      for (int l = 0; l < W; ++l) all &= lanes[l] != 0;
+      if (!all)
+        for (int t = 0; t < nv; ++t) mx[t] = ninfv;
+      return all;
+    };
+    // The first block (no row's max set yet) takes a seed max from its first rows
+    // instead, redone below as the others are when a score exceeds it by more than the slack.
+    const bool seeded = plain && k0 == kbeg && nk > kSeedRows;
+    if (seeded) {
+      gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(),
+                     ExpAgainstSeed{ExpAgainst{cv, msub, mx, lacc}, msub});
+      vi finite = splat_i(-1);  // a NaN or infinite seed: redone
+      for (int t = 0; t < nv; ++t) finite &= (vi)(msub[t] - msub[t] == zero);
+      fused = within_slack(finite);
+      if (fused) {
+        for (int64_t j = 0; j < kSeedRows; ++j)
+          for (int t = 0; t < nv; ++t) {
+            float* sp = St + j * BQ + t * W;
+            const vf pv = exp2v(loadv(sp) - msub[t]);
+            storev(sp, pv);
+            lacc[t] += pv;
+          }
+        for (int t = 0; t < nv; ++t) {
+          storev(lrow + t * W, lacc[t]);
+          storev(mrow + t * W, msub[t]);
+        }
+      }
+    } else if (settled) {
       const ExpAgainst exp_against{cv, msub, mx, lacc};
       const ScoreTiles diag_tiles{k0 - off - q0};
       if (diag)
@@ -268,14 +277,9 @@ void fwd_item(const FwdProblem<T>& p, const Rows& krows, const Rows& vrows, int6
                        ExpAgainstCausal{exp_against, diag_tiles.c, iota});
       else
         gemm<E, false>(nk, nqp, KD, Kp, ldk, 1, Qe, BQ, St, BQ, nullptr, FullTile(), exp_against);
-      vi within = splat_i(-1);  // false for a NaN max too
-      for (int t = 0; t < nv; ++t) within &= (vi)(mx[t] <= msub[t] + splat(kExpSlack));
-      fused = true;
-      for (int l = 0; l < W; ++l) fused &= within[l] != 0;
+      fused = within_slack(splat_i(-1));
       if (fused)
         for (int t = 0; t < nv; ++t) storev(lrow + t * W, loadv(lrow + t * W) + lacc[t]);
-      else
-        for (int t = 0; t < nv; ++t) mx[t] = ninfv;
     }
     bool rescale = false;
     if (!fused) {
@@ -569,28 +573,6 @@ void fwd_batched(T* o, float* lse, int64_t B, int64_t Sq, int64_t Hq, const Atte
   if (ns > 1) merge_splits<T, D>(opart.p, lpart.p, ns, B, Sq, Hq, o, lse, num_threads, workers);
 }
 
-// Packs k and v ([B][Sk][Hkv][D]) to kp, vp ([B][Hkv][Sk][D] fp32) in chunks of
-// kFwdBk rows, zeroing V rows that hold a NaN or an infinity (counted per chunk
-// in vbad [B][Hkv][chunks]).
-template <typename T, int D, int DV>
-void pack_kv(const T* k, const T* v, int64_t B, int64_t Sk, int64_t Hkv, float* kp, float* vp, int32_t* vbad,
-             int num_threads, Workers* workers) {
-  const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk;
-  parallel_for(
-      B * Hkv * nkc, num_threads,
-      [&](int64_t item, int) {
-        const int64_t bh = item / nkc, j0 = (item % nkc) * kFwdBk, b = bh / Hkv, hk = bh % Hkv;
-        const int64_t n = std::min<int64_t>(kFwdBk, Sk - j0);
-        const int64_t row = (b * Sk + j0) * Hkv + hk, dst = bh * Sk + j0;
-        const DenseRows<T> kr{k + row * D, Hkv * D}, vr{v + row * DV, Hkv * DV};
-        gather_f32<T, D>(kr, 0, n, kp + dst * D);
-        gather_f32<T, DV>(vr, 0, n, vp + dst * DV);
-        int32_t bad[kFwdBk];
-        vbad[item] = take_nonfinite_rows<DV>(vp + dst * DV, n, DV, bad);
-      },
-      workers);
-}
-
 template <typename T, int D, int DV>
 void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const AttentionShape& s,
                const AttentionAttrs& a, const ScoreExtras* x, int num_threads, Workers* workers, int kv_splits) {
@@ -602,13 +584,16 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
   // the calling thread's kept buffer: measured on Zen 4, f32, 1 thread, 2-5 %
   // faster from S=256 to 1024 and 18 % at S=4096; a buffer freshly mapped per
   // call made it 10 % slower at S=512). bf16 pairs are gathered per block.
+  // A kv head is packed by the first of its items to run, right before its q
+  // blocks read the rows back from the cache (1 thread, S=512 D=64: +1.5 % over
+  // packing every head first when the caches are cold between calls, as after
+  // XLA's temporaries; within the noise when they are warm).
   const int64_t nkc = (Sk + kFwdBk - 1) / kFwdBk, k_elems = B * Hkv * Sk * D;
   const bool pack = !(kBf16Dot && std::is_same<T, bf16>::value) && (Sq > kFwdBq || G > 1);
   const CallScratch kvbuf(pack ? size_t(B * Hkv * Sk * (D + DV)) : 0);
   std::vector<int32_t> vbad(pack ? size_t(B * Hkv * nkc) : 0);
+  std::vector<std::atomic<int>> packed(pack ? size_t(B * Hkv) : 0);
   float* const kvp = kvbuf.data();
-  if (pack) pack_kv<T, D, DV>(k, v, B, Sk, Hkv, kvp, kvp + k_elems, vbad.data(),
-                              threads_for(num_threads, flops), workers);
   fwd_batched<T, DV>(
       o, lse, B, Sq, Hq, a, num_threads, workers, kv_splits, flops, [&](int64_t) { return Sk; },
       [&](int64_t b, int64_t h, int64_t qb, FwdProblem<T>& p) {
@@ -622,7 +607,11 @@ void fwd_dense(const T* q, const T* k, const T* v, T* o, float* lse, const Atten
         const DenseRows<T> kr{k + (b * Sk * Hkv + hk) * D, Hkv * D}, vr{v + (b * Sk * Hkv + hk) * DV, Hkv * DV};
         const int64_t bhk = b * Hkv + hk;
         const PackedKV kv{kvp + bhk * Sk * D, kvp + k_elems + bhk * Sk * DV, vbad.data() + bhk * nkc};
-        if (pack) p.kv = &kv;
+        if (pack && made_once(packed[bhk], [&] {
+              pack_kv_head<T, D, DV>(kr, vr, Sk, kvp + bhk * Sk * D, kvp + k_elems + bhk * Sk * DV,
+                                     vbad.data() + bhk * nkc);
+            }))
+          p.kv = &kv;
         fwd_item<T, D, DV>(p, kr, vr, Hq, a, qb, thread_workspace(fwd_ws_floats<D, DV>()));
       });
 }

@@ -1,5 +1,5 @@
 // The forward's products: which micro-tiles a diagonal block needs, the Q K^T
-// epilogues (scale and max; exponentials against a settled max) and O += P V.
+// epilogues (scale and max; exponentials against a settled or a seed max) and O += P V.
 #pragma once
 
 #include <algorithm>
@@ -66,6 +66,22 @@ struct ExpAgainst {
     const vf p = exp2v(y - m[v]);
     sum[v] += p;
     return p;
+  }
+};
+
+// The first unmasked block of a row block, before any running max: the lane-wise
+// max of its first kSeedRows key rows (their scores kept, made P after the
+// product) is the max the later rows' P = 2^(S - m) are taken against.
+constexpr int kSeedRows = 4;
+struct ExpAgainstSeed {
+  ExpAgainst e;  // e.m: the seed max, written here
+  vf* seed;
+  FLASHGEN_CPU_INLINE vf operator()(int64_t row, int64_t v, vf acc) const {
+    const vf y = acc * e.cv;
+    if (row >= kSeedRows) return e.scaled(v, y);
+    e.mx[v] = vmax(e.mx[v], y);
+    seed[v] = row == 0 ? y : vmax(seed[v], y);
+    return y;
   }
 };
 

@@ -335,6 +335,21 @@ class CallScratch {
   bool* busy_ = nullptr;
 };
 
+// Whether what `state` guards (0: not made, 1: being made, 2: made) is ready:
+// the first thread to ask makes it; one that asks while another is making it
+// gets false and goes without (e.g. the forward reads K / V rows where they are
+// instead of packed) rather than waiting.
+template <typename Make>
+bool made_once(std::atomic<int>& state, Make&& make) {
+  int seen = state.load(std::memory_order_acquire);
+  if (seen == 0 && state.compare_exchange_strong(seen, 1, std::memory_order_acquire)) {
+    make();
+    state.store(2, std::memory_order_release);
+    return true;
+  }
+  return seen == 2;
+}
+
 #ifndef FLASHGEN_CPU_FLOPS_PER_THREAD
 #define FLASHGEN_CPU_FLOPS_PER_THREAD 2e6
 #endif

@@ -1,5 +1,6 @@
 // What one attention problem reads: key/value row sources (dense, packed varlen,
-// paged), the score extras of a (batch entry, head), and per-problem work sizes.
+// paged; a kv head's rows packed to fp32), the score extras of a (batch entry,
+// head), and per-problem work sizes.
 #pragma once
 
 #include <algorithm>
@@ -58,6 +59,44 @@ inline void interleave_rows(const DenseRows<bf16>& rows, int64_t j0, int64_t n, 
   interleave_row_pairs<D>(rows(j0), rows.ld, n, dst);
 }
 #endif
+
+// Key and value rows of one kv head as contiguous fp32 [Sk][D] (V rows holding a
+// NaN or an infinity zeroed, tiles.h "Non-finite operand rows"), packed once per
+// call instead of once per q block; vbad[c]: how many of the V rows [c * BK,
+// (c + 1) * BK) were zeroed.
+struct PackedKV {
+  const float* k;
+  const float* v;
+  const int32_t* vbad;
+};
+
+// The bad V rows of [k0, k0 + nk) (local indices) from the original rows, when
+// the packed chunks they fall in have any.
+template <typename T, int D, typename Rows>
+inline int packed_nonfinite_rows(const PackedKV& kv, const Rows& vrows, int64_t k0, int64_t nk, int32_t* bad) {
+  if (kv.vbad[k0 / kFwdBk] == 0 && kv.vbad[(k0 + nk - 1) / kFwdBk] == 0) return 0;
+  alignas(64) float r[D];
+  int nbad = 0;
+  for (int64_t j = 0; j < nk; ++j) {
+    load_f32<T>(vrows(k0 + j), r, D);
+    if (row_nonfinite<D>(r)) bad[nbad++] = static_cast<int32_t>(j);
+  }
+  return nbad;
+}
+
+// Packs the rows of one kv head of k and v (row stride Hkv * D / Hkv * DV) to kp,
+// vp ([Sk][D] fp32) in chunks of kFwdBk rows, zeroing V rows that hold a NaN or
+// an infinity (counted per chunk in vbad).
+template <typename T, int D, int DV>
+void pack_kv_head(const DenseRows<T>& kr, const DenseRows<T>& vr, int64_t Sk, float* kp, float* vp, int32_t* vbad) {
+  for (int64_t j0 = 0; j0 < Sk; j0 += kFwdBk) {
+    const int64_t n = std::min<int64_t>(kFwdBk, Sk - j0);
+    gather_f32<T, D>(kr, j0, n, kp + j0 * D);
+    gather_f32<T, DV>(vr, j0, n, vp + j0 * DV);
+    int32_t bad[kFwdBk];
+    vbad[j0 / kFwdBk] = take_nonfinite_rows<DV>(vp + j0 * DV, n, DV, bad);
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Score extras (ALiBi, bias, mask, segment ids) of one (batch entry, q head).
