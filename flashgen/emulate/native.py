@@ -1,7 +1,8 @@
 """The emulation runtime (libflashgen_emu, csrc/flashgen/emulate), loaded once per process with
-the prototypes of the emulator's C helpers: shared-memory word indices and the race
-detector's bookkeeping (shared_memory_emu.cc, memory.py) and mma.sync's arithmetic (mma_emu.cc, semantics/warpops.py). It is
-built on first use and cached by content like any object (flashgen.build.emulation_runtime)."""
+the prototypes of the emulator's C helpers: shared-memory word indices and the race detector's
+bookkeeping (shared_memory_emu.cc, for memory.py) and mma.sync's arithmetic (mma_emu.cc, for
+semantics/warpops.py). It is built on first use and cached by content like any object
+(flashgen.build.emulation_runtime)."""
 from __future__ import annotations
 
 import ctypes

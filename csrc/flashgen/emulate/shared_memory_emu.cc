@@ -2,9 +2,8 @@
 // memory.py, SharedMemory, states the rules and calls these): its word indices, and the race
 // detector's checks and stamp updates.
 //
-// An access to the race detector is
-// `rows` x `cols` granule indices, row r issued by warp `warps[r]` (or `warp` for all rows) of
-// the CTA whose slot holds the row's first granule. A granule's stamp is `epoch << 8 | warp` of
+// An access to the race detector is `rows` x `cols` granule indices, row r issued by warp
+// `warps[r]` (or `warp` for all rows) of the CTA whose slot holds the row's first granule. A granule's stamp is `epoch << 8 | warp` of
 // its last writer, and of its readers in the current epoch (warp kMany for several).
 //
 // Each function checks the access against the stamps as they were before it: on a possible race

@@ -206,8 +206,8 @@ def shift(ins, ops):
     bits = 8 * np.dtype(dt).itemsize
     u = UNSIGNED[bits // 8]
     # Shift amounts above the width are clamped to the width (PTX ISA, shl/shr).
-    if isinstance(b, Imm) and int(immediate(b.text, "u32")) < bits:     # most shifts: no clamping to do
-        s = u(immediate(b.text, "u32"))
+    s = u(immediate(b.text, "u32")) if isinstance(b, Imm) else None
+    if s is not None and s < bits:                # most shifts: by an immediate, no clamping to do
         if ins.opcode == "shl":
             return lambda w, m: wd(w, (ra(w).view(u) << s).view(dt), m)
         if ty.startswith("s"):

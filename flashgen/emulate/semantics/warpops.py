@@ -120,7 +120,7 @@ def mma(ins, ops):
     rc = [ops.read(x, "f32") for x in C]
     wd = [ops.write(x, "f32") for x in D]
     # (_mma_tables refuses a fragment table that does not cover the matrix, at compile time)
-    code, (_, tables) = _ELEMENT_TYPES[atype], _mma_tables(k, atype)
+    code, (_, table_addresses) = _ELEMENT_TYPES[atype], _mma_tables(k, atype)
     compute = native.runtime().flashgen_emu_mma
 
     def run(w, m):
@@ -129,7 +129,7 @@ def mma(ins, ops):
         ab = np.concatenate([r(w) for r in rab])            # [A's 4 and B's 2 registers, warp, lane]
         c = np.concatenate([r(w) for r in rc])
         out = np.empty((4, 32 * g), np.float32)
-        compute(g, k, code, ab.ctypes.data, c.ctypes.data, out.ctypes.data, *tables)
+        compute(g, k, code, ab.ctypes.data, c.ctypes.data, out.ctypes.data, *table_addresses)
         for i, wr in enumerate(wd):
             wr(w, out[i], m)
     return run
