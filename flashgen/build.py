@@ -16,6 +16,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sysconfig
 import time
 from typing import Callable, Iterable
 
@@ -413,33 +414,50 @@ def emulation_runtime() -> pathlib.Path:
     """libflashgen_emu (csrc/flashgen/emulate: the stand-in CUDA runtime and XLA FFI host
     under which flashgen.emulate runs a library built with host="emulate"), cached by content
     and verified like an object."""
-    root = cache.root()
     src_dir = resources.csrc_dir() / EMULATION_RUNTIME_DIR
     flags = ["-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "none",
              "-I", str(resources.csrc_dir()), "-I", toolchain.ffi_headers()["include_dir"]]
-    nvcc = toolchain.compiler("nvcc")  # knows where the CUDA headers are
     # its call frame comes from csrc/flashgen/host_call.h, outside src_dir
-    key = _digest(resources.tree_digest(src_dir), (resources.csrc_dir() / HOST_CALL_HEADER).read_bytes(),
-                  toolchain.requested("nvcc"),
-                  toolchain.compiler_version(nvcc.exe), flags)
+    return _emulator_object("nvcc", flags, sorted(src_dir.glob("*.cc")), "libflashgen_emu.so", "the emulation runtime",
+                            (resources.csrc_dir() / HOST_CALL_HEADER).read_bytes())
+
+
+def emulation_native() -> pathlib.Path:
+    """flashgen.emulate's native module (csrc/flashgen/emulate/native: the C helpers its memory
+    and mma.sync semantics call per instruction, as a CPython extension), cached by content and
+    the Python it was built for."""
+    src_dir = resources.csrc_dir() / EMULATION_RUNTIME_DIR / "native"
+    flags = ["-std=c++17", "-O2", "-shared", "-fPIC", "-I", str(resources.csrc_dir()),
+             "-I", sysconfig.get_paths()["include"]]
+    return _emulator_object("cxx", flags, sorted(src_dir.glob("*.cc")), "flashgen_emu_native.so",
+                            "the emulator's native module", sysconfig.get_config_var("EXT_SUFFIX").encode())
+
+
+def _emulator_object(compiler: str, flags: list[str], sources: list[pathlib.Path], name: str, what: str,
+                     extra: bytes) -> pathlib.Path:
+    """One shared object of the emulator built from `sources` by `compiler`, cached under the
+    digest of csrc/flashgen/emulate, the compiler, its flags and `extra`."""
+    root = cache.root()
+    cc = toolchain.compiler(compiler)
+    key = _digest(resources.tree_digest(resources.csrc_dir() / EMULATION_RUNTIME_DIR), extra,
+                  toolchain.requested(compiler), toolchain.compiler_version(cc.exe), flags, name)
     lib = cache.lookup_object(root, key, "runtime")
     if lib:
         return lib
-    with cache.locked(root, key, "building the emulation runtime", log.info, HEARTBEAT_SECONDS):
+    with cache.locked(root, key, f"building {what}", log.info, HEARTBEAT_SECONDS):
         lib = cache.lookup_object(root, key, "runtime")
         if lib:
             return lib
         toolchain.check_shell_safe(root, "the cache directory")
         staging = cache.staging_dir(root / "runtime", key)
         try:
-            tmp = staging / "libflashgen_emu.so"
-            with toolchain.ProcessGroup() as group:  # nvcc dies with us, kill -9 included
-                toolchain.run([*nvcc.command, *flags, *map(str, sorted(src_dir.glob("*.cc"))),
-                               "-o", str(tmp)], "building the emulation runtime", group,
-                              nvcc_tmpdir=staging)
+            tmp = staging / name
+            with toolchain.ProcessGroup() as group:  # the compiler dies with us, kill -9 included
+                toolchain.run([*cc.command, *flags, *map(str, sources), "-o", str(tmp)], f"building {what}", group,
+                              nvcc_tmpdir=staging if compiler == "nvcc" else None)
             try:
                 return cache.store_object(root, key, tmp, "runtime")
             except cache.CorruptEntry as e:
-                raise BuildError(f"building the emulation runtime: {e}") from None
+                raise BuildError(f"building {what}: {e}") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -77,6 +77,16 @@ class _Registers:
         self.types, self.nlanes, self.arrays = types, nlanes, {}
         self.blocks = {}         # dtype -> (the block being filled, its next free row)
         self.moved = moved or {}
+        self._whole = None
+
+    def view(self, lo, hi):
+        """The registers of lanes [lo, hi): one view of all lanes serves every gang of the whole
+        file (each gang's own cache of views cost a lookup per register and gang)."""
+        if lo == 0 and hi == self.nlanes:
+            if self._whole is None:
+                self._whole = _RegisterView(self, 0, self.nlanes)
+            return self._whole
+        return _RegisterView(self, lo, hi)
 
     def array(self, name):
         a = self.arrays.get(name)
@@ -172,7 +182,7 @@ class _Gang:
         self.members = tuple(warps)
         first, last = warps[0], warps[-1]
         self.nlanes = 32 * len(warps)
-        self.regs = _RegisterView(wave.registers, 32 * first.gid, 32 * last.gid + 32)
+        self.regs = wave.registers.view(32 * first.gid, 32 * last.gid + 32)
         self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
         self.gmem, self.params, self.smem = first.gmem, first.params, first.smem   # one per wave
         self.lane_warp = np.repeat([w.wid for w in warps], 32)

@@ -86,10 +86,15 @@ class GlobalMemory:
         if addrs.size == 0:
             return []
         a = addrs.astype(np.int64)
-        bad = a % nbytes != 0 if nbytes in (1, 2, 4, 8, 16) else np.zeros(a.shape, bool)
-        if np.count_nonzero(bad):
-            x = int(a[bad][0])
+        if nbytes in (2, 4, 8, 16) and np.count_nonzero(a & (nbytes - 1)):
+            x = int(a[(a & (nbytes - 1)) != 0][0])
             raise EmulationError(f"misaligned {what} of {nbytes} bytes at {x:#x} ({self.describe(x)})")
+        # mostly every address lies in the range of the first: two reductions instead of a search
+        r = bisect.bisect_right(self._starts, int(a[0])) - 1
+        if r >= 0:
+            s, e, _, view = self._ranges[r]
+            if s <= a.min() and a.max() + nbytes <= e:
+                return [(view, a - s, None, s)]
         idx = np.searchsorted(self._starts_np, a, side="right") - 1
         lo, hi = int(idx.min()), int(idx.max())
         parts = []
@@ -131,11 +136,11 @@ class GlobalMemory:
 
     def _read_by_others(self, start, idx, cta, what):
         """Raise if another CTA read bytes `idx` of range `start` in this launch."""
-        for granule, at in ((4, self._words(start, idx)), (1, idx)):
+        for granule in (4, 1):
             readers = self._readers.get((start, granule))
             if readers is None:
                 continue
-            prev = readers[at]
+            prev = readers[self._words(start, idx) if granule == 4 else idx]
             bad = (prev != -1) & (prev != cta)
             if np.count_nonzero(bad):
                 raise self._race(start, idx, bad, cta, what, prev, reads=True)
@@ -413,14 +418,11 @@ class SharedMemory:
         warps = None if rows.size == 1 else np.ascontiguousarray(rows[:, 0])
         lanes = None if lanes is None else np.ascontiguousarray(lanes, np.int64)
         verdict = np.empty(idx.shape, np.uint8)
-        code = fn(self._race_at, idx.ctypes.data, *idx.shape,
-                  int(rows[0, 0]), None if warps is None else warps.ctypes.data,
-                  None if lanes is None else lanes.ctypes.data, verdict.ctypes.data, *flags)
+        code = fn(self._race_at, idx, int(rows[0, 0]), warps, lanes, verdict, *flags)
         return code, verdict, idx, rows
 
     def _race_read(self, idx, warp, lanes):
-        rt = native.runtime()
-        code, verdict, idx, rows = self._native(rt.flashgen_emu_race_read, idx, warp, lanes)
+        code, verdict, idx, rows = self._native(native.module().race_read, idx, warp, lanes)
         if code:        # verdicts on the stamps before this access (the readers' are updated)
             bad = verdict == 1         # written in this epoch by another warp
             if np.count_nonzero(bad) and self.hopper is not None:      # an mbarrier or a partial barrier may order it
@@ -442,8 +444,8 @@ class SharedMemory:
             self.hopper.order.stamp(idx, rows, write=False)
 
     def _race_write(self, idx, warp, lanes):
-        rt = native.runtime()
-        code, verdict, idx, rows = self._native(rt.flashgen_emu_race_write, idx, warp, lanes, 1)
+        race_write = native.module().race_write
+        code, verdict, idx, rows = self._native(race_write, idx, warp, lanes, 1)
         if code == 1:   # verdicts on the stamps before this access, none changed yet
             ww, rw = (verdict & 1).astype(bool), (verdict & 2).astype(bool)
             if self.hopper is not None:
@@ -454,7 +456,7 @@ class SharedMemory:
                 stamp, how = (self.w_stamp, "written") if ww[pos] else (self.r_stamp, "read")
                 raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(stamp[idx[pos]]),
                                  "writes", how)
-            code = self._native(rt.flashgen_emu_race_write, idx, warp, lanes, 0)[0]
+            code = self._native(race_write, idx, warp, lanes, 0)[0]
         if code == 2:   # rows of two warps wrote one granule in this instruction
             pos = tuple(np.argwhere(verdict == 4)[0])
             raise self._race(int(idx[pos]), int(np.broadcast_to(rows, idx.shape)[pos]), int(self.w_stamp[idx[pos]]),
@@ -478,10 +480,8 @@ class SharedMemory:
             return None
         slots = None if isinstance(slot, (int, np.integer)) else np.ascontiguousarray(slot, np.int64)
         words = np.empty((o.size, nbytes >> 2), np.int64)
-        if native.runtime().flashgen_emu_shared_words(
-                o.ctypes.data, o.size, nbytes, 0 if slots is not None else int(slot),
-                None if slots is None else slots.ctypes.data, self.size, self.stride,
-                self._pending_at if self.in_flight else None, words.ctypes.data):
+        if native.module().shared_words(o, nbytes, 0 if slots is not None else int(slot), slots, self.size,
+                                        self.stride, self._pending_at if self.in_flight else 0, words):
             return None
         return words
 
@@ -494,8 +494,29 @@ class SharedMemory:
             lanes = np.arange(offs.size) if who.ndim == 0 else _occurrence(who)
         self.counters.shared_access(offs, nbytes, who, lanes)
 
+    def _load_words(self, offs, nbytes, warp, lanes, slot):
+        """A load of whole words in one native call, checked as _whole_words and _race_read check
+        it, or None where they would find something to name (they run again, and name it)."""
+        o = np.ascontiguousarray(offs, np.int64)
+        if o.size == 0:
+            return None
+        one_slot, one_warp = isinstance(slot, (int, np.integer)), isinstance(warp, (int, np.integer))
+        out = np.empty((o.size, nbytes >> 2), np.uint32)
+        if native.module().shared_load(
+                o, nbytes, int(slot) if one_slot else 0, None if one_slot else np.ascontiguousarray(slot, np.int64),
+                self.size, self.stride, self._pending_at if self.in_flight else 0,
+                self._race_at if self.race_check else 0, int(warp) if one_warp else 0,
+                None if one_warp else np.ascontiguousarray(warp, np.int64),
+                None if lanes is None else np.ascontiguousarray(lanes, np.int64), self.words, out):
+            return None
+        return out.view(np.uint8)
+
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
         self._count(offs, nbytes, warp, lanes, slot)
+        if nbytes in (4, 8, 16) and self.granule == 4 and self.hopper is None:
+            data = self._load_words(offs, nbytes, warp, lanes, slot)
+            if data is not None:
+                return data
         words = self._whole_words(offs, nbytes, slot)
         if words is not None:
             if self.race_check:
@@ -535,7 +556,7 @@ class SharedMemory:
         if words is not None:
             if self.race_check:
                 self._race_write(words, warp, lanes)
-            self.pending_words[words] += _EACH_BYTE_OF_A_WORD
+            native.module().add_each(self.pending_words, words, _EACH_BYTE_OF_A_WORD)
             self.in_flight += 4 * words.size
             return words
         idx = self._bytes(offs, nbytes, "cp.async destination", slot)
@@ -554,7 +575,7 @@ class SharedMemory:
         warps = np.concatenate([np.broadcast_to(c[2], len(c[0])) for c in copies])
         # no two copies in flight share a byte (async_issue refuses it), so none is counted twice
         if self._word_mode():
-            self.pending_words[idx] -= _EACH_BYTE_OF_A_WORD
+            native.module().add_each(self.pending_words, idx, -_EACH_BYTE_OF_A_WORD)
             self.in_flight -= 4 * idx.size
             if self.race_check:
                 self._race_write(idx, warps, np.concatenate([c[3] for c in copies]))

@@ -184,6 +184,24 @@ class Operands:
                 np.copyto(r, v, where=m, casting="unsafe")
         return write
 
+    def ufunc_of(self, f, d, ty: str, ra, rb):
+        """run(w, m) writing ufunc `f` of two readers' values to register `d` as .`ty`: straight
+        into the register (`out=`, its bits as `ty`) when every lane executes and the register is
+        `ty`'s width; else through write()."""
+        wd = self.write(d, ty)       # (refuses what cannot be written)
+        rty = self.reg_type(d) if isinstance(d, Reg) else None
+        if rty is None or (rty != ty and TYPE_SIZES.get(rty) != TYPE_SIZES.get(ty)):
+            return lambda w, m: wd(w, f(ra(w), rb(w)), m)
+        name, dt = d.name, dtype_of(ty)
+        same = dtype_of(rty) == dt
+
+        def run(w, m):
+            if m is None:
+                f(ra(w), rb(w), out=w.regs[name] if same else w.regs[name].view(dt))
+            else:
+                wd(w, f(ra(w), rb(w)), m)
+        return run
+
     # -- addresses -----------------------------------------------------------------------------
     def address(self, op: Addr):
         """-> f(warp) giving int64 addresses per lane (global: virtual; shared: window offset)."""

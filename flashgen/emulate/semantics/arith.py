@@ -78,6 +78,9 @@ def binary(ins, ops):
         else:
             raise unsupported(ins, "directed rounding of f64")
 
+        if finish is None and isinstance(f, np.ufunc):
+            return ops.ufunc_of(f, d, ty, ra, rb)
+
         def run(w, m):
             r = f(ra(w), rb(w))
             wd(w, finish(r) if finish else r, m)
@@ -100,14 +103,12 @@ def binary(ins, ops):
             big = np.int64 if ty.startswith("s") else np.uint64
             return lambda w, m: wd(w, ((ra(w).astype(big) * rb(w).astype(big)) >> bits).astype(dt), m)
         _check_mods(ins, {"lo"})
-        return lambda w, m: wd(w, ra(w) * rb(w), m)
+        return ops.ufunc_of(np.multiply, d, ty, ra, rb)
     _check_mods(ins, set())
     if op in ("add", "sub"):
-        f = np.add if op == "add" else np.subtract
-        return lambda w, m: wd(w, f(ra(w), rb(w)), m)
+        return ops.ufunc_of(np.add if op == "add" else np.subtract, d, ty, ra, rb)
     if op in ("min", "max"):
-        f = np.minimum if op == "min" else np.maximum
-        return lambda w, m: wd(w, f(ra(w), rb(w)), m)
+        return ops.ufunc_of(np.minimum if op == "min" else np.maximum, d, ty, ra, rb)
 
     def run(w, m):          # div / rem: truncating (C semantics); divide by zero is unspecified
         x, y = ra(w), rb(w)
@@ -192,9 +193,8 @@ def bitwise(ins, ops):
     if ty not in ("pred", "b16", "b32", "b64"):
         raise unsupported(ins)
     d, a, b = ins.operands
-    ra, rb, wd = ops.read(a, ty), ops.read(b, ty), ops.write(d, ty)
     f = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[ins.opcode]
-    return lambda w, m: wd(w, f(ra(w), rb(w)), m)
+    return ops.ufunc_of(f, d, ty, ops.read(a, ty), ops.read(b, ty))
 
 
 @handles("shl", "shr")

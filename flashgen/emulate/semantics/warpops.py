@@ -13,6 +13,7 @@ import numpy as np
 
 from flashgen.emulate import native
 from flashgen.emulate.errors import EmulationError
+from flashgen.emulate.ptx import TYPE_SIZES, Reg
 from flashgen.emulate.semantics.registry import executing_warps, handles, require_full_warp, unsupported
 
 LANE = np.arange(32)
@@ -94,11 +95,8 @@ _ELEMENT_TYPES = {"bf16": 0, "f16": 1, "tf32": 2}      # mma_emu.cc's
 
 @functools.lru_cache(maxsize=None)
 def _mma_tables(k: int, atype: str) -> tuple:
-    """mma_emu.cc's index tables for mma.m16n8k{k}.{atype} (int32 arrays, kept alive here) and
-    their addresses."""
-    a_perm, b_perm, c_perm, c_flat = _mma_layout(k, atype)
-    tables = tuple(np.ascontiguousarray(t, np.int32) for t in (a_perm, b_perm, c_perm, c_flat))
-    return tables, tuple(t.ctypes.data for t in tables)
+    """mma_emu.cc's index tables for mma.m16n8k{k}.{atype} (int32 arrays)."""
+    return tuple(np.ascontiguousarray(t, np.int32) for t in _mma_layout(k, atype))
 
 
 @handles("mma", per_warp=True)
@@ -116,22 +114,23 @@ def mma(ins, ops):
     D, A, B, C = (ops.vector(x) for x in ins.operands)
     if len(A) != 4 or len(B) != 2 or len(C) != 4 or len(D) != 4:
         raise unsupported(ins, "operand counts (4 A, 2 B, 4 C, 4 D registers)")
-    rab = [ops.read(x, "b32") for x in A + B]
-    rc = [ops.read(x, "f32") for x in C]
-    wd = [ops.write(x, "f32") for x in D]
+    # mma_emu.cc reads and writes the registers themselves: 4-byte registers, read as .b32 / .f32 and
+    # D written as .f32 (the checks ops.read / ops.write make), each a raw 4-byte pattern
+    for x, ty in [(x, "b32") for x in A + B] + [(x, "f32") for x in C]:
+        ops.read(x, ty)
+    for x in D:
+        ops.write(x, "f32")
+    if any(not isinstance(x, Reg) or TYPE_SIZES[ops.reg_type(x)] != 4 for x in A + B + C + D):
+        raise unsupported(ins, "operands in registers other than 4-byte ones")
+    registers = [x.name for x in A + B + C + D]
     # (_mma_tables refuses a fragment table that does not cover the matrix, at compile time)
-    code, (_, table_addresses) = _ELEMENT_TYPES[atype], _mma_tables(k, atype)
-    compute = native.runtime().flashgen_emu_mma
+    code, tables = _ELEMENT_TYPES[atype], _mma_tables(k, atype)
+    compute = native.module().mma
 
     def run(w, m):
         require_full_warp(w, m, ins)
-        g = w.nlanes // 32                                   # warps executing together
-        ab = np.concatenate([r(w) for r in rab])            # [A's 4 and B's 2 registers, warp, lane]
-        c = np.concatenate([r(w) for r in rc])
-        out = np.empty((4, 32 * g), np.float32)
-        compute(g, k, code, ab.ctypes.data, c.ctypes.data, out.ctypes.data, *table_addresses)
-        for i, wr in enumerate(wd):
-            wr(w, out[i], m)
+        regs = w.regs
+        compute(w.nlanes // 32, k, code, m, *[regs[r] for r in registers], *tables)
     return run
 
 

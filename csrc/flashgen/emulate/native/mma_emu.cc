@@ -1,5 +1,5 @@
 // mma.sync.m16n8k{16,8}.row.col with f32 accumulators for the warps of an emulator gang, part of
-// the emulation runtime (flashgen/emulate/semantics/warpops.py calls it). Which fragment element
+// the emulator's native module (emu_native.h; flashgen/emulate/semantics/warpops.py calls it). Which fragment element
 // each matrix element is comes from warpops.py's fragment tables (checked against CuTe's), passed
 // in as index tables; here is only the arithmetic: the products of bf16/f16/tf32 values are exact
 // in double, and each result is rounded once to float.
@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include "flashgen/emulate/native/emu_native.h"
 
 namespace {
 
@@ -55,40 +57,45 @@ void product_baseline(int64_t k, const double* a, const double* b, double* out) 
 const auto product_of = __builtin_cpu_supports("avx512f") ? product_avx512 : product_baseline;
 
 template <int64_t Type>
-void mma(int64_t g, int64_t k, const uint32_t* ab, const float* c, float* d, const int32_t* a_src,
-         const int32_t* b_src, const int32_t* c_src, const int32_t* d_of) {
+void mma(int64_t g, int64_t k, const uint32_t* const* ab, const float* const* c, float* const* d,
+         const bool* executing, const int32_t* a_src, const int32_t* b_src, const int32_t* c_src,
+         const int32_t* d_of) {
   using Element = std::conditional_t<Type == kTf32, uint32_t, uint16_t>;
   constexpr int64_t per_reg = Type == kTf32 ? 32 : 64;  // elements per register row of a warp
-  const Element* elements = reinterpret_cast<const Element*>(ab);
-  // where each matrix element of warp 0 is in the stacks (warp w's: + w * per_reg, or + w * 32)
-  int64_t a_at[16 * 16], b_at[16 * 8], c_at[16 * 8];
-  for (int64_t p = 0; p < 16 * k; ++p) a_at[p] = a_src[p] / per_reg * g * per_reg + a_src[p] % per_reg;
-  for (int64_t p = 0; p < 8 * k; ++p) b_at[p] = (4 + b_src[p] / per_reg) * g * per_reg + b_src[p] % per_reg;
-  for (int64_t p = 0; p < 16 * 8; ++p) c_at[p] = c_src[p] / 32 * g * 32 + c_src[p] % 32;
+  // where each matrix element of warp 0 is: its register, and its place in that register's row
+  int64_t a_reg[16 * 16], a_at[16 * 16], b_reg[16 * 8], b_at[16 * 8], c_reg[16 * 8], c_at[16 * 8];
+  for (int64_t p = 0; p < 16 * k; ++p) a_reg[p] = a_src[p] / per_reg, a_at[p] = a_src[p] % per_reg;
+  for (int64_t p = 0; p < 8 * k; ++p) b_reg[p] = 4 + b_src[p] / per_reg, b_at[p] = b_src[p] % per_reg;
+  for (int64_t p = 0; p < 16 * 8; ++p) c_reg[p] = c_src[p] / 32, c_at[p] = c_src[p] % 32;
   double a[16 * 16], b[16 * 8], acc[16 * 8];
+  // Warp w's inputs are all read before its outputs are written, and it writes its own lanes
+  // only: D may be C's registers (it mostly is).
   for (int64_t w = 0; w < g; ++w) {
-    const Element* e = elements + w * per_reg;
-    for (int64_t p = 0; p < 16 * k; ++p) a[p] = from_bits<Type>(e[a_at[p]]);
-    for (int64_t p = 0; p < 8 * k; ++p) b[p] = from_bits<Type>(e[b_at[p]]);
+    if (executing && !executing[w * 32]) continue;
+    const int64_t e = w * per_reg;
+    for (int64_t p = 0; p < 16 * k; ++p)
+      a[p] = from_bits<Type>(reinterpret_cast<const Element*>(ab[a_reg[p]])[e + a_at[p]]);
+    for (int64_t p = 0; p < 8 * k; ++p)
+      b[p] = from_bits<Type>(reinterpret_cast<const Element*>(ab[b_reg[p]])[e + b_at[p]]);
     product_of(k, a, b, acc);
-    for (int64_t p = 0; p < 16 * 8; ++p) acc[p] += c[c_at[p] + w * 32];
+    for (int64_t p = 0; p < 16 * 8; ++p) acc[p] += c[c_reg[p]][w * 32 + c_at[p]];
     for (int64_t reg = 0; reg < 4; ++reg)
-      for (int64_t lane = 0; lane < 32; ++lane)
-        d[(reg * g + w) * 32 + lane] = static_cast<float>(acc[d_of[reg * 32 + lane]]);
+      for (int64_t lane = 0; lane < 32; ++lane) d[reg][w * 32 + lane] = static_cast<float>(acc[d_of[reg * 32 + lane]]);
   }
 }
 
 }  // namespace
 
-// `ab`: the A and B registers of the gang, [6][g][32] u32 (A's 4, then B's 2); `c`: C's [4][g][32];
-// `d`: D's, written. A warp's fragment is [register][lane][element] (2 halves, or 1 tf32 word, per
+// `ab`: the gang's A and B registers (A's 4, then B's 2), each [g][32] u32; `c`: C's 4 registers,
+// `d`: D's, written, each [g][32] f32; `executing`: per lane, null for all (a warp executes in full
+// or not at all). A warp's fragment is [register][lane][element] (2 halves, or 1 tf32 word, per
 // register of a lane). a_src[p]: where in the A fragment element p of the row-major 16 x k matrix
 // A is; b_src the same for B (k x 8) in its 2 registers; c_src[p]: where in [register][lane]
 // element p of the 16 x 8 C is; d_of[register * 32 + lane]: the element of D that it holds.
-extern "C" void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* ab, const float* c, float* d,
-                                 const int32_t* a_src, const int32_t* b_src, const int32_t* c_src,
-                                 const int32_t* d_of) {
-  if (type == kBf16) mma<kBf16>(g, k, ab, c, d, a_src, b_src, c_src, d_of);
-  if (type == kF16) mma<kF16>(g, k, ab, c, d, a_src, b_src, c_src, d_of);
-  if (type == kTf32) mma<kTf32>(g, k, ab, c, d, a_src, b_src, c_src, d_of);
+void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* const* ab, const float* const* c,
+                      float* const* d, const bool* executing, const int32_t* a_src, const int32_t* b_src,
+                      const int32_t* c_src, const int32_t* d_of) {
+  if (type == kBf16) mma<kBf16>(g, k, ab, c, d, executing, a_src, b_src, c_src, d_of);
+  if (type == kF16) mma<kF16>(g, k, ab, c, d, executing, a_src, b_src, c_src, d_of);
+  if (type == kTf32) mma<kTf32>(g, k, ab, c, d, executing, a_src, b_src, c_src, d_of);
 }

@@ -1,5 +1,5 @@
-// Shared-memory bookkeeping for one access, part of the emulation runtime (flashgen/emulate/
-// memory.py, SharedMemory, states the rules and calls these): its word indices, and the race
+// Shared-memory bookkeeping for one access, part of the emulator's native module
+// (emu_native.h; flashgen/emulate/memory.py, SharedMemory, states the rules and calls these): its word indices, and the race
 // detector's checks and stamp updates.
 //
 // An access to the race detector is `rows` x `cols` granule indices, row r issued by warp
@@ -12,6 +12,9 @@
 // calls again with `check` 0 if no race remains; otherwise the stamps are updated, granule by
 // granule in row order. One pass in C instead of a dozen numpy passes over the access.
 #include <cstdint>
+#include <vector>
+
+#include "flashgen/emulate/native/emu_native.h"
 
 namespace {
 
@@ -19,17 +22,6 @@ constexpr int64_t kMany = 255;
 
 }  // namespace
 
-extern "C" {
-
-struct FlashgenEmuRaceState {  // memory.py's _RaceState: SharedMemory's arrays, one per granule
-  int64_t* w_stamp;            // of the last writer
-  int64_t* r_stamp;            // of the readers in the writer's epoch or later
-  int8_t* w_lane;              // the writer's lane, -1 for the whole warp
-  int64_t* w_wsync;            // the writer warp's __syncwarp count then
-  const int64_t* warp_syncs;   // [CTA slot][warp]: __syncwarp counts
-  const int64_t* epochs;       // [CTA slot]: barrier epochs
-  int64_t granule, stride;     // bytes per granule; bytes per CTA slot
-};
 
 namespace {
 
@@ -144,4 +136,25 @@ int64_t flashgen_emu_race_write(const FlashgenEmuRaceState* s, const int64_t* id
   return 0;
 }
 
-}  // extern "C"
+// A load of whole words by the rules of flashgen_emu_shared_words and, when `race` is not null,
+// flashgen_emu_race_read: `out` [rows][nbytes / 4] receives the words of `memory` (`memory_words`
+// long). 0, or 1 when shared_words declines, 2 when the race detector has a verdict (for memory.py
+// to name: a second race_read over the same access gives the same verdicts and stamps).
+int64_t flashgen_emu_shared_load(const int64_t* offs, int64_t rows, int64_t nbytes, int64_t slot,
+                                 const int64_t* slots, int64_t size, int64_t stride, const int64_t* pending,
+                                 const FlashgenEmuRaceState* race, int64_t warp, const int64_t* warps,
+                                 const int64_t* lanes, const uint32_t* memory, int64_t memory_words, uint32_t* out) {
+  thread_local std::vector<int64_t> words;
+  thread_local std::vector<uint8_t> verdict;
+  const int64_t n = rows * (nbytes / 4);
+  words.resize(n);
+  if (flashgen_emu_shared_words(offs, rows, nbytes, slot, slots, size, stride, pending, words.data())) return 1;
+  for (int64_t i = 0; i < n; ++i)
+    if (words[i] >= memory_words) return 1;  // a slot past the wave's
+  if (race) {
+    verdict.resize(n);
+    if (flashgen_emu_race_read(race, words.data(), rows, nbytes / 4, warp, warps, lanes, verdict.data())) return 2;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = memory[words[i]];
+  return 0;
+}

@@ -1,0 +1,31 @@
+// The emulator's C helpers (shared_memory_emu.cc, mma_emu.cc), which module.cc hands to Python as
+// the extension module flashgen.emulate.native loads: memory.py and semantics/warpops.py call them
+// once or more per emulated instruction, where a ctypes call cost 4 us and this one 0.1-0.3 us.
+#pragma once
+#include <cstdint>
+
+struct FlashgenEmuRaceState {  // memory.py's _RaceState: SharedMemory's arrays, one per granule
+  int64_t* w_stamp;            // of the last writer
+  int64_t* r_stamp;            // of the readers in the writer's epoch or later
+  int8_t* w_lane;              // the writer's lane, -1 for the whole warp
+  int64_t* w_wsync;            // the writer warp's __syncwarp count then
+  const int64_t* warp_syncs;   // [CTA slot][warp]: __syncwarp counts
+  const int64_t* epochs;       // [CTA slot]: barrier epochs
+  int64_t granule, stride;     // bytes per granule; bytes per CTA slot
+};
+
+int64_t flashgen_emu_shared_words(const int64_t* offs, int64_t rows, int64_t nbytes, int64_t slot,
+                                  const int64_t* slots, int64_t size, int64_t stride, const int64_t* pending,
+                                  int64_t* words);
+int64_t flashgen_emu_shared_load(const int64_t* offs, int64_t rows, int64_t nbytes, int64_t slot,
+                                 const int64_t* slots, int64_t size, int64_t stride, const int64_t* pending,
+                                 const FlashgenEmuRaceState* race, int64_t warp, const int64_t* warps,
+                                 const int64_t* lanes, const uint32_t* memory, int64_t memory_words, uint32_t* out);
+int64_t flashgen_emu_race_read(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t rows, int64_t cols,
+                               int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict);
+int64_t flashgen_emu_race_write(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t rows, int64_t cols,
+                                int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict,
+                                int64_t check);
+void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* const* ab, const float* const* c,
+                      float* const* d, const bool* executing, const int32_t* a_src, const int32_t* b_src,
+                      const int32_t* c_src, const int32_t* d_of);

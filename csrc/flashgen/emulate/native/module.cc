@@ -1,0 +1,206 @@
+// flashgen.emulate's native module: the C helpers of emu_native.h as Python functions taking numpy
+// arrays (any C-contiguous buffer) and ints. Each argument's element size and length are checked
+// against what the helper will touch, so a wrong call raises ValueError instead of writing
+// out of bounds. Plain CPython (METH_FASTCALL, the buffer protocol): the emulator calls these
+// thousands of times per launch, and pybind11's argument conversion would cost more than the work.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+
+#include "flashgen/emulate/native/emu_native.h"
+
+namespace {
+
+// A C-contiguous buffer argument, released when it goes out of scope; `data` stays null for None
+// where None is allowed.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+
+  // False (with a Python exception set) unless `obj` is a buffer of at least `count` elements of
+  // `itemsize` bytes (or None, when `optional`).
+  bool get(PyObject* obj, const char* name, Py_ssize_t itemsize, Py_ssize_t count, bool writable,
+           bool optional = false) {
+    if (optional && obj == Py_None) return true;
+    const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &view_, flags) < 0) return false;
+    held_ = true;
+    if (view_.itemsize != itemsize || view_.len < count * itemsize) {
+      PyErr_Format(PyExc_ValueError, "%s: %zd bytes of %zd-byte elements, need %zd of %zd bytes", name, view_.len,
+                   view_.itemsize, count, itemsize);
+      return false;
+    }
+    data = view_.buf;
+    return true;
+  }
+  Py_ssize_t len() const { return view_.len; }
+  // The length of dimension `axis`, for a buffer of at least axis + 1 dimensions; else -1.
+  Py_ssize_t dim(int axis) const { return view_.ndim > axis ? view_.shape[axis] : -1; }
+
+  void* data = nullptr;
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+bool ints(PyObject* const* args, Py_ssize_t first, Py_ssize_t count, int64_t* out) {
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    out[i] = PyLong_AsLongLong(args[first + i]);
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+bool arity(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return true;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, nargs);
+  return false;
+}
+
+template <typename T>
+T* at(const Buffer& b) {
+  return static_cast<T*>(b.data);
+}
+
+// shared_words(offs, nbytes, slot, slots | None, size, stride, pending_address | 0, words) -> int
+PyObject* shared_words(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t n[3], place[3];  // nbytes, slot; size, stride, pending
+  Buffer offs, slots, words;
+  if (!arity("shared_words", nargs, 8) || !ints(args, 1, 2, n) || !ints(args, 4, 3, place) ||
+      !offs.get(args[0], "offs", 8, 0, false))
+    return nullptr;
+  const Py_ssize_t rows = offs.dim(0);
+  if (n[0] != 4 && n[0] != 8 && n[0] != 16) return PyErr_Format(PyExc_ValueError, "nbytes %lld", (long long)n[0]);
+  if (!slots.get(args[3], "slots", 8, rows, false, true) || !words.get(args[7], "words", 8, rows * n[0] / 4, true))
+    return nullptr;
+  return PyLong_FromLongLong(flashgen_emu_shared_words(at<int64_t>(offs), rows, n[0], n[1], at<int64_t>(slots),
+                                                       place[0], place[1],
+                                                       reinterpret_cast<const int64_t*>(place[2]),
+                                                       at<int64_t>(words)));
+}
+
+// shared_load(offs, nbytes, slot, slots | None, size, stride, pending_address | 0, race_address | 0,
+//             warp, warps | None, lanes | None, memory, out) -> int
+PyObject* shared_load(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t n[2], place[4], warp;  // nbytes, slot; size, stride, pending, race
+  Buffer offs, slots, warps, lanes, memory, out;
+  if (!arity("shared_load", nargs, 13) || !ints(args, 1, 2, n) || !ints(args, 4, 4, place) ||
+      !ints(args, 8, 1, &warp) || !offs.get(args[0], "offs", 8, 0, false))
+    return nullptr;
+  const Py_ssize_t rows = offs.dim(0);
+  if (n[0] != 4 && n[0] != 8 && n[0] != 16) return PyErr_Format(PyExc_ValueError, "nbytes %lld", (long long)n[0]);
+  if (!slots.get(args[3], "slots", 8, rows, false, true) || !warps.get(args[9], "warps", 8, rows, false, true) ||
+      !lanes.get(args[10], "lanes", 8, rows, false, true) || !memory.get(args[11], "memory", 4, 0, false) ||
+      !out.get(args[12], "out", 4, rows * n[0] / 4, true))
+    return nullptr;
+  return PyLong_FromLongLong(flashgen_emu_shared_load(
+      at<int64_t>(offs), rows, n[0], n[1], at<int64_t>(slots), place[0], place[1],
+      reinterpret_cast<const int64_t*>(place[2]), reinterpret_cast<const FlashgenEmuRaceState*>(place[3]), warp,
+      at<int64_t>(warps), at<int64_t>(lanes), at<uint32_t>(memory), memory.dim(0), at<uint32_t>(out)));
+}
+
+// add_each(array, idx, value) -> None: array[i] += value for each i of idx (int64 both; repeats
+// add again). numpy's fancy `array[idx] += value` gathers and scatters (~20 ns an index).
+PyObject* add_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t value;
+  Buffer array, idx;
+  if (!arity("add_each", nargs, 3) || !array.get(args[0], "array", 8, 0, true) || !idx.get(args[1], "idx", 8, 0, false) ||
+      !ints(args, 2, 1, &value))
+    return nullptr;
+  const Py_ssize_t n = array.dim(0), count = idx.len() / 8;
+  int64_t* a = at<int64_t>(array);
+  const int64_t* i = at<int64_t>(idx);
+  for (Py_ssize_t k = 0; k < count; ++k)
+    if (i[k] < 0 || i[k] >= n) return PyErr_Format(PyExc_IndexError, "add_each: index %lld of %zd", (long long)i[k], n);
+  for (Py_ssize_t k = 0; k < count; ++k) a[i[k]] += value;
+  Py_RETURN_NONE;
+}
+
+// The race helpers' common arguments: (state_address, idx [rows, cols], warp, warps | None,
+// lanes | None, verdict [rows * cols]).
+struct RaceAccess {
+  int64_t state, warp;
+  Buffer idx, warps, lanes, verdict;
+  Py_ssize_t rows, cols;
+
+  bool get(PyObject* const* args) {
+    if (!ints(args, 0, 1, &state) || !ints(args, 2, 1, &warp) || !idx.get(args[1], "idx", 8, 0, false)) return false;
+    rows = idx.dim(0), cols = idx.dim(1);
+    if (rows < 0 || cols < 0) {
+      PyErr_SetString(PyExc_ValueError, "idx: need [rows, granules]");
+      return false;
+    }
+    return warps.get(args[3], "warps", 8, rows, false, true) && lanes.get(args[4], "lanes", 8, rows, false, true) &&
+           verdict.get(args[5], "verdict", 1, rows * cols, true);
+  }
+  const FlashgenEmuRaceState* race_state() const { return reinterpret_cast<const FlashgenEmuRaceState*>(state); }
+};
+
+PyObject* race_read(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  RaceAccess a;
+  if (!arity("race_read", nargs, 6) || !a.get(args)) return nullptr;
+  return PyLong_FromLongLong(flashgen_emu_race_read(a.race_state(), at<int64_t>(a.idx), a.rows, a.cols, a.warp,
+                                                    at<int64_t>(a.warps), at<int64_t>(a.lanes),
+                                                    at<uint8_t>(a.verdict)));
+}
+
+// race_write(..., check) -> int
+PyObject* race_write(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  RaceAccess a;
+  int64_t check;
+  if (!arity("race_write", nargs, 7) || !a.get(args) || !ints(args, 6, 1, &check)) return nullptr;
+  return PyLong_FromLongLong(flashgen_emu_race_write(a.race_state(), at<int64_t>(a.idx), a.rows, a.cols, a.warp,
+                                                     at<int64_t>(a.warps), at<int64_t>(a.lanes),
+                                                     at<uint8_t>(a.verdict), check));
+}
+
+// mma(g, k, type, executing | None, A's 4 and B's 2 registers, C's 4, D's 4, a_src, b_src, c_src,
+// d_of) -> None: each register an array of the gang's g * 32 lanes (4-byte elements).
+PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t n[3];  // g, k, type
+  Buffer executing, regs[14], a_src, b_src, c_src, d_of;
+  if (!arity("mma", nargs, 22) || !ints(args, 0, 3, n)) return nullptr;
+  const int64_t g = n[0], k = n[1];
+  if (g < 1 || (k != 8 && k != 16) || n[2] < 0 || n[2] > 2)
+    return PyErr_Format(PyExc_ValueError, "mma: g %lld, k %lld, type %lld", (long long)g, (long long)k,
+                        (long long)n[2]);
+  if (!executing.get(args[3], "executing", 1, 32 * g, false, true)) return nullptr;
+  for (int i = 0; i < 14; ++i)
+    if (!regs[i].get(args[4 + i], i < 6 ? "A/B register" : i < 10 ? "C register" : "D register", 4, 32 * g, i >= 10))
+      return nullptr;
+  if (!a_src.get(args[18], "a_src", 4, 16 * k, false) || !b_src.get(args[19], "b_src", 4, 8 * k, false) ||
+      !c_src.get(args[20], "c_src", 4, 128, false) || !d_of.get(args[21], "d_of", 4, 128, false))
+    return nullptr;
+  const uint32_t* ab[6];
+  const float* c[4];
+  float* d[4];
+  for (int i = 0; i < 6; ++i) ab[i] = at<uint32_t>(regs[i]);
+  for (int i = 0; i < 4; ++i) c[i] = at<float>(regs[6 + i]), d[i] = at<float>(regs[10 + i]);
+  flashgen_emu_mma(g, k, n[2], ab, c, d, at<bool>(executing), at<int32_t>(a_src), at<int32_t>(b_src),
+                   at<int32_t>(c_src), at<int32_t>(d_of));
+  Py_RETURN_NONE;
+}
+
+#define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
+PyMethodDef methods[] = {
+    {"shared_words", FASTCALL(shared_words), "shared_memory_emu.cc's flashgen_emu_shared_words"},
+    {"shared_load", FASTCALL(shared_load), "shared_memory_emu.cc's flashgen_emu_shared_load"},
+    {"add_each", FASTCALL(add_each), "array[i] += value for each i of idx"},
+    {"race_read", FASTCALL(race_read), "shared_memory_emu.cc's flashgen_emu_race_read"},
+    {"race_write", FASTCALL(race_write), "shared_memory_emu.cc's flashgen_emu_race_write"},
+    {"mma", FASTCALL(mma), "mma_emu.cc's flashgen_emu_mma"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "flashgen_emu_native", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_flashgen_emu_native() { return PyModule_Create(&module); }
