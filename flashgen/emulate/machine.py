@@ -284,11 +284,21 @@ class _Compiled:
         for ins in kernel.instructions:
             self.code.append(self._compile(ins, ops, kernel))
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
+        self.forms = [ins.form for ins in kernel.instructions] + ["exit"]
         # the shared-memory race detector's granule: a word unless some access is narrower
         self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
         self.hopper = hopper_state.uses_hopper(kernel)
         if self.hopper:
             self.code = guard_wgmma_registers(kernel, self.code)
+        # straight[pc]: the end of the run of plain instructions (unguarded, not warp-collective
+        # _ALUs) from pc, 0 where pc is not one. Every lane at the start of such a run executes
+        # each instruction of it: the machine calls them back to back, without a step each.
+        self.fns = [c[1] for c in self.code]
+        self.straight = [0] * len(self.code)
+        for pc in range(len(self.code) - 2, -1, -1):
+            kind, _, guard, _, per_warp = self.code[pc]
+            if kind == _ALU and guard is None and not per_warp:
+                self.straight[pc] = self.straight[pc + 1] or pc + 1
 
     @staticmethod
     def _compile(ins, ops, kernel):
@@ -341,9 +351,10 @@ class _Located(EmulationError):
 
 
 class _Launch:
-    def __init__(self, kernel, code, rng, budget, seed):
-        self.kernel, self.code, self.rng, self.budget, self.seed = kernel, code, rng, budget, seed
-        self.counts = [0] * len(code)
+    def __init__(self, kernel, program, rng, budget, seed):
+        self.kernel, self.rng, self.budget, self.seed = kernel, rng, budget, seed
+        self.code, self.fns, self.straight = program.code, program.fns, program.straight
+        self.counts = [0] * len(program.code)
         self.executed = 0
 
     def context(self, w, pc) -> str:
@@ -414,7 +425,7 @@ class _Launch:
         that are done or wait at a barrier, and exited lanes, stand at _DEAD. While the lanes at
         the lowest pc run on below every other lane's pc (`rest`), the step needs no lane array:
         their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
-        code, counts = self.code, self.counts
+        code, counts, fns, straight = self.code, self.counts, self.fns, self.straight
         members = g.members
         # the gang holds its warps' pcs until it hands them back
         lp = np.repeat(np.array([_DEAD if m.done or m.at_barrier else m.pc for m in members], np.int64), 32)
@@ -439,6 +450,16 @@ class _Launch:
                     if pc == _DEAD:
                         break
                     fresh = False
+                end = straight[pc]
+                if end:
+                    end, first = min(end, rest, pc + quantum - steps), pc
+                    for pc in range(first, end):
+                        counts[pc] += n
+                        fns[pc](g, active)
+                    steps += end - first
+                    executed += n * (end - first)
+                    pc = end
+                    continue
                 steps += 1
                 counts[pc] += n
                 executed += n
@@ -522,11 +543,19 @@ class _Launch:
 
     def run_warp(self, w, quantum, nthreads):
         """Run one warp for up to `quantum` instructions (its lanes at their lowest pc)."""
-        code, counts = self.code, self.counts
+        code, counts, fns, straight = self.code, self.counts, self.fns, self.straight
         pc = w.pc
         steps = 0
         try:
             while steps < quantum:
+                if w.lane_pc is None and straight[pc]:        # plain instructions, as in run_gang
+                    end, first = min(straight[pc], pc + quantum - steps), pc
+                    for pc in range(first, end):
+                        counts[pc] += 1
+                        fns[pc](w, w.alive_mask)
+                    steps += end - first
+                    pc = end
+                    continue
                 steps += 1
                 lp = w.lane_pc
                 if lp is None:
@@ -705,11 +734,10 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
         raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
                              f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")
     program = compiled(kernel)
-    code = program.code
     pbuf = _param_buffer(kernel, params)
     if seed is None:
         seed = secrets.randbits(32)
-    run = _Launch(kernel, code, np.random.default_rng(seed), max_warp_instructions, seed)
+    run = _Launch(kernel, program, np.random.default_rng(seed), max_warp_instructions, seed)
     blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     order = run.rng.permutation(len(blocks))      # blocks of a grid run in no defined order
     smem_bytes = dyn_base + dynamic_smem if dynamic_smem else max(static, dyn_base)
@@ -735,9 +763,9 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     finally:
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed, counters=counts)
-    for pc, n in enumerate(run.counts):
-        if n:
-            stats.warp_instructions += n
-            form = kernel.instructions[pc].form if pc < len(kernel.instructions) else "exit"
-            stats.opcode_counts[form] += n
+    executed = np.array(run.counts, np.int64)
+    stats.warp_instructions = int(executed.sum())
+    forms = program.forms
+    for pc, n in zip(np.flatnonzero(executed).tolist(), executed[executed > 0].tolist()):
+        stats.opcode_counts[forms[pc]] += n
     return stats

@@ -184,11 +184,10 @@ class Operands:
                 np.copyto(r, v, where=m, casting="unsafe")
         return write
 
-    def ufunc_of(self, f, d, ty: str, ra, rb):
+    def ufunc_of(self, f, d, ty: str, ra, rb, wd):
         """run(w, m) writing ufunc `f` of two readers' values to register `d` as .`ty`: straight
         into the register (`out=`, its bits as `ty`) when every lane executes and the register is
-        `ty`'s width; else through write()."""
-        wd = self.write(d, ty)       # (refuses what cannot be written)
+        `ty`'s width; else through `wd`, write(d, ty)."""
         rty = self.reg_type(d) if isinstance(d, Reg) else None
         if rty is None or (rty != ty and TYPE_SIZES.get(rty) != TYPE_SIZES.get(ty)):
             return lambda w, m: wd(w, f(ra(w), rb(w)), m)

@@ -79,7 +79,7 @@ def binary(ins, ops):
             raise unsupported(ins, "directed rounding of f64")
 
         if finish is None and isinstance(f, np.ufunc):
-            return ops.ufunc_of(f, d, ty, ra, rb)
+            return ops.ufunc_of(f, d, ty, ra, rb, wd)
 
         def run(w, m):
             r = f(ra(w), rb(w))
@@ -103,12 +103,12 @@ def binary(ins, ops):
             big = np.int64 if ty.startswith("s") else np.uint64
             return lambda w, m: wd(w, ((ra(w).astype(big) * rb(w).astype(big)) >> bits).astype(dt), m)
         _check_mods(ins, {"lo"})
-        return ops.ufunc_of(np.multiply, d, ty, ra, rb)
+        return ops.ufunc_of(np.multiply, d, ty, ra, rb, wd)
     _check_mods(ins, set())
     if op in ("add", "sub"):
-        return ops.ufunc_of(np.add if op == "add" else np.subtract, d, ty, ra, rb)
+        return ops.ufunc_of(np.add if op == "add" else np.subtract, d, ty, ra, rb, wd)
     if op in ("min", "max"):
-        return ops.ufunc_of(np.minimum if op == "min" else np.maximum, d, ty, ra, rb)
+        return ops.ufunc_of(np.minimum if op == "min" else np.maximum, d, ty, ra, rb, wd)
 
     def run(w, m):          # div / rem: truncating (C semantics); divide by zero is unspecified
         x, y = ra(w), rb(w)
@@ -194,7 +194,7 @@ def bitwise(ins, ops):
         raise unsupported(ins)
     d, a, b = ins.operands
     f = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[ins.opcode]
-    return ops.ufunc_of(f, d, ty, ops.read(a, ty), ops.read(b, ty))
+    return ops.ufunc_of(f, d, ty, ops.read(a, ty), ops.read(b, ty), ops.write(d, ty))
 
 
 @handles("shl", "shr")

@@ -114,12 +114,8 @@ def mma(ins, ops):
     D, A, B, C = (ops.vector(x) for x in ins.operands)
     if len(A) != 4 or len(B) != 2 or len(C) != 4 or len(D) != 4:
         raise unsupported(ins, "operand counts (4 A, 2 B, 4 C, 4 D registers)")
-    # mma_emu.cc reads and writes the registers themselves: 4-byte registers, read as .b32 / .f32 and
-    # D written as .f32 (the checks ops.read / ops.write make), each a raw 4-byte pattern
-    for x, ty in [(x, "b32") for x in A + B] + [(x, "f32") for x in C]:
-        ops.read(x, ty)
-    for x in D:
-        ops.write(x, "f32")
+    # mma_emu.cc reads and writes the registers themselves, each as a raw 4-byte pattern: what
+    # reading A and B as .b32, C as .f32 and writing D as .f32 means for a 4-byte register
     if any(not isinstance(x, Reg) or TYPE_SIZES[ops.reg_type(x)] != 4 for x in A + B + C + D):
         raise unsupported(ins, "operands in registers other than 4-byte ones")
     registers = [x.name for x in A + B + C + D]
