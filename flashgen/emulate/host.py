@@ -25,7 +25,7 @@ import numpy as np
 
 from flashgen import cache, targets
 from flashgen.build import Library, emulation_runtime
-from flashgen.emulate import heap
+from flashgen.emulate import heap, native
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.machine import LaunchStats, launch, short_name
 from flashgen.emulate.memory import GlobalMemory
@@ -163,6 +163,7 @@ def _parsed(sha256: str, path) -> PtxModule:
     module = _PARSED.get(sha256)
     if module is None:
         module = _PARSED[sha256] = PtxModule.parse(path.read_text())
+        module.for_the_process = True
         heap.keep_forever()
     return module
 
@@ -193,6 +194,7 @@ class EmulatedLibrary:
         # an emulated run is a check, so poisoning is on unless the caller said otherwise.
         os.environ.setdefault("FLASHGEN_POISON", "1")
         self._rt = _runtime()
+        native.module()     # the emulator's C helpers load (or build) with the runtime, not in a first launch
         self._dll = ctypes.CDLL(str(library.path))
         table = self._dll.flashgen_handlers
         table.restype = ctypes.POINTER(_HandlerEntry)

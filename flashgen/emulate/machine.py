@@ -35,7 +35,7 @@ from flashgen import targets
 from flashgen.emulate import hopper_state
 from flashgen.emulate import counters
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.heap import collector_paused
+from flashgen.emulate.heap import collector_paused, keep_forever
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
@@ -284,7 +284,7 @@ class _Compiled:
         for ins in kernel.instructions:
             self.code.append(self._compile(ins, ops, kernel))
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
-        self.forms = [ins.form for ins in kernel.instructions] + ["exit"]
+        self.forms = [".".join((ins.opcode, *ins.mods)) for ins in kernel.instructions] + ["exit"]   # (Instruction.form, without caching it)
         # the shared-memory race detector's granule: a word unless some access is narrower
         self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
         self.hopper = hopper_state.uses_hopper(kernel)
@@ -733,7 +733,11 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     if dynamic_smem < 0 or static + dynamic_smem > limit:
         raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
                              f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")
-    program = compiled(kernel)
+    if kernel.compiled is None:
+        compiled(kernel)
+        if module.for_the_process:
+            keep_forever()
+    program = kernel.compiled
     pbuf = _param_buffer(kernel, params)
     if seed is None:
         seed = secrets.randbits(32)
