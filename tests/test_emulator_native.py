@@ -1,6 +1,8 @@
 """The emulator's native module (csrc/flashgen/emulate/native) called directly: mma.sync over a gang
 of warps against float64, and the argument checks that keep a wrong call from writing out of
 bounds."""
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -74,3 +76,57 @@ def test_native_helpers_refuse_what_they_would_overrun():
     assert (a == np.arange(8)).all(), "a refused add_each changed the array"
     m.add_each(a, np.array([1, 1, 7], np.int64), 5)
     assert a.tolist() == [0, 11, 2, 3, 4, 5, 6, 12]
+
+
+def _bookkeeping_run(ops, native_helpers: bool, monkeypatch):
+    """Run `ops` (loads, atomics and stores of several CTAs on one range) on a fresh GlobalMemory:
+    each op's outcome, then the owner and reader marks."""
+    from flashgen.emulate import memory
+    real = native.module()
+
+    class Declining:      # the numpy path everywhere: the native global helpers decline each access
+        def __getattr__(self, name):
+            return (lambda *a: 1) if name.startswith("global_") else getattr(real, name)
+    with monkeypatch.context() as m:
+        if not native_helpers:
+            m.setattr(memory.native, "module", lambda: Declining())
+        buf = np.arange(256, dtype=np.float32)
+        gm = memory.GlobalMemory()
+        gm.add(buf.ctypes.data, buf.nbytes, "buf")
+        gm.start_launch(track_writers=True, atomic_order=np.random.default_rng(7))
+        outcomes = []
+        for kind, offs, cta, nbytes in ops:
+            addrs = buf.ctypes.data + offs
+            try:
+                with np.errstate(all="ignore"):
+                    if kind == "load":
+                        got = gm.load(addrs, nbytes, cta=cta).tobytes()
+                    elif kind == "atomic":
+                        gm.atomic_add(addrs, np.ones(offs.size, np.float32), cta=cta, returns=False)
+                        got = buf.tobytes()
+                    else:
+                        gm.store(addrs, np.full((offs.size, nbytes), 7, np.uint8), cta=cta)
+                        got = buf.tobytes()
+                outcomes.append(got)
+            except memory.EmulationError as e:
+                base = buf.ctypes.data     # addresses as offsets: the two runs' buffers differ
+                outcomes.append(re.sub(r"0x[0-9a-f]+", lambda a: f"+{int(a.group(), 16) - base}", str(e)))
+                break
+        marks = {k: v.copy() for k, v in gm._owners.items()}, {k: v.copy() for k, v in gm._readers.items()}
+        return outcomes, (len(marks[0]), [a.tolist() for a in marks[0].values()],
+                          sorted((k[1], v.tolist()) for k, v in marks[1].items()))
+
+
+def test_native_global_bookkeeping_equals_the_numpy_path(rng, monkeypatch):
+    """Random accesses of 3 CTAs (one CTA or one per row): the same data, races (message for
+    message) and marks with the native helpers as with memory.py's numpy path."""
+    for trial in range(150):
+        ops = []
+        for _ in range(int(rng.integers(1, 12))):
+            kind = str(rng.choice(["load", "load", "atomic", "store"]))
+            nbytes = 4 if kind != "load" else int(rng.choice([1, 2, 4, 8]))
+            rows = int(rng.integers(1, 6))
+            offs = rng.integers(0, 1024 // nbytes - 1, rows) * nbytes
+            cta = int(rng.integers(3)) if rng.integers(2) else rng.integers(0, 3, rows)
+            ops.append((kind, offs, cta, nbytes))
+        assert _bookkeeping_run(ops, True, monkeypatch) == _bookkeeping_run(ops, False, monkeypatch), trial

@@ -145,13 +145,31 @@ class GlobalMemory:
             if np.count_nonzero(bad):
                 raise self._race(start, idx, bad, cta, what, prev, reads=True)
 
-    def _mark_read(self, start, view, off, nbytes, cta):
-        """Record the readers of bytes [off, off + nbytes): per word for aligned whole words."""
-        granule = 4 if nbytes % 4 == 0 and (start + off[:1]) % 4 == 0 else 1
-        key = (start, granule)
-        readers = self._readers.get(key)
+    def _reader_marks(self, start, view, off, nbytes):
+        """(granule, reader marks) of a read of bytes [off, off + nbytes): per word for aligned whole
+        words, else per byte."""
+        granule = 4 if nbytes % 4 == 0 and (start + int(off[0])) % 4 == 0 else 1
+        readers = self._readers.get((start, granule))
         if readers is None:
-            readers = self._readers[key] = np.full(view.size // granule + 2, -1, np.int32)
+            readers = self._readers[(start, granule)] = np.full(view.size // granule + 2, -1, np.int32)
+        return granule, readers
+
+    def _owner_marks(self, start, view):
+        owners = self._owners.get(start)
+        if owners is None:
+            owners = self._owners[start] = np.full(view.size, -1, np.int32)
+        return owners
+
+    @staticmethod
+    def _ctas(rows):
+        """(one CTA, None) or (0, the CTA of each row) for the native helpers."""
+        if isinstance(rows, (int, np.integer)):
+            return int(rows), None
+        return 0, np.ascontiguousarray(rows, np.int64).reshape(-1)
+
+    def _mark_read(self, start, view, off, nbytes, cta):
+        """Record the readers of bytes [off, off + nbytes)."""
+        granule, readers = self._reader_marks(start, view, off, nbytes)
         at = (self._words(start, off) if granule == 4 else off)[:, None] + np.arange(nbytes // granule)
         prev = readers[at]
         mark = np.where((prev == -1) | (prev == cta), cta, self.SEVERAL)
@@ -196,9 +214,7 @@ class GlobalMemory:
         return owners
 
     def _mark(self, start, view, idx, owner, what):
-        owners = self._owners.get(start)
-        if owners is None:
-            owners = self._owners[start] = np.full(view.size, -1, np.int32)
+        owners = self._owner_marks(start, view)
         owners[idx] = owner
         if not isinstance(owner, (int, np.integer)):     # rows of several CTAs: one byte, two writers?
             now = owners[idx]
@@ -216,6 +232,8 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, nbytes, what):
             if self._owners is not None and cta is not None:
                 rows = self._rows(cta, sel)
+                if self._native_load(view, start, off, nbytes, rows, out, sel):
+                    continue
                 if start in self._owners:      # (only a range written in this launch has owner marks)
                     self._conflict(start, off[:, None] + np.arange(nbytes), rows, "reads", allow_atomic=False)
                 self._mark_read(start, view, off, nbytes, rows)
@@ -224,6 +242,18 @@ class GlobalMemory:
             else:
                 out[sel] = _gather(view, start, off, nbytes)
         return out
+
+    def _native_load(self, view, start, off, nbytes, rows, out, sel) -> bool:
+        """A tracked load's checks, reader marks and copy in one native call, as load's numpy path
+        does them; False, with nothing changed, where a check fails (that path names it)."""
+        granule, readers = self._reader_marks(start, view, off, nbytes)
+        dest = out if sel is None else np.empty((off.size, nbytes), np.uint8)
+        if native.module().global_load(view, start, self._owners.get(start), readers, granule,
+                                       np.ascontiguousarray(off, np.int64), nbytes, *self._ctas(rows), dest):
+            return False
+        if sel is not None:
+            out[sel] = dest
+        return True
 
     def store(self, addrs: np.ndarray, data: np.ndarray, what: str = "global store", cta: int | None = None) -> None:
         nbytes = data.shape[1]
@@ -246,7 +276,10 @@ class GlobalMemory:
         n = dt.itemsize
         old = np.empty_like(values) if returns else None
         for view, off, sel, start in self._locate(addrs, n, what):
-            if self._owners is not None and cta is not None:
+            if self._owners is not None and cta is not None and native.module().global_atomic(
+                    self._owner_marks(start, view), start, self._readers.get((start, 4)), self._readers.get((start, 1)),
+                    np.ascontiguousarray(off, np.int64), n, *self._ctas(self._rows(cta, sel))):
+                # a check failed (nothing changed): the numpy path names it
                 idx = off[:, None] + np.arange(n)
                 rows = self._rows(cta, sel)
                 self._conflict(start, idx, rows, "updates atomically", allow_atomic=True)

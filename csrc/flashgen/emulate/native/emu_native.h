@@ -1,4 +1,4 @@
-// The emulator's C helpers (shared_memory_emu.cc, mma_emu.cc), which module.cc hands to Python as
+// The emulator's C helpers (shared_memory_emu.cc, global_memory_emu.cc, mma_emu.cc), which module.cc hands to Python as
 // the extension module flashgen.emulate.native loads: memory.py and semantics/warpops.py call them
 // once or more per emulated instruction, where a ctypes call cost 4 us and this one 0.1-0.3 us.
 #pragma once
@@ -26,6 +26,13 @@ int64_t flashgen_emu_race_read(const FlashgenEmuRaceState* s, const int64_t* idx
 int64_t flashgen_emu_race_write(const FlashgenEmuRaceState* s, const int64_t* idx, int64_t rows, int64_t cols,
                                 int64_t warp, const int64_t* warps, const int64_t* lanes, uint8_t* verdict,
                                 int64_t check);
+int64_t flashgen_emu_global_load(const uint8_t* bytes, int64_t size, int64_t start, const int32_t* owners,
+                                 int32_t* readers, int64_t readers_size, int64_t granule, const int64_t* off,
+                                 int64_t rows, int64_t nbytes, int64_t cta, const int64_t* ctas, uint8_t* out);
+int64_t flashgen_emu_global_atomic(int32_t* owners, int64_t size, int64_t start, const int32_t* readers4,
+                                   int64_t readers4_size, const int32_t* readers1, int64_t readers1_size,
+                                   const int64_t* off, int64_t rows, int64_t nbytes, int64_t cta,
+                                   const int64_t* ctas);
 void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* const* ab, const float* const* c,
                       float* const* d, const bool* executing, const int32_t* a_src, const int32_t* b_src,
                       const int32_t* c_src, const int32_t* d_of);

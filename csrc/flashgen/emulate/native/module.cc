@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "flashgen/emulate/native/emu_native.h"
@@ -50,11 +51,16 @@ class Buffer {
   bool held_ = false;
 };
 
-bool ints(PyObject* const* args, Py_ssize_t first, Py_ssize_t count, int64_t* out) {
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    out[i] = PyLong_AsLongLong(args[first + i]);
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
+bool int_at(PyObject* const* args, Py_ssize_t i, int64_t* out) {
+  *out = PyLong_AsLongLong(args[i]);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+// args[first], ... args[first + N - 1] into `out`.
+template <size_t N>
+bool ints(PyObject* const* args, Py_ssize_t first, int64_t (&out)[N]) {
+  for (size_t i = 0; i < N; ++i)
+    if (!int_at(args, first + i, &out[i])) return false;
   return true;
 }
 
@@ -73,7 +79,7 @@ T* at(const Buffer& b) {
 PyObject* shared_words(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t n[3], place[3];  // nbytes, slot; size, stride, pending
   Buffer offs, slots, words;
-  if (!arity("shared_words", nargs, 8) || !ints(args, 1, 2, n) || !ints(args, 4, 3, place) ||
+  if (!arity("shared_words", nargs, 8) || !ints(args, 1, n) || !ints(args, 4, place) ||
       !offs.get(args[0], "offs", 8, 0, false))
     return nullptr;
   const Py_ssize_t rows = offs.dim(0);
@@ -91,8 +97,8 @@ PyObject* shared_words(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* shared_load(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t n[2], place[4], warp;  // nbytes, slot; size, stride, pending, race
   Buffer offs, slots, warps, lanes, memory, out;
-  if (!arity("shared_load", nargs, 13) || !ints(args, 1, 2, n) || !ints(args, 4, 4, place) ||
-      !ints(args, 8, 1, &warp) || !offs.get(args[0], "offs", 8, 0, false))
+  if (!arity("shared_load", nargs, 13) || !ints(args, 1, n) || !ints(args, 4, place) ||
+      !int_at(args, 8, &warp) || !offs.get(args[0], "offs", 8, 0, false))
     return nullptr;
   const Py_ssize_t rows = offs.dim(0);
   if (n[0] != 4 && n[0] != 8 && n[0] != 16) return PyErr_Format(PyExc_ValueError, "nbytes %lld", (long long)n[0]);
@@ -112,7 +118,7 @@ PyObject* add_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t value;
   Buffer array, idx;
   if (!arity("add_each", nargs, 3) || !array.get(args[0], "array", 8, 0, true) || !idx.get(args[1], "idx", 8, 0, false) ||
-      !ints(args, 2, 1, &value))
+      !int_at(args, 2, &value))
     return nullptr;
   const Py_ssize_t n = array.dim(0), count = idx.len() / 8;
   int64_t* a = at<int64_t>(array);
@@ -123,6 +129,42 @@ PyObject* add_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// global_load(bytes, start, owners | None, readers, granule, off, nbytes, cta, ctas | None, out) -> int
+PyObject* global_load(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t start, granule, n[2];  // nbytes, cta
+  Buffer bytes, owners, readers, off, ctas, out;
+  if (!arity("global_load", nargs, 10) || !int_at(args, 1, &start) || !int_at(args, 4, &granule) ||
+      !ints(args, 6, n) || !bytes.get(args[0], "bytes", 1, 0, false) ||
+      !readers.get(args[3], "readers", 4, 0, true) || !off.get(args[5], "off", 8, 0, false))
+    return nullptr;
+  const Py_ssize_t rows = off.dim(0);
+  if (!owners.get(args[2], "owners", 4, bytes.dim(0), false, true) || !ctas.get(args[8], "ctas", 8, rows, false, true) ||
+      !out.get(args[9], "out", 1, rows * n[0], true))
+    return nullptr;
+  if ((granule != 1 && granule != 4) || n[0] < 1)
+    return PyErr_Format(PyExc_ValueError, "granule %lld, nbytes %lld", (long long)granule, (long long)n[0]);
+  return PyLong_FromLongLong(flashgen_emu_global_load(at<uint8_t>(bytes), bytes.dim(0), start, at<int32_t>(owners),
+                                                      at<int32_t>(readers), readers.dim(0), granule, at<int64_t>(off),
+                                                      rows, n[0], n[1], at<int64_t>(ctas), at<uint8_t>(out)));
+}
+
+// global_atomic(owners, start, readers4 | None, readers1 | None, off, nbytes, cta, ctas | None) -> int
+PyObject* global_atomic(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t start, n[2];  // nbytes, cta
+  Buffer owners, readers4, readers1, off, ctas;
+  if (!arity("global_atomic", nargs, 8) || !int_at(args, 1, &start) || !ints(args, 5, n) ||
+      !owners.get(args[0], "owners", 4, 0, true) || !readers4.get(args[2], "readers4", 4, 0, false, true) ||
+      !readers1.get(args[3], "readers1", 4, 0, false, true) || !off.get(args[4], "off", 8, 0, false))
+    return nullptr;
+  const Py_ssize_t rows = off.dim(0);
+  if (!ctas.get(args[7], "ctas", 8, rows, false, true)) return nullptr;
+  if (n[0] < 1) return PyErr_Format(PyExc_ValueError, "nbytes %lld", (long long)n[0]);
+  return PyLong_FromLongLong(flashgen_emu_global_atomic(at<int32_t>(owners), owners.dim(0), start, at<int32_t>(readers4),
+                                                        readers4.data ? readers4.dim(0) : 0, at<int32_t>(readers1),
+                                                        readers1.data ? readers1.dim(0) : 0, at<int64_t>(off), rows,
+                                                        n[0], n[1], at<int64_t>(ctas)));
+}
+
 // The race helpers' common arguments: (state_address, idx [rows, cols], warp, warps | None,
 // lanes | None, verdict [rows * cols]).
 struct RaceAccess {
@@ -131,7 +173,7 @@ struct RaceAccess {
   Py_ssize_t rows, cols;
 
   bool get(PyObject* const* args) {
-    if (!ints(args, 0, 1, &state) || !ints(args, 2, 1, &warp) || !idx.get(args[1], "idx", 8, 0, false)) return false;
+    if (!int_at(args, 0, &state) || !int_at(args, 2, &warp) || !idx.get(args[1], "idx", 8, 0, false)) return false;
     rows = idx.dim(0), cols = idx.dim(1);
     if (rows < 0 || cols < 0) {
       PyErr_SetString(PyExc_ValueError, "idx: need [rows, granules]");
@@ -155,7 +197,7 @@ PyObject* race_read(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* race_write(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   RaceAccess a;
   int64_t check;
-  if (!arity("race_write", nargs, 7) || !a.get(args) || !ints(args, 6, 1, &check)) return nullptr;
+  if (!arity("race_write", nargs, 7) || !a.get(args) || !int_at(args, 6, &check)) return nullptr;
   return PyLong_FromLongLong(flashgen_emu_race_write(a.race_state(), at<int64_t>(a.idx), a.rows, a.cols, a.warp,
                                                      at<int64_t>(a.warps), at<int64_t>(a.lanes),
                                                      at<uint8_t>(a.verdict), check));
@@ -166,7 +208,7 @@ PyObject* race_write(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t n[3];  // g, k, type
   Buffer executing, regs[14], a_src, b_src, c_src, d_of;
-  if (!arity("mma", nargs, 22) || !ints(args, 0, 3, n)) return nullptr;
+  if (!arity("mma", nargs, 22) || !ints(args, 0, n)) return nullptr;
   const int64_t g = n[0], k = n[1];
   if (g < 1 || (k != 8 && k != 16) || n[2] < 0 || n[2] > 2)
     return PyErr_Format(PyExc_ValueError, "mma: g %lld, k %lld, type %lld", (long long)g, (long long)k,
@@ -192,6 +234,8 @@ PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"shared_words", FASTCALL(shared_words), "shared_memory_emu.cc's flashgen_emu_shared_words"},
     {"shared_load", FASTCALL(shared_load), "shared_memory_emu.cc's flashgen_emu_shared_load"},
+    {"global_load", FASTCALL(global_load), "global_memory_emu.cc's flashgen_emu_global_load"},
+    {"global_atomic", FASTCALL(global_atomic), "global_memory_emu.cc's flashgen_emu_global_atomic"},
     {"add_each", FASTCALL(add_each), "array[i] += value for each i of idx"},
     {"race_read", FASTCALL(race_read), "shared_memory_emu.cc's flashgen_emu_race_read"},
     {"race_write", FASTCALL(race_write), "shared_memory_emu.cc's flashgen_emu_race_write"},
