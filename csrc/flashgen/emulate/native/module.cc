@@ -77,7 +77,7 @@ T* at(const Buffer& b) {
 
 // shared_words(offs, nbytes, slot, slots | None, size, stride, pending_address | 0, words) -> int
 PyObject* shared_words(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t n[3], place[3];  // nbytes, slot; size, stride, pending
+  int64_t n[2], place[3];  // nbytes, slot; size, stride, pending
   Buffer offs, slots, words;
   if (!arity("shared_words", nargs, 8) || !ints(args, 1, n) || !ints(args, 4, place) ||
       !offs.get(args[0], "offs", 8, 0, false))
