@@ -491,14 +491,15 @@ static void test_call_scratch() {
 // buffers (packed K / V; row terms and packed q / dout): with glibc's mmap threshold
 // fixed (as in a JAX process, whose allocations keep glibc from reusing freed
 // pages) a buffer allocated per call faults once per 4 KiB page on every call.
-static void test_calls_keep_their_buffers() {
-#if defined(__GLIBC__) && defined(RUSAGE_THREAD)
-  mallopt(M_MMAP_THRESHOLD, 256 << 10);
-  long faults[2] = {-1, -1};
+// Shapes: S=512 D=64 (2 MiB of packed K / V and of packed q / dout), and H=64 S=256 D=128
+// (16 MiB of each, the backward's row terms on top: the size of D=128 S=2048 H=8 in few flops).
+template <int D>
+static long faults_of_a_second_call(int64_t S, int64_t H) {
+  long faults = -1;
   std::thread([&] {
-    const int64_t S = 512, H = 8, D = 64, n = S * H * D;  // 2 MiB of packed K / V, and of packed q / dout
+    const int64_t n = S * H * D;
     const AttentionShape s{1, S, S, H, H, D};
-    const AttentionAttrs a{0.125f, false, false};
+    const AttentionAttrs a{float(1.0 / std::sqrt(double(D))), false, false};
     std::mt19937 rng(3);
     std::normal_distribution<float> nd;
     std::vector<float> q(n), k(n), v(n), o(n), dout(n), dq(n), dk(n), dv(n), lse(H * S);
@@ -511,14 +512,23 @@ static void test_calls_keep_their_buffers() {
     };
     for (int pass = 0; pass < 2; ++pass) {  // the first pass maps the kept buffers
       const long before = minor_faults();
-      fc::attention_fwd<float, 64>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
-      fc::attention_bwd<float, 64>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
-                                   dk.data(), dv.data(), s, a, 1);
-      faults[pass] = minor_faults() - before;
+      fc::attention_fwd<float, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), s, a, 1);
+      fc::attention_bwd<float, D>(q.data(), k.data(), v.data(), o.data(), lse.data(), dout.data(), dq.data(),
+                                  dk.data(), dv.data(), s, a, 1);
+      faults = minor_faults() - before;
     }
   }).join();
-  std::printf("minor page faults of a forward + backward at S=512: first %ld, again %ld\n", faults[0], faults[1]);
-  check(faults[1] >= 0 && faults[1] < 64, "a forward + backward called again takes no fresh pages for its buffers");
+  return faults;
+}
+
+static void test_calls_keep_their_buffers() {
+#if defined(__GLIBC__) && defined(RUSAGE_THREAD)
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  const long small = faults_of_a_second_call<64>(512, 8), large = faults_of_a_second_call<128>(256, 64);
+  std::printf("minor page faults of a forward + backward called again: S=512 D=64 %ld, H=64 S=256 D=128 %ld\n",
+              small, large);
+  check(small >= 0 && small < 64 && large >= 0 && large < 64,
+        "a forward + backward called again takes no fresh pages for its buffers");
 #endif
 }
 

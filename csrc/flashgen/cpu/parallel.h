@@ -298,15 +298,18 @@ inline float* thread_workspace(size_t n) {
   return buf.at_least(n);
 }
 
+// 32 MiB: the f32 calls at D=128 S=2048 with 8 heads (16 MiB of packed K / V forward; packed
+// q / dout and the row terms backward, just over 16 MiB), and the forward at D=128 S=4096 (32 MiB).
 #ifndef FLASHGEN_CPU_KEEP_BYTES
-#define FLASHGEN_CPU_KEEP_BYTES (16 << 20)
+#define FLASHGEN_CPU_KEEP_BYTES (32 << 20)
 #endif
 
 // Scratch of n floats for one call, 64-byte aligned. Up to keep_bytes it is a
 // buffer of the calling thread kept for its next call: a freshly mapped one takes a page fault
 // per 4 KiB on first touch (the f32 forward's 8 MiB of packed K / V at S=2048: ~3.5 ms of its
 // 88 in a JAX process, whose allocations keep glibc from reusing the pages); larger ones, whose
-// faults weigh less against the call's O(S^2) work, are the call's own.
+// faults weigh less against the call's O(S^2) work, are the call's own, so that a thread keeps
+// at most keep_bytes.
 class CallScratch {
  public:
   explicit CallScratch(size_t n, size_t keep_bytes = FLASHGEN_CPU_KEEP_BYTES) {
