@@ -25,12 +25,11 @@ def collector_paused():
 
 
 def keep_forever() -> None:
-    """Exempt every object alive now from later collections: called once a library's PTX is parsed
-    and cached for the process, and once a kernel of it is compiled (machine._launch), whose objects
-    live as long and are scanned for nothing otherwise. Pausing launches is not enough: the first
-    collection after a launch scans what is not frozen. Without the freeze after parsing the dense
-    and extras pace cases ran at 0.6-0.7x (interleaved, same machine); with the one after each
-    compile, the dense case's first call took 0.17 s instead of 0.19 s, its later ones 0.11 s
-    instead of 0.12 s. Garbage is collected first, so that none is kept forever."""
+    """Exempt every object alive now from later collections (called once a library's PTX is parsed
+    and cached for the process: its objects are scanned for nothing otherwise). Pausing launches is
+    not enough: the first collection after a launch scans what is not frozen, and without this the
+    dense and extras pace cases ran at 0.6-0.7x (interleaved, same machine). Garbage is collected
+    first, so that none is kept forever. (Freezing again after each kernel's compile measured
+    1.0-1.1x: not done.)"""
     gc.collect()
     gc.freeze()

@@ -163,7 +163,6 @@ def _parsed(sha256: str, path) -> PtxModule:
     module = _PARSED.get(sha256)
     if module is None:
         module = _PARSED[sha256] = PtxModule.parse(path.read_text())
-        module.for_the_process = True
         heap.keep_forever()
     return module
 

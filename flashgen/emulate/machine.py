@@ -35,7 +35,7 @@ from flashgen import targets
 from flashgen.emulate import hopper_state
 from flashgen.emulate import counters
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.heap import collector_paused, keep_forever
+from flashgen.emulate.heap import collector_paused
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
@@ -183,7 +183,7 @@ class _Gang:
         first, last = warps[0], warps[-1]
         self.nlanes = 32 * len(warps)
         self.regs = wave.registers.view(32 * first.gid, 32 * last.gid + 32)
-        self.special = {key: np.concatenate([w.special[key] for w in warps]) for key in first.special}
+        self.special = _GangSpecial(warps)
         self.gmem, self.params, self.smem = first.gmem, first.params, first.smem   # one per wave
         self.lane_warp = np.repeat([w.wid for w in warps], 32)
         if first.cta is last.cta:
@@ -194,6 +194,21 @@ class _Gang:
             self.cta_index = np.repeat([w.cta_index for w in warps], 32)
             self.smem_slot = np.repeat([w.smem_slot for w in warps], 32)
             self.label = f"warps {first.wid}-{last.wid} of blocks {first.cta.ctaid}-{last.cta.ctaid}"
+
+
+class _GangSpecial(dict):
+    """A gang's special registers, its warps' lanes joined on first use (a kernel reads a few of
+    them, mostly once, and a launch makes a gang for each span of live warps)."""
+
+    def __init__(self, warps):
+        super().__init__()
+        self.warps = warps
+
+    def __missing__(self, key):
+        if key not in self.warps[0].special:
+            raise KeyError(key)
+        v = self[key] = np.concatenate([w.special[key] for w in self.warps])
+        return v
 
 
 class _Cta:
@@ -733,11 +748,7 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
     if dynamic_smem < 0 or static + dynamic_smem > limit:
         raise EmulationError(f"{short_name(kernel.name)}: {dynamic_smem} bytes of dynamic shared memory "
                              f"(+{static} static) exceed the {arch} limit of {limit} bytes per block")
-    if kernel.compiled is None:
-        compiled(kernel)
-        if module.for_the_process:
-            keep_forever()
-    program = kernel.compiled
+    program = compiled(kernel)
     pbuf = _param_buffer(kernel, params)
     if seed is None:
         seed = secrets.randbits(32)

@@ -163,9 +163,6 @@ class PtxModule:
     version: str
     target: str
     kernels: dict[str, Kernel]
-    # kept for the process (a library's, host.py): its kernels' compiled forms are frozen out of
-    # the cyclic collector's scans once compiled (heap.keep_forever)
-    for_the_process: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "PtxModule":
