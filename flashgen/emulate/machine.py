@@ -299,7 +299,7 @@ class _Compiled:
         for ins in kernel.instructions:
             self.code.append(self._compile(ins, ops, kernel))
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
-        self.forms = [".".join((ins.opcode, *ins.mods)) for ins in kernel.instructions] + ["exit"]   # (Instruction.form, without caching it)
+        self.forms = [ins.form for ins in kernel.instructions] + ["exit"]
         # the shared-memory race detector's granule: a word unless some access is narrower
         self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
         self.hopper = hopper_state.uses_hopper(kernel)

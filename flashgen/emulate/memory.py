@@ -160,13 +160,6 @@ class GlobalMemory:
             owners = self._owners[start] = np.full(view.size, -1, np.int32)
         return owners
 
-    @staticmethod
-    def _ctas(rows):
-        """(one CTA, None) or (0, the CTA of each row) for the native helpers."""
-        if isinstance(rows, (int, np.integer)):
-            return int(rows), None
-        return 0, np.ascontiguousarray(rows, np.int64).reshape(-1)
-
     def _mark_read(self, start, view, off, nbytes, cta):
         """Record the readers of bytes [off, off + nbytes)."""
         granule, readers = self._reader_marks(start, view, off, nbytes)
@@ -249,7 +242,7 @@ class GlobalMemory:
         granule, readers = self._reader_marks(start, view, off, nbytes)
         dest = out if sel is None else np.empty((off.size, nbytes), np.uint8)
         if native.module().global_load(view, start, self._owners.get(start), readers, granule,
-                                       np.ascontiguousarray(off, np.int64), nbytes, *self._ctas(rows), dest):
+                                       np.ascontiguousarray(off, np.int64), nbytes, *_one_or_each(rows), dest):
             return False
         if sel is not None:
             out[sel] = dest
@@ -278,7 +271,7 @@ class GlobalMemory:
         for view, off, sel, start in self._locate(addrs, n, what):
             if self._owners is not None and cta is not None and native.module().global_atomic(
                     self._owner_marks(start, view), start, self._readers.get((start, 4)), self._readers.get((start, 1)),
-                    np.ascontiguousarray(off, np.int64), n, *self._ctas(self._rows(cta, sel))):
+                    np.ascontiguousarray(off, np.int64), n, *_one_or_each(self._rows(cta, sel))):
                 # a check failed (nothing changed): the numpy path names it
                 idx = off[:, None] + np.arange(n)
                 rows = self._rows(cta, sel)
@@ -314,6 +307,14 @@ class GlobalMemory:
             else:
                 old[sel] = prev
         return old
+
+
+def _one_or_each(x) -> tuple:
+    """A value the same for every row (a CTA, a warp, a slot) as the native helpers take it: (it,
+    None), or (0, one int64 per row)."""
+    if isinstance(x, (int, np.integer)):
+        return int(x), None
+    return 0, np.ascontiguousarray(x, np.int64).reshape(-1)
 
 
 def _gather(view, start, off, nbytes) -> np.ndarray:
@@ -511,10 +512,9 @@ class SharedMemory:
         o = np.ascontiguousarray(offs, np.int64)
         if o.size == 0:
             return None
-        slots = None if isinstance(slot, (int, np.integer)) else np.ascontiguousarray(slot, np.int64)
         words = np.empty((o.size, nbytes >> 2), np.int64)
-        if native.module().shared_words(o, nbytes, 0 if slots is not None else int(slot), slots, self.size,
-                                        self.stride, self._pending_at if self.in_flight else 0, words):
+        if native.module().shared_words(o, nbytes, *_one_or_each(slot), self.size, self.stride,
+                                        self._pending_at if self.in_flight else 0, words):
             return None
         return words
 
@@ -533,13 +533,10 @@ class SharedMemory:
         o = np.ascontiguousarray(offs, np.int64)
         if o.size == 0:
             return None
-        one_slot, one_warp = isinstance(slot, (int, np.integer)), isinstance(warp, (int, np.integer))
         out = np.empty((o.size, nbytes >> 2), np.uint32)
         if native.module().shared_load(
-                o, nbytes, int(slot) if one_slot else 0, None if one_slot else np.ascontiguousarray(slot, np.int64),
-                self.size, self.stride, self._pending_at if self.in_flight else 0,
-                self._race_at if self.race_check else 0, int(warp) if one_warp else 0,
-                None if one_warp else np.ascontiguousarray(warp, np.int64),
+                o, nbytes, *_one_or_each(slot), self.size, self.stride, self._pending_at if self.in_flight else 0,
+                self._race_at if self.race_check else 0, *_one_or_each(warp),
                 None if lanes is None else np.ascontiguousarray(lanes, np.int64), self.words, out):
             return None
         return out.view(np.uint8)

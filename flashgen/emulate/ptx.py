@@ -7,7 +7,6 @@ never at a silently wrong run. Operands are parsed once here so the interpreter 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 import re
 
@@ -86,10 +85,12 @@ class Instruction:
     pred_negated: bool = False
     text: str = ""
     line: int = 0
+    form: str = dataclasses.field(init=False)       # "mma.sync.aligned...": opcode and modifiers
 
-    @functools.cached_property
-    def form(self) -> str:
-        return ".".join((self.opcode, *self.mods))
+    def __post_init__(self):
+        # set once here: a functools.cached_property costs ~2 us on first access (its lock), and
+        # every launch's opcode counts read it
+        self.form = ".".join((self.opcode, *self.mods))
 
     def type(self) -> str:
         """The last type modifier (the instruction's operand type)."""
