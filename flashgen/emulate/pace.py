@@ -9,7 +9,9 @@ per kernel family: the median over the repeats, and the ratio. Both engines must
 number of warp-instructions per case (else the comparison is refused). The machine's load average
 is printed with the table: other processes slow both engines alike only when interleaved.
 `--clock cpu` times each launch by the child's CPU time instead of the wall clock: on a machine
-whose load exceeds its CPUs the wall clock measures mostly the waits for a CPU.
+whose load exceeds its CPUs the wall clock measures mostly the waits for a CPU. A case is timed on
+its first run in a fresh process (its kernels compiled in it, as a one-off check sees it), or with
+`--warm` on its second (as the later cases of a test suite see it).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ if sys.argv[3] == "cpu":    # both engines time a handler call with host.py's ti
     import flashgen.emulate.host as host
     host.time = types.SimpleNamespace(perf_counter=time.process_time)
 for name in sys.argv[1].split(","):
+    if sys.argv[4] == "warm":   # an untimed run first: its kernels compiled, what a suite's later cases see
+        CASES[name](Checker(lib, spec, np.random.default_rng(0), seed=1))
     result = CASES[name](Checker(lib, spec, np.random.default_rng(0), seed=1))
     calls = {r.call: (r.seconds, r.warp_instructions) for r in result.rows}
     print(json.dumps({"case": name, "ok": all(r.ok for r in result.rows),
@@ -56,11 +60,11 @@ for name in sys.argv[1].split(","):
 FAMILIES = ("dense", "extras", "varlen", "paged")
 
 
-def _run(root: pathlib.Path, families, clock: str) -> dict:
+def _run(root: pathlib.Path, families, clock: str, warm: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
     # cwd: `python3 -c` puts the working directory first on sys.path, before PYTHONPATH
-    out = subprocess.run([sys.executable, "-c", _CHILD, ",".join(families), str(root), clock], env=env, cwd=root,
-                         check=True, capture_output=True, text=True).stdout
+    argv = [sys.executable, "-c", _CHILD, ",".join(families), str(root), clock, "warm" if warm else "cold"]
+    out = subprocess.run(argv, env=env, cwd=root, check=True, capture_output=True, text=True).stdout
     return {r["case"]: r for r in map(json.loads, out.splitlines())}
 
 
@@ -72,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time launches by the wall clock or by the child's CPU time")
+    p.add_argument("--warm", action="store_true",
+                   help="time each case's second run in its process (its kernels compiled by the first)")
     args = p.parse_args(argv)
     engines = {"baseline": args.baseline.resolve(), "this": pathlib.Path(__file__).resolve().parents[2]}
     families = args.families.split(",")
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     for i in range(args.repeat):
         for engine in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
-            runs[engine].append(_run(engines[engine], families, args.clock))
+            runs[engine].append(_run(engines[engine], families, args.clock, args.warm))
             print(f"repeat {i + 1}/{args.repeat}: {engine} done", file=sys.stderr, flush=True)
     load1 = os.getloadavg()
     print(f"{'family':<8} {'warp-instr':>10} {'baseline k/s':>13} {'this k/s':>10} {'ratio':>7}")
@@ -93,8 +99,9 @@ def main(argv=None) -> int:
         pace = {e: statistics.median(n / r[f]["seconds"] for r in runs[e]) for e in engines}
         print(f"{f:<8} {n:>10,} {pace['baseline'] / 1e3:>13.0f} {pace['this'] / 1e3:>10.0f} "
               f"{pace['this'] / pace['baseline']:>6.1f}x")
-    print(f"{args.clock} clock, median of {args.repeat} interleaved runs each; load average {load0[0]:.2f} at the start, "
-          f"{load1[0]:.2f} at the end, on {os.cpu_count()} CPUs")
+    run = "second run in its process, its kernels compiled" if args.warm else "first run in its process"
+    print(f"{args.clock} clock, each case's {run}, median of {args.repeat} interleaved runs each; "
+          f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end, on {os.cpu_count()} CPUs")
     return 0
 
 
