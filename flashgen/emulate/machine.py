@@ -39,7 +39,7 @@ from flashgen.emulate.heap import collector_paused
 from flashgen.emulate.memory import GlobalMemory, SharedMemory
 from flashgen.emulate.operands import Operands, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Imm, Kernel, Label, PtxModule, shared_layout
-from flashgen.emulate.semantics import PER_WARP, alu, compile_instruction, unsupported
+from flashgen.emulate.semantics import PER_WARP, compile_instruction, unsupported
 from flashgen.emulate.semantics.registry import splits_a_warp, warp_bits
 from flashgen.emulate.semantics.wgmma import compile_blocking, guard_wgmma_registers
 
@@ -78,7 +78,6 @@ class _Registers:
         self.blocks = {}         # dtype -> (the block being filled, its next free row)
         self.moved = moved or {}
         self._whole = None
-        self.segments = {}       # alu.Segment -> its registers' arrays (Segment.run)
 
     def view(self, lo, hi):
         """The registers of lanes [lo, hi): one view of all lanes serves every gang of the whole
@@ -290,9 +289,6 @@ def short_name(kernel_name: str) -> str:
     return f"{ident}[{args}]" if args.startswith("I") else ident
 
 
-_UNBUILT, _ONCE = object(), object()       # _Compiled.segments' entries before a Segment is built
-
-
 class _Compiled:
     """A kernel's instructions as (kind, run, guard, negated, target) tuples (an _ALU's target:
     whether its handler runs warp by warp when a gang's lanes execute it in part)."""
@@ -318,23 +314,6 @@ class _Compiled:
             kind, _, guard, _, per_warp = self.code[pc]
             if kind == _ALU and guard is None and not per_warp:
                 self.straight[pc] = self.straight[pc + 1] or pc + 1
-        # segments[pc]: the alu.Segment holding instruction pc of a straight run (one native call
-        # runs any part of it), None where alu_emu.cc does not take it; built on first arrival
-        self.segments = [_UNBUILT] * len(self.code)
-        self._kernel, self._ops = kernel, ops
-
-    def segment(self, pc):
-        """segments[pc] on an arrival at pc that finds it unbuilt: None the first time (encoding a
-        stretch costs about what two runs of it through the handlers do, and much code runs once)."""
-        if self.segments[pc] is _UNBUILT:
-            self.segments[pc] = _ONCE
-            return None
-        seg = None if self.hopper else alu.segment(self._kernel, self._ops, pc, self.straight[pc])
-        if seg is None:
-            self.segments[pc] = None
-        else:
-            self.segments[pc:seg.end] = [seg] * (seg.end - pc)
-        return seg
 
     @staticmethod
     def _compile(ins, ops, kernel):
@@ -389,11 +368,8 @@ class _Located(EmulationError):
 class _Launch:
     def __init__(self, kernel, program, rng, budget, seed):
         self.kernel, self.rng, self.budget, self.seed = kernel, rng, budget, seed
-        self.program = program
         self.code, self.fns, self.straight = program.code, program.fns, program.straight
         self.counts = [0] * len(program.code)
-        # segment runs: +lanes at the first instruction, -lanes after the last (a prefix sum counts them)
-        self.segment_counts = [0] * (len(program.code) + 1)
         self.executed = 0
 
     def context(self, w, pc) -> str:
@@ -458,33 +434,13 @@ class _Launch:
             except EmulationError as e:
                 raise _Located(f"{self.context(m, pc)}: {e}") from None
 
-    def _straight(self, lanes, mask, pc, end, n):
-        """Instructions [pc, end) of a straight run over `lanes` (a warp or a gang; `n` executing
-        lanes), `mask` the executing ones: the native segments where they are built, else each
-        instruction's handler."""
-        segments, counts, fns = self.program.segments, self.counts, self.fns
-        while pc < end:
-            seg = segments[pc]
-            if seg is _UNBUILT or seg is _ONCE:
-                seg = self.program.segment(pc)
-            if seg is None:
-                counts[pc] += n
-                fns[pc](lanes, mask)
-                pc += 1
-            else:
-                stop = min(seg.end, end)
-                self.segment_counts[pc] += n
-                self.segment_counts[stop] -= n
-                seg.run(lanes, mask, pc, stop)
-                pc = stop
-
     def run_gang(self, g, quantum, nthreads):
         """Run the lanes of a gang of adjacent warps for up to `quantum` steps, each step the lanes
         at the lowest pc: warps at different pcs meet where the laggards catch up. Lanes of warps
         that are done or wait at a barrier, and exited lanes, stand at _DEAD. While the lanes at
         the lowest pc run on below every other lane's pc (`rest`), the step needs no lane array:
         their pc is `pc` (lp holds it for them again when they stop: `fresh`)."""
-        code, counts, straight = self.code, self.counts, self.straight
+        code, counts, fns, straight = self.code, self.counts, self.fns, self.straight
         members = g.members
         # the gang holds its warps' pcs until it hands them back
         lp = np.repeat(np.array([_DEAD if m.done or m.at_barrier else m.pc for m in members], np.int64), 32)
@@ -512,10 +468,12 @@ class _Launch:
                 end = straight[pc]
                 if end:
                     end, first = min(end, rest, pc + quantum - steps), pc
-                    self._straight(g, active, first, end, n)
-                    pc = end
+                    for pc in range(first, end):
+                        counts[pc] += n
+                        fns[pc](g, active)
                     steps += end - first
                     executed += n * (end - first)
+                    pc = end
                     continue
                 steps += 1
                 counts[pc] += n
@@ -600,16 +558,18 @@ class _Launch:
 
     def run_warp(self, w, quantum, nthreads):
         """Run one warp for up to `quantum` instructions (its lanes at their lowest pc)."""
-        code, counts, straight = self.code, self.counts, self.straight
+        code, counts, fns, straight = self.code, self.counts, self.fns, self.straight
         pc = w.pc
         steps = 0
         try:
             while steps < quantum:
                 if w.lane_pc is None and straight[pc]:        # plain instructions, as in run_gang
                     end, first = min(straight[pc], pc + quantum - steps), pc
-                    self._straight(w, w.alive_mask, first, end, 1)
-                    pc = end
+                    for pc in range(first, end):
+                        counts[pc] += 1
+                        fns[pc](w, w.alive_mask)
                     steps += end - first
+                    pc = end
                     continue
                 steps += 1
                 lp = w.lane_pc
@@ -819,7 +779,6 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
         memory.end_launch()
     stats = LaunchStats(seconds=time.perf_counter() - t0, blocks=len(blocks), seed=seed, counters=counts)
     executed = np.array(run.counts, np.int64)
-    executed += np.cumsum(run.segment_counts[:-1], dtype=np.int64)
     stats.warp_instructions = int(executed.sum())
     forms = program.forms
     for pc, n in zip(np.flatnonzero(executed).tolist(), executed[executed > 0].tolist()):

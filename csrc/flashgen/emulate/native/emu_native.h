@@ -1,7 +1,6 @@
-// The emulator's C helpers (shared_memory_emu.cc, global_memory_emu.cc, mma_emu.cc, alu_emu.cc),
-// which module.cc hands to Python as the extension module flashgen.emulate.native loads: memory.py
-// and semantics/warpops.py call them once or more per emulated instruction, semantics/alu.py once
-// per run of plain instructions, where a ctypes call cost 4 us and this one 0.1-0.3 us.
+// The emulator's C helpers (shared_memory_emu.cc, global_memory_emu.cc, mma_emu.cc), which module.cc hands to Python as
+// the extension module flashgen.emulate.native loads: memory.py and semantics/warpops.py call them
+// once or more per emulated instruction, where a ctypes call cost 4 us and this one 0.1-0.3 us.
 #pragma once
 #include <cstdint>
 
@@ -37,29 +36,3 @@ int64_t flashgen_emu_global_atomic(int32_t* owners, int64_t size, int64_t start,
 void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* const* ab, const float* const* c,
                       float* const* d, const bool* executing, const int32_t* a_src, const int32_t* b_src,
                       const int32_t* c_src, const int32_t* d_of);
-
-// alu_emu.cc: one instruction of a run, as semantics/alu.py packs it (16 int64 fields). Its codes
-// (op, kind, aux's comparison, boolop) are the enumerators below, which the module hands to Python
-// by name (alu_codes()), so that the numbering is written here only.
-#define FLASHGEN_EMU_ALU_CODES(X)                                                                       \
-  X(kAluAdd) X(kAluSub) X(kAluMul) X(kAluMad) X(kAluMin) X(kAluMax) X(kAluAnd) X(kAluOr) X(kAluXor)     \
-  X(kAluNot) X(kAluNeg) X(kAluShl) X(kAluShr) X(kAluMulWide) X(kAluMov) X(kAluSelp) X(kAluCvt)          \
-  X(kAluSetp) X(kKindInt32) X(kKindInt64) X(kKindF32) X(kKindSetp32) X(kKindSetp64) X(kKindSetpF32)   \
-  X(kKindMove) X(kKindPred) X(kKindWiden) X(kCmpEq) X(kCmpNe) X(kCmpLt) X(kCmpLe) X(kCmpGt) X(kCmpGe)  \
-  X(kCmpEqu) X(kCmpNeu) X(kCmpLtu) X(kCmpLeu) X(kCmpGtu) X(kCmpGeu) X(kCmpNum) X(kCmpNan) X(kBoolNone) \
-  X(kBoolAnd) X(kBoolOr) X(kBoolXor)
-#define FLASHGEN_EMU_ALU_ENUMERATOR(name) name,
-enum FlashgenEmuAluCode : int64_t { FLASHGEN_EMU_ALU_CODES(FLASHGEN_EMU_ALU_ENUMERATOR) };
-
-struct FlashgenEmuAluInstruction {
-  int64_t op, kind, aux, is_signed, ftz, boolop;  // aux: a setp's comparison
-  int64_t operands[5];  // d, a, b, c, q: a register's index in `regs`, or -1 - i for immediate i
-  int64_t sizes[5];     // each operand's bytes (1: a predicate), 0 where the form has none
-};
-
-// Runs rows[0..count) over lanes [0, n) of the registers `regs` (regs[i]: reg_sizes[i]-byte
-// elements, n of them), writing the lanes of `mask` (null: all). Returns null, or what is wrong
-// with the program (then nothing was written).
-const char* flashgen_emu_alu(const FlashgenEmuAluInstruction* rows, int64_t count, const uint64_t* immediates,
-                             int64_t nimm, void* const* regs, const int64_t* reg_sizes, int64_t nregs, int64_t n,
-                             const bool* mask);

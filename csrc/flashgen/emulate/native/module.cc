@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 
 #include "flashgen/emulate/native/emu_native.h"
 
@@ -26,14 +25,13 @@ class Buffer {
   }
 
   // False (with a Python exception set) unless `obj` is a buffer of at least `count` elements of
-  // `itemsize` bytes (0: of 1, 4 or 8 bytes), or None when `optional`.
+  // `itemsize` bytes (or None, when `optional`).
   bool get(PyObject* obj, const char* name, Py_ssize_t itemsize, Py_ssize_t count, bool writable,
            bool optional = false) {
     if (optional && obj == Py_None) return true;
     const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &view_, flags) < 0) return false;
     held_ = true;
-    if (itemsize == 0 && (view_.itemsize == 1 || view_.itemsize == 4 || view_.itemsize == 8)) itemsize = view_.itemsize;
     if (view_.itemsize != itemsize || view_.len < count * itemsize) {
       PyErr_Format(PyExc_ValueError, "%s: %zd bytes of %zd-byte elements, need %zd of %zd bytes", name, view_.len,
                    view_.itemsize, count, itemsize);
@@ -43,7 +41,6 @@ class Buffer {
     return true;
   }
   Py_ssize_t len() const { return view_.len; }
-  Py_ssize_t itemsize() const { return view_.itemsize; }
   // The length of dimension `axis`, for a buffer of at least axis + 1 dimensions; else -1.
   Py_ssize_t dim(int axis) const { return view_.ndim > axis ? view_.shape[axis] : -1; }
 
@@ -233,62 +230,6 @@ PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// alu(rows [count, 16] int64, immediates uint64, mask | None, lo, n, *registers) -> None: lanes
-// [lo, lo + n) of each register, an array of 1-, 4- or 8-byte elements (written in place).
-PyObject* alu(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t lanes[2];  // lo, n
-  Buffer rows, immediates, mask;
-  if (nargs < 5) return PyErr_Format(PyExc_TypeError, "alu takes at least 5 arguments, got %zd", nargs);
-  if (!rows.get(args[0], "rows", 8, 0, false) || !immediates.get(args[1], "immediates", 8, 0, false) ||
-      !ints(args, 3, lanes))
-    return nullptr;
-  const int64_t lo = lanes[0], n = lanes[1];
-  constexpr Py_ssize_t row_bytes = sizeof(FlashgenEmuAluInstruction);
-  if (lo < 0 || n < 0 || rows.len() % row_bytes)
-    return PyErr_Format(PyExc_ValueError, "alu: lanes %lld + %lld, rows of %zd bytes", (long long)lo, (long long)n,
-                        rows.len());
-  if (!mask.get(args[2], "mask", 1, n, false, true)) return nullptr;
-  const Py_ssize_t nregs = nargs - 5;
-  std::unique_ptr<Buffer[]> regs(new Buffer[nregs]);
-  std::unique_ptr<void*[]> data(new void*[nregs]);
-  std::unique_ptr<int64_t[]> sizes(new int64_t[nregs]);
-  for (Py_ssize_t i = 0; i < nregs; ++i) {
-    if (!regs[i].get(args[5 + i], "register", 0, lo + n, true)) return nullptr;
-    sizes[i] = regs[i].itemsize();
-    data[i] = static_cast<char*>(regs[i].data) + lo * sizes[i];
-  }
-  const char* error = flashgen_emu_alu(at<FlashgenEmuAluInstruction>(rows), rows.len() / row_bytes,
-                                       at<uint64_t>(immediates), immediates.len() / 8, data.get(), sizes.get(),
-                                       nregs, n, at<bool>(mask));
-  if (error) return PyErr_Format(PyExc_ValueError, "alu: %s", error);
-  Py_RETURN_NONE;
-}
-
-// alu_codes() -> {name: value}: alu_emu.cc's codes, for semantics/alu.py
-PyObject* alu_codes(PyObject*, PyObject* const*, Py_ssize_t nargs) {
-  if (!arity("alu_codes", nargs, 0)) return nullptr;
-  PyObject* codes = PyDict_New();
-  if (!codes) return nullptr;
-  const struct {
-    const char* name;
-    int64_t value;
-  } table[] = {
-#define FLASHGEN_EMU_ALU_ENTRY(name) {#name, name},
-      FLASHGEN_EMU_ALU_CODES(FLASHGEN_EMU_ALU_ENTRY)
-#undef FLASHGEN_EMU_ALU_ENTRY
-  };
-  for (const auto& entry : table) {
-    PyObject* value = PyLong_FromLongLong(entry.value);
-    if (!value || PyDict_SetItemString(codes, entry.name, value) < 0) {
-      Py_XDECREF(value);
-      Py_DECREF(codes);
-      return nullptr;
-    }
-    Py_DECREF(value);
-  }
-  return codes;
-}
-
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
 PyMethodDef methods[] = {
     {"shared_words", FASTCALL(shared_words), "shared_memory_emu.cc's flashgen_emu_shared_words"},
@@ -299,8 +240,6 @@ PyMethodDef methods[] = {
     {"race_read", FASTCALL(race_read), "shared_memory_emu.cc's flashgen_emu_race_read"},
     {"race_write", FASTCALL(race_write), "shared_memory_emu.cc's flashgen_emu_race_write"},
     {"mma", FASTCALL(mma), "mma_emu.cc's flashgen_emu_mma"},
-    {"alu", FASTCALL(alu), "alu_emu.cc's flashgen_emu_alu"},
-    {"alu_codes", FASTCALL(alu_codes), "alu_emu.cc's codes by name"},
     {nullptr, nullptr, 0, nullptr},
 };
 
