@@ -1,12 +1,14 @@
 """The emulator's native module (csrc/flashgen/emulate/native) called directly: mma.sync over a gang
 of warps against float64, and the argument checks that keep a wrong call from writing out of
-bounds."""
+bounds; and its helpers against memory.py's numpy path they stand in for (global bookkeeping,
+ldmatrix)."""
 import re
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import needs_nvcc
 from flashgen.emulate import native
 from flashgen.emulate.semantics.warpops import _mma_tables, mma_a_table, mma_b_table, mma_c_table
 
@@ -70,6 +72,21 @@ def test_native_helpers_refuse_what_they_would_overrun():
     out = np.empty(16, np.uint32)
     assert m.shared_load(np.array([1024], np.int64), 16, 0, None, 1024, 1024, 0, 0, 0, None, None, memory, out) == 1
     assert m.shared_load(np.array([0], np.int64), 16, 1, None, 1024, 1024, 0, 0, 0, None, None, memory, out) == 1
+    # ldmatrix.x4 of one warp: 4 destinations of 32 lanes, a gather table of 256 halves
+    # (with the identity table, register j of lane l is word 32 j + l of the rows loaded)
+    addr, table = np.arange(32, dtype=np.uint32) * 16, np.arange(256, dtype=np.int32)
+    words = (np.arange(256, dtype=np.uint64) * 2654435761 % 2**32).astype(np.uint32)
+    dests = [np.zeros(32, np.uint32) for _ in range(4)]
+    ldsm = lambda *args: m.ldmatrix(addr, 0, 4, None, 0, None, 1024, 1024, 0, 0, 0, None, words, *args)
+    assert ldsm(table, *dests) == 0
+    assert all((d == words[32 * j:32 * j + 32]).all() for j, d in enumerate(dests))
+    with pytest.raises(ValueError, match="dest register"):
+        ldsm(table, *dests[:3], np.zeros(31, np.uint32))
+    with pytest.raises(ValueError, match="nmat 4 with 17"):
+        ldsm(table, *dests[:3])
+    with pytest.raises(ValueError, match="gather index 256"):
+        ldsm(np.where(table == 5, 256, table).astype(np.int32), *dests)
+    assert m.ldmatrix(addr + 1024, 0, 4, None, 0, None, 1024, 1024, 0, 0, 0, None, words, table, *dests) == 1
     a = np.arange(8, dtype=np.int64)
     with pytest.raises(IndexError, match="index 8 of 8"):
         m.add_each(a, np.array([1, 8], np.int64), 5)
@@ -130,3 +147,33 @@ def test_native_global_bookkeeping_equals_the_numpy_path(rng, monkeypatch):
             cta = int(rng.integers(3)) if rng.integers(2) else rng.integers(0, 3, rows)
             ops.append((kind, offs, cta, nbytes))
         assert _bookkeeping_run(ops, True, monkeypatch) == _bookkeeping_run(ops, False, monkeypatch), trial
+
+
+@needs_nvcc
+@pytest.mark.parametrize("causal", [False, True])
+def test_native_ldmatrix_loads_what_the_numpy_path_does(rng, monkeypatch, causal):
+    """The dense forward and backward (their ldmatrix.x4 and .x4.trans of gangs all or some of
+    whose warps execute) under one schedule seed: the same bits with SharedMemory.ldmatrix as
+    with it declining every call (the numpy path), and the native path taken."""
+    from emulated_dense import run_dense_backward, run_dense_forward, spec_module
+    from flashgen.emulate import memory
+    module = spec_module(64, "bf16", causal)
+    q, k, v, do = (rng.standard_normal((1, n, 2, 64)).astype(ml_dtypes.bfloat16) for n in (70, 97, 97, 70))
+    taken = []
+    native_load = memory.SharedMemory.ldmatrix
+
+    def counted(*args):
+        taken.append(native_load(*args))
+        return taken[-1]
+    monkeypatch.setattr(memory.SharedMemory, "ldmatrix", counted)
+    seed = int(rng.integers(2**31))
+    outputs = []
+    for path in ("native", "numpy"):
+        if path == "numpy":
+            monkeypatch.setattr(memory.SharedMemory, "ldmatrix", lambda *args: False)
+        o, lse, _ = run_dense_forward(module, q, k, v, causal=causal, dtype="bf16", seed=seed)
+        grads, _ = run_dense_backward(module, q, k, v, do, causal=causal, dtype="bf16", seed=seed)
+        outputs.append([o, lse, *grads])
+    assert taken and all(taken), "the native ldmatrix declined a clean dense launch"
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *outputs):
+        assert np.array_equal(a, b, equal_nan=True), name

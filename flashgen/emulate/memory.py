@@ -541,6 +541,18 @@ class SharedMemory:
             return None
         return out.view(np.uint8)
 
+    def ldmatrix(self, addr, offset, nmat, executing, slot, warp, gather, dests) -> bool:
+        """ldmatrix's rows loaded and its `dests` filled in one native call (shared_memory_emu.cc)
+        from its address register `addr` (+ `offset`), as load() would load them; False, with
+        nothing written, where load's own checks must run (counters, Hopper orderings, byte
+        granules) or would find something to name."""
+        if self.counters is not None or self.granule != 4 or self.hopper is not None:
+            return False
+        return not native.module().ldmatrix(
+            addr, offset, nmat, executing, *_one_or_each(slot), self.size, self.stride,
+            self._pending_at if self.in_flight else 0, self._race_at if self.race_check else 0, *_one_or_each(warp),
+            self.words, gather, *dests)
+
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
         self._count(offs, nbytes, warp, lanes, slot)
         if nbytes in (4, 8, 16) and self.granule == 4 and self.hopper is None:

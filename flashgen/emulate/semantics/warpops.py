@@ -153,9 +153,21 @@ def ldmatrix(ins, ops):
     addr = ops.address(ins.operands[1])
     nrows = 8 * nmat
     gather = _ldmatrix_gather(nmat, trans, 1)      # one warp's, for a step only some warps execute
+    # one native call (SharedMemory.ldmatrix) where the address is a register and the destinations
+    # 4-byte registers; else, and where it declines, the numpy path below
+    base, dregs = ins.operands[1].base, [d for d in ops.vector(ins.operands[0]) if isinstance(d, Reg)]
+    direct = (isinstance(base, Reg) and TYPE_SIZES[ops.reg_type(base)] in (4, 8) and len(dregs) == nmat and
+              all(TYPE_SIZES[ops.reg_type(d)] == 4 for d in dregs))
+    names = [d.name for d in dregs]
+    table, offset = np.ascontiguousarray(gather, np.int32), ins.operands[1].offset
 
     def run(w, m):
         require_full_warp(w, m, ins)
+        if direct:
+            regs = w.regs
+            if w.smem.ldmatrix(regs[base.name], offset, nmat, m, w.smem_slot, w.lane_warp, table,
+                               [regs[n] for n in names]):
+                return
         g = w.nlanes // 32
         # the executing warps; lane i of each supplies the address of row i % 8 of matrix i // 8
         on = slice(None) if m is None else m.reshape(g, 32)[:, 0]

@@ -33,6 +33,11 @@ int64_t flashgen_emu_global_atomic(int32_t* owners, int64_t size, int64_t start,
                                    int64_t readers4_size, const int32_t* readers1, int64_t readers1_size,
                                    const int64_t* off, int64_t rows, int64_t nbytes, int64_t cta,
                                    const int64_t* ctas);
+int64_t flashgen_emu_ldmatrix(const void* addr, int64_t addr_size, int64_t addr_signed, int64_t offset, int64_t g,
+                              int64_t nmat, const bool* executing, int64_t slot, const int64_t* slots, int64_t size,
+                              int64_t stride, const int64_t* pending, const FlashgenEmuRaceState* race, int64_t warp,
+                              const int64_t* warps, const uint32_t* memory, int64_t memory_words,
+                              const int32_t* gather, uint32_t* const* dests);
 void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* const* ab, const float* const* c,
                       float* const* d, const bool* executing, const int32_t* a_src, const int32_t* b_src,
                       const int32_t* c_src, const int32_t* d_of);

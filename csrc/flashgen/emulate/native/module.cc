@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "flashgen/emulate/native/emu_native.h"
 
@@ -32,6 +33,7 @@ class Buffer {
     const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &view_, flags) < 0) return false;
     held_ = true;
+    if (itemsize == 0 && view_.itemsize > 0) itemsize = view_.itemsize;  // 0: any element size
     if (view_.itemsize != itemsize || view_.len < count * itemsize) {
       PyErr_Format(PyExc_ValueError, "%s: %zd bytes of %zd-byte elements, need %zd of %zd bytes", name, view_.len,
                    view_.itemsize, count, itemsize);
@@ -41,6 +43,14 @@ class Buffer {
     return true;
   }
   Py_ssize_t len() const { return view_.len; }
+  Py_ssize_t itemsize() const { return view_.itemsize; }
+  // Whether the elements are signed integers (the struct format's code, after any byte order, is
+  // one of b h i l q; numpy's unsigned ones are upper case).
+  bool is_signed() const {
+    const char* f = view_.format ? view_.format : "B";
+    while (*f && std::strchr("@=<>!", *f)) ++f;
+    return *f && std::strchr("bhilq", *f);
+  }
   // The length of dimension `axis`, for a buffer of at least axis + 1 dimensions; else -1.
   Py_ssize_t dim(int axis) const { return view_.ndim > axis ? view_.shape[axis] : -1; }
 
@@ -230,6 +240,40 @@ PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// ldmatrix(addr, offset, nmat, executing | None, slot, slots | None, size, stride, pending_address | 0,
+//          race_address | 0, warp, warps | None, memory, gather, *dests) -> int: addr, executing,
+// slots and warps one element per lane of the gang's g warps; `nmat` dests of g * 32 u32 each.
+PyObject* ldmatrix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t offset, nmat, place[2], stride[4], warp;  // slot; size, stride, pending, race
+  Buffer addr, executing, slots, warps, memory, gather, dests[4];
+  if (nargs < 15 || !int_at(args, 1, &offset) || !int_at(args, 2, &nmat) || !int_at(args, 4, &place[0]) ||
+      !ints(args, 6, stride) || !int_at(args, 10, &warp))
+    return nargs < 15 ? PyErr_Format(PyExc_TypeError, "ldmatrix takes 14 + nmat arguments, got %zd", nargs) : nullptr;
+  if ((nmat != 1 && nmat != 2 && nmat != 4) || nargs != 14 + nmat)
+    return PyErr_Format(PyExc_ValueError, "ldmatrix: nmat %lld with %zd arguments", (long long)nmat, nargs);
+  if (!addr.get(args[0], "addr", 0, 0, false)) return nullptr;
+  const Py_ssize_t lanes = addr.len() / addr.itemsize();
+  if (addr.itemsize() == 1 || lanes % 32) return PyErr_Format(PyExc_ValueError, "ldmatrix: addr of %zd lanes", lanes);
+  if (!executing.get(args[3], "executing", 1, lanes, false, true) || !slots.get(args[5], "slots", 8, lanes, false, true) ||
+      !warps.get(args[11], "warps", 8, lanes, false, true) || !memory.get(args[12], "memory", 4, 0, false) ||
+      !gather.get(args[13], "gather", 4, nmat * 64, false))
+    return nullptr;
+  for (int64_t i = 0; i < 64 * nmat; ++i) {
+    const int32_t index = at<int32_t>(gather)[i];
+    if (index < 0 || index >= 64 * nmat) return PyErr_Format(PyExc_ValueError, "ldmatrix: gather index %d", index);
+  }
+  uint32_t* d[4];
+  for (int64_t j = 0; j < nmat; ++j) {
+    if (!dests[j].get(args[14 + j], "dest register", 4, lanes, true)) return nullptr;
+    d[j] = at<uint32_t>(dests[j]);
+  }
+  return PyLong_FromLongLong(flashgen_emu_ldmatrix(
+      addr.data, addr.itemsize(), addr.is_signed(), offset, lanes / 32, nmat, at<bool>(executing), place[0],
+      at<int64_t>(slots), stride[0], stride[1], reinterpret_cast<const int64_t*>(stride[2]),
+      reinterpret_cast<const FlashgenEmuRaceState*>(stride[3]), warp, at<int64_t>(warps), at<uint32_t>(memory),
+      memory.dim(0), at<int32_t>(gather), d));
+}
+
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
 PyMethodDef methods[] = {
     {"shared_words", FASTCALL(shared_words), "shared_memory_emu.cc's flashgen_emu_shared_words"},
@@ -240,6 +284,7 @@ PyMethodDef methods[] = {
     {"race_read", FASTCALL(race_read), "shared_memory_emu.cc's flashgen_emu_race_read"},
     {"race_write", FASTCALL(race_write), "shared_memory_emu.cc's flashgen_emu_race_write"},
     {"mma", FASTCALL(mma), "mma_emu.cc's flashgen_emu_mma"},
+    {"ldmatrix", FASTCALL(ldmatrix), "shared_memory_emu.cc's flashgen_emu_ldmatrix"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -11,6 +11,7 @@
 // mbarriers may order them) and names the race. A write changes no stamp then, and memory.py
 // calls again with `check` 0 if no race remains; otherwise the stamps are updated, granule by
 // granule in row order. One pass in C instead of a dozen numpy passes over the access.
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -156,5 +157,56 @@ int64_t flashgen_emu_shared_load(const int64_t* offs, int64_t rows, int64_t nbyt
     if (flashgen_emu_race_read(race, words.data(), rows, nbytes / 4, warp, warps, lanes, verdict.data())) return 2;
   }
   for (int64_t i = 0; i < n; ++i) out[i] = memory[words[i]];
+  return 0;
+}
+
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16 for the executing warps of a gang: row r
+// of matrix r / 8 from the address lane r of the warp holds (its address register, + offset), the
+// rows loaded and checked as one shared_load, then each lane's registers filled from them by
+// `gather` (semantics/warpops.py's table: for register j, lane l, half h, which of the warp's
+// loaded halves). Returns shared_load's nonzero code, with nothing written, where it declines.
+int64_t flashgen_emu_ldmatrix(const void* addr, int64_t addr_size, int64_t addr_signed, int64_t offset, int64_t g,
+                              int64_t nmat, const bool* executing, int64_t slot, const int64_t* slots, int64_t size,
+                              int64_t stride, const int64_t* pending, const FlashgenEmuRaceState* race, int64_t warp,
+                              const int64_t* warps, const uint32_t* memory, int64_t memory_words,
+                              const int32_t* gather, uint32_t* const* dests) {
+  thread_local std::vector<int64_t> offs, row_slots, row_warps, who;
+  thread_local std::vector<uint32_t> out;
+  const int64_t per_warp = 8 * nmat;
+  offs.clear(), row_slots.clear(), row_warps.clear(), who.clear();
+  for (int64_t w = 0; w < g; ++w) {
+    if (executing && !executing[w * 32]) continue;
+    who.push_back(w);
+    for (int64_t l = 0; l < per_warp; ++l) {
+      const int64_t i = w * 32 + l;
+      int64_t a;
+      if (addr_size == 8) {
+        a = static_cast<const int64_t*>(addr)[i];
+      } else {
+        const uint32_t u = static_cast<const uint32_t*>(addr)[i];
+        a = addr_signed ? static_cast<int64_t>(static_cast<int32_t>(u)) : static_cast<int64_t>(u);
+      }
+      offs.push_back(a + offset);
+      if (slots) row_slots.push_back(slots[i]);
+      if (warps) row_warps.push_back(warps[i]);
+    }
+  }
+  const int64_t rows = static_cast<int64_t>(offs.size());
+  if (rows == 0) return 0;
+  out.resize(rows * 4);
+  if (const int64_t code = flashgen_emu_shared_load(offs.data(), rows, 16, slot, slots ? row_slots.data() : nullptr,
+                                                    size, stride, pending, race, warp,
+                                                    warps ? row_warps.data() : nullptr, nullptr, memory,
+                                                    memory_words, out.data()))
+    return code;
+  const uint16_t* halves = reinterpret_cast<const uint16_t*>(out.data());
+  for (std::size_t k = 0; k < who.size(); ++k) {
+    const uint16_t* mine = halves + k * per_warp * 8;
+    for (int64_t j = 0; j < nmat; ++j)
+      for (int64_t lane = 0; lane < 32; ++lane) {
+        const int32_t* at = gather + (j * 32 + lane) * 2;
+        dests[j][who[k] * 32 + lane] = uint32_t(mine[at[0]]) | uint32_t(mine[at[1]]) << 16;
+      }
+  }
   return 0;
 }
