@@ -84,6 +84,8 @@ def test_native_helpers_refuse_what_they_would_overrun():
         ldsm(table, *dests[:3], np.zeros(31, np.uint32))
     with pytest.raises(ValueError, match="nmat 4 with 17"):
         ldsm(table, *dests[:3])
+    with pytest.raises(ValueError, match="addr of 32 lanes of 2 bytes"):     # would read past 2-byte lanes
+        m.ldmatrix(addr.astype(np.uint16), 0, 4, None, 0, None, 1024, 1024, 0, 0, 0, None, words, table, *dests)
     with pytest.raises(ValueError, match="gather index 256"):
         ldsm(np.where(table == 5, 256, table).astype(np.int32), *dests)
     assert m.ldmatrix(addr + 1024, 0, 4, None, 0, None, 1024, 1024, 0, 0, 0, None, words, table, *dests) == 1

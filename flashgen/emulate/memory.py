@@ -534,28 +534,31 @@ class SharedMemory:
         if o.size == 0:
             return None
         out = np.empty((o.size, nbytes >> 2), np.uint32)
-        if native.module().shared_load(
-                o, nbytes, *_one_or_each(slot), self.size, self.stride, self._pending_at if self.in_flight else 0,
-                self._race_at if self.race_check else 0, *_one_or_each(warp),
-                None if lanes is None else np.ascontiguousarray(lanes, np.int64), self.words, out):
+        if native.module().shared_load(o, nbytes, *self._checked_load(slot, warp),
+                                       None if lanes is None else np.ascontiguousarray(lanes, np.int64), self.words,
+                                       out):
             return None
         return out.view(np.uint8)
+
+    def _checked_load(self, slot, warp) -> tuple:
+        """The native loads' common arguments (shared_load's and ldmatrix's): the CTA slot(s), this
+        memory's size and stride, the cp.async and race state checked against, the warp(s)."""
+        return (*_one_or_each(slot), self.size, self.stride, self._pending_at if self.in_flight else 0,
+                self._race_at if self.race_check else 0, *_one_or_each(warp))
 
     def ldmatrix(self, addr, offset, nmat, executing, slot, warp, gather, dests) -> bool:
         """ldmatrix's rows loaded and its `dests` filled in one native call (shared_memory_emu.cc)
         from its address register `addr` (+ `offset`), as load() would load them; False, with
         nothing written, where load's own checks must run (counters, Hopper orderings, byte
         granules) or would find something to name."""
-        if self.counters is not None or self.granule != 4 or self.hopper is not None:
+        if self.counters is not None or not self._word_mode():
             return False
-        return not native.module().ldmatrix(
-            addr, offset, nmat, executing, *_one_or_each(slot), self.size, self.stride,
-            self._pending_at if self.in_flight else 0, self._race_at if self.race_check else 0, *_one_or_each(warp),
-            self.words, gather, *dests)
+        return not native.module().ldmatrix(addr, offset, nmat, executing, *self._checked_load(slot, warp),
+                                            self.words, gather, *dests)
 
     def load(self, offs: np.ndarray, nbytes: int, warp, what: str = "load", lanes=None, slot=0) -> np.ndarray:
         self._count(offs, nbytes, warp, lanes, slot)
-        if nbytes in (4, 8, 16) and self.granule == 4 and self.hopper is None:
+        if nbytes in (4, 8, 16) and self._word_mode():
             data = self._load_words(offs, nbytes, warp, lanes, slot)
             if data is not None:
                 return data

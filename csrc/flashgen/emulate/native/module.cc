@@ -244,16 +244,19 @@ PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 //          race_address | 0, warp, warps | None, memory, gather, *dests) -> int: addr, executing,
 // slots and warps one element per lane of the gang's g warps; `nmat` dests of g * 32 u32 each.
 PyObject* ldmatrix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t offset, nmat, place[2], stride[4], warp;  // slot; size, stride, pending, race
+  int64_t offset, nmat, slot, layout[4], warp;  // layout: size, stride, pending, race
   Buffer addr, executing, slots, warps, memory, gather, dests[4];
-  if (nargs < 15 || !int_at(args, 1, &offset) || !int_at(args, 2, &nmat) || !int_at(args, 4, &place[0]) ||
-      !ints(args, 6, stride) || !int_at(args, 10, &warp))
-    return nargs < 15 ? PyErr_Format(PyExc_TypeError, "ldmatrix takes 14 + nmat arguments, got %zd", nargs) : nullptr;
+  if (nargs < 15) return PyErr_Format(PyExc_TypeError, "ldmatrix takes 14 + nmat arguments, got %zd", nargs);
+  if (!int_at(args, 1, &offset) || !int_at(args, 2, &nmat) || !int_at(args, 4, &slot) || !ints(args, 6, layout) ||
+      !int_at(args, 10, &warp))
+    return nullptr;
   if ((nmat != 1 && nmat != 2 && nmat != 4) || nargs != 14 + nmat)
     return PyErr_Format(PyExc_ValueError, "ldmatrix: nmat %lld with %zd arguments", (long long)nmat, nargs);
   if (!addr.get(args[0], "addr", 0, 0, false)) return nullptr;
   const Py_ssize_t lanes = addr.len() / addr.itemsize();
-  if (addr.itemsize() == 1 || lanes % 32) return PyErr_Format(PyExc_ValueError, "ldmatrix: addr of %zd lanes", lanes);
+  if ((addr.itemsize() != 4 && addr.itemsize() != 8) || lanes % 32)
+    return PyErr_Format(PyExc_ValueError, "ldmatrix: addr of %zd lanes of %zd bytes (need 4 or 8, 32 per warp)", lanes,
+                        addr.itemsize());
   if (!executing.get(args[3], "executing", 1, lanes, false, true) || !slots.get(args[5], "slots", 8, lanes, false, true) ||
       !warps.get(args[11], "warps", 8, lanes, false, true) || !memory.get(args[12], "memory", 4, 0, false) ||
       !gather.get(args[13], "gather", 4, nmat * 64, false))
@@ -268,9 +271,9 @@ PyObject* ldmatrix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     d[j] = at<uint32_t>(dests[j]);
   }
   return PyLong_FromLongLong(flashgen_emu_ldmatrix(
-      addr.data, addr.itemsize(), addr.is_signed(), offset, lanes / 32, nmat, at<bool>(executing), place[0],
-      at<int64_t>(slots), stride[0], stride[1], reinterpret_cast<const int64_t*>(stride[2]),
-      reinterpret_cast<const FlashgenEmuRaceState*>(stride[3]), warp, at<int64_t>(warps), at<uint32_t>(memory),
+      addr.data, addr.itemsize(), addr.is_signed(), offset, lanes / 32, nmat, at<bool>(executing), slot,
+      at<int64_t>(slots), layout[0], layout[1], reinterpret_cast<const int64_t*>(layout[2]),
+      reinterpret_cast<const FlashgenEmuRaceState*>(layout[3]), warp, at<int64_t>(warps), at<uint32_t>(memory),
       memory.dim(0), at<int32_t>(gather), d));
 }
 
