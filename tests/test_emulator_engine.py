@@ -100,8 +100,8 @@ def test_registers_moved_through_several_compactions_unused_keep_their_warps_val
     """A compaction moves a register when it is first used again (_Registers.moved): one unused
     through two compactions must come from its first file's rows of the warps still live."""
     wave = machine._Wave([(c, 0, 0) for c in range(4)], (4, 1, 1), GlobalMemory(), np.zeros(1, np.uint8),
-                         {"%r1": "b32"}, 64, (64, 1, 1), 16, False, 4)
-    wave.registers.array("%r1")[:] = np.arange(wave.registers.nlanes)      # lane l holds l
+                         {"%r1": np.dtype(np.uint32)}, 64, (64, 1, 1), 16, False, 4)
+    wave.registers["%r1"][:] = np.arange(wave.registers.nlanes)      # lane l holds l
     for gone in ([1, 2, 3], [0, 3]):             # gids in the file of the time
         live = [w for w in wave.warps if w.gid not in gone]
         for w in wave.warps:
@@ -111,7 +111,7 @@ def test_registers_moved_through_several_compactions_unused_keep_their_warps_val
     # (first-file warps 0 and 6) went: left are first-file warps 4, 5 and 7
     want = np.concatenate([np.arange(32 * w, 32 * w + 32) for w in (4, 5, 7)])
     assert wave.registers.nlanes == want.size
-    np.testing.assert_array_equal(wave.registers.array("%r1"), want)
+    np.testing.assert_array_equal(wave.registers["%r1"], want)
 
 
 def test_splits_a_warp_agrees_with_per_warp_any_and_all(rng):

@@ -63,44 +63,41 @@ class LaunchStats:
     counters: counters.Counters | None = None     # stats only, never speed; None unless counters.enabled()
 
 
-class _Registers:
-    """The register file of a wave: one array per register over all its lanes, created on first use.
+class _Registers(dict):
+    """The register file of a wave: register name -> one array over all its lanes, created on first
+    use (the file is its own view of all lanes: what a gang of the whole wave reads and writes).
     Registers start as 0xFF bytes (NaN floats, all-ones integers) so that a value read before it
     is written shows up instead of passing as zero; predicates start false. Registers of one dtype
     are rows of blocks of _BLOCK, allocated together: a kernel's first steps in a wave create
     hundreds of registers, and one allocation each took ~9 % of the dense pace case's profile.
+    `dtypes`: each register's numpy dtype (_Compiled's, built once per kernel).
     `moved`: registers of an earlier file (_Wave.compact) copied here when first used, each as
     (its array there, the warp rows kept): many are never used again, and copying every register
     at each compaction took ~7 % of the paged pace case's profile."""
 
-    def __init__(self, types, nlanes, moved=None):
-        self.types, self.nlanes, self.arrays = types, nlanes, {}
+    def __init__(self, dtypes, nlanes, moved=None):
+        super().__init__()
+        self.dtypes, self.nlanes = dtypes, nlanes
         self.blocks = {}         # dtype -> (the block being filled, its next free row)
         self.moved = moved or {}
-        self._whole = None
 
     def view(self, lo, hi):
-        """The registers of lanes [lo, hi): one view of all lanes serves every gang of the whole
-        file (each gang's own cache of views cost a lookup per register and gang)."""
-        if lo == 0 and hi == self.nlanes:
-            if self._whole is None:
-                self._whole = _RegisterView(self, 0, self.nlanes)
-            return self._whole
-        return _RegisterView(self, lo, hi)
+        """The registers of lanes [lo, hi)."""
+        return self if lo == 0 and hi == self.nlanes else _RegisterView(self, lo, hi)
 
-    def array(self, name):
-        a = self.arrays.get(name)
-        if a is None and name in self.moved:
-            src, rows = self.moved.pop(name)
-            a = self.arrays[name] = src.reshape(-1, 32)[rows].reshape(-1)
-        elif a is None:
-            dt = np.dtype(dtype_of(self.types[name]))
-            block, row = self.blocks.get(dt, (None, _BLOCK))
-            if row == _BLOCK:
-                block, row = (np.zeros((_BLOCK, self.nlanes), dt) if dt == np.bool_ else
-                              np.full((_BLOCK, self.nlanes * dt.itemsize), 0xFF, np.uint8).view(dt)), 0
-            self.blocks[dt] = (block, row + 1)
-            a = self.arrays[name] = block[row]
+    def __missing__(self, name):
+        moved = self.moved.pop(name, None)
+        if moved is not None:
+            src, rows = moved
+            a = self[name] = src.reshape(-1, 32)[rows].reshape(-1)
+            return a
+        dt = self.dtypes[name]
+        block, row = self.blocks.get(dt, (None, _BLOCK))
+        if row == _BLOCK:
+            block, row = (np.zeros((_BLOCK, self.nlanes), dt) if dt == np.bool_ else
+                          np.full((_BLOCK, self.nlanes * dt.itemsize), 0xFF, np.uint8).view(dt)), 0
+        self.blocks[dt] = (block, row + 1)
+        a = self[name] = block[row]
         return a
 
 
@@ -115,7 +112,7 @@ class _RegisterView(dict):
         self.file, self.lo, self.hi = file, lo, hi
 
     def __missing__(self, name):
-        v = self[name] = self.file.array(name)[self.lo:self.hi]
+        v = self[name] = self.file[name][self.lo:self.hi]
         return v
 
 
@@ -222,9 +219,9 @@ class _Wave:
     """CTAs that run together: their warps in one list, their registers in one file, their
     shared memory in one SharedMemory."""
 
-    def __init__(self, blocks, grid, gmem, params, types, nthreads, block, smem_bytes, race_check, granule):
+    def __init__(self, blocks, grid, gmem, params, dtypes, nthreads, block, smem_bytes, race_check, granule):
         per_cta = -(-nthreads // 32)
-        self.registers = _Registers(types, 32 * per_cta * len(blocks))
+        self.registers = _Registers(dtypes, 32 * per_cta * len(blocks))
         smem = SharedMemory(smem_bytes, race_check, len(blocks), granule, gmem.counters)
         self.warps, self.ctas = [], []
         for slot, ctaid in enumerate(blocks):
@@ -244,9 +241,9 @@ class _Wave:
             return
         old = self.registers
         keep = np.array([w.gid for w in live])
-        moved = {name: (a, keep) for name, a in old.arrays.items()}
+        moved = {name: (a, keep) for name, a in old.items()}
         moved.update((name, (src, rows[keep])) for name, (src, rows) in old.moved.items())
-        self.registers = _Registers(old.types, 32 * keep.size, moved)
+        self.registers = _Registers(old.dtypes, 32 * keep.size, moved)
         for gid, w in enumerate(live):
             w.gid, w.regs = gid, _RegisterView(self.registers, 32 * gid, 32 * gid + 32)
         self.warps, self.gangs = live, {}
@@ -300,6 +297,8 @@ class _Compiled:
             self.code.append(self._compile(ins, ops, kernel))
         self.code.append((_RET, None, None, False, None))    # falling off the end exits
         self.forms = [ins.form for ins in kernel.instructions] + ["exit"]
+        by_type = {t: np.dtype(dtype_of(t)) for t in set(kernel.registers.values())}
+        self.reg_dtypes = {name: by_type[t] for name, t in kernel.registers.items()}
         # the shared-memory race detector's granule: a word unless some access is narrower
         self.smem_granule = 1 if any(_narrow_shared(ins) for ins in kernel.instructions) else 4
         self.hopper = hopper_state.uses_hopper(kernel)
@@ -768,7 +767,7 @@ def _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch
                 # indices) are adjacent warps and keep stepping together (the seeded atomic_order keeps
                 # the order of their atomics varied)
                 wave = _Wave([blocks[i] for i in sorted(order[first:first + per_wave])], grid, memory, pbuf,
-                             kernel.registers, nthreads, block, smem_bytes, race_check, program.smem_granule)
+                             program.reg_dtypes, nthreads, block, smem_bytes, race_check, program.smem_granule)
                 if program.hopper:
                     hopper_state.attach(wave.warps[0].smem)
                 try:
