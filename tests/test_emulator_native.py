@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import needs_nvcc
-from flashgen.emulate import native
+from flashgen.emulate import native, numerics
 from flashgen.emulate.semantics.warpops import _mma_tables, mma_a_table, mma_b_table, mma_c_table
 
 
@@ -49,6 +49,53 @@ def test_mma_of_a_gang_computes_the_executing_warps_only(rng):
     separate = [np.empty_like(x) for x in c]
     native.module().mma(g, 16, 0, None, *ab, *c, *separate, *_mma_tables(16, "bf16"))
     assert all((x.view(np.uint32) == y.view(np.uint32)).all() for x, y in zip(alias, separate))
+
+
+def _specials_f32(rng, n):
+    """f32 values that test a conversion: zeros, infinities, NaNs with payloads, the largest finite
+    (which rounds up to bf16's infinity), bf16 ties both ways, subnormals, then random bit patterns."""
+    edge = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7F7FFFFF,
+                     0x7F7F8000, 0x3F808000, 0x3F818000, 0x00000001, 0x00008000, 0x807FFFFF, 0x00800000],
+                    np.uint32)
+    return np.concatenate([edge, rng.integers(0, 2**32, n, dtype=np.uint32)]).view(np.float32)
+
+
+def _same_bits_or_both_nan(got, want):
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+
+
+def test_native_numerics_are_the_numpy_definitions_bit_for_bit(rng):
+    """numerics_emu.cc's bf16 pair packing and ex2.approx (.ftz or not) against the numpy functions
+    they stand in for (numerics.py's rounding, f64 exp2 rounded once), then their argument checks."""
+    m = native.module()
+    hi, lo = _specials_f32(rng, 4000), _specials_f32(rng, 4000)[::-1].copy()
+    got = np.full(hi.size, 0xDEADBEEF, np.uint32)
+    m.pack_bf16x2(hi, lo, got)
+    want = numerics.f32_to_bf16_rn(hi).astype(np.uint32) << 16 | numerics.f32_to_bf16_rn(lo)
+    np.testing.assert_array_equal(got, want)
+    assert (want[:15] >> 16).tolist()[2:9] == [0x7F80, 0xFF80, 0x7FFF, 0x7FFF, 0x7FFF, 0x7F80, 0x7F80]
+    x = np.concatenate([_specials_f32(rng, 0), rng.uniform(-160, 130, 4000).astype(np.float32),
+                        np.float32([-126.5, -149.0, -150.0, 127.9, 128.0])])
+    for ftz in (0, 1):
+        flush = numerics.ftz if ftz else (lambda v: v)
+        out = np.full(x.size, np.nan, np.float32)
+        m.ex2(x, ftz, out)
+        with np.errstate(all="ignore"):
+            _same_bits_or_both_nan(out, flush(np.exp2(flush(x).astype(np.float64)).astype(np.float32)))
+        assert (np.abs(out[-5:-2]) == 0).all() == bool(ftz)        # subnormal results flush under .ftz
+    inplace = x.copy()
+    m.ex2(inplace, 1, inplace)                                     # out may be the input register
+    _same_bits_or_both_nan(inplace, out)
+    with pytest.raises(ValueError, match="hi"):
+        m.pack_bf16x2(hi[:10], lo, np.empty(11, np.uint32))
+    with pytest.raises(ValueError, match="x"):
+        m.ex2(x.view(np.uint32).astype(np.float64), 0, np.empty(x.size, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        m.ex2(x, 0, np.empty(3, np.float64))
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        m.ex2(x, out)
 
 
 def test_native_helpers_refuse_what_they_would_overrun():

@@ -1,7 +1,8 @@
 """The emulator's native module (csrc/flashgen/emulate/native, built on first use and cached by
 content like any object: flashgen.build.emulation_native): shared-memory word indices and the
-race detector's bookkeeping (shared_memory_emu.cc, for memory.py) and mma.sync's arithmetic
-(mma_emu.cc, for semantics/warpops.py), as functions taking numpy arrays."""
+race detector's bookkeeping (shared_memory_emu.cc, for memory.py), mma.sync's arithmetic
+(mma_emu.cc, for semantics/warpops.py), and ex2.approx and the bf16 pair packing (numerics_emu.cc,
+for semantics/arith.py and data.py), as functions taking numpy arrays."""
 from __future__ import annotations
 
 import functools

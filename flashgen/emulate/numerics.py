@@ -5,6 +5,8 @@ away from zero (tf32), f16/bf16 results of a NaN are the canonical NaN 0x7fff, .
 subnormal inputs and results to sign-preserving zero. Approximate instructions (ex2.approx,
 rcp.approx, lg2.approx) are computed in float64 and rounded once: within the hardware's
 documented error bounds, and exact at the special values (0, ±inf, NaN) the kernels rely on.
+ex2.approx and cvt.rn.bf16x2.f32, the two the attention kernels run most, are the native module's
+(csrc/flashgen/emulate/native/numerics_emu.cc), by the same rules.
 
 These run inside a launch only, under its np.errstate(all="ignore") (machine.py): entering an
 errstate of their own cost three times the conversion it guarded (~5 µs a call).
@@ -63,10 +65,6 @@ def f32_to_tf32(x: np.ndarray, mode: str) -> np.ndarray:
     finite = np.isfinite(x)
     r = np.where(finite, r, np.asarray(x, np.float32).view(np.uint32))
     return np.where(np.isnan(x), np.uint32(0x7FFFFFFF), r)
-
-
-def ex2_approx(x: np.ndarray) -> np.ndarray:
-    return np.exp2(x, dtype=np.float64).astype(np.float32)
 
 
 def lg2_approx(x: np.ndarray) -> np.ndarray:

@@ -204,6 +204,25 @@ class Operands:
                 wd(w, f(ra(w), rb(w)), m)
         return run
 
+    def filled_by(self, fill, d, ty: str, wd):
+        """run(w, m) storing in register `d` what `fill(w, out)` (a native helper) writes into `out`,
+        an array of .`ty` over the lanes: straight into the register when every lane executes and
+        the register is `ty`'s width (the helper writes bits), else into a new array stored through
+        `wd`, write(d, ty)."""
+        dt = dtype_of(ty)
+        rty = self.reg_type(d) if isinstance(d, Reg) else None
+        direct = rty is not None and rty != "pred" and TYPE_SIZES[rty] == TYPE_SIZES[ty]
+        name = d.name if direct else None
+
+        def run(w, m):
+            if m is None and direct:
+                fill(w, w.regs[name])
+            else:
+                out = np.empty(w.nlanes, dt)
+                fill(w, out)
+                wd(w, out, m)
+        return run
+
     # -- addresses -----------------------------------------------------------------------------
     def address(self, op: Addr):
         """-> f(warp) giving int64 addresses per lane (global: virtual; shared: window offset)."""

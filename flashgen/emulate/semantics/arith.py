@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashgen.emulate import numerics
+from flashgen.emulate import native, numerics
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import UNSIGNED, dtype_of, immediate
 from flashgen.emulate.ptx import Imm
@@ -319,7 +319,7 @@ def copysign(ins, ops):
     return lambda w, m: wd(w, np.copysign(rb(w), ra(w)), m)
 
 
-_APPROX = {"ex2": numerics.ex2_approx, "lg2": numerics.lg2_approx, "rcp": numerics.rcp,
+_APPROX = {"lg2": numerics.lg2_approx, "rcp": numerics.rcp,
            "sqrt": lambda x: np.sqrt(x.astype(np.float64)).astype(np.float32),
            "rsqrt": lambda x: (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)}
 
@@ -334,8 +334,11 @@ def approx_math(ins, ops):
         raise unsupported(ins, "only .approx (or .rn for rcp/sqrt) forms")
     _check_mods(ins, {"approx", "rn", "ftz"})
     d, a = ins.operands
-    (ra,) = _float_inputs(ins, ty, [ops.read(a, ty)])
     wd = ops.write(d, ty)
+    if ins.opcode == "ex2":     # numerics_emu.cc: f64 exp2 rounded once to f32, .ftz on both sides
+        ex2, read, ftz = native.module().ex2, ops.read(a, ty), int("ftz" in ins.mods)
+        return ops.filled_by(lambda w, out: ex2(read(w), ftz, out), d, ty, wd)
+    (ra,) = _float_inputs(ins, ty, [ops.read(a, ty)])
     f = _APPROX[ins.opcode]
     finish = _float_finish(ins, ty)
     return lambda w, m: wd(w, finish(f(ra(w))) if finish else f(ra(w)), m)

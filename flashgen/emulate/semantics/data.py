@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from flashgen.emulate import numerics
+from flashgen.emulate import native, numerics
 from flashgen.emulate.operands import UNSIGNED, dtype_of
 from flashgen.emulate.ptx import TYPE_SIZES, Sym, Vec
 from flashgen.emulate.semantics.registry import handles, unsupported
@@ -127,8 +127,11 @@ def cvt(ins, ops):
     if dty in ("bf16x2", "f16x2") and sty == "f32":
         if rounding != "rn" or sat:
             raise unsupported(ins)
-        conv = numerics.f32_to_bf16_rn if dty == "bf16x2" else numerics.f32_to_f16_rn
         ra, rb = ops.read(ops_[1], "f32"), ops.read(ops_[2], "f32")
+        if dty == "bf16x2":     # numerics_emu.cc: both halves rounded and packed in one pass
+            pack_bf16x2 = native.module().pack_bf16x2
+            return ops.filled_by(lambda w, out: pack_bf16x2(ra(w), rb(w), out), ops_[0], dty, wd)
+        conv = numerics.f32_to_f16_rn
 
         def pack(w, m):
             hi = conv(ra(w)).astype(np.uint32)

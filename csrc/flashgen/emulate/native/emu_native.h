@@ -1,4 +1,4 @@
-// The emulator's C helpers (shared_memory_emu.cc, global_memory_emu.cc, mma_emu.cc), which module.cc hands to Python as
+// The emulator's C helpers (shared_memory_emu.cc, global_memory_emu.cc, mma_emu.cc, numerics_emu.cc), which module.cc hands to Python as
 // the extension module flashgen.emulate.native loads: memory.py and semantics/warpops.py call them
 // once or more per emulated instruction, where a ctypes call cost 4 us and this one 0.1-0.3 us.
 #pragma once
@@ -41,3 +41,5 @@ int64_t flashgen_emu_ldmatrix(const void* addr, int64_t addr_size, int64_t addr_
 void flashgen_emu_mma(int64_t g, int64_t k, int64_t type, const uint32_t* const* ab, const float* const* c,
                       float* const* d, const bool* executing, const int32_t* a_src, const int32_t* b_src,
                       const int32_t* c_src, const int32_t* d_of);
+void flashgen_emu_pack_bf16x2(const float* hi, const float* lo, int64_t n, uint32_t* out);
+void flashgen_emu_ex2(const float* x, int64_t n, int64_t ftz, float* out);

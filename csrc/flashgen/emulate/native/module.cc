@@ -240,6 +240,27 @@ PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// pack_bf16x2(hi, lo, out) -> None: out[i] = bf16(hi[i]) << 16 | bf16(lo[i]); f32 in, u32 out, one
+// length. ex2(x, ftz, out) -> None: out[i] = ex2.approx(x[i]) (f32 both, one length; out may be x).
+PyObject* pack_bf16x2(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  Buffer hi, lo, out;
+  if (!arity("pack_bf16x2", nargs, 3) || !out.get(args[2], "out", 4, 0, true)) return nullptr;
+  const Py_ssize_t n = out.len() / 4;
+  if (!hi.get(args[0], "hi", 4, n, false) || !lo.get(args[1], "lo", 4, n, false)) return nullptr;
+  flashgen_emu_pack_bf16x2(at<float>(hi), at<float>(lo), n, at<uint32_t>(out));
+  Py_RETURN_NONE;
+}
+
+PyObject* ex2(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t ftz;
+  Buffer x, out;
+  if (!arity("ex2", nargs, 3) || !int_at(args, 1, &ftz) || !out.get(args[2], "out", 4, 0, true)) return nullptr;
+  const Py_ssize_t n = out.len() / 4;
+  if (!x.get(args[0], "x", 4, n, false)) return nullptr;
+  flashgen_emu_ex2(at<float>(x), n, ftz, at<float>(out));
+  Py_RETURN_NONE;
+}
+
 // ldmatrix(addr, offset, nmat, executing | None, slot, slots | None, size, stride, pending_address | 0,
 //          race_address | 0, warp, warps | None, memory, gather, *dests) -> int: addr, executing,
 // slots and warps one element per lane of the gang's g warps; `nmat` dests of g * 32 u32 each.
@@ -288,6 +309,8 @@ PyMethodDef methods[] = {
     {"race_write", FASTCALL(race_write), "shared_memory_emu.cc's flashgen_emu_race_write"},
     {"mma", FASTCALL(mma), "mma_emu.cc's flashgen_emu_mma"},
     {"ldmatrix", FASTCALL(ldmatrix), "shared_memory_emu.cc's flashgen_emu_ldmatrix"},
+    {"pack_bf16x2", FASTCALL(pack_bf16x2), "numerics_emu.cc's flashgen_emu_pack_bf16x2"},
+    {"ex2", FASTCALL(ex2), "numerics_emu.cc's flashgen_emu_ex2"},
     {nullptr, nullptr, 0, nullptr},
 };
 
