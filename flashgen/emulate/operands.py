@@ -67,16 +67,29 @@ def immediate(text: str, ty: str):
 
 
 def constant(value, dt):
-    """A reader of a value the same in every lane (read-only arrays, one per lane count)."""
+    """A reader of a value the same in every lane (read-only arrays, one per lane count, shared by
+    every reader of the same bits: a kernel's first launch filled ~1,200 of them, most repeats)."""
+    # the value's type and bits: -0.0 is not 0.0, and uint32 0x3F800000 is not float32 1.0
+    key = (dt, type(value), value.tobytes() if isinstance(value, np.generic) else value)
     by_width = {}
 
     def read(w):
         c = by_width.get(w.nlanes)
         if c is None:
-            c = by_width[w.nlanes] = np.full(w.nlanes, value, dt)
-            c.flags.writeable = False
+            c = by_width[w.nlanes] = _filled(key, value, w.nlanes)
         return c
     return read
+
+
+_FILLED: dict = {}          # (dtype, value's type and bits, lanes) -> read-only array
+
+
+def _filled(key, value, nlanes):
+    c = _FILLED.get((key, nlanes))
+    if c is None:
+        c = _FILLED[(key, nlanes)] = np.full(nlanes, value, key[0])
+        c.flags.writeable = False
+    return c
 
 
 class Operands:
