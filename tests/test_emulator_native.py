@@ -51,6 +51,42 @@ def test_mma_of_a_gang_computes_the_executing_warps_only(rng):
     assert all((x.view(np.uint32) == y.view(np.uint32)).all() for x, y in zip(alias, separate))
 
 
+@pytest.mark.parametrize("atype,k", [("bf16", 16), ("f16", 16), ("tf32", 8)])
+def test_mma_of_every_element_type_against_float64(atype, k, rng):
+    """Fragments built from warpops.py's own tables (an element's slot in [register][lane][element]),
+    so each type and k reaches the arithmetic: two warps of different data, D against A @ B + C in
+    float64 (products of these types are exact; the f64 sums round far below f32's ulp)."""
+    g, per_reg = 2, 32 if atype == "tf32" else 64
+    a_src, b_src, c_src, d_of = _mma_tables(k, atype)
+    element = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}.get(atype)
+    ab, c, want = [np.empty(32 * g, np.uint32) for _ in range(6)], [np.empty(32 * g, np.float32) for _ in range(4)], []
+    for w in range(g):
+        a, b, cm = rng.standard_normal((16, k)), rng.standard_normal((k, 8)), rng.standard_normal((16, 8))
+        if element is None:      # tf32: the tensor core reads an f32's top 19 bits
+            bits = lambda x: x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+            a, b = (bits(x).view(np.float32).astype(np.float64) for x in (a, b))
+            fragment = np.zeros(6 * per_reg, np.uint32)
+        else:
+            bits = lambda x: x.astype(element).view(np.uint16)
+            a, b = (x.astype(element).astype(np.float64) for x in (a, b))
+            fragment = np.zeros(6 * per_reg, np.uint16)
+        fragment[a_src] = bits(a).reshape(-1)
+        fragment[4 * per_reg + b_src] = bits(b).reshape(-1)
+        rows = fragment.view(np.uint32).reshape(6, 32)
+        for r in range(6):
+            ab[r][32 * w:32 * w + 32] = rows[r]
+        flat = np.zeros(128, np.float32)
+        flat[c_src] = cm.astype(np.float32).reshape(-1)
+        for r in range(4):
+            c[r][32 * w:32 * w + 32] = flat[32 * r:32 * r + 32]
+        want.append((a @ b + cm.astype(np.float32)).reshape(-1)[d_of].reshape(4, 32))
+    d = [np.full(32 * g, np.nan, np.float32) for _ in range(4)]
+    native.module().mma(g, k, {"bf16": 0, "f16": 1, "tf32": 2}[atype], None, *ab, *c, *d, *_mma_tables(k, atype))
+    for w in range(g):
+        got = np.stack([x[32 * w:32 * w + 32] for x in d])
+        np.testing.assert_allclose(got, want[w], rtol=1e-6, atol=1e-6)
+
+
 def _specials_f32(rng, n):
     """f32 values that test a conversion: zeros, infinities, NaNs with payloads, the largest finite
     (which rounds up to bf16's infinity), bf16 ties both ways, subnormals, then random bit patterns."""
@@ -111,6 +147,12 @@ def test_native_helpers_refuse_what_they_would_overrun():
         m.mma(2, 12, 0, None, *regs, *tables)
     with pytest.raises(TypeError, match="takes 22 arguments"):
         m.mma(2, 16, 0, None, *regs, *tables[:3])
+    for i, bound in enumerate((256, 128, 128, 128)):     # a table entry past the fragment it indexes
+        for bad in (-1, bound):
+            planted = [t.copy() for t in tables]
+            planted[i][3] = bad
+            with pytest.raises(ValueError, match=f"{('a_src', 'b_src', 'c_src', 'd_of')[i]}\\[3\\] = {bad} is outside"):
+                m.mma(2, 16, 0, None, *regs, *planted)
     memory = np.zeros(256, np.uint32)
     with pytest.raises(ValueError, match="out"):
         m.shared_load(np.arange(4, dtype=np.int64) * 16, 16, 0, None, 1024, 1024, 0, 0, 0, None, None, memory,

@@ -230,6 +230,16 @@ PyObject* mma(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!a_src.get(args[18], "a_src", 4, 16 * k, false) || !b_src.get(args[19], "b_src", 4, 8 * k, false) ||
       !c_src.get(args[20], "c_src", 4, 128, false) || !d_of.get(args[21], "d_of", 4, 128, false))
     return nullptr;
+  // the tables' entries index a warp's fragment (elements per register row: 32 tf32, 64 halves)
+  const int64_t per_reg = n[2] == 2 ? 32 : 64;
+  const struct { const Buffer& table; int64_t count, bound; const char* name; } tables[] = {
+      {a_src, 16 * k, 4 * per_reg, "a_src"}, {b_src, 8 * k, 2 * per_reg, "b_src"}, {c_src, 128, 128, "c_src"},
+      {d_of, 128, 128, "d_of"}};
+  for (const auto& t : tables)
+    for (int64_t i = 0; i < t.count; ++i)
+      if (at<int32_t>(t.table)[i] < 0 || at<int32_t>(t.table)[i] >= t.bound)
+        return PyErr_Format(PyExc_ValueError, "mma: %s[%lld] = %d is outside 0..%lld", t.name, (long long)i,
+                            at<int32_t>(t.table)[i], (long long)(t.bound - 1));
   const uint32_t* ab[6];
   const float* c[4];
   float* d[4];
