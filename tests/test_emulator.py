@@ -443,6 +443,55 @@ def test_shifts_by_immediates_match_the_isa(rng):
         assert got.tolist() == want, (op, n)
 
 
+# add, sub and mul.lo wrap at the width whatever their signedness (the emulator computes them on
+# the registers' .bN bits): negative and large immediates, each op unguarded and then guarded to
+# lanes 0-15 (the others keep the register's value: the masked write)
+_WRAPPING = [("add.s32", "r", "-7"), ("sub.u32", "r", "-1"), ("mul.lo.s32", "r", "-3"), ("add.u32", "r", "0xFFFFFFF0"),
+             ("add.s64", "rd", "-5"), ("mul.lo.u64", "rd", "0x9E3779B97F4A7C15"), ("sub.s64", "rd", "9223372036854775807")]
+WRAPPING = IMMEDIATE_SHIFTS.split("\tld.param")[0].replace("shifts", "wrapping").replace(
+    "%r<3>", "%r<4>").replace(".reg .b64", ".reg .pred \t%p<2>;\n\t.reg .b64") + """\
+\tld.param.u64 \t%rd1, [p32];
+\tld.param.u64 \t%rd2, [p64];
+\tld.param.u64 \t%rd3, [q32];
+\tld.param.u64 \t%rd4, [q64];
+\tmov.u32 \t%r3, %tid.x;
+\tsetp.lt.u32 \t%p1, %r3, 16;
+\tmul.wide.u32 \t%rd5, %r3, 4;
+\tmul.wide.u32 \t%rd6, %r3, 8;
+\tadd.s64 \t%rd7, %rd1, %rd5;
+\tadd.s64 \t%rd8, %rd2, %rd6;
+\tadd.s64 \t%rd11, %rd3, %rd5;
+\tadd.s64 \t%rd12, %rd4, %rd6;
+\tld.global.u32 \t%r1, [%rd7];
+\tld.global.u64 \t%rd9, [%rd8];
+""" + "".join(f"\tmov.b32 \t%r2, %r1;\n\t{g}{op} \t%r2, %r1, {n};\n\tst.global.u32 \t[%rd11+{i * 128}], %r2;\n"
+              if r == "r" else
+              f"\tmov.b64 \t%rd10, %rd9;\n\t{g}{op} \t%rd10, %rd9, {n};\n\tst.global.u64 \t[%rd12+{i * 256}], %rd10;\n"
+              for i, (g, (op, r, n)) in enumerate((g, x) for g in ("", "@%p1 ") for x in _WRAPPING)) + """\tret;
+}
+"""
+
+
+def test_add_sub_mul_lo_wrap_at_the_width_masked_or_not(rng):
+    x32 = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+    x64 = rng.integers(0, 2**64, 32, dtype=np.uint64)
+    x32[:2], x64[:2] = (0x80000001, 5), (2**63 + 1, 3)
+    n = 2 * len(_WRAPPING)
+    out32, out64 = np.zeros((n, 32), np.uint32), np.zeros((n, 32), np.uint64)
+    memory = GlobalMemory()
+    for i, a in enumerate((x32, x64, out32, out64)):
+        memory.add(a.ctypes.data, a.nbytes, f"arg{i}")
+    launch(PtxModule.parse(WRAPPING), "wrapping", (1, 1, 1), (32, 1, 1), 0,
+           [a.ctypes.data.to_bytes(8, "little") for a in (x32, x64, out32, out64)], memory, arch="sm80")
+    for i in range(n):
+        op, r, imm = _WRAPPING[i % len(_WRAPPING)]
+        bits = 32 if r == "r" else 64
+        x, k = [int(v) for v in (x32 if r == "r" else x64)], int(imm, 0)
+        f = {"add": lambda v: v + k, "sub": lambda v: v - k, "mul": lambda v: v * k}[op.split(".")[0]]
+        want = [f(v) % (1 << bits) if i < len(_WRAPPING) or lane < 16 else v for lane, v in enumerate(x)]
+        assert (out32 if r == "r" else out64)[i].tolist() == want, (op, imm, i >= len(_WRAPPING))
+
+
 PARAM_PAST_THE_END = """
 .version 7.8
 .target sm_80

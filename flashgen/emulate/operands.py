@@ -201,9 +201,9 @@ class Operands:
         return write
 
     def ufunc_of(self, f, d, ty: str, ra, rb, wd):
-        """run(w, m) writing ufunc `f` of two readers' values to register `d` as .`ty`: straight
-        into the register (`out=`, its bits as `ty`) when every lane executes and the register is
-        `ty`'s width; else through `wd`, write(d, ty)."""
+        """run(w, m) writing ufunc `f` of two readers' values to register `d` as .`ty`, when the
+        register is `ty`'s width: straight into it (`out=`, its bits as `ty`) when every lane
+        executes, else by np.putmask; through `wd`, write(d, ty), where it is not."""
         rty = self.reg_type(d) if isinstance(d, Reg) else None
         if rty is None or (rty != ty and TYPE_SIZES.get(rty) != TYPE_SIZES.get(ty)):
             return lambda w, m: wd(w, f(ra(w), rb(w)), m)
@@ -211,10 +211,11 @@ class Operands:
         same = dtype_of(rty) == dt
 
         def run(w, m):
+            r = w.regs[name] if same else w.regs[name].view(dt)
             if m is None:
-                f(ra(w), rb(w), out=w.regs[name] if same else w.regs[name].view(dt))
-            else:
-                wd(w, f(ra(w), rb(w)), m)
+                f(ra(w), rb(w), out=r)
+            else:                   # f of two `ty` arrays is a `ty` array: what wd would put
+                np.putmask(r, m, f(ra(w), rb(w)))
         return run
 
     def filled_by(self, fill, d, ty: str, wd):

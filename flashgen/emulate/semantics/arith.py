@@ -13,7 +13,7 @@ import numpy as np
 from flashgen.emulate import native, numerics
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import UNSIGNED, dtype_of, immediate
-from flashgen.emulate.ptx import Imm
+from flashgen.emulate.ptx import TYPE_SIZES, Imm, Reg
 from flashgen.emulate.semantics.registry import handles, unsupported
 
 ROUNDING = ("rn", "rz", "rm", "rp")
@@ -103,10 +103,11 @@ def binary(ins, ops):
             big = np.int64 if ty.startswith("s") else np.uint64
             return lambda w, m: wd(w, ((ra(w).astype(big) * rb(w).astype(big)) >> bits).astype(dt), m)
         _check_mods(ins, {"lo"})
-        return ops.ufunc_of(np.multiply, d, ty, ra, rb, wd)
+        return _on_bits(ops, np.multiply, ins) or ops.ufunc_of(np.multiply, d, ty, ra, rb, wd)
     _check_mods(ins, set())
     if op in ("add", "sub"):
-        return ops.ufunc_of(np.add if op == "add" else np.subtract, d, ty, ra, rb, wd)
+        f = np.add if op == "add" else np.subtract
+        return _on_bits(ops, f, ins) or ops.ufunc_of(f, d, ty, ra, rb, wd)
     if op in ("min", "max"):
         return ops.ufunc_of(np.minimum if op == "min" else np.maximum, d, ty, ra, rb, wd)
 
@@ -123,6 +124,19 @@ def binary(ins, ops):
             q = x // ys
         wd(w, q if op == "div" else (x - q * ys).astype(dt), m)
     return run
+
+
+def _on_bits(ops, f, ins):
+    """run(w, m) of ufunc `f` on the registers' own .bN arrays (nvcc declares %r and %rd as .b32
+    and .b64), with no view of each operand per call; None where the destination is not a register
+    of the type's width. For the forms whose result bits do not depend on signedness: add, sub,
+    mul.lo, shl, and shr of unsigned types."""
+    d, a, b = ins.operands
+    ty = ins.type()
+    if not (isinstance(d, Reg) and TYPE_SIZES[ops.reg_type(d)] == TYPE_SIZES[ty]):
+        return None
+    raw = f"b{8 * TYPE_SIZES[ty]}"
+    return ops.ufunc_of(f, d, raw, ops.read(a, raw), ops.read(b, raw), ops.write(d, raw))
 
 
 @handles("mad", "fma")
@@ -208,6 +222,10 @@ def shift(ins, ops):
     # Shift amounts above the width are clamped to the width (PTX ISA, shl/shr).
     s = u(immediate(b.text, "u32")) if isinstance(b, Imm) else None
     if s is not None and s < bits:                # most shifts: by an immediate, no clamping to do
+        if ins.opcode == "shl" or not ty.startswith("s"):
+            run = _on_bits(ops, np.left_shift if ins.opcode == "shl" else np.right_shift, ins)
+            if run:
+                return run
         if ins.opcode == "shl":
             return lambda w, m: wd(w, (ra(w).view(u) << s).view(dt), m)
         if ty.startswith("s"):
