@@ -9,7 +9,7 @@ import numpy as np
 
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import PARAM_WINDOW, constant, dtype_of
-from flashgen.emulate.ptx import TYPE_SIZES, Reg
+from flashgen.emulate.ptx import TYPE_SIZES, Reg, Sym
 from flashgen.emulate.semantics.registry import executing_warps, handles, unsupported
 
 # Cache and eviction hints change no value; volatile and the memory-order qualifiers ask for no
@@ -70,6 +70,19 @@ def load(ins, ops):
     addr = ops.address(ins.operands[1])
     writers = [ops.write(d, ty) for d in dsts]
 
+    src = ins.operands[1]
+    if space == "param" and isinstance(src.base, Sym) and src.base.name in ops.param_offset:
+        # the usual case: a parameter by name (+ offset), the same value in every lane, read once
+        off = ops.param_offset[src.base.name] + src.offset
+
+        def run_uniform(w, m):
+            params = w.params
+            if off < 0 or off + nbytes > params.size:
+                raise EmulationError(f"parameter access at offset {off} outside the {params.size}-byte "
+                                     f"parameter buffer")
+            for wr, v in zip(writers, params[off:off + nbytes].view(dt)):
+                wr(w, v, m)
+        return run_uniform
     if space == "param":
         def fetch(w, m):
             a = addr(w)[_lanes(m)] - PARAM_WINDOW
