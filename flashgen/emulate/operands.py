@@ -214,7 +214,7 @@ class Operands:
             r = w.regs[name] if same else w.regs[name].view(dt)
             if m is None:
                 f(ra(w), rb(w), out=r)
-            else:                   # f of two `ty` arrays is a `ty` array: what wd would put
+            else:       # f of two readers' arrays is a `ty` array (a comparison's: pred)
                 np.putmask(r, m, f(ra(w), rb(w)))
         return run
 

@@ -305,6 +305,8 @@ def setp(ins, ops):
             raise unsupported(ins)
         f = _CMP[cmp]
     bf = _BOOL[boolop] if boolop else None
+    if bf is None and q is None and isinstance(f, np.ufunc):    # the usual setp: one ufunc into %p
+        return ops.ufunc_of(f, p, "pred", ra, rb, wp)
 
     def run(w, m):
         t = f(ra(w), rb(w))
