@@ -389,33 +389,41 @@ _SHIFTS = [("shl.b32", "r", 0), ("shl.b32", "r", 5), ("shl.b32", "r", 31), ("shl
            ("shr.u32", "r", 7), ("shr.u32", "r", 33), ("shr.s32", "r", 31), ("shr.s32", "r", 40),
            ("shl.b64", "rd", 63), ("shl.b64", "rd", 64), ("shr.u64", "rd", 9), ("shr.s64", "rd", 63),
            ("shr.s64", "rd", 70)]
-IMMEDIATE_SHIFTS = """
+def _lanewise(name: str, ops: list, guards=("",)) -> str:
+    """PTX kernel `name`(p32, p64, q32, q64): lane l loads x32[l] into %r1 and x64[l] into %rd9
+    and, for each guard and (op, register kind, immediate), stores op(x, immediate) to row i of
+    q32 or q64, its destination first set to x (so a guarded-off lane stores x). %p1: lane < 16."""
+    return f"""
 .version 7.8
 .target sm_80
 .address_size 64
 
-.visible .entry shifts(.param .u64 p32, .param .u64 p64, .param .u64 q32, .param .u64 q64)
-{
-\t.reg .b32 \t%r<3>;
+.visible .entry {name}(.param .u64 p32, .param .u64 p64, .param .u64 q32, .param .u64 q64)
+{{
+\t.reg .pred \t%p<2>;
+\t.reg .b32 \t%r<4>;
 \t.reg .b64 \t%rd<13>;
 \tld.param.u64 \t%rd1, [p32];
 \tld.param.u64 \t%rd2, [p64];
 \tld.param.u64 \t%rd3, [q32];
 \tld.param.u64 \t%rd4, [q64];
-\tmov.u32 \t%r1, %tid.x;
-\tmul.wide.u32 \t%rd5, %r1, 4;
-\tmul.wide.u32 \t%rd6, %r1, 8;
+\tmov.u32 \t%r3, %tid.x;
+\tsetp.lt.u32 \t%p1, %r3, 16;
+\tmul.wide.u32 \t%rd5, %r3, 4;
+\tmul.wide.u32 \t%rd6, %r3, 8;
 \tadd.s64 \t%rd7, %rd1, %rd5;
 \tadd.s64 \t%rd8, %rd2, %rd6;
 \tadd.s64 \t%rd11, %rd3, %rd5;
 \tadd.s64 \t%rd12, %rd4, %rd6;
 \tld.global.u32 \t%r1, [%rd7];
 \tld.global.u64 \t%rd9, [%rd8];
-""" + "".join(f"\t{op} \t%r2, %r1, {n};\n\tst.global.u32 \t[%rd11+{i * 128}], %r2;\n" if r == "r" else
-              f"\t{op} \t%rd10, %rd9, {n};\n\tst.global.u64 \t[%rd12+{i * 256}], %rd10;\n"
-              for i, (op, r, n) in enumerate(_SHIFTS)) + """\tret;
-}
-"""
+""" + "".join(f"\tmov.b32 \t%r2, %r1;\n\t{g}{op} \t%r2, %r1, {n};\n\tst.global.u32 \t[%rd11+{i * 128}], %r2;\n"
+              if r == "r" else
+              f"\tmov.b64 \t%rd10, %rd9;\n\t{g}{op} \t%rd10, %rd9, {n};\n\tst.global.u64 \t[%rd12+{i * 256}], %rd10;\n"
+              for i, (g, (op, r, n)) in enumerate((g, x) for g in guards for x in ops)) + "\tret;\n}\n"
+
+
+IMMEDIATE_SHIFTS = _lanewise("shifts", _SHIFTS)
 
 
 def test_shifts_by_immediates_match_the_isa(rng):
@@ -448,28 +456,7 @@ def test_shifts_by_immediates_match_the_isa(rng):
 # lanes 0-15 (the others keep the register's value: the masked write)
 _WRAPPING = [("add.s32", "r", "-7"), ("sub.u32", "r", "-1"), ("mul.lo.s32", "r", "-3"), ("add.u32", "r", "0xFFFFFFF0"),
              ("add.s64", "rd", "-5"), ("mul.lo.u64", "rd", "0x9E3779B97F4A7C15"), ("sub.s64", "rd", "9223372036854775807")]
-WRAPPING = IMMEDIATE_SHIFTS.split("\tld.param")[0].replace("shifts", "wrapping").replace(
-    "%r<3>", "%r<4>").replace(".reg .b64", ".reg .pred \t%p<2>;\n\t.reg .b64") + """\
-\tld.param.u64 \t%rd1, [p32];
-\tld.param.u64 \t%rd2, [p64];
-\tld.param.u64 \t%rd3, [q32];
-\tld.param.u64 \t%rd4, [q64];
-\tmov.u32 \t%r3, %tid.x;
-\tsetp.lt.u32 \t%p1, %r3, 16;
-\tmul.wide.u32 \t%rd5, %r3, 4;
-\tmul.wide.u32 \t%rd6, %r3, 8;
-\tadd.s64 \t%rd7, %rd1, %rd5;
-\tadd.s64 \t%rd8, %rd2, %rd6;
-\tadd.s64 \t%rd11, %rd3, %rd5;
-\tadd.s64 \t%rd12, %rd4, %rd6;
-\tld.global.u32 \t%r1, [%rd7];
-\tld.global.u64 \t%rd9, [%rd8];
-""" + "".join(f"\tmov.b32 \t%r2, %r1;\n\t{g}{op} \t%r2, %r1, {n};\n\tst.global.u32 \t[%rd11+{i * 128}], %r2;\n"
-              if r == "r" else
-              f"\tmov.b64 \t%rd10, %rd9;\n\t{g}{op} \t%rd10, %rd9, {n};\n\tst.global.u64 \t[%rd12+{i * 256}], %rd10;\n"
-              for i, (g, (op, r, n)) in enumerate((g, x) for g in ("", "@%p1 ") for x in _WRAPPING)) + """\tret;
-}
-"""
+WRAPPING = _lanewise("wrapping", _WRAPPING, guards=("", "@%p1 "))
 
 
 def test_add_sub_mul_lo_wrap_at_the_width_masked_or_not(rng):
