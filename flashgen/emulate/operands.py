@@ -200,15 +200,19 @@ class Operands:
                 np.putmask(r, m, v)             # v is the register's dtype here
         return write
 
+    def has_width(self, d, ty: str) -> bool:
+        """Whether `d` is a register whose declared type is as wide as .`ty` (so that a value of
+        `ty` can go into it as bits, without a conversion)."""
+        return isinstance(d, Reg) and TYPE_SIZES.get(self.reg_type(d)) == TYPE_SIZES.get(ty)
+
     def ufunc_of(self, f, d, ty: str, ra, rb, wd):
         """run(w, m) writing ufunc `f` of two readers' values to register `d` as .`ty`, when the
         register is `ty`'s width: straight into it (`out=`, its bits as `ty`) when every lane
         executes, else by np.putmask; through `wd`, write(d, ty), where it is not."""
-        rty = self.reg_type(d) if isinstance(d, Reg) else None
-        if rty is None or (rty != ty and TYPE_SIZES.get(rty) != TYPE_SIZES.get(ty)):
+        if not self.has_width(d, ty):
             return lambda w, m: wd(w, f(ra(w), rb(w)), m)
         name, dt = d.name, dtype_of(ty)
-        same = dtype_of(rty) == dt
+        same = dtype_of(self.reg_type(d)) == dt
 
         def run(w, m):
             r = w.regs[name] if same else w.regs[name].view(dt)
@@ -224,8 +228,7 @@ class Operands:
         the register is `ty`'s width (the helper writes bits), else into a new array stored through
         `wd`, write(d, ty)."""
         dt = dtype_of(ty)
-        rty = self.reg_type(d) if isinstance(d, Reg) else None
-        direct = rty is not None and rty != "pred" and TYPE_SIZES[rty] == TYPE_SIZES[ty]
+        direct = self.has_width(d, ty)
         name = d.name if direct else None
 
         def run(w, m):

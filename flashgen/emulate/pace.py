@@ -5,9 +5,10 @@
 runs the dense, extras, varlen and paged cases of `flashgen check --emulate` (d64 bf16 causal,
 sm80: the handlers' own launches, the same inputs and schedule seed in both), each in a child
 process of its own, one engine after the other, alternating which goes first, and prints
-warp-instructions per second per kernel family: the median over the repeats, and the ratio. Both engines must execute the same
-number of warp-instructions per case (else the comparison is refused). The machine's load average
-is printed with the table: other processes slow both engines alike only when interleaved.
+warp-instructions per second per kernel family: the median over the repeats, and the ratio. Both
+engines must execute the same number of warp-instructions per case (else the comparison is
+refused). The machine's load average is printed with the table: other processes slow both engines
+alike only when interleaved.
 `--clock cpu` times each launch by the child's CPU time instead of the wall clock: on a machine
 whose load exceeds its CPUs the wall clock measures mostly the waits for a CPU. A case is timed on
 its first run in a fresh process (its kernels compiled in it, as a one-off check sees it), or with
@@ -48,14 +49,14 @@ if sys.argv[3] == "cpu":    # both engines time a handler call with host.py's ti
     import time, types
     import flashgen.emulate.host as host
     host.time = types.SimpleNamespace(perf_counter=time.process_time)
-for name in sys.argv[1].split(","):
-    if sys.argv[4] == "warm":   # an untimed run first: its kernels compiled, what a suite's later cases see
-        CASES[name](Checker(lib, spec, np.random.default_rng(0), seed=1))
-    result = CASES[name](Checker(lib, spec, np.random.default_rng(0), seed=1))
-    calls = {r.call: (r.seconds, r.warp_instructions) for r in result.rows}
-    print(json.dumps({"case": name, "ok": all(r.ok for r in result.rows),
-                      "seconds": sum(c[0] for c in calls.values()),
-                      "warp_instructions": sum(c[1] for c in calls.values())}), flush=True)
+name = sys.argv[1]
+if sys.argv[4] == "warm":   # an untimed run first: its kernels compiled, what a suite's later cases see
+    CASES[name](Checker(lib, spec, np.random.default_rng(0), seed=1))
+result = CASES[name](Checker(lib, spec, np.random.default_rng(0), seed=1))
+calls = {r.call: (r.seconds, r.warp_instructions) for r in result.rows}
+print(json.dumps({"case": name, "ok": all(r.ok for r in result.rows),
+                  "seconds": sum(c[0] for c in calls.values()),
+                  "warp_instructions": sum(c[1] for c in calls.values())}), flush=True)
 """
 FAMILIES = ("dense", "extras", "varlen", "paged")
 
@@ -70,7 +71,7 @@ def _run(root: pathlib.Path, families, clock: str, warm: bool) -> dict:
         # cwd: `python3 -c` puts the working directory first on sys.path, before PYTHONPATH
         argv = [sys.executable, "-c", _CHILD, family, str(root), clock, "warm" if warm else "cold"]
         out = subprocess.run(argv, env=env, cwd=root, check=True, capture_output=True, text=True).stdout
-        runs.update((r["case"], r) for r in map(json.loads, out.splitlines()))
+        runs[family] = json.loads(out)
     return runs
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from flashgen.emulate import native, numerics
 from flashgen.emulate.errors import EmulationError
 from flashgen.emulate.operands import UNSIGNED, dtype_of, immediate
-from flashgen.emulate.ptx import TYPE_SIZES, Imm, Reg
+from flashgen.emulate.ptx import TYPE_SIZES, Imm
 from flashgen.emulate.semantics.registry import handles, unsupported
 
 ROUNDING = ("rn", "rz", "rm", "rp")
@@ -133,7 +133,7 @@ def _on_bits(ops, f, ins):
     mul.lo, shl, and shr of unsigned types."""
     d, a, b = ins.operands
     ty = ins.type()
-    if not (isinstance(d, Reg) and TYPE_SIZES[ops.reg_type(d)] == TYPE_SIZES[ty]):
+    if not ops.has_width(d, ty):
         return None
     raw = f"b{8 * TYPE_SIZES[ty]}"
     return ops.ufunc_of(f, d, raw, ops.read(a, raw), ops.read(b, raw), ops.write(d, raw))
