@@ -19,6 +19,8 @@ import dataclasses
 import itertools
 import random
 
+import numpy as np
+
 # name -> values. The first value of each dimension is the plain one (no feature).
 DIMENSIONS: dict[str, tuple] = {
     "dtype": ("f32", "bf16", "f16"),
@@ -43,6 +45,20 @@ LENGTHS = {"sq=sk": (77, 77), "sq<sk": (45, 131), "sq>sk": (131, 45), "sq=1": (1
 WINDOWS = {"none": (-1, -1), "left": (13, -1), "right": (-1, 9), "both": (16, 5), "tile": (64, 0)}
 HEADS_Q = 8
 KV_HEADS = {1: 8, 2: 4, 4: 2, "mqa": 1}
+
+
+def bias_values(rng, shape) -> np.ndarray:
+    """A case's bias of `shape` ([.., Sq, Sk], or [.., 1, Sk]: one row all queries share), float64:
+    standard normal with -inf, the usual spelling of a mask, at about one entry in ten and over
+    the whole of one query row where the rows are the queries' own. That row sees no key through
+    its bias alone: o = 0 and lse = -inf (reference.attention), not the NaN of a row whose visible
+    scores overflowed, which a kernel that counts a -inf bias as a seen key would give."""
+    bias = rng.standard_normal(shape)
+    bias[rng.random(shape) < 0.1] = -np.inf
+    if shape[-2] > 1:
+        bias[..., shape[-2] // 3, :] = -np.inf
+    return bias
+
 
 _DENSE_ONLY = "varlen and paged calls take ALiBi as their only extra operand"
 # (dimensions, predicate on their values, why the API refuses a case that fails it)

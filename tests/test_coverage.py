@@ -43,7 +43,7 @@ class Inputs:
         if c.bias is not None:
             dims = c.bias_dims(b)
             shape = (*dims, sk) if len(dims) == 3 else (*dims, sq, sk)
-            kw["bias"] = jnp.asarray(self.rng.standard_normal(shape), jnp.float32 if c.bias_f32 else self.dt)
+            kw["bias"] = jnp.asarray(coverage.bias_values(self.rng, shape), jnp.float32 if c.bias_f32 else self.dt)
         if c.mask:
             m = self.rng.random((b, 1, sq, sk)) < 0.75
             m[-1, :, sq // 2] = False  # a row that sees no key

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import mutated_csrc, needs_nvcc
 from flashgen import coverage, resources
+from flashgen.emulate import EmulationError
 from flashgen.emulate import check
 from flashgen.emulate.check import Checker, covering_case
 from test_cuda_emulated import checker
@@ -71,8 +72,13 @@ def test_projection_loses_only_pairs_with_a_spec_value():
 
 
 def _failures(spec, lib, cases) -> list[str]:
-    return [f"{case} {r.output}: {r.error:.3g}" for i, case in cases
-            for r in covering_case(Checker(lib, spec, np.random.default_rng(SEED * 1000 + i)), case).rows if not r.ok]
+    """The failing rows of `cases`, or the emulator's own error (a race or a fault is a catch too)."""
+    try:
+        return [f"{case} {r.output}: {r.error:.3g}" for i, case in cases
+                for r in covering_case(Checker(lib, spec, np.random.default_rng(SEED * 1000 + i)), case).rows
+                if not r.ok]
+    except EmulationError as e:
+        return [f"emulator: {e}"]
 
 
 @pytest.mark.slow

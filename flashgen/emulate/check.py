@@ -18,7 +18,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from flashgen import reference, targets
+from flashgen import coverage, reference, targets
 from flashgen.contract import CallAttributes, normalize_extras
 from flashgen.emulate import counters
 from flashgen.emulate.machine import short_name
@@ -111,13 +111,14 @@ class Checker:
 
     # -----------------------------------------------------------------------------------------
     def dense(self, *, batch=1, seqlen_q=77, seqlen_k=None, heads_q=2, heads_kv=1, bottom_right=False,
-              window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, bias_grad=True, mask=None,
-              segment_ids=False, backward=True, deterministic=False) -> CaseResult:
+              window=(-1, -1), softcap=0.0, alibi=None, bias=None, bias_f32=False, bias_grad=True,
+              bias_masks=False, mask=None, segment_ids=False, backward=True, deterministic=False) -> CaseResult:
         """Dense forward (and backward, on the emulated forward's o and lse; deterministic: its
         fixed-order kernels).
         alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq; a bias's third,
         1, broadcasts it over the queries: a key-only bias) — the bias is differentiated (the
-        backward returns dbias, checked) unless not bias_grad; the mask has a fully masked row;
+        backward returns dbias, checked) unless not bias_grad, and masks too with bias_masks
+        (coverage.bias_values: -inf entries and a row of them); the mask has a fully masked row;
         segment_ids: the last query segment has no keys."""
         b, sq, hq, hkv, d, dv = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim, self.spec.head_dim_v
         sk = sq if seqlen_k is None else seqlen_k
@@ -128,7 +129,8 @@ class Checker:
             kw["alibi_slopes"] = ops["alibi"][0]
         if bias is not None:
             shape = (*bias, sk) if len(bias) == 3 else (*bias, sq, sk)
-            ops["bias"] = [self.rng.standard_normal(shape).astype(np.float32 if bias_f32 else self.dt)]
+            values = coverage.bias_values(self.rng, shape) if bias_masks else self.rng.standard_normal(shape)
+            ops["bias"] = [values.astype(np.float32 if bias_f32 else self.dt)]
             kw["bias"] = ops["bias"][0]
         if mask is not None:
             m = self.rng.random((*mask, sq, sk)) < 0.75
@@ -147,7 +149,8 @@ class Checker:
         family = "extras" if names else "dense"
         case = _describe(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, bottom_right=bottom_right, window=window,
                          softcap=softcap, alibi=alibi,
-                         bias=bias and f"{bias}{':f32' if bias_f32 else ''}{'' if bias_grad else ':fixed'}",
+                         bias=bias and f"{bias}{':f32' if bias_f32 else ''}{'' if bias_grad else ':fixed'}"
+                                      f"{':-inf' if bias_masks else ''}",
                          mask=mask, segment_ids=segment_ids)
         ref = reference.attention(q, k, v, causal=self.spec.causal, scale=self.scale, bottom_right=bottom_right,
                                   window=window, softcap=softcap, do=do if backward else None, **kw)
@@ -254,7 +257,7 @@ def standard_cases(c: Checker) -> list[CaseResult]:
         c.dense(seqlen_q=300, seqlen_k=260, window=(40, right), bottom_right=True),
         c.dense(seqlen_q=260, seqlen_k=300, window=(40, right), backward=False),
         c.dense(batch=2, seqlen_q=33, seqlen_k=40, heads_q=6, heads_kv=3, bottom_right=True, softcap=2.0,
-                alibi="BH", bias=(1, 6), mask=(2, 1), segment_ids=True),
+                alibi="BH", bias=(1, 6), bias_masks=True, mask=(2, 1), segment_ids=True),
         c.varlen(seqlens_q=(17, 0, 40), seqlens_k=(23, 5, 31), heads_q=9, heads_kv=3, bottom_right=True,
                  alibi="BH", softcap=3.0),
         # split-KV with the probability spread over the splits (ALiBi would gather it in the last)
@@ -272,7 +275,7 @@ def covering_case(c: Checker, case) -> CaseResult:
                   softcap=case.softcap, alibi=case.alibi)
     if case.layout == "dense":
         return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=case.bias_dims(2), bias_f32=case.bias_f32,
-                       bias_grad=case.bias_differentiated,
+                       bias_grad=case.bias_differentiated, bias_masks=True,
                        mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
                        backward=case.direction == "bwd", **common)
     if case.layout == "varlen":
@@ -285,8 +288,6 @@ def covering_cases(specs: list[KernelSpec], seed: int) -> list[tuple[KernelSpec,
     """Per target, the pairwise covering array of seed `seed` over the specs' head dims, each case
     moved onto the spec that agrees with most of its values (flashgen.coverage.project); a target
     with a family of its own (coverage.NATIVE) also gets the array over that family's subspace."""
-    from flashgen import coverage  # noqa: PLC0415
-
     out = []
     for target in dict.fromkeys(s.target for s in specs):
         by_key = {(s.head_dim, s.dtype, s.causal): s for s in specs if s.target == target}
