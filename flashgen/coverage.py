@@ -32,7 +32,7 @@ DIMENSIONS: dict[str, tuple] = {
     "softcap": (0.0, 5.0),
     "alibi": (None, "H", "BH"),
     "bias": (None, "11", "B1", "1H", "BH", "BH fixed", "BHk"),  # k: [.., 1, Sk], one row for all queries
-    "mask": (False, True),
+    "mask": (None, "B1", "1H", "BH"),  # its broadcast dims, as the bias's
     "segment_ids": (False, True),
     "layout": ("dense", "varlen", "paged"),
     "direction": ("fwd", "bwd"),
@@ -97,6 +97,10 @@ class Case:
     def heads(self) -> tuple[int, int]:
         return HEADS_Q, KV_HEADS[self.gqa]
 
+    def mask_dims(self, batch: int) -> tuple[int, int] | None:
+        """The mask's broadcast dims (1 or batch, 1 or Hq)."""
+        return None if self.mask is None else (batch if "B" in self.mask else 1, HEADS_Q if "H" in self.mask else 1)
+
     def bias_dims(self, batch: int) -> tuple[int, ...] | None:
         """The bias's broadcast dims: (1 or batch, 1 or Hq), then 1 for a key-only bias."""
         if self.bias is None:
@@ -124,14 +128,27 @@ class Case:
 # array, mostly cases with an extra, does not; tests/test_coverage_emulated.py asserts that each of
 # its cases runs a Hopper kernel, so the subspace cannot claim more than the kernels serve.
 NATIVE: dict[str, dict[str, tuple]] = {
-    "sm90a": {"dtype": ("bf16", "f16"), "alibi": (None,), "bias": (None,), "mask": (False,),
+    "sm90a": {"dtype": ("bf16", "f16"), "alibi": (None,), "bias": (None,), "mask": (None,),
               "segment_ids": (False,), "layout": ("dense", "varlen")},
 }
 
+# The kernels' path without score extras. They dispatch on whether a call has any (ALiBi, bias,
+# mask, segment ids), and the full array's cases mostly carry one, so pairs of the other values
+# on this path can go untested: a CPU backward without extras that dropped softcap's 1 - u^2, or
+# the dS scale, passed the full array. The array over this subspace puts every such pair there.
+PLAIN = {"alibi": (None,), "bias": (None,), "mask": (None,), "segment_ids": (False,)}
+SUBSPACES = {"plain": PLAIN, **NATIVE}
 
-def space(head_dims, native: str | None = None) -> dict[str, tuple]:
-    """The feature space over these head dims; with `native`, that target family's subspace."""
-    return {"head_dim": tuple(head_dims), **DIMENSIONS, **NATIVE.get(native, {})}
+
+def space(head_dims, subspace: str | None = None) -> dict[str, tuple]:
+    """The feature space over these head dims; with `subspace`, that part of it (SUBSPACES: the
+    plain path, or a target family's own)."""
+    return {"head_dim": tuple(head_dims), **DIMENSIONS, **SUBSPACES.get(subspace, {})}
+
+
+def kernel_cases(head_dims, seed: int = 0) -> list[Case]:
+    """What the kernel tests run: the array over the full space, then the one over the plain path."""
+    return covering_array(space(head_dims), seed) + covering_array(space(head_dims, "plain"), seed)
 
 
 def refusal(case: dict) -> str | None:
@@ -239,11 +256,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m flashgen.coverage", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0, help="0 is what CI runs")
     p.add_argument("--head-dims", default="32,64", help="comma-separated (the CPU tests: 32,64)")
-    p.add_argument("--native", choices=sorted(NATIVE), help="the subspace this target's own kernel family serves")
+    p.add_argument("--subspace", choices=sorted(SUBSPACES),
+                   help="the array over a part of the space: the plain path, or a target family's own")
     p.add_argument("--specs", type=parse_specs, help="project onto these built specs, e.g. 64:bf16:causal,128:f16 "
                                    "(the emulated tests'); pairs counted against the full space")
     args = p.parse_args(argv)
-    dims = space((int(h) for h in args.head_dims.split(",")), args.native)
+    dims = space((int(h) for h in args.head_dims.split(",")), args.subspace)
     cases = covering_array(dims, args.seed)
     if args.specs:
         cases = project(cases, args.specs)

@@ -19,7 +19,7 @@ from flashgen.jax import flash_attention, flash_attention_paged, flash_attention
 from test_window_softcap import JNP, TOL, specs  # noqa: F401 - specs: the d32/d64 CPU library
 
 SEED = int(os.environ.get("FLASHGEN_COVERAGE_SEED", "0"))
-CASES = coverage.covering_array(coverage.space((32, 64)), SEED)
+CASES = coverage.kernel_cases((32, 64), SEED)
 
 
 class Inputs:
@@ -45,7 +45,7 @@ class Inputs:
             shape = (*dims, sk) if len(dims) == 3 else (*dims, sq, sk)
             kw["bias"] = jnp.asarray(coverage.bias_values(self.rng, shape), jnp.float32 if c.bias_f32 else self.dt)
         if c.mask:
-            m = self.rng.random((b, 1, sq, sk)) < 0.75
+            m = self.rng.random((*c.mask_dims(b), sq, sk)) < 0.75
             m[-1, :, sq // 2] = False  # a row that sees no key
             kw["mask"] = m
         if c.segment_ids:

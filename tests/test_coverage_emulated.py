@@ -28,7 +28,7 @@ pytestmark = needs_nvcc
 SEED = int(os.environ.get("FLASHGEN_COVERAGE_SEED", "0"))
 SPECS = [(64, "bf16", True), (128, "f16", False), (64, "f32", False)]
 DIMS = coverage.space(sorted({s[0] for s in SPECS}))
-CASES = coverage.project(coverage.covering_array(DIMS, SEED), SPECS)  # as `flashgen check --cases covering`
+CASES = coverage.project(coverage.kernel_cases(DIMS["head_dim"], SEED), SPECS)  # as `flashgen check --cases covering`
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
@@ -115,7 +115,7 @@ def test_check_covering_cases_on_sm90a_add_the_family_array_and_keep_targets_apa
     from flashgen.spec import KernelSpec
     specs = [KernelSpec(*s, t) for t in ("sm80", "sm90a") for s in HOPPER_SPECS]
     got = check.covering_cases(specs, SEED)
-    full = coverage.project(coverage.covering_array(coverage.space([64, 128]), SEED), HOPPER_SPECS)
+    full = coverage.project(coverage.kernel_cases([64, 128], SEED), HOPPER_SPECS)
     assert [c for s, c in got if s.target == "sm80"] == full
     assert [c for s, c in got if s.target == "sm90a"] == full + HOPPER_CASES
     assert all((s.head_dim, s.dtype, s.causal) == (c.head_dim, c.dtype, c.causal) for s, c in got)
@@ -133,5 +133,5 @@ def test_cli_check_cases_covering_runs_each_spec_its_projected_cases(monkeypatch
     monkeypatch.setattr(check, "covering_case", lambda c, case: ran.append((c.spec, case)) or check.CaseResult([], []))
     assert main(["check", "--target", "sm80", "--emulate", "--hdim", "64", "--dtype", "f32", "--cases", "covering",
                  "--seed", "3"]) == 0
-    want = coverage.project(coverage.covering_array(coverage.space([64]), 3), [(64, "f32", False)])
+    want = coverage.project(coverage.kernel_cases([64], 3), [(64, "f32", False)])
     assert [case for _, case in ran] == want and {(s.head_dim, s.dtype, s.causal, s.target) for s, _ in ran} == {(64, "f32", False, "sm80")}

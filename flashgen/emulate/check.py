@@ -276,7 +276,7 @@ def covering_case(c: Checker, case) -> CaseResult:
     if case.layout == "dense":
         return c.dense(batch=2, seqlen_q=sq, seqlen_k=sk, bias=case.bias_dims(2), bias_f32=case.bias_f32,
                        bias_grad=case.bias_differentiated, bias_masks=True,
-                       mask=(2, 1) if case.mask else None, segment_ids=case.segment_ids,
+                       mask=case.mask_dims(2), segment_ids=case.segment_ids,
                        backward=case.direction == "bwd", **common)
     if case.layout == "varlen":
         return c.varlen(seqlens_q=(sq, 0, -(-sq // 3)), seqlens_k=(sk, 5, -(-sk // 2)), pad_q=3, pad_k=2,
@@ -287,14 +287,16 @@ def covering_case(c: Checker, case) -> CaseResult:
 def covering_cases(specs: list[KernelSpec], seed: int) -> list[tuple[KernelSpec, object]]:
     """Per target, the pairwise covering array of seed `seed` over the specs' head dims, each case
     moved onto the spec that agrees with most of its values (flashgen.coverage.project); a target
-    with a family of its own (coverage.NATIVE) also gets the array over that family's subspace."""
+    with a family of its own (coverage.NATIVE) also gets the array over that family's subspace.
+    The arrays are coverage.kernel_cases': the full space's and the plain path's."""
     out = []
     for target in dict.fromkeys(s.target for s in specs):
         by_key = {(s.head_dim, s.dtype, s.causal): s for s in specs if s.target == target}
         head_dims = sorted({k[0] for k in by_key})
-        for native in (None, target) if target in coverage.NATIVE else (None,):
-            cases = coverage.covering_array(coverage.space(head_dims, native), seed)
-            out += [(by_key[(c.head_dim, c.dtype, c.causal)], c) for c in coverage.project(cases, list(by_key))]
+        cases = coverage.kernel_cases(head_dims, seed)
+        if target in coverage.NATIVE:
+            cases += coverage.covering_array(coverage.space(head_dims, target), seed)
+        out += [(by_key[(c.head_dim, c.dtype, c.causal)], c) for c in coverage.project(cases, list(by_key))]
     return out
 
 
