@@ -100,6 +100,23 @@ def test_varlen_causal_with_empty_sequence(rng):
     assert launched(r, "flash_fwd_varlen_fill_kernel") == 1
 
 
+# 64 sequences whose bottom-right offsets Sk - Sq run over -32 .. 31: a band edge falls at every
+# offset into a 64-key block in one call (the kernels' tiles are 16 .. 128 keys and rows), so a
+# block-skipping or edge test off by one, which leaks or drops one block's corner pair, fails.
+# One edge per case: a block whose corner alone crosses one edge must lie inside the other; f32 or
+# f16, whose tolerances see one leaked pair (bf16's may not: a causal sm90a case in bf16 missed one).
+_EDGE_Q = tuple(70 + (7 * b) % 31 for b in range(64))
+_EDGE_K = tuple(sq + b - 32 for b, sq in enumerate(_EDGE_Q))
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal,window,arch", [
+    (64, "f32", False, (40, -1), "sm80"), (64, "f32", False, (-1, 40), "sm80"), (64, "bf16", True, (-1, -1), "sm80"),
+    (128, "f16", False, (40, -1), "sm90a"), (128, "f16", False, (-1, 40), "sm90a")])
+def test_window_edges_at_every_block_offset(rng, head_dim, dtype, causal, window, arch):
+    assert_matches(checker(rng, head_dim, dtype, causal, arch).varlen(
+        seqlens_q=_EDGE_Q, seqlens_k=_EDGE_K, bottom_right=True, window=window, heads_q=1, heads_kv=1))
+
+
 def test_varlen_alibi_window(rng):
     assert_matches(checker(rng, 128, "f16", False).varlen(seqlens_q=(33, 0, 20), alibi="BH", window=(10, 10)))
 
