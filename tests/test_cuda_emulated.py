@@ -105,8 +105,9 @@ def test_varlen_causal_with_empty_sequence(rng):
 # block-skipping or edge test off by one, which leaks or drops one block's corner pair, fails.
 # One edge per case: a block whose corner alone crosses one edge must lie inside the other; f32 or
 # f16, whose tolerances see one leaked pair (bf16's may not: a causal sm90a case in bf16 missed one).
-_EDGE_Q = tuple(70 + (7 * b) % 31 for b in range(64))
-_EDGE_K = tuple(sq + b - 32 for b, sq in enumerate(_EDGE_Q))
+# Each sequence has a full block of rows at every tile height of its family (sm80: 128, sm90a: 64)
+# and more keys than a 64-key block (a tail block is masked whatever the band).
+_EDGE_Q = {"sm80": tuple(130 + (7 * b) % 31 for b in range(64)), "sm90a": tuple(100 + (7 * b) % 31 for b in range(64))}
 
 
 @pytest.mark.parametrize("head_dim,dtype,causal,window,arch", [
@@ -114,7 +115,8 @@ _EDGE_K = tuple(sq + b - 32 for b, sq in enumerate(_EDGE_Q))
     (128, "f16", False, (40, -1), "sm90a"), (128, "f16", False, (-1, 40), "sm90a")])
 def test_window_edges_at_every_block_offset(rng, head_dim, dtype, causal, window, arch):
     assert_matches(checker(rng, head_dim, dtype, causal, arch).varlen(
-        seqlens_q=_EDGE_Q, seqlens_k=_EDGE_K, bottom_right=True, window=window, heads_q=1, heads_kv=1))
+        seqlens_q=_EDGE_Q[arch], seqlens_k=tuple(sq + b - 32 for b, sq in enumerate(_EDGE_Q[arch])),
+        bottom_right=True, window=window, heads_q=1, heads_kv=1))
 
 
 def test_varlen_alibi_window(rng):
