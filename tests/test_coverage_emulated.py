@@ -17,8 +17,7 @@ import pytest
 
 from conftest import mutated_csrc, needs_nvcc
 from flashgen import coverage, resources
-from flashgen.emulate import EmulationError
-from flashgen.emulate import check
+from flashgen.emulate import EmulationError, check
 from flashgen.emulate.check import Checker, covering_case
 from test_cuda_emulated import checker
 from test_variant_mutations import MUTATIONS

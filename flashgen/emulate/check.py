@@ -288,7 +288,7 @@ def covering_cases(specs: list[KernelSpec], seed: int) -> list[tuple[KernelSpec,
     """Per target, the pairwise covering array of seed `seed` over the specs' head dims, each case
     moved onto the spec that agrees with most of its values (flashgen.coverage.project); a target
     with a family of its own (coverage.NATIVE) also gets the array over that family's subspace.
-    The arrays are coverage.kernel_cases': the full space's and the plain path's."""
+    Every target gets coverage.kernel_cases: the full space's array and the plain path's."""
     out = []
     for target in dict.fromkeys(s.target for s in specs):
         by_key = {(s.head_dim, s.dtype, s.causal): s for s in specs if s.target == target}
