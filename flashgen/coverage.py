@@ -60,6 +60,37 @@ def bias_values(rng, shape) -> np.ndarray:
     return bias
 
 
+def alibi_slopes(rng, alibi: str, batch: int, heads_q: int) -> np.ndarray:
+    """ALiBi slopes, float32: one per query head ("H") or per batch entry and query head ("BH")."""
+    return rng.uniform(0.02, 0.5, (heads_q,) if alibi == "H" else (batch, heads_q)).astype(np.float32)
+
+
+def extra_operands(rng, *, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, alibi=None, bias=None,
+                   bias_masks=True, mask=None, segment_ids=False) -> dict:
+    """A dense case's extra operands, keyed as flashgen.reference.attention takes them, drawn in
+    one order so that the CPU tests and the emulated checker (flashgen.emulate.check) make the
+    same ones. alibi: "H" | "BH". bias: its broadcast dims ((1 or B, 1 or Hq), then 1 for a
+    key-only bias), float64 for the caller to cast; bias_values' masking entries unless not
+    bias_masks. mask: its broadcast dims; one query row sees no key. segment_ids: sorted, the
+    last query segment without keys."""
+    kw = {}
+    if alibi:
+        kw["alibi_slopes"] = alibi_slopes(rng, alibi, batch, heads_q)
+    if bias is not None:
+        shape = (*bias, seqlen_k) if len(bias) == 3 else (*bias, seqlen_q, seqlen_k)
+        kw["bias"] = bias_values(rng, shape) if bias_masks else rng.standard_normal(shape)
+    if mask is not None:
+        m = rng.random((*mask, seqlen_q, seqlen_k)) < 0.75
+        m[..., seqlen_q // 2, :] = False
+        kw["mask"] = m
+    if segment_ids:
+        qs = np.sort(rng.integers(0, 3, (batch, seqlen_q)), axis=1).astype(np.int32)
+        ks = np.sort(rng.integers(0, 3, (batch, seqlen_k)), axis=1).astype(np.int32)
+        qs[:, -max(1, seqlen_q // 8):] = 7
+        kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+    return kw
+
+
 _DENSE_ONLY = "varlen and paged calls take ALiBi as their only extra operand"
 # (dimensions, predicate on their values, why the API refuses a case that fails it)
 CONSTRAINTS = (

@@ -34,25 +34,15 @@ class Inputs:
         return jnp.asarray(self.rng.standard_normal(shape), self.dt)
 
     def alibi(self, batch):
-        shape = {"H": (self.hq,), "BH": (batch, self.hq)}.get(self.case.alibi)
-        return {} if shape is None else {
-            "alibi_slopes": self.rng.uniform(0.05, 0.5, shape).astype(np.float32)}
+        alibi = self.case.alibi
+        return {} if alibi is None else {"alibi_slopes": coverage.alibi_slopes(self.rng, alibi, batch, self.hq)}
 
     def dense_extras(self, b, sq, sk):
-        c, kw = self.case, self.alibi(b)
+        c = self.case
+        kw = coverage.extra_operands(self.rng, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=self.hq, alibi=c.alibi,
+                                     bias=c.bias_dims(b), mask=c.mask_dims(b), segment_ids=c.segment_ids)
         if c.bias is not None:
-            dims = c.bias_dims(b)
-            shape = (*dims, sk) if len(dims) == 3 else (*dims, sq, sk)
-            kw["bias"] = jnp.asarray(coverage.bias_values(self.rng, shape), jnp.float32 if c.bias_f32 else self.dt)
-        if c.mask:
-            m = self.rng.random((*c.mask_dims(b), sq, sk)) < 0.75
-            m[-1, :, sq // 2] = False  # a row that sees no key
-            kw["mask"] = m
-        if c.segment_ids:
-            qs = np.sort(self.rng.integers(0, 3, (b, sq)), axis=1).astype(np.int32)
-            ks = np.sort(self.rng.integers(0, 3, (b, sk)), axis=1).astype(np.int32)
-            qs[:, -max(1, sq // 8):] = 7  # a query segment without keys
-            kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+            kw["bias"] = jnp.asarray(kw["bias"], jnp.float32 if c.bias_f32 else self.dt)
         return kw
 
 

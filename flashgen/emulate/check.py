@@ -115,34 +115,17 @@ class Checker:
               bias_masks=False, mask=None, segment_ids=False, backward=True, deterministic=False) -> CaseResult:
         """Dense forward (and backward, on the emulated forward's o and lse; deterministic: its
         fixed-order kernels).
-        alibi: "H" | "BH"; bias / mask: their broadcast dims (1 or B, 1 or Hq; a bias's third,
-        1, broadcasts it over the queries: a key-only bias) — the bias is differentiated (the
-        backward returns dbias, checked) unless not bias_grad, and masks too with bias_masks
-        (coverage.bias_values: -inf entries and a row of them); the mask has a fully masked row;
-        segment_ids: the last query segment has no keys."""
+        The extras are coverage.extra_operands' (alibi, bias, mask, segment_ids and bias_masks as
+        it takes them); the bias is differentiated (the backward returns dbias, checked) unless not
+        bias_grad."""
         b, sq, hq, hkv, d, dv = batch, seqlen_q, heads_q, heads_kv, self.spec.head_dim, self.spec.head_dim_v
         sk = sq if seqlen_k is None else seqlen_k
         q, k, v, do = (self._normal(b, n, h, e) for n, h, e in ((sq, hq, d), (sk, hkv, d), (sk, hkv, dv), (sq, hq, dv)))
-        ops, kw = {}, {}
-        if alibi:
-            ops["alibi"] = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
-            kw["alibi_slopes"] = ops["alibi"][0]
+        kw = coverage.extra_operands(self.rng, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, alibi=alibi,
+                                     bias=bias, bias_masks=bias_masks, mask=mask, segment_ids=segment_ids)
         if bias is not None:
-            shape = (*bias, sk) if len(bias) == 3 else (*bias, sq, sk)
-            values = coverage.bias_values(self.rng, shape) if bias_masks else self.rng.standard_normal(shape)
-            ops["bias"] = [values.astype(np.float32 if bias_f32 else self.dt)]
-            kw["bias"] = ops["bias"][0]
-        if mask is not None:
-            m = self.rng.random((*mask, sq, sk)) < 0.75
-            m[..., sq // 2, :] = False  # a row that sees no key
-            ops["mask"] = [m]
-            kw["mask"] = m
-        if segment_ids:
-            qs = np.sort(self.rng.integers(0, 3, (b, sq)), axis=1).astype(np.int32)
-            ks = np.sort(self.rng.integers(0, 3, (b, sk)), axis=1).astype(np.int32)
-            qs[:, -max(1, sq // 8):] = 7  # a query segment without keys
-            ops["segment_ids"] = [qs, ks]
-            kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+            kw["bias"] = kw["bias"].astype(np.float32 if bias_f32 else self.dt)
+        ops = {name: [kw[key] for key in keys] for name, keys in _EXTRA_KEYS.items() if keys[0] in kw}
         names = normalize_extras(tuple(ops))
         extra_ops = [a for n in names for a in ops[n]]
         attrs = self._attrs(bottom_right, window, softcap, names, deterministic=deterministic)
@@ -181,8 +164,7 @@ class Checker:
         q, k, v, do = (self._normal(n, h, d) for n, h in ((tq, hq), (tk, hkv), (tk, hkv), (tq, hq)))
         kw, extra_ops = {}, []
         if alibi:
-            extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (len(seqlens_q), hq))
-                         .astype(np.float32)]
+            extra_ops = [coverage.alibi_slopes(self.rng, alibi, len(seqlens_q), hq)]
             kw["alibi_slopes"] = extra_ops[0]
         attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "", (max(seqlens_q), max(seqlens_k)),
                             deterministic)
@@ -221,7 +203,7 @@ class Checker:
         used = np.asarray(seqused_k, np.int32)
         kw, extra_ops = {}, []
         if alibi:
-            extra_ops = [self.rng.uniform(0.02, 0.5, (hq,) if alibi == "H" else (b, hq)).astype(np.float32)]
+            extra_ops = [coverage.alibi_slopes(self.rng, alibi, b, hq)]
             kw["alibi_slopes"] = extra_ops[0]
         attrs = self._attrs(bottom_right, window, softcap, "alibi" if alibi else "").values("fwd_paged")
         case = _describe(seqused_k=tuple(seqused_k), sq=seqlen_q, block_size=bs, hq=hq, hkv=hkv,
@@ -235,6 +217,11 @@ class Checker:
         if any("24flash_fwd_combine_kernelI" in k for k in kernels):  # the handler chose split-KV
             rows = [dataclasses.replace(r, case=r.case + " split-KV") for r in rows]
         return CaseResult(rows, kernels)
+
+
+# each extra operand's name in a call (contract.normalize_extras) -> its keywords in reference.attention
+_EXTRA_KEYS = {"alibi": ("alibi_slopes",), "bias": ("bias",), "mask": ("mask",),
+               "segment_ids": ("q_segment_ids", "kv_segment_ids")}
 
 
 def _describe(**kw) -> str:
