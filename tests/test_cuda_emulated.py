@@ -232,6 +232,35 @@ def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
     assert relative_error(o[2], ro[2]) < TOLERANCE["bf16"] and relative_error(lse[2], rlse[2]) < LSE_TOLERANCE
 
 
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
+    """The kernels without extras tell an overflowed row from one without keys by the band alone
+    (the forwards' epilogues): a row whose visible scores all overflow is NaN, a row the bottom-right
+    causal band gives no key stays o = 0, lse = -inf (the first Sq - Sk rows here)."""
+    c = checker(rng, 64, "bf16", True, arch)
+    sq, sk, h, d = 40, 30, 1, 64
+    q, v = c._normal(sq, h, d), c._normal(sk, h, d)
+    k = (np.abs(c._normal(sk, h, d)) + 1).astype(c.dt)
+    q[sq - 1] = -1e37                       # sees every key: all -inf, not masked
+    if layout == "dense":
+        attrs = c._attrs(True, (-1, -1), 0.0).values("fwd")
+        (o, lse), _ = c.lib.call(c.spec.target_name("fwd"), [q[None], k[None], v[None]],
+                                 [((1, sq, h, d), c.dt), ((1, h, sq), np.float32)], **attrs)
+        o, lse = o[0], lse[0]
+    else:
+        cu_q, cu_k = np.array([0, sq], np.int32), np.array([0, sk], np.int32)
+        attrs = c._attrs(True, (-1, -1), 0.0, max_seqlen=(sq, sk)).values("fwd_varlen")
+        (o, lse), _ = c.lib.call(c.spec.target_name("fwd_varlen"), [q, k, v, cu_q, cu_k],
+                                 [((sq, h, d), c.dt), ((h, sq), np.float32)], **attrs)
+    o, lse = o.astype(np.float64), lse.astype(np.float64)
+    assert np.isnan(o[sq - 1]).all() and np.isnan(lse[:, sq - 1]).all()
+    assert (o[:sq - sk] == 0).all() and (lse[:, :sq - sk] == -np.inf).all()
+    ro, rlse = reference.attention(q[None], k[None], v[None], causal=True, scale=c.scale, bottom_right=True)[:2]
+    assert relative_error(o[:sq - 1], ro[0, :sq - 1]) < TOLERANCE["bf16"]
+    assert relative_error(lse[:, :sq - 1], rlse[0, :, :sq - 1]) < LSE_TOLERANCE
+
 # ---- the handler refuses bad arguments before anything runs -------------------------------------
 def test_a_library_is_parsed_and_compiled_once_per_process():
     """A second EmulatedLibrary of the same build reuses the parsed kernels and their compiled form."""

@@ -31,12 +31,12 @@ def _library(spec: KernelSpec):
     return EmulatedLibrary(build(spec, host="emulate"))
 
 
-def _inputs(rng, spec, *, sq, sk, hq, hkv, bias=None):
+def _inputs(rng, spec, *, sq, sk, hq, hkv, b=1, bias=None):
     import ml_dtypes
     dt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[spec.dtype]
     d = spec.head_dim
     q, k, v, do = (rng.standard_normal(s).astype(dt) for s in
-                   ((1, sq, hq, d), (1, sk, hkv, d), (1, sk, hkv, d), (1, sq, hq, d)))
+                   ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)))
     extras = {} if bias is None else {"bias": rng.standard_normal((*bias, sk)).astype(np.float32)}
     return q, k, v, do, extras
 
@@ -77,10 +77,12 @@ CASES = {
     "gqa_causal": (BF16_CAUSAL, dict(sq=150, sk=150, hq=3, hkv=1)),
     "dbias_over_heads": (F32, dict(sq=40, sk=100, hq=2, hkv=2, bias=(1, 1, 40))),
     "dbias_key_only": (BF16_CAUSAL, dict(sq=70, sk=70, hq=2, hkv=2, bias=(1, 1, 1))),
+    # over batch and heads at once: each (batch, head) takes its own turn (b * Hq + h)
+    "dbias_over_batch_and_heads": (F32, dict(b=2, sq=24, sk=60, hq=2, hkv=1, bias=(1, 1, 24))),
 }
-# In CI: the two smallest (3 CTAs each). A CTA's wait spins, which costs the emulator (its warps
+# In CI: the three smallest (3-4 CTAs each). A CTA's wait spins, which costs the emulator (its warps
 # at the lowest pc run first) far more than a GPU: the rest are `slow`.
-SLOW = set(CASES) - {"mha", "gqa"}
+SLOW = set(CASES) - {"mha", "gqa", "dbias_over_batch_and_heads"}
 
 
 def _kernel_modes(record) -> list[str]:
