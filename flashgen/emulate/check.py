@@ -233,8 +233,8 @@ def _describe(**kw) -> str:
 def standard_cases(c: Checker) -> list[CaseResult]:
     """What `flashgen check --emulate` runs: every entry point of the spec, small shapes that
     combine the features where bugs hide (tile tails, Sq != Sk with bottom-right alignment in
-    every family that takes extras, GQA ratios above 2 with more than 2 KV heads, ALiBi with
-    softcap in varlen, ALiBi in paged, windows that skip key blocks on the left, rows without keys,
+    every family that takes extras, GQA ratios above 2 with more than 2 KV heads, each broadcast
+    of a mask and of a bias over batch and heads, ALiBi with softcap in varlen, ALiBi in paged, windows that skip key blocks on the left, rows without keys,
     an empty sequence, split-KV)."""
     causal = c.spec.causal
     right = 0 if causal else 8
@@ -245,6 +245,9 @@ def standard_cases(c: Checker) -> list[CaseResult]:
         c.dense(seqlen_q=260, seqlen_k=300, window=(40, right), backward=False),
         c.dense(batch=2, seqlen_q=33, seqlen_k=40, heads_q=6, heads_kv=3, bottom_right=True, softcap=2.0,
                 alibi="BH", bias=(1, 6), bias_masks=True, mask=(2, 1), segment_ids=True),
+        # the other broadcasts: a mask per head for both batch entries, an f32 key-only bias per batch entry
+        c.dense(batch=2, seqlen_q=45, seqlen_k=37, heads_q=4, heads_kv=2, window=(20, right), bias=(2, 1, 1),
+                bias_f32=True, bias_masks=True, mask=(1, 4)),
         c.varlen(seqlens_q=(17, 0, 40), seqlens_k=(23, 5, 31), heads_q=9, heads_kv=3, bottom_right=True,
                  alibi="BH", softcap=3.0),
         # split-KV with the probability spread over the splits (ALiBi would gather it in the last)
