@@ -31,10 +31,11 @@ def run_case(rng, dtype, causal, sq, sk, what):
             extra["mask"][..., 0] = True  # every row sees a key
         else:
             extra["bias"] = np.where(hide, -np.inf, rng.standard_normal((1, 1, sq, sk))).astype(np.float32)
-    elif what in ("q", "k", "v"):
+    elif what in ("q", "k", "v", "do", "v_inf"):
         # Not a multiple of a block: the poisoned row sits inside a (diagonal) tile.
         at = int(rng.integers(5, min(sq, sk) - 5))
-        {"q": q, "k": k, "v": v}[what][0, at, -1 if what == "q" else 0, int(rng.integers(D))] = np.nan
+        x = {"q": q, "k": k, "v": v, "do": do, "v_inf": v}[what]
+        x[0, at, -1 if what in ("q", "do") else 0, int(rng.integers(D))] = np.inf if what == "v_inf" else np.nan
     elif what == "scale":
         scale = 1e38
     elif what == "softcap":

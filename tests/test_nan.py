@@ -1,7 +1,7 @@
 """NaN and overflow (README "NaN and overflow"): IEEE over the keys a row sees, masks select.
 
 Each case puts a NaN or an overflow where a user's model can: a NaN in one query row, in one
-key, in a V row that some rows do not see, in a key hidden by a mask or a -inf bias, scores
+key, in a V row that some rows do not see, in one dO row, an inf in a V row, in a key hidden by a mask or a -inf bias, scores
 that overflow f32 (scale 1e38), a tiny softcap, and checks
 o, lse and the gradients against flashgen.reference (float64, the same rules) — NaN where the
 reference is NaN, finite and within tolerance elsewhere. The kernels run in a subprocess with
@@ -42,6 +42,10 @@ CASES = {
     "softcap_tiny": ("f32", True, 33, 33, "softcap"),
     "masked_by_mask": ("f32", False, 40, 40, "mask"),
     "masked_by_bias": ("f32", False, 40, 40, "bias"),
+    # Sk > 64: the backward packs q / dO, and a NaN dO row must not reach the keys it does not see.
+    "do_row_causal_packed": ("f32", True, 130, 130, "do"),
+    # +inf in a V row: inf for the rows that see it (NaN where 0 · inf meets it), nothing for the others.
+    "v_inf_row_causal_packed": ("f32", True, 130, 130, "v_inf"),
 }
 
 
@@ -108,6 +112,17 @@ def test_nan_in_a_v_row_skips_rows_that_do_not_see_it(results, name):
     """Masked keys contribute nothing, not even 0 · NaN (where jax's dense P·V would leak)."""
     r = results[name]
     _check(r, name, rows_nan=list(range(int(r["at"]), CASES[name][2])))
+
+
+def test_nan_in_a_do_row_reaches_the_gradients_of_what_that_row_sees(results):
+    """dq of that row, dk / dv of the keys it sees (causal: up to its own), nothing else."""
+    _check(results["do_row_causal_packed"], "do_row_causal_packed")
+
+
+def test_inf_in_a_v_row_skips_rows_that_do_not_see_it(results):
+    r = results["v_inf_row_causal_packed"]
+    _check(r, "v_inf_row_causal_packed")
+    assert np.isfinite(r["o"][0, :int(r["at"])]).all()
 
 
 def test_a_key_masked_by_the_user_stays_masked_even_if_nan(results):
