@@ -25,8 +25,8 @@ CASES = coverage.kernel_cases((32, 64), SEED)
 class Inputs:
     """Random operands of one case, and the keyword arguments that carry them."""
 
-    def __init__(self, case, rng):
-        self.case, self.rng = case, rng
+    def __init__(self, case, rng, deterministic=False):
+        self.case, self.rng, self.deterministic = case, rng, deterministic
         self.dt = JNP[case.dtype]
         self.hq, self.hkv = case.heads
 
@@ -68,7 +68,8 @@ def _dense(case, inputs):
     kw = {**_attrs(case), **extras}
     ref_bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64),
                                                          (b, inputs.hq, sq, sk))
-    f = jax.jit(lambda q, k, v, bias: flash_attention(q, k, v, bias, return_lse=True, **kw))
+    f = jax.jit(lambda q, k, v, bias: flash_attention(q, k, v, bias, return_lse=True,
+                                                      deterministic=inputs.deterministic, **kw))
     if case.direction == "fwd":
         o, lse = f(q, k, v, bias)
         ro, rlse = reference.attention(q, k, v, bias=ref_bias, **kw)
@@ -96,7 +97,8 @@ def _varlen(case, inputs):
     k, v = (inputs.normal(cu_k[-1] + pad_k, inputs.hkv, case.head_dim) for _ in range(2))
     kw = {**_attrs(case), **inputs.alibi(len(lens_q))}
     f = jax.jit(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                       return_lse=True, **kw))
+                                                       return_lse=True, deterministic=inputs.deterministic,
+                                                       **kw))
     if case.direction == "fwd":
         o, lse = f(q, k, v)
         ro, rlse = reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
@@ -142,6 +144,21 @@ def test_covering_case_with_split_kv(index, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CPU_KV_SPLITS", "3")
     case, seed = CASES[index], SEED * 1000 + index
     _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed))), case, seed)
+
+
+BACKWARD = [i for i, c in enumerate(CASES) if c.direction == "bwd"]
+
+
+@pytest.mark.parametrize("how", ["16 threads", "deterministic"])
+@pytest.mark.parametrize("index", BACKWARD, ids=[str(CASES[i]) for i in BACKWARD])
+def test_covering_backward_with_dq_in_chunks(index, how, monkeypatch):
+    """The same backward with dq summed over chunks of key blocks: as a machine of 16 threads
+    runs it (FLASHGEN_CPU_THREADS; on 2 cores only shared dbias groups chunk), and with
+    deterministic=True (chunked as for 16 threads whatever the machine)."""
+    if how == "16 threads":
+        monkeypatch.setenv("FLASHGEN_CPU_THREADS", "16")
+    case, seed = CASES[index], SEED * 1000 + index
+    _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed), how == "deterministic")), case, seed)
 
 
 def test_covering_array_covers_every_possible_pair():
