@@ -1,10 +1,11 @@
 """Mutation suite for the CPU kernels' variants: single-line bugs planted in a copy of csrc/
 (ALiBi offsets and slopes, bias/mask/segment strides, dbias, GQA mapping, varlen offsets,
-paged block table, lse units, softcap's backward, the split-KV merge). Each mutant's d32 f32
-kernels are built in a child process (its FFI targets would clash with this process's) and
-run on the covering array of tests/test_coverage.py projected onto d32 f32 (the dense and
-paged cases once more with their keys split, as test_covering_case_with_split_kv runs them),
-which must fail; the unmutated copy must pass.
+paged block table, lse units, softcap's backward, the split-KV merge and its plan, the backward's
+key spans, dbias groups and dq chunks). Each mutant's d32 f32 kernels are built in a child
+process (its FFI targets would clash with this process's) and run on the covering array of
+tests/test_coverage.py projected onto d32 f32 (the dense and paged cases once more with their
+keys split, the backward cases once more deterministic, as test_coverage runs them), which must
+fail; the unmutated copy must pass.
 
 Slow (a CPU build per mutant): FLASHGEN_SLOW=1 python3 -m pytest tests/test_cpu_mutations.py
 """
@@ -61,6 +62,45 @@ MUTATIONS = [
      "return loadv(p + r * ldp + v * W) * (acc - splat(drow[r]));"),
     ("split_merge_reads_first_partial", "forward.h",
      "const float* src = opart + c * o_elems + oi;", "const float* src = opart + oi;"),
+    ('bwd_dkv_span_off_by_one', 'bwd_tiles.h',
+     'return {0, nv, std::max<int64_t>(0, r - hi), std::min<int64_t>(nq, r + rows - lo)};',
+     'return {0, nv, std::max<int64_t>(0, r - hi), std::min<int64_t>(nq, r + rows - 1 - lo)};'),
+    ('bwd_kv_segments_batch_stride_sq', 'backward.h',
+     'const int32_t* ks = x->kv_segment_ids + b * Sk + k0;',
+     'const int32_t* ks = x->kv_segment_ids + b * Sq + k0;'),
+    ('bwd_alibi_offset_only_when_causal', 'backward.h',
+     'const int64_t aoff = causal_offset(s, a);',
+     'const int64_t aoff = a.causal ? causal_offset(s, a) : 0;'),
+    ('dbias_zero_first_head_of_group', 'backward.h',
+     'if (dbacc != nullptr) zero_db(b, hk * G, sh ? (hk + 1) * G : hk * G + 1, k0, nk);',
+     'if (dbacc != nullptr) zero_db(b, hk * G, hk * G + 1, k0, nk);'),
+    ('dbias_shared_groups_split_by_batch', 'backward.h',
+     'const int64_t gB = db_shared && sb != 0 ? B : 1,',
+     'const int64_t gB = db_shared ? B : 1,'),
+    ('varlen_dq_zero_at_kv_head_index', 'backward.h',
+     'std::memset(p.dqacc + (i * Hq + hk * G) * D, 0, sizeof(float) * size_t(G * D));',
+     'std::memset(p.dqacc + (i * Hq + hk) * D, 0, sizeof(float) * size_t(G * D));'),
+    ('varlen_drow_at_key_offset', 'backward.h',
+     'p.Drow = Drow.p + cq[b];',
+     'p.Drow = Drow.p + ck[b];'),
+    ('varlen_bwd_skips_keys_without_queries', 'backward.h',
+     'const int64_t nkb_b = (p.Sk + kBwdBk - 1) / kBwdBk;',
+     'const int64_t nkb_b = p.Sq > 0 ? (p.Sk + kBwdBk - 1) / kBwdBk : 0;'),
+    ('reduce_dq_drops_last_chunk', 'backward.h',
+     'for (int64_t c = 1; c < nchunks; ++c) {',
+     'for (int64_t c = 1; c + 1 < nchunks; ++c) {'),
+    ('fwd_all_ninf_on_empty_range', 'forward.h',
+     'all_ninf = lo < hi && (x == nullptr || extras_see_a_key(*x, r, lo, hi));',
+     'all_ninf = lo <= hi && (x == nullptr || extras_see_a_key(*x, r, lo, hi));'),
+    ('merge_max_starts_at_all_neg_inf_partial', 'forward.h',
+     'float m = -std::numeric_limits<float>::infinity();\n          bool nan = false;',
+     'float m = kAllNegInfPartial;\n          bool nan = false;'),
+    ('split_plan_keys_of_last_entry', 'forward.h',
+     'for (int64_t b = 0; b < B; ++b) max_keys = std::max<int64_t>(max_keys, Sk_of(b));',
+     'for (int64_t b = 0; b < B; ++b) max_keys = Sk_of(b);'),
+    ('fwd_seed_rows_off_by_one', 'fwd_tiles.h',
+     'if (row >= kSeedRows) return e.scaled(v, y);',
+     'if (row > kSeedRows) return e.scaled(v, y);'),
 ]
 
 # Child: build the d32 f32 kernels from the csrc copy argv[1], run every projected case,
@@ -73,17 +113,19 @@ resources.csrc_dir = lambda: pathlib.Path(sys.argv[1])
 runtime.load(build([KernelSpec(32, "f32", c, "cpu") for c in (False, True)]).path)
 import test_coverage as tc
 failures = []
-runs = [(i, None) for i in range(len(tc.CASES))] + [(i, "3") for i in tc.SPLIT_KV]
-for index, splits in runs:
+runs = ([(i, "") for i in range(len(tc.CASES))] + [(i, "split-KV") for i in tc.SPLIT_KV]
+        + [(i, "deterministic") for i in tc.BACKWARD])
+for index, how in runs:
     case = coverage.Case(tuple((k, {"head_dim": 32, "dtype": "f32"}.get(k, v)) for k, v in tc.CASES[index].values))
     seed = tc.SEED * 1000 + index
     os.environ.pop("FLASHGEN_CPU_KV_SPLITS", None)
-    if splits:
-        os.environ["FLASHGEN_CPU_KV_SPLITS"] = splits
+    if how == "split-KV":
+        os.environ["FLASHGEN_CPU_KV_SPLITS"] = "3"
+    inputs = tc.Inputs(case, np.random.default_rng(seed), how == "deterministic")
     try:
-        tc._check(tc.RUN[case.layout](case, tc.Inputs(case, np.random.default_rng(seed))), case, seed)
+        tc._check(tc.RUN[case.layout](case, inputs), case, seed)
     except Exception as e:
-        failures.append(("split-KV " if splits else "") + str(e).splitlines()[0][:300])
+        failures.append(f"{how} {str(e).splitlines()[0][:300]}".strip())
 print(json.dumps(failures))
 """
 
