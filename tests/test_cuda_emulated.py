@@ -107,7 +107,8 @@ def test_varlen_causal_with_empty_sequence(rng):
 # f16, whose tolerances see one leaked pair (bf16's may not: a causal sm90a case in bf16 missed one).
 # Each sequence has a full block of rows at every tile height of its family (sm80: 128, sm90a: 64)
 # and more keys than a 64-key block (a tail block is masked whatever the band).
-_EDGE_Q = {"sm80": tuple(130 + (7 * b) % 31 for b in range(64)), "sm90a": tuple(100 + (7 * b) % 31 for b in range(64))}
+_EDGE_Q = {"sm80": tuple(130 + (7 * b) % 31 for b in range(64)),
+           "sm90a": tuple(100 + (7 * b) % 31 for b in range(64))}
 
 
 @pytest.mark.parametrize("head_dim,dtype,causal,window,arch", [
@@ -232,7 +233,6 @@ def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
     assert relative_error(o[2], ro[2]) < TOLERANCE["bf16"] and relative_error(lse[2], rlse[2]) < LSE_TOLERANCE
 
 
-
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
 def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
@@ -260,6 +260,7 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     ro, rlse = reference.attention(q[None], k[None], v[None], causal=True, scale=c.scale, bottom_right=True)[:2]
     assert relative_error(o[:sq - 1], ro[0, :sq - 1]) < TOLERANCE["bf16"]
     assert relative_error(lse[:, :sq - 1], rlse[0, :, :sq - 1]) < LSE_TOLERANCE
+
 
 # ---- the handler refuses bad arguments before anything runs -------------------------------------
 def test_a_library_is_parsed_and_compiled_once_per_process():

@@ -234,8 +234,8 @@ def standard_cases(c: Checker) -> list[CaseResult]:
     """What `flashgen check --emulate` runs: every entry point of the spec, small shapes that
     combine the features where bugs hide (tile tails, Sq != Sk with bottom-right alignment in
     every family that takes extras, GQA ratios above 2 with more than 2 KV heads, each broadcast
-    of a mask and of a bias over batch and heads, ALiBi with softcap in varlen, ALiBi in paged, windows that skip key blocks on the left, rows without keys,
-    an empty sequence, split-KV)."""
+    of a mask and of a bias over batch and heads, ALiBi with softcap in varlen, ALiBi in paged,
+    windows that skip key blocks on the left, rows without keys, an empty sequence, split-KV)."""
     causal = c.spec.causal
     right = 0 if causal else 8
     return [
