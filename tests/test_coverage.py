@@ -128,37 +128,30 @@ def _paged(case, inputs):
 RUN = {"dense": _dense, "varlen": _varlen, "paged": _paged}
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
-def test_covering_case(index):
-    case, seed = CASES[index], SEED * 1000 + index
-    _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed))), case, seed)
+# Every run CI makes of the array: each case as drawn; the forwards (not varlen's) once more with
+# their keys split into 3 ranges merged by lse (on few cores the automatic choice never splits
+# these small shapes); the backwards once more with dq summed over chunks of key blocks, as a
+# machine of 16 threads runs them (on 2 cores only shared dbias groups chunk) and deterministic
+# (chunked as for 16 threads whatever the machine). tests/test_cpu_mutations.py runs the same list.
+ENV = {"": {}, "split-KV": {"FLASHGEN_CPU_KV_SPLITS": "3"}, "16 threads": {"FLASHGEN_CPU_THREADS": "16"},
+       "deterministic": {}}
+RUNS = ([(i, "") for i in range(len(CASES))]
+        + [(i, "split-KV") for i, c in enumerate(CASES) if c.layout != "varlen"]
+        + [(i, how) for how in ("16 threads", "deterministic") for i, c in enumerate(CASES) if c.direction == "bwd"])
 
 
-SPLIT_KV = [i for i, c in enumerate(CASES) if c.layout != "varlen"]  # the forwards that split KV
-
-
-@pytest.mark.parametrize("index", SPLIT_KV, ids=[str(CASES[i]) for i in SPLIT_KV])
-def test_covering_case_with_split_kv(index, monkeypatch):
-    """The same case with its forward's keys split into 3 ranges and merged by lse: on few
-    cores the automatic choice never splits these small shapes."""
-    monkeypatch.setenv("FLASHGEN_CPU_KV_SPLITS", "3")
-    case, seed = CASES[index], SEED * 1000 + index
-    _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed))), case, seed)
-
-
-BACKWARD = [i for i, c in enumerate(CASES) if c.direction == "bwd"]
-
-
-@pytest.mark.parametrize("how", ["16 threads", "deterministic"])
-@pytest.mark.parametrize("index", BACKWARD, ids=[str(CASES[i]) for i in BACKWARD])
-def test_covering_backward_with_dq_in_chunks(index, how, monkeypatch):
-    """The same backward with dq summed over chunks of key blocks: as a machine of 16 threads
-    runs it (FLASHGEN_CPU_THREADS; on 2 cores only shared dbias groups chunk), and with
-    deterministic=True (chunked as for 16 threads whatever the machine)."""
-    if how == "16 threads":
-        monkeypatch.setenv("FLASHGEN_CPU_THREADS", "16")
-    case, seed = CASES[index], SEED * 1000 + index
+def run_case(index, how, setenv, case=None):
+    """Run `how` of case `index` (or of `case`, its projection onto other kernels), checked;
+    setenv(name, value) sets the run's environment."""
+    for name, value in ENV[how].items():
+        setenv(name, value)
+    case, seed = case or CASES[index], SEED * 1000 + index
     _check(RUN[case.layout](case, Inputs(case, np.random.default_rng(seed), how == "deterministic")), case, seed)
+
+
+@pytest.mark.parametrize("index,how", RUNS, ids=[f"{CASES[i]}{'-' + how if how else ''}" for i, how in RUNS])
+def test_covering_case(index, how, monkeypatch):
+    run_case(index, how, monkeypatch.setenv)
 
 
 def test_covering_array_covers_every_possible_pair():

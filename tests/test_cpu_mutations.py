@@ -3,9 +3,8 @@
 paged block table, lse units, softcap's backward, the split-KV merge and its plan, the backward's
 key spans, dbias groups and dq chunks). Each mutant's d32 f32 kernels are built in a child
 process (its FFI targets would clash with this process's) and run on the covering array of
-tests/test_coverage.py projected onto d32 f32 (the dense and paged cases once more with their
-keys split, the backward cases once more deterministic, as test_coverage runs them), which must
-fail; the unmutated copy must pass.
+tests/test_coverage.py projected onto d32 f32, every run of its RUNS (the reruns with keys split,
+on 16 threads and deterministic included), which must fail; the unmutated copy must pass.
 
 Slow (a CPU build per mutant): FLASHGEN_SLOW=1 python3 -m pytest tests/test_cpu_mutations.py
 """
@@ -113,17 +112,12 @@ resources.csrc_dir = lambda: pathlib.Path(sys.argv[1])
 runtime.load(build([KernelSpec(32, "f32", c, "cpu") for c in (False, True)]).path)
 import test_coverage as tc
 failures = []
-runs = ([(i, "") for i in range(len(tc.CASES))] + [(i, "split-KV") for i in tc.SPLIT_KV]
-        + [(i, "deterministic") for i in tc.BACKWARD])
-for index, how in runs:
+for index, how in tc.RUNS:
     case = coverage.Case(tuple((k, {"head_dim": 32, "dtype": "f32"}.get(k, v)) for k, v in tc.CASES[index].values))
-    seed = tc.SEED * 1000 + index
-    os.environ.pop("FLASHGEN_CPU_KV_SPLITS", None)
-    if how == "split-KV":
-        os.environ["FLASHGEN_CPU_KV_SPLITS"] = "3"
-    inputs = tc.Inputs(case, np.random.default_rng(seed), how == "deterministic")
+    for name in ("FLASHGEN_CPU_KV_SPLITS", "FLASHGEN_CPU_THREADS"):
+        os.environ.pop(name, None)
     try:
-        tc._check(tc.RUN[case.layout](case, inputs), case, seed)
+        tc.run_case(index, how, os.environ.__setitem__, case)
     except Exception as e:
         failures.append(f"{how} {str(e).splitlines()[0][:300]}".strip())
 print(json.dumps(failures))
