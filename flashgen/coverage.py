@@ -39,9 +39,12 @@ DIMENSIONS: dict[str, tuple] = {
 }
 
 # Concrete values: ragged lengths (no multiple of any tile), windows that cut a tile and one
-# that is tile-aligned, a long case whose windows skip whole key blocks on the left.
-LENGTHS = {"sq=sk": (77, 77), "sq<sk": (45, 131), "sq>sk": (131, 45), "sq=1": (1, 97),
-           "long": (300, 269)}
+# that is tile-aligned, a long case whose windows skip whole key blocks on the left. Tails of
+# 3 to 45 rows, and of one row short of a full tile (127 and 255 keys, 319 queries: 2^k - 1
+# modulo every power-of-two tile up to 128 / 256 / 64 rows), where a tail test off by one
+# (`k0 + BC - 1 > Sk`) leaves the one missing key unmasked.
+LENGTHS = {"sq=sk": (77, 77), "sq<sk": (45, 131), "sq>sk": (131, 45), "sq=1": (1, 127),
+           "long": (319, 255)}
 WINDOWS = {"none": (-1, -1), "left": (13, -1), "right": (-1, 9), "both": (16, 5), "tile": (64, 0)}
 HEADS_Q = 8
 KV_HEADS = {1: 8, 2: 4, 4: 2, "mqa": 1}
