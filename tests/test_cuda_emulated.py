@@ -262,6 +262,33 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     assert relative_error(lse[:, :sq - 1], rlse[0, :, :sq - 1]) < LSE_TOLERANCE
 
 
+@pytest.mark.parametrize("seqused_k,max_blocks", [((53, 99), 4), ((53, 400, 300), 20)], ids=["unsplit", "split-KV"])
+def test_paged_table_outside_the_cache_masks_and_seqused_k_clamps(rng, seqused_k, max_blocks):
+    """The block table and seqused_k are device data that the CUDA handler cannot read (the CPU
+    handler refuses bad values): a block id outside [0, num_blocks) -- one past the end, negative --
+    masks its keys, never reads outside the cache (the emulator faults on such a read), and
+    seqused_k past what a table row holds (max_blocks * block_size) is clamped to it, never
+    reads past the row. Non-causal, so masked keys are absent keys for the reference."""
+    c = checker(rng, 64, "f32", False)
+    b, bs, mb, h, d = len(seqused_k), 16, max_blocks, 2, 64
+    nb = b * mb + 1
+    table = rng.permutation(nb)[:b * mb].reshape(b, mb).astype(np.int32)
+    table[0, 1], table[0, 2] = nb, -1
+    q, kc, vc = c._normal(b, 3, h, d), c._normal(nb, bs, h, d), c._normal(nb, bs, h, d)
+    (o, lse), rec = c.lib.call(c.spec.target_name("fwd_paged"), [q, kc, vc, table, np.asarray(seqused_k, np.int32)],
+                               [((b, 3, h, d), c.dt), ((b, h, 3), np.float32)],
+                               **c._attrs(False, (-1, -1), 0.0).values("fwd_paged"))
+    split = any("24flash_fwd_combine_kernelI" in l.entry for l in rec.launches)
+    assert split == (b == 3), "the case meant to split KV did not, or the other did"
+    for i, used in enumerate(seqused_k):
+        keys = [j for j in range(min(used, mb * bs)) if 0 <= table[i, j // bs] < nb]
+        k = np.stack([kc[table[i, j // bs], j % bs] for j in keys])
+        v = np.stack([vc[table[i, j // bs], j % bs] for j in keys])
+        ro, rlse = reference.attention(q[i:i + 1], k[None], v[None], scale=c.scale)[:2]
+        assert relative_error(o[i:i + 1], ro) < TOLERANCE["f32"], f"batch {i} o"
+        assert relative_error(lse[i:i + 1], rlse) < LSE_TOLERANCE, f"batch {i} lse"
+
+
 # ---- the handler refuses bad arguments before anything runs -------------------------------------
 def test_a_library_is_parsed_and_compiled_once_per_process():
     """A second EmulatedLibrary of the same build reuses the parsed kernels and their compiled form."""
