@@ -106,7 +106,6 @@ MUTATIONS = [
 # print the failing ones as JSON. tests/ is on its path for test_coverage's runners.
 _CHILD = """
 import json, os, pathlib, sys
-import numpy as np
 from flashgen import KernelSpec, build, coverage, resources, runtime
 resources.csrc_dir = lambda: pathlib.Path(sys.argv[1])
 runtime.load(build([KernelSpec(32, "f32", c, "cpu") for c in (False, True)]).path)
@@ -114,8 +113,9 @@ import test_coverage as tc
 failures = []
 for index, how in tc.RUNS:
     case = coverage.Case(tuple((k, {"head_dim": 32, "dtype": "f32"}.get(k, v)) for k, v in tc.CASES[index].values))
-    for name in ("FLASHGEN_CPU_KV_SPLITS", "FLASHGEN_CPU_THREADS"):
-        os.environ.pop(name, None)
+    for env in tc.ENV.values():    # the previous run's settings
+        for name in env:
+            os.environ.pop(name, None)
     try:
         tc.run_case(index, how, os.environ.__setitem__, case)
     except Exception as e:
