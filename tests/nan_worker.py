@@ -36,6 +36,17 @@ def run_case(rng, dtype, causal, sq, sk, what):
         at = int(rng.integers(5, min(sq, sk) - 5))
         x = {"q": q, "k": k, "v": v, "do": do, "v_inf": v}[what]
         x[0, at, -1 if what in ("q", "do") else 0, int(rng.integers(D))] = np.inf if what == "v_inf" else np.nan
+    elif what == "v_chunk_ends":
+        # Pinned, not drawn: the last row of a 64-key chunk (the CPU forward packs and checks V in
+        # chunks of kFwdBk = 64 keys) and the last key, where an off-by-one in a chunk's scan hides.
+        at = 63
+        v[0, at, 0, int(rng.integers(D))] = v[0, sk - 1, 0, int(rng.integers(D))] = np.nan
+    elif what == "v_window_straddle":
+        # A left window of 50: q block [128, 256) starts at key 78, so its first key block [78, 142)
+        # straddles two packed chunks ([64, 128), [128, 192)); the NaN V row 130 is in the second.
+        at = 130
+        v[0, at, 0, int(rng.integers(D))] = np.nan
+        extra["window"] = (50, -1)
     elif what == "scale":
         scale = 1e38
     elif what == "softcap":

@@ -1,7 +1,8 @@
 """NaN and overflow (README "NaN and overflow"): IEEE over the keys a row sees, masks select.
 
 Each case puts a NaN or an overflow where a user's model can: a NaN in one query row, in one
-key, in a V row that some rows do not see, in one dO row, an inf in a V row, in a key hidden by a mask or a -inf bias, scores
+key, in a V row that some rows do not see (a drawn row, and the last rows of the CPU forward's
+packed chunks), in one dO row, an inf in a V row, in a key hidden by a mask or a -inf bias, scores
 that overflow f32 (scale 1e38), a tiny softcap, and checks
 o, lse and the gradients against flashgen.reference (float64, the same rules) — NaN where the
 reference is NaN, finite and within tolerance elsewhere. The kernels run in a subprocess with
@@ -33,6 +34,10 @@ CASES = {
     "v_row_causal": ("f32", True, 70, 70, "v"),
     # Several q blocks and key blocks: the forward packs K / V once per call.
     "v_row_causal_long": ("f32", True, 2100, 2100, "v"),
+    # NaN at V rows 63 and Sk - 1: the last rows of the packed chunks, pinned (nan_worker.py).
+    "v_chunk_ends_causal_packed": ("f32", True, 130, 130, "v_chunk_ends"),
+    # NaN at V row 130 under a left window of 50: key blocks straddle the packed chunks (nan_worker.py).
+    "v_window_straddle_causal_packed": ("f32", True, 256, 256, "v_window_straddle"),
     "k_key_bf16": ("bf16", True, 70, 70, "k"),
     # Unmasked, several key blocks: a NaN key after the first block meets the forward's
     # exponentials in the product's epilogue (csrc/flashgen/cpu/fwd_tiles.h ExpAgainst).
@@ -107,11 +112,17 @@ def test_nan_in_a_key_bf16(results):
     _check(r, "k_key_bf16", rows_nan=list(range(int(r["at"]), 70)))
 
 
-@pytest.mark.parametrize("name", ["v_row_causal", "v_row_causal_long"])
+@pytest.mark.parametrize("name", ["v_row_causal", "v_row_causal_long", "v_chunk_ends_causal_packed"])
 def test_nan_in_a_v_row_skips_rows_that_do_not_see_it(results, name):
     """Masked keys contribute nothing, not even 0 · NaN (where jax's dense P·V would leak)."""
     r = results[name]
     _check(r, name, rows_nan=list(range(int(r["at"]), CASES[name][2])))
+
+
+def test_nan_in_a_v_row_under_a_window_reaches_the_rows_whose_window_holds_it(results):
+    """Rows 130-180 see key 130 (causal, 50 keys back), the others do not."""
+    name = "v_window_straddle_causal_packed"
+    _check(results[name], name, rows_nan=list(range(130, 181)))
 
 
 def test_nan_in_a_do_row_reaches_the_gradients_of_what_that_row_sees(results):
