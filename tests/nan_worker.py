@@ -41,6 +41,10 @@ def run_case(rng, dtype, causal, sq, sk, what):
         # chunks of kFwdBk = 64 keys) and the last key, where an off-by-one in a chunk's scan hides.
         at = 63
         v[0, at, 0, int(rng.integers(D))] = v[0, sk - 1, 0, int(rng.integers(D))] = np.nan
+    elif what == "v_odd_bf16":
+        # Pinned odd: the high half of a bf16 pair in the vdpbf16ps kernels' interleaved V rows.
+        at = 37
+        v[0, at, 0, int(rng.integers(D))] = np.nan
     elif what == "v_window_straddle":
         # A left window of 50: q block [128, 256) starts at key 78, so its first key block [78, 142)
         # straddles two packed chunks ([64, 128), [128, 192)); the NaN V row 130 is in the second.

@@ -39,6 +39,7 @@ CASES = {
     # NaN at V row 130 under a left window of 50: key blocks straddle the packed chunks (nan_worker.py).
     "v_window_straddle_causal_packed": ("f32", True, 256, 256, "v_window_straddle"),
     "k_key_bf16": ("bf16", True, 70, 70, "k"),
+    "v_row_causal_bf16": ("bf16", True, 70, 70, "v_odd_bf16"),
     # Unmasked, several key blocks: a NaN key after the first block meets the forward's
     # exponentials in the product's epilogue (csrc/flashgen/cpu/fwd_tiles.h ExpAgainst).
     "k_key_full_long": ("f32", False, 400, 400, "k"),
@@ -112,7 +113,8 @@ def test_nan_in_a_key_bf16(results):
     _check(r, "k_key_bf16", rows_nan=list(range(int(r["at"]), 70)))
 
 
-@pytest.mark.parametrize("name", ["v_row_causal", "v_row_causal_long", "v_chunk_ends_causal_packed"])
+@pytest.mark.parametrize("name", ["v_row_causal", "v_row_causal_long", "v_chunk_ends_causal_packed",
+                                  "v_row_causal_bf16"])
 def test_nan_in_a_v_row_skips_rows_that_do_not_see_it(results, name):
     """Masked keys contribute nothing, not even 0 · NaN (where jax's dense P·V would leak)."""
     r = results[name]

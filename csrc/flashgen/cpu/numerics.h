@@ -264,7 +264,7 @@ FLASHGEN_CPU_INLINE vf exp2v(vf x) {
   const vf n = (vf)_mm512_mask_roundscale_ps((__m512)x, __mmask16(0xffff), (__m512)x,
                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  const vf lo = splat(-127.0f), hi = splat(127.0f);
+  const vf lo = splat(-127.0f), hi = splat(128.0f);  // x >= 127.5: n = 128, the exponent bits of +inf
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   // n = floor(x + 0.5) without relying on the rounding mode.
@@ -285,7 +285,7 @@ FLASHGEN_CPU_INLINE vf exp2v(vf x) {
 #if defined(__AVX512F__)
   return (vf)_mm512_mask_scalef_ps((__m512)p, __mmask16(0xffff), (__m512)p, (__m512)n);
 #else
-  return p * (vf)((ni + splat_i(127)) << 23);  // n = -127 gives the bit pattern 0, i.e. 0.0f; NaN p stays
+  return p * (vf)((ni + splat_i(127)) << 23);  // n = -127: 0.0f, n = 128: +inf (as scalef); NaN p stays
 #endif
 }
 
