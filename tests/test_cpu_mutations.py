@@ -1,10 +1,12 @@
 """Mutation suite for the CPU kernels' variants: single-line bugs planted in a copy of csrc/
 (ALiBi offsets and slopes, bias/mask/segment strides, dbias, GQA mapping, varlen offsets,
 paged block table, lse units, softcap's backward, the split-KV merge and its plan, the backward's
-key spans, dbias groups and dq chunks). Each mutant's d32 f32 kernels are built in a child
-process (its FFI targets would clash with this process's) and run on the covering array of
-tests/test_coverage.py projected onto d32 f32, every run of its RUNS (the reruns with keys split,
-on 16 threads and deterministic included), which must fail; the unmutated copy must pass.
+key spans, dbias groups and dq chunks, the exp2 / tanh / ALiBi-distance lane math, the causal tile
+spans and epilogues, segment-id ranges, the backward's row terms and the varlen fills). Each
+mutant's d32 f32 kernels are built in a child process (its FFI targets would clash with this
+process's) and run on the covering array of tests/test_coverage.py projected onto d32 f32, every
+run of its RUNS (the reruns with keys split, on 16 threads and deterministic included), which must
+fail; the unmutated copy must pass.
 
 Slow (a CPU build per mutant): FLASHGEN_SLOW=1 python3 -m pytest tests/test_cpu_mutations.py
 """
@@ -100,6 +102,48 @@ MUTATIONS = [
     ('fwd_seed_rows_off_by_one', 'fwd_tiles.h',
      'if (row >= kSeedRows) return e.scaled(v, y);',
      'if (row > kSeedRows) return e.scaled(v, y);'),
+    ('exp2_poly_ln2_coeff', 'numerics.h',
+     'p = vfma(p, f, splat(6.931472028550421e-1f));',
+     'p = vfma(p, f, splat(6.93e-1f));'),
+    ('tanh_large_sign_dropped', 'numerics.h',
+     'const vf large = x < zero ? -big : big;',
+     'const vf large = big;'),
+    ('absdist_sign', 'numerics.h',
+     'return __builtin_convertvector(d < 0 ? -d : d, vf);',
+     'return __builtin_convertvector(d, vf);'),
+    ('score_tiles_vbegin_plus_one', 'fwd_tiles.h',
+     'return r + c <= 0 ? 0 : (r + c) / W; }',
+     'return r + c <= 0 ? 0 : (r + c + 1) / W; }'),
+    ('exp_causal_lo_plus_one', 'fwd_tiles.h',
+     'std::max<int64_t>(row + c - v * W, -1), W);',
+     'std::max<int64_t>(row + c + 1 - v * W, -1), W);'),
+    ('band_scores_last_vector_dropped', 'bwd_tiles.h',
+     'return {first / W, last / W + 1, 0, dim};',
+     'return {first / W, last / W, 0, dim};'),
+    ('band_dq_one_key_short', 'bwd_tiles.h',
+     'std::min<int64_t>(nk, r + rows + hi)};',
+     'std::min<int64_t>(nk, r + rows - 1 + hi)};'),
+    ('probs_epilogue_first_row_lse', 'bwd_tiles.h',
+     'return exp2v(vfma(acc, cv, splat(-lse2[r])));',
+     'return exp2v(vfma(acc, cv, splat(-lse2[0])));'),
+    ('extras_see_key_ignores_segments', 'problems.h',
+     '    if (e.qseg != nullptr && e.qseg[i] != e.kseg[j]) continue;\n',
+     ''),
+    ('id_range_hi_first', 'problems.h',
+     'a = std::min(a, ids[i]), b = std::max(b, ids[i]);',
+     'a = std::min(a, ids[i]), b = std::max(b, ids[0]);'),
+    ('alibi_only_batch_stride_dropped', 'problems.h',
+     '  keep->alibi_stride_b = x.alibi_stride_b;\n',
+     ''),
+    ('row_terms_drow_last_lane', 'backward.h',
+     'for (int t = 0; t < W; ++t) sum += acc[t];\n            Drow[r] = sum;',
+     'for (int t = 0; t + 1 < W; ++t) sum += acc[t];\n            Drow[r] = sum;'),
+    ('varlen_bwd_dv_outside_unzeroed', 'backward.h',
+     '    std::memset(static_cast<void*>(dv + used_k * Hkv * D), 0, sizeof(T) * size_t((Tk - used_k) * Hkv * D));\n',
+     ''),
+    ('varlen_bwd_dq_outside_one_short', 'backward.h',
+     'std::memset(dqacc + c * dq_elems + used_q * Hq * D, 0, sizeof(float) * size_t((Tq - used_q) * Hq * D));',
+     'std::memset(dqacc + c * dq_elems + used_q * Hq * D, 0, sizeof(float) * size_t((Tq - used_q - 1) * Hq * D));'),
 ]
 
 # Child: build the d32 f32 kernels from the csrc copy argv[1], run every projected case,
