@@ -241,12 +241,15 @@ def test_overflowed_rows_are_nan_with_extras_and_paged(rng):
 def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     """The kernels without extras tell an overflowed row from one without keys by the band alone
     (the forwards' epilogues): a row whose visible scores all overflow is NaN, a row the bottom-right
-    causal band gives no key stays o = 0, lse = -inf (the first Sq - Sk rows here)."""
+    causal band gives no key stays o = 0, lse = -inf (the first Sq - Sk rows here). Row Sq - Sk
+    sees exactly one key: the band's last key is also its first (an epilogue that took the band
+    as [lo, hi) made that row o = 0, lse = -inf)."""
     c = checker(rng, 64, "bf16", True, arch)
     sq, sk, h, d = 40, 30, 1, 64
     q, v = c._normal(sq, h, d), c._normal(sk, h, d)
     k = (np.abs(c._normal(sk, h, d)) + 1).astype(c.dt)
     q[sq - 1] = -1e37                       # sees every key: all -inf, not masked
+    q[sq - sk] = -1e37                      # sees key 0 alone: -inf, not masked
     if layout == "dense":
         attrs = c._attrs(True, (-1, -1), 0.0).values("fwd")
         (o, lse), _ = c.lib.call(c.spec.target_name("fwd"), [q[None], k[None], v[None]],
@@ -258,11 +261,46 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
         (o, lse), _ = c.lib.call(c.spec.target_name("fwd_varlen"), [q, k, v, cu_q, cu_k],
                                  [((sq, h, d), c.dt), ((h, sq), np.float32)], **attrs)
     o, lse = o.astype(np.float64), lse.astype(np.float64)
-    assert np.isnan(o[sq - 1]).all() and np.isnan(lse[:, sq - 1]).all()
+    for row in (sq - sk, sq - 1):
+        assert np.isnan(o[row]).all() and np.isnan(lse[:, row]).all(), f"row {row}"
     assert (o[:sq - sk] == 0).all() and (lse[:, :sq - sk] == -np.inf).all()
     ro, rlse = reference.attention(q[None], k[None], v[None], causal=True, scale=c.scale, bottom_right=True)[:2]
-    assert relative_error(o[:sq - 1], ro[0, :sq - 1]) < TOLERANCE["bf16"]
-    assert relative_error(lse[:, :sq - 1], rlse[0, :, :sq - 1]) < LSE_TOLERANCE
+    rows = [i for i in range(sq) if i not in (sq - sk, sq - 1)]
+    assert relative_error(o[rows], ro[0, rows]) < TOLERANCE["bf16"]
+    assert relative_error(lse[:, rows], rlse[0][:, rows]) < LSE_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("poisoned", ["v", "do"])
+def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch):
+    """dP = V dO^T is NaN over a whole key column when a V row is NaN, and over a whole query row
+    when a dO row is: the pairs of it that the causal band masks must still get dS = 0 (README
+    "NaN and overflow"), so that the NaN reaches the dq of the rows that see the key and the dk of
+    the keys the row sees, not the others (test_nan.py checks a NaN V row on sm80 dense; this, both
+    families and a NaN dO row). Several query and key blocks; the backward runs on the
+    reference's o and lse, and dq, dk (and dv for a NaN V row) are held to flashgen.reference's
+    rules: NaN exactly where it is, within tolerance elsewhere. Not checked: the forward's o and the
+    dv of a NaN dO row, where on CUDA a NaN still reaches the masked pairs of its tile through the
+    MMA's 0 * NaN (README "What needs a GPU"). The outputs are poisoned with NaN, so the finite
+    values are the check."""
+    c = checker(rng, 64, "bf16", True, arch)
+    s, h, d = 150, 1, 64
+    q, k, v, do = (c._normal(1, s, h, d) for _ in range(4))
+    if poisoned == "v":
+        v[0, 70] = np.nan           # dq of rows >= 70 (and, through their D, every dk)
+    else:
+        do[0, 20] = np.nan          # dq of row 20, dk of keys <= 20
+    o, lse, grads = reference.attention(q, k, v, causal=True, scale=c.scale, do=do)[:3]
+    attrs = c._attrs(False, (-1, -1), 0.0).values("bwd")
+    got, _ = c.lib.call(c.spec.target_name("bwd"), [q, k, v, o.astype(c.dt), lse.astype(np.float32), do],
+                        [((1, s, h, d), c.dt)] * 3, **attrs)
+    names = ("dq", "dk", "dv") if poisoned == "v" else ("dq", "dk")
+    for name, g, want in zip(names, got, grads):
+        g, nan = np.asarray(g, np.float64), np.isnan(want)
+        assert name != "dq" or 0 < nan.sum() < nan.size, "the case puts no NaN in some rows of dq and not others"
+        wrong = np.argwhere(np.isnan(g) != nan)
+        assert not len(wrong), f"{name}: NaN where the reference is not, or not where it is, e.g. at {wrong[0]}"
+        assert relative_error(g[~nan], want[~nan]) < TOLERANCE["bf16"], name
 
 
 @pytest.mark.parametrize("seqused_k,max_blocks", [((53, 99), 4), ((53, 400, 300), 20)], ids=["unsplit", "split-KV"])
