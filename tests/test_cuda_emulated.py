@@ -270,14 +270,16 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     assert relative_error(lse[:, rows], rlse[0][:, rows]) < LSE_TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("arch,mask", [("sm80", False), ("sm80", True), ("sm90a", False)],
+                         ids=["sm80", "sm80-extras", "sm90a"])
 @pytest.mark.parametrize("poisoned", ["v", "do"])
-def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch):
+def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, mask):
     """dP = V dO^T is NaN over a whole key column when a V row is NaN, and over a whole query row
     when a dO row is: the pairs of it that the causal band masks must still get dS = 0 (README
     "NaN and overflow"), so that the NaN reaches the dq of the rows that see the key and the dk of
     the keys the row sees, not the others (test_nan.py checks a NaN V row on sm80 dense; this, both
-    families and a NaN dO row). Several query and key blocks; the backward runs on the
+    families, the extras kernel (a boolean mask besides the band) and a NaN dO row). Several query
+    and key blocks; the backward runs on the
     reference's o and lse, and dq, dk (and dv for a NaN V row) are held to flashgen.reference's
     rules: NaN exactly where it is, within tolerance elsewhere. Not checked: the forward's o and the
     dv of a NaN dO row, where on CUDA a NaN still reaches the masked pairs of its tile through the
@@ -290,10 +292,11 @@ def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch):
         v[0, 70] = np.nan           # dq of rows >= 70 (and, through their D, every dk)
     else:
         do[0, 20] = np.nan          # dq of row 20, dk of keys <= 20
-    o, lse, grads = reference.attention(q, k, v, causal=True, scale=c.scale, do=do)[:3]
-    attrs = c._attrs(False, (-1, -1), 0.0).values("bwd")
-    got, _ = c.lib.call(c.spec.target_name("bwd"), [q, k, v, o.astype(c.dt), lse.astype(np.float32), do],
-                        [((1, s, h, d), c.dt)] * 3, **attrs)
+    extras = {"mask": rng.random((1, 1, s, s)) < 0.8} if mask else {}
+    o, lse, grads = reference.attention(q, k, v, causal=True, scale=c.scale, do=do, **extras)[:3]
+    attrs = c._attrs(False, (-1, -1), 0.0, tuple(extras)).values("bwd")
+    got, _ = c.lib.call(c.spec.target_name("bwd"), [q, k, v, o.astype(c.dt), lse.astype(np.float32), do,
+                                                    *extras.values()], [((1, s, h, d), c.dt)] * 3, **attrs)
     names = ("dq", "dk", "dv") if poisoned == "v" else ("dq", "dk")
     for name, g, want in zip(names, got, grads):
         g, nan = np.asarray(g, np.float64), np.isnan(want)
