@@ -270,6 +270,26 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     assert relative_error(lse[:, rows], rlse[0][:, rows]) < LSE_TOLERANCE
 
 
+def test_hopper_forward_nan_reaches_the_rows_that_see_it(rng):
+    """sm90a's forward under a NaN query row and a NaN key (test_nan.py runs sm80's): o and lse
+    NaN exactly in that row and in the rows that see the key, finite and within tolerance
+    elsewhere. Several query and key blocks, causal: the rows before the key mask its NaN score."""
+    c = checker(rng, 64, "bf16", True, "sm90a")
+    s, h, d = 150, 1, 64
+    q, k, v = (c._normal(1, s, h, d) for _ in range(3))
+    q[0, 9, 0, 5] = np.nan
+    k[0, 100, 0, 7] = np.nan
+    (o, lse), _ = c.lib.call(c.spec.target_name("fwd"), [q, k, v], [((1, s, h, d), c.dt), ((1, h, s), np.float32)],
+                             **c._attrs(False, (-1, -1), 0.0).values("fwd"))
+    ro, rlse = reference.attention(q, k, v, causal=True, scale=c.scale)[:2]
+    assert np.flatnonzero(np.isnan(rlse[0, 0])).tolist() == [9, *range(100, s)]
+    for name, got, want in (("o", o, ro), ("lse", lse, rlse)):
+        got, nan = np.asarray(got, np.float64), np.isnan(want)
+        wrong = np.argwhere(np.isnan(got) != nan)
+        assert not len(wrong), f"{name}: NaN where the reference is not, or not where it is, e.g. at {wrong[0]}"
+        assert relative_error(got[~nan], want[~nan]) < (LSE_TOLERANCE if name == "lse" else TOLERANCE["bf16"]), name
+
+
 @pytest.mark.parametrize("arch,mask", [("sm80", False), ("sm80", True), ("sm90a", False)],
                          ids=["sm80", "sm80-extras", "sm90a"])
 @pytest.mark.parametrize("poisoned", ["v", "do"])
