@@ -270,6 +270,14 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     assert relative_error(lse[:, rows], rlse[0][:, rows]) < LSE_TOLERANCE
 
 
+def assert_nan_where_the_reference_is(name, got, want, tol):
+    """NaN exactly where the float64 reference is NaN, within `tol` elsewhere."""
+    got, nan = np.asarray(got, np.float64), np.isnan(want)
+    wrong = np.argwhere(np.isnan(got) != nan)
+    assert not len(wrong), f"{name}: NaN where the reference is not, or not where it is, e.g. at {wrong[0]}"
+    assert relative_error(got[~nan], want[~nan]) < tol, name
+
+
 def test_hopper_forward_nan_reaches_the_rows_that_see_it(rng):
     """sm90a's forward under a NaN query row and a NaN key (test_nan.py runs sm80's): o and lse
     NaN exactly in that row and in the rows that see the key, finite and within tolerance
@@ -283,11 +291,8 @@ def test_hopper_forward_nan_reaches_the_rows_that_see_it(rng):
                              **c._attrs(False, (-1, -1), 0.0).values("fwd"))
     ro, rlse = reference.attention(q, k, v, causal=True, scale=c.scale)[:2]
     assert np.flatnonzero(np.isnan(rlse[0, 0])).tolist() == [9, *range(100, s)]
-    for name, got, want in (("o", o, ro), ("lse", lse, rlse)):
-        got, nan = np.asarray(got, np.float64), np.isnan(want)
-        wrong = np.argwhere(np.isnan(got) != nan)
-        assert not len(wrong), f"{name}: NaN where the reference is not, or not where it is, e.g. at {wrong[0]}"
-        assert relative_error(got[~nan], want[~nan]) < (LSE_TOLERANCE if name == "lse" else TOLERANCE["bf16"]), name
+    assert_nan_where_the_reference_is("o", o, ro, TOLERANCE["bf16"])
+    assert_nan_where_the_reference_is("lse", lse, rlse, LSE_TOLERANCE)
 
 
 @pytest.mark.parametrize("arch,mask", [("sm80", False), ("sm80", True), ("sm90a", False)],
@@ -299,9 +304,8 @@ def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, mask):
     "NaN and overflow"), so that the NaN reaches the dq of the rows that see the key and the dk of
     the keys the row sees, not the others (test_nan.py checks a NaN V row on sm80 dense; this, both
     families, the extras kernel (a boolean mask besides the band) and a NaN dO row). Several query
-    and key blocks; the backward runs on the
-    reference's o and lse, and dq, dk (and dv for a NaN V row) are held to flashgen.reference's
-    rules: NaN exactly where it is, within tolerance elsewhere. Not checked: the forward's o and the
+    and key blocks; the backward runs on the reference's o and lse, and dq, dk (and dv for a NaN V
+    row) are held to flashgen.reference's rules. Not checked: the forward's o and the
     dv of a NaN dO row, where on CUDA a NaN still reaches the masked pairs of its tile through the
     MMA's 0 * NaN (README "What needs a GPU"). The outputs are poisoned with NaN, so the finite
     values are the check."""
@@ -318,12 +322,9 @@ def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, mask):
     got, _ = c.lib.call(c.spec.target_name("bwd"), [q, k, v, o.astype(c.dt), lse.astype(np.float32), do,
                                                     *extras.values()], [((1, s, h, d), c.dt)] * 3, **attrs)
     names = ("dq", "dk", "dv") if poisoned == "v" else ("dq", "dk")
+    assert 0 < np.isnan(grads[0]).sum() < grads[0].size, "the reference's dq must hold NaN and finite rows"
     for name, g, want in zip(names, got, grads):
-        g, nan = np.asarray(g, np.float64), np.isnan(want)
-        assert name != "dq" or 0 < nan.sum() < nan.size, "the case puts no NaN in some rows of dq and not others"
-        wrong = np.argwhere(np.isnan(g) != nan)
-        assert not len(wrong), f"{name}: NaN where the reference is not, or not where it is, e.g. at {wrong[0]}"
-        assert relative_error(g[~nan], want[~nan]) < TOLERANCE["bf16"], name
+        assert_nan_where_the_reference_is(name, g, want, TOLERANCE["bf16"])
 
 
 @pytest.mark.parametrize("seqused_k,max_blocks", [((53, 99), 4), ((53, 400, 300), 20)], ids=["unsplit", "split-KV"])
