@@ -295,17 +295,18 @@ def test_hopper_forward_nan_reaches_the_rows_that_see_it(rng):
     assert_nan_where_the_reference_is("lse", lse, rlse, LSE_TOLERANCE)
 
 
-@pytest.mark.parametrize("arch,mask", [("sm80", False), ("sm80", True), ("sm90a", False)],
+@pytest.mark.parametrize("arch,extras", [("sm80", False), ("sm80", True), ("sm90a", False)],
                          ids=["sm80", "sm80-extras", "sm90a"])
 @pytest.mark.parametrize("poisoned", ["v", "do"])
-def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, mask):
+def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, extras):
     """dP = V dO^T is NaN over a whole key column when a V row is NaN, and over a whole query row
     when a dO row is: the pairs of it that the causal band masks must still get dS = 0 (README
     "NaN and overflow"), so that the NaN reaches the dq of the rows that see the key and the dk of
     the keys the row sees, not the others (test_nan.py checks a NaN V row on sm80 dense; this, both
-    families, the extras kernel (a boolean mask besides the band) and a NaN dO row). Several query
-    and key blocks; the backward runs on the reference's o and lse, and dq, dk (and dv for a NaN V
-    row) are held to flashgen.reference's rules. Not checked: the forward's o and the
+    families, the extras kernel (a boolean mask besides the band, and a bias whose dbias takes the
+    NaN of the pairs it reaches) and a NaN dO row). Several query and key blocks; the backward runs
+    on the reference's o and lse, and dq, dk, dbias (and dv for a NaN V row) are held to
+    flashgen.reference's rules. Not checked: the forward's o and the
     dv of a NaN dO row, where on CUDA a NaN still reaches the masked pairs of its tile through the
     MMA's 0 * NaN (README "What needs a GPU"). The outputs are poisoned with NaN, so the finite
     values are the check."""
@@ -316,15 +317,17 @@ def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, mask):
         v[0, 70] = np.nan           # dq of rows >= 70 (and, through their D, every dk)
     else:
         do[0, 20] = np.nan          # dq of row 20, dk of keys <= 20
-    extras = {"mask": rng.random((1, 1, s, s)) < 0.8} if mask else {}
-    o, lse, grads = reference.attention(q, k, v, causal=True, scale=c.scale, do=do, **extras)[:3]
-    attrs = c._attrs(False, (-1, -1), 0.0, tuple(extras)).values("bwd")
+    # in the calls' operand order (contract.normalize_extras)
+    ops = {"bias": c._normal(1, 1, s, s), "mask": rng.random((1, 1, s, s)) < 0.8} if extras else {}
+    o, lse, grads = reference.attention(q, k, v, causal=True, scale=c.scale, do=do, **ops)[:3]
+    attrs = c._attrs(False, (-1, -1), 0.0, tuple(ops)).values("bwd")
+    results = [((1, s, h, d), c.dt)] * 3 + [((1, 1, s, s), c.dt)] * bool(ops)
     got, _ = c.lib.call(c.spec.target_name("bwd"), [q, k, v, o.astype(c.dt), lse.astype(np.float32), do,
-                                                    *extras.values()], [((1, s, h, d), c.dt)] * 3, **attrs)
-    names = ("dq", "dk", "dv") if poisoned == "v" else ("dq", "dk")
+                                                    *ops.values()], results, **attrs)
     assert 0 < np.isnan(grads[0]).sum() < grads[0].size, "the reference's dq must hold NaN and finite rows"
-    for name, g, want in zip(names, got, grads):
-        assert_nan_where_the_reference_is(name, g, want, TOLERANCE["bf16"])
+    for name, g, want in zip(("dq", "dk", "dv", "dbias"), got, grads):
+        if name != "dv" or poisoned == "v":
+            assert_nan_where_the_reference_is(name, g, want, TOLERANCE["bf16"])
 
 
 @pytest.mark.parametrize("seqused_k,max_blocks", [((53, 99), 4), ((53, 400, 300), 20)], ids=["unsplit", "split-KV"])
