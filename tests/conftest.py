@@ -130,3 +130,14 @@ def mutated_csrc(dest, backend: str, mutation=None):
         assert old in text, f"{name}: the line to mutate is gone from {header}"
         path.write_text(text.replace(old, new, 1))
     return csrc
+
+
+def assert_nan_where_the_reference_is(got, want, tol, what):
+    """NaN exactly where the float64 reference is NaN; the same infinities, and finite values
+    within `tol` of it (relative to max(1, its largest magnitude)), elsewhere."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN pattern")
+    inf, fin = np.isinf(want), np.isfinite(want)
+    assert np.array_equal(np.isinf(got), inf) and np.array_equal(got[inf], want[inf]), f"{what}: infinities differ"
+    err = np.max(np.abs(got[fin] - want[fin]), initial=0.0) / max(1.0, np.max(np.abs(want[fin]), initial=0.0))
+    assert err < tol, f"{what}: error {err:.3g} >= {tol}"

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 
-from conftest import needs_nvcc
+from conftest import assert_nan_where_the_reference_is, needs_nvcc
 from flashgen.build import build
 from flashgen import reference
 from flashgen.emulate.check import LSE_TOLERANCE, TOLERANCE, Checker, relative_error
@@ -270,14 +270,6 @@ def test_overflowed_rows_are_nan_without_extras(rng, layout, arch):
     assert relative_error(lse[:, rows], rlse[0][:, rows]) < LSE_TOLERANCE
 
 
-def assert_nan_where_the_reference_is(name, got, want, tol):
-    """NaN exactly where the float64 reference is NaN, within `tol` elsewhere."""
-    got, nan = np.asarray(got, np.float64), np.isnan(want)
-    wrong = np.argwhere(np.isnan(got) != nan)
-    assert not len(wrong), f"{name}: NaN where the reference is not, or not where it is, e.g. at {wrong[0]}"
-    assert relative_error(got[~nan], want[~nan]) < tol, name
-
-
 def test_hopper_forward_nan_reaches_the_rows_that_see_it(rng):
     """sm90a's forward under a NaN query row and a NaN key (test_nan.py runs sm80's): o and lse
     NaN exactly in that row and in the rows that see the key, finite and within tolerance
@@ -291,8 +283,8 @@ def test_hopper_forward_nan_reaches_the_rows_that_see_it(rng):
                              **c._attrs(False, (-1, -1), 0.0).values("fwd"))
     ro, rlse = reference.attention(q, k, v, causal=True, scale=c.scale)[:2]
     assert np.flatnonzero(np.isnan(rlse[0, 0])).tolist() == [9, *range(100, s)]
-    assert_nan_where_the_reference_is("o", o, ro, TOLERANCE["bf16"])
-    assert_nan_where_the_reference_is("lse", lse, rlse, LSE_TOLERANCE)
+    assert_nan_where_the_reference_is(o, ro, TOLERANCE["bf16"], "o")
+    assert_nan_where_the_reference_is(lse, rlse, LSE_TOLERANCE, "lse")
 
 
 @pytest.mark.parametrize("arch,extras", [("sm80", False), ("sm80", True), ("sm90a", False)],
@@ -306,10 +298,9 @@ def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, extras):
     families, the extras kernel (a boolean mask besides the band, and a bias whose dbias takes the
     NaN of the pairs it reaches) and a NaN dO row). Several query and key blocks; the backward runs
     on the reference's o and lse, and dq, dk, dbias (and dv for a NaN V row) are held to
-    flashgen.reference's rules. Not checked: the forward's o and the
-    dv of a NaN dO row, where on CUDA a NaN still reaches the masked pairs of its tile through the
-    MMA's 0 * NaN (README "What needs a GPU"). The outputs are poisoned with NaN, so the finite
-    values are the check."""
+    flashgen.reference's rules. Not checked: the forward's o and the dv of a NaN dO row, where on
+    CUDA a NaN still reaches the masked pairs of its tile through the MMA's 0 * NaN (README "What
+    needs a GPU"). The outputs are poisoned with NaN, so the finite values are the check."""
     c = checker(rng, 64, "bf16", True, arch)
     s, h, d = 150, 1, 64
     q, k, v, do = (c._normal(1, s, h, d) for _ in range(4))
@@ -327,7 +318,7 @@ def test_a_nan_dp_gives_masked_pairs_no_gradient(rng, poisoned, arch, extras):
     assert 0 < np.isnan(grads[0]).sum() < grads[0].size, "the reference's dq must hold NaN and finite rows"
     for name, g, want in zip(("dq", "dk", "dv", "dbias"), got, grads):
         if name != "dv" or poisoned == "v":
-            assert_nan_where_the_reference_is(name, g, want, TOLERANCE["bf16"])
+            assert_nan_where_the_reference_is(g, want, TOLERANCE["bf16"], name)
 
 
 @pytest.mark.parametrize("seqused_k,max_blocks", [((53, 99), 4), ((53, 400, 300), 20)], ids=["unsplit", "split-KV"])

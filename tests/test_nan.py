@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import needs_nvcc
+from conftest import assert_nan_where_the_reference_is, needs_nvcc
 from flashgen import execute, reference
 from flashgen.contract import normalize_softcap
 
@@ -66,21 +66,12 @@ def results(tmp_path_factory):
     return {name: dict(np.load(out / f"{name}.npz")) for name in CASES}
 
 
-def _same(got, want, tol, what):
-    """NaN exactly where the reference is NaN; finite elsewhere and within tol (relative)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN pattern")
-    fin = np.isfinite(want)
-    assert np.array_equal(np.isfinite(got), fin), f"{what}: infinities differ"
-    err = np.max(np.abs(got[fin] - want[fin]), initial=0.0) / max(1.0, np.max(np.abs(want[fin]), initial=0.0))
-    assert err <= tol, f"{what}: error {err:.3g} > {tol}"
-
-
 def _check(res, name, rows_nan=None, outputs=("o", "lse", "dq", "dk", "dv")):
     dtype = CASES[name][0]
     fwd_tol, bwd_tol = TOL[dtype]
     for out in outputs:
-        _same(res[out], res["ref_" + out], fwd_tol if out in ("o", "lse") else bwd_tol, f"{name} {out}")
+        assert_nan_where_the_reference_is(res[out], res["ref_" + out], fwd_tol if out in ("o", "lse") else bwd_tol,
+                                          f"{name} {out}")
     if rows_nan is not None:  # the reproduction, stated directly: these rows, and only these, are NaN
         nan_rows = np.isnan(res["o"][0, :, 1]).any(axis=-1)
         np.testing.assert_array_equal(np.flatnonzero(nan_rows), rows_nan)
@@ -249,8 +240,8 @@ def test_cuda_forward_nan_and_overflow_emulated(rng):
     ro, rlse = reference.attention(q, k, v, causal=True)[:2]
     nan_rows = np.flatnonzero(np.isnan(o[0, :, 0]).any(-1))
     np.testing.assert_array_equal(nan_rows, [i0] + list(range(j, s)))
-    _same(o, ro, 2e-2, "o")
-    _same(lse, rlse, 1e-4, "lse")
+    assert_nan_where_the_reference_is(o, ro, 2e-2, "o")
+    assert_nan_where_the_reference_is(lse, rlse, 1e-4, "lse")
     # Overflowing scores (|q·k| ~ 1e41 in f32): rows NaN, never o = 0 / lse = -inf.
     q, k = (x * NP_DTYPES["bf16"](1e20) for x in (q, k))
     q[0, i0, 0, 5] = k[0, j, 0, 7] = 1.0
@@ -273,4 +264,4 @@ def test_cuda_backward_masked_pairs_stay_finite_emulated(rng):
     _, _, (rdq, rdk, rdv) = reference.attention(q, k, v, causal=True, do=do)
     np.testing.assert_array_equal(np.flatnonzero(np.isnan(dq[0, :, 0]).any(-1)), list(range(j, s)))
     for got, want, what in ((dq, rdq, "dq"), (dk, rdk, "dk"), (dv, rdv, "dv")):
-        _same(got, want, 5e-2, what)
+        assert_nan_where_the_reference_is(got, want, 5e-2, what)
