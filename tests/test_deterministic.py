@@ -31,23 +31,24 @@ def _library(spec: KernelSpec):
     return EmulatedLibrary(build(spec, host="emulate"))
 
 
-def _inputs(rng, spec, *, sq, sk, hq, hkv, b=1, bias=None):
+def _inputs(rng, spec, *, sq, sk, hq, hkv, b=1, bias=None, window=(-1, -1)):
     import ml_dtypes
     dt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[spec.dtype]
     d = spec.head_dim
     q, k, v, do = (rng.standard_normal(s).astype(dt) for s in
                    ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)))
     extras = {} if bias is None else {"bias": rng.standard_normal((*bias, sk)).astype(np.float32)}
-    return q, k, v, do, extras
+    return q, k, v, do, extras, window
 
 
 def _backward(spec, inputs, *, seed, deterministic):
     """(dq, dk, dv[, dbias]) and the backward's CallRecord, on the emulated forward's o, lse."""
-    q, k, v, do, extras = inputs
+    q, k, v, do, extras, window = inputs
     lib = _library(spec)
     names = tuple(extras)
     ops = list(extras.values())
-    attrs = CallAttributes(spec.causal, 1 / np.sqrt(spec.head_dim), extras=names, deterministic=deterministic)
+    attrs = CallAttributes(spec.causal, 1 / np.sqrt(spec.head_dim), window=window, extras=names,
+                           deterministic=deterministic)
     b, sq, hq, d = q.shape
     (o, lse), _ = lib.call(spec.target_name("fwd"), [q, k, v, *ops], [((b, sq, hq, d), q.dtype),
                                                                      ((b, hq, sq), np.float32)],
@@ -59,9 +60,9 @@ def _backward(spec, inputs, *, seed, deterministic):
 
 
 def _reference(spec, inputs):
-    q, k, v, do, extras = inputs
+    q, k, v, do, extras, window = inputs
     return reference.attention(q, k, v, causal=spec.causal, scale=float(np.float32(1 / np.sqrt(spec.head_dim))),
-                               do=do, **extras)[2]
+                               window=window, do=do, **extras)[2]
 
 
 # (spec, shape): dense MHA (dQ summed over 3 key blocks), GQA (dK/dV over a group of 3; both),
@@ -79,10 +80,14 @@ CASES = {
     "dbias_key_only": (BF16_CAUSAL, dict(sq=70, sk=70, hq=2, hkv=2, bias=(1, 1, 1))),
     # over batch and heads at once: each (batch, head) takes its own turn (b * Hq + h)
     "dbias_over_batch_and_heads": (F32, dict(b=2, sq=24, sk=60, hq=2, hkv=1, bias=(1, 1, 24))),
+    # dQ turns past the first query block (f32: 32 rows), with a left window that keeps the first
+    # key block from the last query blocks (bwd_dq_turn's band edge): the cases above have one
+    # query block, where every key block's turn is its index whatever the band
+    "window_several_q_blocks": (F32, dict(sq=150, sk=150, hq=1, hkv=1, window=(40, 20))),
 }
 # In CI: the three smallest (3-4 CTAs each). A CTA's wait spins, which costs the emulator (its warps
 # at the lowest pc run first) far more than a GPU: the rest are `slow`.
-SLOW = set(CASES) - {"mha", "gqa", "dbias_over_batch_and_heads"}
+SLOW = set(CASES) - {"mha", "gqa", "dbias_over_batch_and_heads", "window_several_q_blocks"}
 
 
 def _kernel_modes(record) -> list[str]:
