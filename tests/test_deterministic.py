@@ -22,6 +22,10 @@ from flashgen.spec import KernelSpec
 
 # Two schedules under which the default backward's dQ sums land in different orders.
 SEEDS = (3, 4)
+# Warp-instructions per backward launch: a turn that never comes spins until this runs out. The
+# cases below take at most 0.84 M (their spins included, under these seeds); the emulator's default
+# budget, 200 M, took over 15 minutes to run out on a deadlocked turn, 10 M about 3 minutes.
+BUDGET = 4_000_000
 
 
 @functools.cache
@@ -55,7 +59,7 @@ def _backward(spec, inputs, *, seed, deterministic):
                            seed=0, **attrs.values("fwd"))
     results = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)] + [(x.shape, x.dtype) for x in ops]
     outs, record = lib.call(spec.target_name("bwd"), [q, k, v, o, lse, do, *ops], results, seed=seed,
-                            **attrs.values("bwd"))
+                            max_warp_instructions=BUDGET, **attrs.values("bwd"))
     return outs, record
 
 

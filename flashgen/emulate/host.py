@@ -27,7 +27,7 @@ from flashgen import cache, targets
 from flashgen.build import Library, emulation_runtime
 from flashgen.emulate import heap, native
 from flashgen.emulate.errors import EmulationError
-from flashgen.emulate.machine import LaunchStats, launch, short_name
+from flashgen.emulate.machine import MAX_WARP_INSTRUCTIONS, LaunchStats, launch, short_name
 from flashgen.emulate.memory import GlobalMemory
 from flashgen.emulate.ptx import PtxModule
 from flashgen.errors import FlashgenError
@@ -98,9 +98,9 @@ _MAP, _UNMAP, _CHECK = 0, 1, 2
 class _Call:
     """The state of the handler call in progress: its memory, library and record."""
 
-    def __init__(self, library: "EmulatedLibrary", memory, record: CallRecord, seed, race_check):
+    def __init__(self, library: "EmulatedLibrary", memory, record: CallRecord, seed, race_check, budget):
         self.library, self.memory, self.record = library, memory, record
-        self.seed, self.race_check = seed, race_check
+        self.seed, self.race_check, self.budget = seed, race_check, budget
         self.error: BaseException | None = None   # the first failure inside a callback
 
 
@@ -212,16 +212,19 @@ class EmulatedLibrary:
         module, kernel = self.kernels[name]
         params = [ctypes.string_at(args[i], p.size) for i, p in enumerate(kernel.params)]
         stats = launch(module, name, grid, block, smem, params, call.memory, arch=self.arch,
-                       seed=call.seed, race_check=call.race_check)
+                       seed=call.seed, race_check=call.race_check, max_warp_instructions=call.budget)
         call.record.launches.append(Launch(name, short_name(name), grid, block, smem, stats))
 
     def call(self, target: str, operands, results, *, seed: int | None = None, race_check: bool = True,
-             scratch_limit: int | None = None, **attrs):
+             scratch_limit: int | None = None, max_warp_instructions: int = MAX_WARP_INSTRUCTIONS,
+             **attrs):
         """Run handler `target` on `operands` (numpy arrays) producing `results`
         ((shape, dtype) pairs, or arrays to fill in place); returns (results, CallRecord).
 
         Attributes are keywords, typed by the target's schema (contract.ATTRIBUTE_TYPES).
         `scratch_limit` (bytes) makes the host refuse larger scratch, as XLA may.
+        `max_warp_instructions` bounds each launch (a kernel that spins forever, on a turn that
+        never comes, fails when it runs out).
         Raises HandlerError when the handler returns an error, EmulationError when a
         kernel (or a host access to device memory) does something unsafe or unsupported."""
         global _current
@@ -267,7 +270,7 @@ class EmulatedLibrary:
         gpu = targets.lookup(self.arch).gpu
         self._rt.flashgen_emu_set_device(*gpu.compute_capability, gpu.sm_count, gpu.smem_limit)
         self._rt.flashgen_emu_reset_errors()
-        _current = _Call(self, memory, record, seed, race_check)
+        _current = _Call(self, memory, record, seed, race_check, max_warp_instructions)
         t0 = time.perf_counter()
         try:
             code = self._rt.flashgen_emu_call(

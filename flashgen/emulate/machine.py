@@ -47,6 +47,7 @@ MAX_THREADS_PER_BLOCK = 1024
 # A wave: the CTAs that run together, up to this many threads (the register file's length) and
 # bytes of shared memory (its race bookkeeping takes up to 27 more bytes per byte).
 WAVE_LANES, WAVE_SMEM = 16384, 4 << 20
+MAX_WARP_INSTRUCTIONS = 200_000_000     # a launch's default budget: past it, an infinite loop is assumed
 _DEAD = np.iinfo(np.int64).max        # pc of an exited lane
 _ALU, _BRA, _RET, _BAR, _NAMED = range(5)     # _NAMED: may make a warp wait (hopper_state.blocking)
 _WAIT = 5       # an _ALU after which its warp may park (hopper_state.parks): hopper's park hook decides
@@ -722,7 +723,7 @@ def _param_buffer(kernel: Kernel, params) -> np.ndarray:
 
 def launch(module: PtxModule, kernel_name: str, grid, block, dynamic_smem: int, params, memory: GlobalMemory,
            *, arch: str, seed: int | None = None, race_check: bool = True,
-           max_warp_instructions: int = 200_000_000) -> LaunchStats:
+           max_warp_instructions: int = MAX_WARP_INSTRUCTIONS) -> LaunchStats:
     """Run one kernel launch to completion; raise EmulationError on anything unsupported or unsafe."""
     with collector_paused():
         return _launch(module, kernel_name, grid, block, dynamic_smem, params, memory, arch, seed, race_check,
