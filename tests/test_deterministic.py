@@ -89,8 +89,8 @@ CASES = {
     # query block, where every key block's turn is its index whatever the band
     "window_several_q_blocks": (F32, dict(sq=150, sk=150, hq=1, hkv=1, window=(40, 20))),
 }
-# In CI: the three smallest (3-4 CTAs each). A CTA's wait spins, which costs the emulator (its warps
-# at the lowest pc run first) far more than a GPU: the rest are `slow`.
+# In CI: the three smallest (3-4 CTAs each) and the windowed one (3 key blocks). A CTA's wait spins, which
+# costs the emulator (its warps at the lowest pc run first) far more than a GPU: the rest are `slow`.
 SLOW = set(CASES) - {"mha", "gqa", "dbias_over_batch_and_heads", "window_several_q_blocks"}
 
 
