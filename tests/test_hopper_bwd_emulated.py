@@ -110,11 +110,11 @@ DET_SPEC, DET_SHAPE = KernelSpec(64, "bf16", True, "sm90a"), dict(sq=150, sk=150
 
 
 def _cancelling_inputs(rng):
-    q, k, v, do, extras = _inputs(rng, DET_SPEC, **DET_SHAPE)
+    q, k, v, do, extras, window = _inputs(rng, DET_SPEC, **DET_SHAPE)
     q[:, :, 1] = q[:, :, 0]
     do[:, :, 0] *= 2 ** 24
     do[:, :, 1] = -do[:, :, 0]
-    return q, k, v, do, extras
+    return q, k, v, do, extras, window
 
 
 def _det_flags(entries) -> list[str]:
