@@ -25,7 +25,8 @@ import statistics
 import subprocess
 import sys
 
-# Run in a child whose flashgen is the engine under test (PYTHONPATH): prints one JSON line, each case's seconds and warp-instructions.
+# Run in a child whose flashgen is the engine under test (PYTHONPATH): prints one JSON line, each
+# case's seconds and warp-instructions.
 _CHILD = r"""
 import json, sys
 import numpy as np
